@@ -1,0 +1,30 @@
+// The coat operator library: every schema in one place, and the Python module that loads it.
+// Kernels are registered per family (quantize.cpp, ...); fake implementations live in coat/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(coat, m) {
+  m.def("quantize_group(Tensor x, int group_size, ScalarType fp8_dtype, bool transpose=False)"
+        " -> (Tensor q, Tensor scales, Tensor q_t)");
+  m.def("group_amax(Tensor x, int group_size) -> Tensor");
+  m.def("quantize_tensor(Tensor x, Tensor group_amax, ScalarType fp8_dtype, bool transpose=False)"
+        " -> (Tensor q, Tensor scale, Tensor q_t)");
+  m.def("dequantize(Tensor q, Tensor scale, int? group_size, ScalarType dtype) -> Tensor");
+}
+
+static PyObject* coat_built_with_cuda(PyObject*, PyObject*) {
+#ifdef COAT_WITH_CUDA
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
+static PyMethodDef coat_methods[] = {
+    {"built_with_cuda", coat_built_with_cuda, METH_NOARGS, "Whether the CUDA kernels were compiled in."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+static PyModuleDef coat_module = {PyModuleDef_HEAD_INIT, "_C", "coat native operators", -1, coat_methods};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&coat_module); }

@@ -1,0 +1,114 @@
+/* C99 CPU implementation of coat/quantize.h: the same element-level steps as csrc/cuda/quantize.cu. */
+#include "coat/quantize.h"
+
+#include <stddef.h>
+
+#include "coat/detail/quantize_math.h"
+
+static int coat_valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
+  return rows >= 0 && cols >= 0 && row_stride >= cols && (x != NULL || rows * cols == 0);
+}
+
+static const void* coat_row(const void* x, coat_dtype dtype, int64_t row, int64_t row_stride) {
+  const size_t element_size = dtype == COAT_FLOAT32 ? 4 : 2;
+  return (const char*)x + (size_t)row * (size_t)row_stride * element_size;
+}
+
+static float coat_row_amax(const void* row, coat_dtype dtype, int64_t begin, int64_t end) {
+  float amax = 0.0f;
+  for (int64_t c = begin; c < end; ++c) amax = coat_amax_step(amax, coat_load_f32(row, dtype, c));
+  return amax;
+}
+
+static void coat_quantize_run(const void* row, coat_dtype dtype, int64_t r, int64_t rows, int64_t cols,
+                              int64_t begin, int64_t end, float scale, coat_fp8_format format, uint8_t* q,
+                              uint8_t* q_t) {
+  for (int64_t c = begin; c < end; ++c) {
+    const uint8_t code = coat_quantize_value(coat_load_f32(row, dtype, c), scale, format);
+    q[r * cols + c] = code;
+    if (q_t != NULL) q_t[c * rows + r] = code;
+  }
+}
+
+coat_status coat_quantize_group_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                    int64_t row_stride, int64_t group_size, coat_fp8_format format,
+                                    uint8_t* q, float* scales, uint8_t* q_t) {
+  if (!coat_valid_matrix(x, rows, cols, row_stride) || !coat_is_valid_group_size(group_size))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const int64_t ngroups = coat_ceil_div(cols, group_size);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const void* row = coat_row(x, dtype, r, row_stride);
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const int64_t begin = g * group_size;
+      const int64_t end = begin + group_size < cols ? begin + group_size : cols;
+      const float scale = coat_scale_from_amax(coat_row_amax(row, dtype, begin, end), format);
+      scales[r * ngroups + g] = scale;
+      coat_quantize_run(row, dtype, r, rows, cols, begin, end, scale, format, q, q_t);
+    }
+  }
+  return COAT_SUCCESS;
+}
+
+coat_status coat_group_amax_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                int64_t row_stride, int64_t group_size, float* group_amax) {
+  if (!coat_valid_matrix(x, rows, cols, row_stride) || !coat_is_valid_group_size(group_size))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const int64_t ngroups = coat_ceil_div(cols, group_size);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const void* row = coat_row(x, dtype, r, row_stride);
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const int64_t begin = g * group_size;
+      const int64_t end = begin + group_size < cols ? begin + group_size : cols;
+      group_amax[r * ngroups + g] = coat_row_amax(row, dtype, begin, end);
+    }
+  }
+  return COAT_SUCCESS;
+}
+
+coat_status coat_reduce_amax_cpu(const float* group_amax, int64_t count, float* amax) {
+  if (count < 0 || amax == NULL || (group_amax == NULL && count > 0)) return COAT_ERROR_INVALID_ARGUMENT;
+  float result = 0.0f;
+  for (int64_t i = 0; i < count; ++i) result = fmaxf(result, group_amax[i]);
+  *amax = result;
+  return COAT_SUCCESS;
+}
+
+coat_status coat_quantize_tensor_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                     int64_t row_stride, const float* amax, coat_fp8_format format,
+                                     uint8_t* q, float* scale, uint8_t* q_t) {
+  if (!coat_valid_matrix(x, rows, cols, row_stride) || amax == NULL || scale == NULL)
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const float tensor_scale = coat_scale_from_amax(*amax, format);
+  *scale = tensor_scale;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    coat_quantize_run(coat_row(x, dtype, r, row_stride), dtype, r, rows, cols, 0, cols, tensor_scale,
+                      format, q, q_t);
+  return COAT_SUCCESS;
+}
+
+static void coat_store(void* out, coat_dtype dtype, int64_t i, float value) {
+  if (dtype == COAT_BFLOAT16)
+    ((uint16_t*)out)[i] = coat_f32_to_bf16(value);
+  else
+    ((float*)out)[i] = value;
+}
+
+coat_status coat_dequantize_cpu(const uint8_t* q, coat_fp8_format format, int64_t rows, int64_t cols,
+                                const float* scales, int64_t group_size, void* out, coat_dtype out_dtype) {
+  if (!coat_valid_matrix(q, rows, cols, cols) || scales == NULL ||
+      (group_size != 0 && !coat_is_valid_group_size(group_size)) ||
+      (out_dtype != COAT_FLOAT32 && out_dtype != COAT_BFLOAT16))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const int64_t ngroups = group_size ? coat_ceil_div(cols, group_size) : 0;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float scale = group_size ? scales[r * ngroups + c / group_size] : scales[0];
+      coat_store(out, out_dtype, r * cols + c, coat_fp8_to_f32(q[r * cols + c], format) * scale);
+    }
+  }
+  return COAT_SUCCESS;
+}

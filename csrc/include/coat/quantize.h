@@ -1,0 +1,84 @@
+/*
+ * coat core: FP8 quantizers.
+ *
+ * Layout. A high-precision input is a row-major matrix of `rows` x `cols` elements whose rows start
+ * `row_stride` elements apart (row_stride >= cols; the last dimension is contiguous). Groups are 1 x G
+ * runs along a row: group j of row r holds columns [j*G, min((j+1)*G, cols)), so a row has
+ * ngroups = ceil(cols / G) groups and the last one may be short. G is 16, 32, 64 or 128.
+ * FP8 outputs are contiguous: q is rows x cols, the optional transpose q_t is cols x rows with
+ * q_t[c*rows + r] == q[r*cols + c].
+ *
+ * Scales are fp32 and quantization divides by exactly the stored scale:
+ *     amax  = max |x| over the group (or tensor), NaN elements ignored, 0 for an empty set
+ *     scale = max(amax / FP8_MAX, 2^-126)
+ *     q     = fp8_encode(x / scale)            (fp32 division, then coat_f32_to_fp8)
+ *     x'    = fp8_decode(q) * scale            (fp32 product, then rounded to the output dtype)
+ * The 2^-126 floor keeps all-zero and tiny groups finite: they quantize to zeros (or to their exact
+ * subnormal multiples) and dequantize with no NaN. An Inf in a group makes its scale Inf: its finite
+ * elements encode 0 and the Inf encodes NaN, so the whole group dequantizes to NaN (0 * Inf) instead of
+ * silently losing the overflow. A NaN element encodes NaN and leaves the rest of its group unchanged.
+ *
+ * The CPU (C) and CUDA implementations compute the same values element for element, bit for bit.
+ * CUDA entry points enqueue work on `stream` and return without synchronising.
+ */
+#ifndef COAT_QUANTIZE_H
+#define COAT_QUANTIZE_H
+
+#include "coat/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** The smallest scale a quantizer stores: 2^-126, the smallest normal fp32. */
+#define COAT_MIN_SCALE 1.17549435e-38f
+
+/** Per-group quantization along rows:
+ *    scales[r*ngroups + j] = max(amax(x[r, group j]) / FP8_MAX, 2^-126)
+ *    q[r*cols + c]         = fp8_encode(x[r, c] / scales[r*ngroups + c/G])
+ *  x: `dtype` elements; scales: rows*ngroups fp32; q: rows*cols bytes; q_t: cols*rows bytes or NULL. */
+coat_status coat_quantize_group_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                    int64_t row_stride, int64_t group_size, coat_fp8_format format,
+                                    uint8_t* q, float* scales, uint8_t* q_t);
+coat_status coat_quantize_group_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                     int64_t row_stride, int64_t group_size, coat_fp8_format format,
+                                     uint8_t* q, float* scales, uint8_t* q_t, coat_cuda_stream stream);
+
+/** Stage 1 of group scaling: group_amax[r*ngroups + j] = max |x| over group j of row r (NaN ignored).
+ *  This is the statistic a producer kernel can emit alongside its output; stage 2 reduces it. */
+coat_status coat_group_amax_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                int64_t row_stride, int64_t group_size, float* group_amax);
+coat_status coat_group_amax_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                 int64_t row_stride, int64_t group_size, float* group_amax,
+                                 coat_cuda_stream stream);
+
+/** Stage 2 of group scaling: amax[0] = max(group_amax[0..count)), 0 when count == 0.
+ *  Inputs must be >= 0 and not NaN, as stage 1 produces. */
+coat_status coat_reduce_amax_cpu(const float* group_amax, int64_t count, float* amax);
+coat_status coat_reduce_amax_cuda(const float* group_amax, int64_t count, float* amax,
+                                  coat_cuda_stream stream);
+
+/** Stage 3 of group scaling, per-tensor quantization with a precomputed amax (one fp32 value):
+ *    scale[0] = max(amax[0] / FP8_MAX, 2^-126),  q[r*cols + c] = fp8_encode(x[r, c] / scale[0])
+ *  amax and scale are device pointers for the CUDA entry point. q_t may be NULL. */
+coat_status coat_quantize_tensor_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                     int64_t row_stride, const float* amax, coat_fp8_format format,
+                                     uint8_t* q, float* scale, uint8_t* q_t);
+coat_status coat_quantize_tensor_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                      int64_t row_stride, const float* amax, coat_fp8_format format,
+                                      uint8_t* q, float* scale, uint8_t* q_t, coat_cuda_stream stream);
+
+/** Dequantization: out[r*cols + c] = round_to(out_dtype, fp8_decode(q[r*cols + c]) * s) with
+ *  s = scales[r*ceil(cols/G) + c/G] when group_size = G > 0, and s = scales[0] when group_size == 0
+ *  (per-tensor). q and out are contiguous; out_dtype is COAT_FLOAT32 or COAT_BFLOAT16. */
+coat_status coat_dequantize_cpu(const uint8_t* q, coat_fp8_format format, int64_t rows, int64_t cols,
+                                const float* scales, int64_t group_size, void* out, coat_dtype out_dtype);
+coat_status coat_dequantize_cuda(const uint8_t* q, coat_fp8_format format, int64_t rows, int64_t cols,
+                                 const float* scales, int64_t group_size, void* out, coat_dtype out_dtype,
+                                 coat_cuda_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COAT_QUANTIZE_H */

@@ -1,0 +1,80 @@
+"""Build coat's native extension, coat._C.
+
+The C core (csrc/common.c, csrc/cpu/*.c) is compiled as C99 with the plain C compiler and linked into
+the extension; the ATen bindings (csrc/bindings/*.cpp) and, in CUDA builds, the CUDA core
+(csrc/cuda/*.cu) go through torch's BuildExtension.
+
+Switches (environment variables):
+  COAT_FORCE_CPU=1          build without CUDA even when torch and nvcc support it
+  TORCH_CUDA_ARCH_LIST      GPU architectures to compile for, e.g. "9.0" or "8.9;9.0". Defaults to the
+                            visible GPUs' architectures, or "9.0" (H100/H200) when none is visible.
+"""
+import glob
+import os
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+INCLUDE = os.path.join(ROOT, "csrc", "include")
+
+
+def sources(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def build_with_cuda():
+    if os.environ.get("COAT_FORCE_CPU", "0") not in ("", "0"):
+        print("coat: COAT_FORCE_CPU is set, building the CPU-only extension")
+        return False
+    if torch.version.cuda is None:
+        print("coat: this torch has no CUDA, building the CPU-only extension")
+        return False
+    if CUDA_HOME is None:
+        print("coat: nvcc not found (set CUDA_HOME), building the CPU-only extension")
+        return False
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    return True
+
+
+C_SOURCES = sources("csrc/common.c") + sources("csrc/cpu/*.c")
+C_FLAGS = ["-std=c99", "-O3", "-fPIC", "-fopenmp", "-Wall", "-Wextra"]
+
+
+class BuildCoat(BuildExtension):
+    """Compiles the C99 core with the C compiler, then the rest with torch's BuildExtension."""
+
+    def build_extensions(self):
+        objects = self.compiler.compile(
+            C_SOURCES, output_dir=self.build_temp, include_dirs=[INCLUDE], extra_postargs=C_FLAGS
+        )
+        for extension in self.extensions:
+            extension.extra_objects = list(extension.extra_objects or []) + objects
+        super().build_extensions()
+
+
+def extension():
+    with_cuda = build_with_cuda()
+    common = dict(
+        name="coat._C",
+        include_dirs=[INCLUDE],
+        extra_link_args=["-fopenmp"],
+    )
+    cxx_flags = ["-O3", "-std=c++17"]
+    if not with_cuda:
+        return CppExtension(sources=sources("csrc/bindings/*.cpp"), extra_compile_args={"cxx": cxx_flags}, **common)
+    return CUDAExtension(
+        sources=sources("csrc/bindings/*.cpp") + sources("csrc/cuda/*.cu"),
+        define_macros=[("COAT_WITH_CUDA", None)],
+        extra_compile_args={
+            "cxx": cxx_flags,
+            # IEEE division and no flush-to-zero, so CUDA results match the C core bit for bit.
+            "nvcc": ["-O3", "-std=c++17", "-prec-div=true", "-ftz=false", "-lineinfo"],
+        },
+        **common,
+    )
+
+
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildCoat})
