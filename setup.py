@@ -70,8 +70,9 @@ def extension():
         define_macros=[("COAT_WITH_CUDA", None)],
         extra_compile_args={
             "cxx": cxx_flags,
-            # IEEE division and no flush-to-zero, so CUDA results match the C core bit for bit.
-            "nvcc": ["-O3", "-std=c++17", "-prec-div=true", "-ftz=false", "-lineinfo"],
+            # IEEE division and square root, no flush-to-zero and no a*b+c contraction into FMA: the C core
+            # (C99, which gcc does not contract) and the CUDA kernels then round identically, bit for bit.
+            "nvcc": ["-O3", "-std=c++17", "-prec-div=true", "-prec-sqrt=true", "-ftz=false", "-fmad=false", "-lineinfo"],
         },
         **common,
     )
