@@ -40,6 +40,11 @@ def build_with_cuda():
 
 
 C_SOURCES = sources("csrc/common.c") + sources("csrc/cpu/*.c")
+# IEEE division and square root, no flush-to-zero and no a*b+c contraction into FMA: the C core (C99, which
+# gcc does not contract) and the CUDA kernels then round identically, bit for bit. .ci/run compiles with
+# the same file.
+with open(os.path.join(ROOT, "csrc", "cuda", "nvcc.flags")) as flags_file:
+    NVCC_FLAGS = flags_file.read().split()
 C_FLAGS = ["-std=c99", "-O3", "-fPIC", "-fopenmp", "-Wall", "-Wextra"]
 
 
@@ -62,7 +67,7 @@ def extension():
         include_dirs=[INCLUDE],
         extra_link_args=["-fopenmp"],
     )
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3"]  # the C++ standard is left to torch, whose headers set their minimum
     if not with_cuda:
         return CppExtension(sources=sources("csrc/bindings/*.cpp"), extra_compile_args={"cxx": cxx_flags}, **common)
     return CUDAExtension(
@@ -70,9 +75,7 @@ def extension():
         define_macros=[("COAT_WITH_CUDA", None)],
         extra_compile_args={
             "cxx": cxx_flags,
-            # IEEE division and square root, no flush-to-zero and no a*b+c contraction into FMA: the C core
-            # (C99, which gcc does not contract) and the CUDA kernels then round identically, bit for bit.
-            "nvcc": ["-O3", "-std=c++17", "-prec-div=true", "-prec-sqrt=true", "-ftz=false", "-fmad=false", "-lineinfo"],
+            "nvcc": NVCC_FLAGS,
         },
         **common,
     )

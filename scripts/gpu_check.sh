@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On a fresh GPU machine with torch and nvcc: build coat with CUDA, run the test suite (CUDA cases compare
+# against the C CPU core bit for bit) and the GPU benchmarks. Logs and benchmark JSON go to OUTDIR, packed
+# into OUTDIR/gpu_check.tgz as well; a summary is printed last.
+#   usage: scripts/gpu_check.sh OUTDIR [pytest args...]
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [pytest args...]}
+shift
+cd "$(dirname "$0")/.."
+mkdir -p "$out/logs" "$out/results"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS=${MAX_JOBS:-16}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+status=0
+
+{ nvidia-smi; nvcc --version; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \
+  > "$out/logs/env.txt" 2>&1
+
+echo "== build =="
+if ! python3 setup.py build_ext --inplace > "$out/logs/build.log" 2>&1; then
+  tail -n 40 "$out/logs/build.log"; echo "BUILD FAILED"; exit 1
+fi
+python3 -c "import coat; assert coat.built_with_cuda(), 'extension built without CUDA'" || exit 1
+
+echo "== tests =="
+python3 -m pytest tests -q -rs "$@" 2>&1 | tee "$out/logs/tests.log" | tail -n 25
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+for bench in benchmarks/[a-z]*.py; do
+  name=$(basename "$bench" .py)
+  echo "== benchmark $name =="
+  python3 "$bench" --results-dir "$out/results" 2>&1 | tee "$out/logs/bench_$name.log" | tail -n 30
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+
+tar czf "$out/gpu_check.tgz" -C "$out" logs results
+echo "gpu_check status: $status"
+exit $status
