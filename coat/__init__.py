@@ -3,14 +3,14 @@
 coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization.
 """
 from coat import ops
-from coat._native import native as _native
+from coat._native import BUILT_WITH_CUDA
 
 __version__ = "0.1.0"
 
 
 def built_with_cuda() -> bool:
     """Whether the installed extension contains the CUDA kernels."""
-    return _native.built_with_cuda()
+    return BUILT_WITH_CUDA
 
 
 __all__ = ["ops", "built_with_cuda", "__version__"]

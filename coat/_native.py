@@ -21,11 +21,13 @@ def _load():
 
 
 native = _load()
+# Read once: torch.compile cannot trace a call into the extension module.
+BUILT_WITH_CUDA = bool(native.built_with_cuda())
 
 
 def check_device_supported(tensor: torch.Tensor, op: str) -> None:
     """Refuses CUDA tensors when the extension was built without CUDA, with the fix in the message."""
-    if tensor.is_cuda and not native.built_with_cuda():
+    if tensor.is_cuda and not BUILT_WITH_CUDA:
         raise RuntimeError(
             f"{op}: got a CUDA tensor, but coat was built without CUDA kernels (at build time torch had no "
             f"CUDA, nvcc was not found, or COAT_FORCE_CPU was set). {_REBUILD}"

@@ -19,6 +19,8 @@ dimension that is not a multiple of G ends in a short group. Outputs are contigu
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from coat._native import check_device_supported
@@ -44,7 +46,7 @@ def quantize_group(
 
     Returns ``(q, scales, q_t)``: ``q`` has x's shape and the FP8 dtype; ``scales`` is float32 of shape
     ``x.shape[:-1] + (ceil(x.shape[-1] / group_size),)``; ``q_t`` is, when ``transpose`` is set, the
-    transpose of q viewed as a (rows, cols) matrix, i.e. shape ``(x.shape[-1], x.numel() // x.shape[-1])``,
+    transpose of q viewed as a (rows, cols) matrix, i.e. shape ``(x.shape[-1], prod(x.shape[:-1]))``,
     the column-major operand a weight-gradient GEMM reads (``q_t[c, r]`` dequantizes with
     ``scales.view(-1, ngroups)[r, c // group_size]``), else None.
     """
@@ -98,13 +100,8 @@ def _check_group_size(group_size: int, op: str) -> None:
         raise RuntimeError(f"{op}: group_size must be 16, 32, 64 or 128, got {group_size}")
 
 
-def _rows_cols(x: torch.Tensor) -> tuple[int, int]:
-    cols = x.shape[-1]
-    return x.numel() // cols if cols else 0, cols
-
-
 def _transposed(x: torch.Tensor, fp8: torch.dtype, transpose: bool) -> torch.Tensor:
-    rows, cols = _rows_cols(x)
+    rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
     return x.new_empty((cols, rows) if transpose else (0,), dtype=fp8)
 
 

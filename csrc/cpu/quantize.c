@@ -98,7 +98,7 @@ static void coat_store(void* out, coat_dtype dtype, int64_t i, float value) {
 
 coat_status coat_dequantize_cpu(const uint8_t* q, coat_fp8_format format, int64_t rows, int64_t cols,
                                 const float* scales, int64_t group_size, void* out, coat_dtype out_dtype) {
-  if (!coat_valid_matrix(q, rows, cols, cols) || scales == NULL ||
+  if (!coat_valid_matrix(q, rows, cols, cols) || (scales == NULL && rows * cols > 0) ||
       (group_size != 0 && !coat_is_valid_group_size(group_size)) ||
       (out_dtype != COAT_FLOAT32 && out_dtype != COAT_BFLOAT16))
     return COAT_ERROR_INVALID_ARGUMENT;

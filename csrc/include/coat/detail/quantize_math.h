@@ -27,8 +27,11 @@ COAT_INLINE float coat_scale_from_amax(float amax, coat_fp8_format format) {
   return fmaxf(amax / coat_fp8_max(format), COAT_MIN_SCALE);
 }
 
+/* The sign of a NaN quotient (NaN / s, Inf / Inf) is platform-defined (x86 makes Inf / Inf negative, CUDA
+ * makes every NaN positive), so it is taken from x: CPU and CUDA then agree on the code's sign bit. */
 COAT_INLINE uint8_t coat_quantize_value(float x, float scale, coat_fp8_format format) {
-  return coat_f32_to_fp8(x / scale, format);
+  const float y = x / scale;
+  return coat_f32_to_fp8(y == y ? y : copysignf(y, x), format);
 }
 
 COAT_INLINE int coat_is_valid_group_size(int64_t group_size) {
