@@ -1,8 +1,9 @@
 """coat: memory-efficient FP8 training for PyTorch (COAT, ICLR 2025).
 
 coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization.
+coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear).
 """
-from coat import ops
+from coat import nn, ops
 from coat._native import native as _native
 
 __version__ = "0.1.0"
@@ -13,4 +14,4 @@ def built_with_cuda() -> bool:
     return _native.built_with_cuda()
 
 
-__all__ = ["ops", "built_with_cuda", "__version__"]
+__all__ = ["nn", "ops", "built_with_cuda", "__version__"]
