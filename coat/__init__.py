@@ -1,6 +1,7 @@
 """coat: memory-efficient FP8 training for PyTorch (COAT, ICLR 2025).
 
-coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization.
+coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization, and the fused
+RMSNorm and SiLU*mul layers with FP8 outputs and FP8-saved inputs.
 coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear).
 """
 from coat import nn, ops

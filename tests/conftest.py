@@ -1,4 +1,3 @@
-"""Shared pytest fixtures: ``device`` runs a test on the CPU and, where there is one, on a CUDA GPU."""
 import pytest
 import torch
 
@@ -21,5 +20,7 @@ def _cuda_skip_reason() -> str | None:
         ),
     ]
 )
-def device(request) -> torch.device:
-    return torch.device(request.param)
+def device(request):
+    """Runs a test on the C core (cpu) and on the CUDA kernels (cuda). CUDA cases also compare against the
+    C core bit for bit."""
+    return request.param
