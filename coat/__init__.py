@@ -2,10 +2,12 @@
 
 coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization, and the fused
 RMSNorm and SiLU*mul layers with FP8 outputs and FP8-saved inputs.
-coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear).
+coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear, RMSNorm, SwiGLUMLP), and
+coat.convert(model) converts a transformers Llama, Mistral or Qwen2 model to the FP8 precision flow.
 """
 from coat import nn, ops
 from coat._native import native as _native
+from coat.conversion import convert
 
 __version__ = "0.1.0"
 
@@ -15,4 +17,4 @@ def built_with_cuda() -> bool:
     return _native.built_with_cuda()
 
 
-__all__ = ["nn", "ops", "built_with_cuda", "__version__"]
+__all__ = ["convert", "nn", "ops", "built_with_cuda", "__version__"]

@@ -12,6 +12,10 @@ def _cuda_skip_reason() -> str | None:
     return None
 
 
+# For tests that compare a CUDA run with a CPU run.
+requires_cuda = pytest.mark.skipif(_cuda_skip_reason() is not None, reason=str(_cuda_skip_reason()))
+
+
 @pytest.fixture(
     params=[
         "cpu",

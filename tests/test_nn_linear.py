@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import coat.nn
 import coat.nn.functional as coat_functional
+from conftest import requires_cuda
 from reference import quantize_per_tensor_dequantized, relative_error
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -204,7 +205,7 @@ def test_errors_for_bad_inputs():
         coat.nn.FP8Config(gradient_format="e3m4")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not coat.built_with_cuda(), reason="no CUDA device on this machine")
+@requires_cuda
 def test_cuda_matches_cpu():
     """Quantization is bit-identical on both devices; the GEMMs differ only in fp32 summation order."""
     x, _, _, grad_y, layer = make_case((64, 96, 80), "cpu")

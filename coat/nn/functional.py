@@ -209,3 +209,425 @@ def linear(
     x_q, x_scale, _ = quantize_per_tensor(_rows(x), config.forward_dtype, transpose=False)
     y = linear_forward_fp8(x_q, x_scale, weight, bias, config, out_dtype)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layers that share one FP8 input, and the saved-tensor plumbing of the block Functions
+
+
+def projections_forward(x_q, x_scale, params, config: FP8Config, out_dtype: torch.dtype) -> list[torch.Tensor]:
+    """The linear layers that read one quantized input (q, k and v after the input norm; gate and up after
+    the post-attention norm): that input is quantized once and saved once. params: [(weight, bias), ...]."""
+    return [linear_forward_fp8(x_q, x_scale, weight, bias, config, out_dtype) for weight, bias in params]
+
+
+def projections_backward(grads, x_q_t, x_scale, params, needs, config: FP8Config, input_grad_dtype):
+    """Backward of :func:`projections_forward`. needs: (need_input_grad, [(need_weight_grad, need_bias_grad)
+    per projection]). Returns the input's gradient (None when not needed), summed over the projections in
+    float32 and rounded once, and the flat list [grad_weight_0, grad_bias_0, grad_weight_1, ...]."""
+    need_input_grad, need_param_grads = needs
+    accumulate_dtype = torch.float32 if len(params) > 1 else input_grad_dtype
+    grad_input, param_grads = None, []
+    for grad_out, (weight, bias), (need_weight, need_bias) in zip(grads, params, need_param_grads):
+        grad = QuantizedGradient(_rows(grad_out), config, need_transpose=need_weight)
+        if need_input_grad:
+            part = grad.input_grad(weight, accumulate_dtype)
+            grad_input = part if grad_input is None else grad_input.add_(part)
+        param_grads.append(grad.weight_grad(x_q_t, x_scale, weight.dtype) if need_weight else None)
+        param_grads.append(grad.bias_grad(bias) if need_bias else None)
+    return None if grad_input is None else grad_input.to(input_grad_dtype), param_grads
+
+
+def _pairs(flat):
+    """[w0, b0, w1, b1, ...] -> [(w0, b0), (w1, b1), ...]"""
+    return list(zip(flat[0::2], flat[1::2]))
+
+
+def _save(ctx, **tensors):
+    """save_for_backward with names, so that saved_tensors_hooks see every tensor and backward reads them
+    back by name with :func:`_saved`."""
+    ctx.save_for_backward(*tensors.values())
+    ctx.saved_names = tuple(tensors)
+
+
+def _saved(ctx) -> dict:
+    return dict(zip(ctx.saved_names, ctx.saved_tensors))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fused non-linear ops (coat.ops.rmsnorm_quantize, silu_mul_quantize and their backwards)
+
+
+def _rmsnorm_quantize(x2d, weight, eps: float, config: FP8Config, transpose: bool):
+    """-> (y, y_scale, y_t, x_saved, x_saved_scales, rstd): y = RMSNorm(x) * weight quantized per tensor
+    (its transpose y_t when ``transpose``, else None), x as E4M3 in 1 x group_size groups, rstd per row."""
+    return ops.rmsnorm_quantize(
+        x2d,
+        weight,
+        eps,
+        save_group_size=config.group_size,
+        amax_group_size=AMAX_GROUP_SIZE,
+        format=config.forward_dtype,
+        transpose=transpose,
+    )
+
+
+def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype):
+    grad_x, grad_weight = ops.rmsnorm_backward(
+        grad_y2d, saved["x_saved"], saved["x_saved_scales"], saved["rstd"], weight, config.group_size
+    )
+    return grad_x.to(x_dtype), grad_weight.to(weight.dtype)
+
+
+def smooth_swiglu_scale(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Smooth-SwiGLU's per-channel scale s (Fishman et al. 2024, section 4.4), from each channel's max
+    |SiLU(gate) * up| over the tokens: s_i = 2^-ceil(log2 amax_i), so every channel's amax lands in
+    (1/2, 1] and the per-tensor scale of the product no longer follows the channel with the largest
+    outliers. Powers of two make s and its inverse, folded into the down projection, exact. Channels that
+    are all zero (or not finite) get s = 1. float32 [channels]."""
+    with torch.no_grad():
+        amax = (F.silu(gate) * up).abs().amax(dim=0).float()
+        usable = torch.isfinite(amax) & (amax > 0)
+        return torch.where(usable, torch.exp2(-torch.ceil(torch.log2(amax))), torch.ones_like(amax))
+
+
+def _smoothed_down_weight(weight: torch.Tensor, smooth_scale: torch.Tensor | None) -> torch.Tensor:
+    """W_down with 1/s folded into its input channels: down(s * z) uses W diag(1/s), so the product equals
+    W z while the quantized activation is s * z. Exact, since s is a power of two."""
+    return weight if smooth_scale is None else weight * smooth_scale.reciprocal().to(weight.dtype)
+
+
+def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for_backward: bool):
+    """down(SiLU(gate(x)) * up(x)) from an input already in FP8. params: [(w, b)] for gate, up, down.
+    Returns the output and the tensors backward needs: SiLU*mul's inputs in 1 x G FP8 groups, the
+    transposed FP8 product that feeds the down projection (its wgrad operand) and its scale. gate and up
+    themselves live only until the fused op has read them."""
+    gate, up = projections_forward(x_q, x_scale, params[:2], config, out_dtype)
+    smooth_scale = smooth_swiglu_scale(gate, up) if config.smooth_swiglu else None
+    act_q, act_scale, act_q_t, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(
+        gate,
+        up,
+        smooth_scale,
+        save_group_size=config.group_size,
+        amax_group_size=AMAX_GROUP_SIZE,
+        format=config.forward_dtype,
+        transpose=keep_for_backward,
+    )
+    del gate, up
+    down_weight, down_bias = params[2]
+    out = linear_forward_fp8(
+        act_q, act_scale, _smoothed_down_weight(down_weight, smooth_scale), down_bias, config, out_dtype
+    )
+    saved = dict(
+        gate_saved=gate_saved,
+        gate_scales=gate_scales,
+        up_saved=up_saved,
+        up_scales=up_scales,
+        act_q_t=act_q_t,
+        act_scale=act_scale,
+        smooth_scale=smooth_scale,
+    )
+    return out, saved
+
+
+def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, config: FP8Config, x_dtype):
+    """Backward of :func:`_swiglu_forward`. needs: (need_input_grad, [(need_w, need_b)] for gate, up, down).
+    Returns the input's gradient and [grad_w, grad_b] for gate, up, down."""
+    need_input_grad, need_param_grads = needs
+    down_weight, down_bias = params[2]
+    smooth_scale = saved["smooth_scale"]
+    need_down_weight, need_down_bias = need_param_grads[2]
+
+    grad = QuantizedGradient(grad_out2d, config, need_transpose=need_down_weight)
+    grad_act = grad.input_grad(_smoothed_down_weight(down_weight, smooth_scale), grad_out2d.dtype)
+    grad_down_weight = None
+    if need_down_weight:
+        grad_down_weight = grad.weight_grad(saved["act_q_t"], saved["act_scale"], down_weight.dtype)
+        if smooth_scale is not None:
+            grad_down_weight = grad_down_weight * smooth_scale.reciprocal().to(grad_down_weight.dtype)
+    grad_down_bias = grad.bias_grad(down_bias) if need_down_bias else None
+    del grad
+
+    grad_gate, grad_up = ops.silu_mul_backward(
+        grad_act,
+        saved["gate_saved"],
+        saved["gate_scales"],
+        saved["up_saved"],
+        saved["up_scales"],
+        smooth_scale,
+        config.group_size,
+    )
+    del grad_act
+    grad_input, gate_up_grads = projections_backward(
+        [grad_gate, grad_up], x_q_t, x_scale, params[:2], (need_input_grad, need_param_grads[:2]), config, x_dtype
+    )
+    return grad_input, gate_up_grads + [grad_down_weight, grad_down_bias]
+
+
+def _param_needs(needs_input_grad, first_param_index: int, count: int):
+    """[(need_weight, need_bias)] for ``count`` (weight, bias) pairs starting at ``first_param_index``."""
+    flags = needs_input_grad[first_param_index : first_param_index + 2 * count]
+    return list(zip(flags[0::2], flags[1::2]))
+
+
+def _params_need_grad(param_needs) -> bool:
+    return any(need_weight for need_weight, _ in param_needs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# coat.nn.RMSNorm and coat.nn.SwiGLUMLP on their own
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm(x) * weight through the fused op, returned dequantized from its per-tensor FP8 output.
+    Saves x as E4M3 in 1 x G groups, its scales, rstd, and the weight parameter."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, config: FP8Config, out_dtype):
+        y, y_scale, _, x_saved, x_saved_scales, rstd = _rmsnorm_quantize(_rows(x), weight, eps, config, False)
+        _save(ctx, x_saved=x_saved, x_saved_scales=x_saved_scales, rstd=rstd, weight=weight)
+        ctx.config, ctx.x_dtype = config, x.dtype
+        return _dequantized(y, y_scale, out_dtype).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        saved = _saved(ctx)
+        grad_x, grad_weight = _rmsnorm_backward(_rows(grad_y), saved, saved["weight"], ctx.config, ctx.x_dtype)
+        return grad_x.view(grad_y.shape), grad_weight, None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, config: FP8Config = FP8Config()) -> torch.Tensor:
+    """RMSNorm through the fused FP8 kernel; the output is the FP8 tensor an FP8 GEMM would read, dequantized."""
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"coat rms_norm: input has {x.shape[-1]} features but the weight has {weight.shape[0]}")
+    out_dtype = output_dtype(x)
+    if _needs_autograd(x, weight):
+        return _RMSNormFunction.apply(x, weight, eps, config, out_dtype)
+    y, y_scale, *_ = _rmsnorm_quantize(_rows(x), weight, eps, config, False)
+    return _dequantized(y, y_scale, out_dtype).view(x.shape)
+
+
+class _SwiGLUMLPFunction(torch.autograd.Function):
+    """down(SiLU(gate(x)) * up(x)), LlamaMLP's computation, in FP8. Saves the transposed FP8 input (read by
+    both the gate and up wgrads) and its scale, plus what :func:`_swiglu_forward` lists."""
+
+    @staticmethod
+    def forward(ctx, x, config: FP8Config, out_dtype, *flat_params):
+        params = _pairs(flat_params)
+        param_needs = _param_needs(ctx.needs_input_grad, 3, 3)
+        x_q, x_scale, x_q_t = quantize_per_tensor(
+            _rows(x), config.forward_dtype, transpose=_params_need_grad(param_needs[:2])
+        )
+        out, saved = _swiglu_forward(x_q, x_scale, params, config, out_dtype, keep_for_backward=True)
+        _save(ctx, x_q_t=x_q_t, x_scale=x_scale, **saved, **_named_params(flat_params))
+        ctx.config, ctx.x_shape, ctx.x_dtype = config, x.shape, x.dtype
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = _saved(ctx)
+        params = _pairs(_params_from(saved))
+        needs = (ctx.needs_input_grad[0], _param_needs(ctx.needs_input_grad, 3, 3))
+        grad_x, param_grads = _swiglu_backward(
+            _rows(grad_out), saved, saved["x_q_t"], saved["x_scale"], params, needs, ctx.config, ctx.x_dtype
+        )
+        return (None if grad_x is None else grad_x.view(ctx.x_shape), None, None, *param_grads)
+
+
+def _named_params(flat_params) -> dict:
+    return {f"param_{i}": p for i, p in enumerate(flat_params)}
+
+
+def _params_from(saved: dict) -> list:
+    return [saved[f"param_{i}"] for i in range(sum(name.startswith("param_") for name in saved))]
+
+
+def swiglu_mlp(x: torch.Tensor, gate, up, down, config: FP8Config = FP8Config()) -> torch.Tensor:
+    """FP8 LlamaMLP: gate, up, down are (weight, bias) pairs (bias may be None)."""
+    flat_params = (*gate, *up, *down)
+    out_dtype = output_dtype(x)
+    if _needs_autograd(x, *flat_params):
+        return _SwiGLUMLPFunction.apply(x, config, out_dtype, *flat_params)
+    x_q, x_scale, _ = quantize_per_tensor(_rows(x), config.forward_dtype, transpose=False)
+    out, _ = _swiglu_forward(x_q, x_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The decoder blocks of the FP8 precision flow (paper appendix G.1)
+
+
+class _BeforeAttentionFunction(torch.autograd.Function):
+    """RMSNorm then the q, k, v projections. The fused norm writes its output directly in FP8 (with the
+    transpose the wgrads read), which feeds all three GEMMs: no BF16 round trip, one saved copy.
+    Saves: x as E4M3 in 1 x G groups + scales + rstd (the norm's backward), the transposed FP8 normed
+    output + its scale (the three wgrads), and the parameters."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
+        params = _pairs(flat_params)
+        param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
+        y, y_scale, y_t, x_saved, x_saved_scales, rstd = _rmsnorm_quantize(
+            _rows(x), norm_weight, eps, config, transpose=_params_need_grad(param_needs)
+        )
+        outputs = projections_forward(y, y_scale, params, config, out_dtype)
+        _save(
+            ctx,
+            x_saved=x_saved,
+            x_saved_scales=x_saved_scales,
+            rstd=rstd,
+            norm_weight=norm_weight,
+            y_t=y_t,
+            y_scale=y_scale,
+            **_named_params(flat_params),
+        )
+        ctx.config, ctx.x_shape, ctx.x_dtype = config, x.shape, x.dtype
+        return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = _saved(ctx)
+        params = _pairs(_params_from(saved))
+        param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
+        need_x, need_norm_weight = ctx.needs_input_grad[:2]
+        grad_y, param_grads = projections_backward(
+            grads, saved["y_t"], saved["y_scale"], params, (need_x or need_norm_weight, param_needs), ctx.config,
+            ctx.x_dtype,
+        )
+        grad_x, grad_norm_weight = None, None
+        if grad_y is not None:
+            grad_x, grad_norm_weight = _rmsnorm_backward(grad_y, saved, saved["norm_weight"], ctx.config, ctx.x_dtype)
+        return (
+            grad_x.view(ctx.x_shape) if need_x else None,
+            grad_norm_weight if need_norm_weight else None,
+            None,
+            None,
+            None,
+            *param_grads,
+        )
+
+
+def before_attention(x, norm_weight, eps: float, projections, config: FP8Config = FP8Config()):
+    """(q, k, v) = [proj(RMSNorm(x)) for proj in projections], with projections [(weight, bias), ...]."""
+    flat_params = tuple(t for pair in projections for t in pair)
+    out_dtype = output_dtype(x)
+    if _needs_autograd(x, norm_weight, *flat_params):
+        return _BeforeAttentionFunction.apply(x, norm_weight, eps, config, out_dtype, *flat_params)
+    y, y_scale, *_ = _rmsnorm_quantize(_rows(x), norm_weight, eps, config, transpose=False)
+    outputs = projections_forward(y, y_scale, _pairs(flat_params), config, out_dtype)
+    return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
+
+
+class _AfterAttentionFunction(torch.autograd.Function):
+    """residual + o_proj(attention output). The attention output is quantized per tensor for the GEMM.
+    When the attention kernel keeps its own output for backward (SDPA, FlashAttention), this Function saves
+    that same tensor, which costs no memory, plus the amax that fixed its scale: backward quantizes it again
+    with that amax and gets the forward's FP8 values back bit for bit (paper appendix D). An FP8 copy would
+    add 0.5 units instead. When it does not (eager attention), the transposed FP8 input is saved instead, as
+    in coat.nn.Linear."""
+
+    @staticmethod
+    def forward(ctx, attn_output, residual, weight, bias, config: FP8Config, out_dtype, attention_keeps_output):
+        a2d = _rows(attn_output)
+        need_weight_grad = ctx.needs_input_grad[2]
+        amax = ops.group_amax(a2d, AMAX_GROUP_SIZE).amax().reshape(1)
+        a_q, a_scale, a_q_t = ops.quantize_tensor(
+            a2d, config.forward_dtype, group_amax=amax, transpose=need_weight_grad and not attention_keeps_output
+        )
+        out = linear_forward_fp8(a_q, a_scale, weight, bias, config, out_dtype)
+        out = residual + out.view(residual.shape)
+        if attention_keeps_output:
+            _save(ctx, attn_output=attn_output, amax=amax, a_q_t=None, a_scale=None, weight=weight, bias=bias)
+        else:
+            _save(ctx, attn_output=None, amax=None, a_q_t=a_q_t, a_scale=a_scale, weight=weight, bias=bias)
+        ctx.config, ctx.a_shape, ctx.a_dtype = config, attn_output.shape, attn_output.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = _saved(ctx)
+        need_attn, need_residual, need_weight, need_bias = ctx.needs_input_grad[:4]
+        a_q_t, a_scale = saved["a_q_t"], saved["a_scale"]
+        if need_weight and a_q_t is None:
+            _, a_scale, a_q_t = ops.quantize_tensor(
+                _rows(saved["attn_output"]), ctx.config.forward_dtype, group_amax=saved["amax"], transpose=True
+            )
+        grad = QuantizedGradient(_rows(grad_out), ctx.config, need_transpose=need_weight)
+        grad_attn = grad.input_grad(saved["weight"], ctx.a_dtype).view(ctx.a_shape) if need_attn else None
+        grad_weight = grad.weight_grad(a_q_t, a_scale, saved["weight"].dtype) if need_weight else None
+        grad_bias = grad.bias_grad(saved["bias"]) if need_bias else None
+        return grad_attn, grad_out if need_residual else None, grad_weight, grad_bias, None, None, None
+
+
+def after_attention(
+    attn_output, residual, weight, bias, config: FP8Config = FP8Config(), *, attention_keeps_output: bool = True
+):
+    """residual + attn_output @ weight^T + bias, see :class:`_AfterAttentionFunction`."""
+    out_dtype = output_dtype(attn_output)
+    if _needs_autograd(attn_output, residual, weight, bias):
+        return _AfterAttentionFunction.apply(
+            attn_output, residual, weight, bias, config, out_dtype, attention_keeps_output
+        )
+    a_q, a_scale, _ = quantize_per_tensor(_rows(attn_output), config.forward_dtype, transpose=False)
+    return residual + linear_forward_fp8(a_q, a_scale, weight, bias, config, out_dtype).view(residual.shape)
+
+
+class _MLPResidualFunction(torch.autograd.Function):
+    """x + down(SiLU(gate(n)) * up(n)) with n = RMSNorm(x): the post-attention norm writes n in FP8 for the
+    gate and up GEMMs, SiLU*mul writes its product in FP8 for the down GEMM. Saves: x as E4M3 1 x G groups
+    + scales + rstd, the transposed FP8 n + its scale, gate and up as E4M3 1 x G groups + scales, the
+    transposed FP8 product + its scale (and Smooth-SwiGLU's per-channel scale), and the parameters."""
+
+    @staticmethod
+    def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
+        params = _pairs(flat_params)
+        param_needs = _param_needs(ctx.needs_input_grad, 5, 3)
+        n_q, n_scale, n_q_t, x_saved, x_saved_scales, rstd = _rmsnorm_quantize(
+            _rows(x), norm_weight, eps, config, transpose=_params_need_grad(param_needs[:2])
+        )
+        mlp_out, mlp_saved = _swiglu_forward(n_q, n_scale, params, config, out_dtype, keep_for_backward=True)
+        _save(
+            ctx,
+            x_saved=x_saved,
+            x_saved_scales=x_saved_scales,
+            rstd=rstd,
+            norm_weight=norm_weight,
+            n_q_t=n_q_t,
+            n_scale=n_scale,
+            **mlp_saved,
+            **_named_params(flat_params),
+        )
+        ctx.config, ctx.x_shape, ctx.x_dtype = config, x.shape, x.dtype
+        return x + mlp_out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = _saved(ctx)
+        params = _pairs(_params_from(saved))
+        need_x, need_norm_weight = ctx.needs_input_grad[:2]
+        needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 5, 3))
+        grad_n, param_grads = _swiglu_backward(
+            _rows(grad_out), saved, saved["n_q_t"], saved["n_scale"], params, needs, ctx.config, ctx.x_dtype
+        )
+        grad_x, grad_norm_weight = None, None
+        if grad_n is not None:
+            grad_x, grad_norm_weight = _rmsnorm_backward(grad_n, saved, saved["norm_weight"], ctx.config, ctx.x_dtype)
+        return (
+            grad_x.view(ctx.x_shape) + grad_out if need_x else None,
+            grad_norm_weight if need_norm_weight else None,
+            None,
+            None,
+            None,
+            *param_grads,
+        )
+
+
+def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config = FP8Config()):
+    """x + LlamaMLP(RMSNorm(x)) in FP8; gate, up, down are (weight, bias) pairs."""
+    flat_params = (*gate, *up, *down)
+    out_dtype = output_dtype(x)
+    if _needs_autograd(x, norm_weight, *flat_params):
+        return _MLPResidualFunction.apply(x, norm_weight, eps, config, out_dtype, *flat_params)
+    n_q, n_scale, *_ = _rmsnorm_quantize(_rows(x), norm_weight, eps, config, transpose=False)
+    mlp_out, _ = _swiglu_forward(n_q, n_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False)
+    return x + mlp_out.view(x.shape)

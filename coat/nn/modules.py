@@ -49,3 +49,106 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, config={self.config}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (``weight * x / sqrt(mean(x^2) + eps)``, as LlamaRMSNorm) through coat's fused kernel, which
+    saves its input as E4M3 in 1 x G groups (a quarter of the float32 input LlamaRMSNorm keeps, plus 1/8
+    for the scales) and writes its output in FP8 per tensor. Inside a converted decoder layer that FP8
+    output feeds the next GEMMs directly; called on its own, the module returns it dequantized, i.e. the
+    values an FP8 linear layer after it would read."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, *, config: FP8Config = FP8Config()
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.config = config
+
+    @classmethod
+    def from_rmsnorm(cls, norm: nn.Module, config: FP8Config = FP8Config()) -> "RMSNorm":
+        """From a transformers Llama/Mistral/Qwen2 RMSNorm (``weight``, ``variance_epsilon``) or a
+        ``torch.nn.RMSNorm`` with a weight and an explicit eps; shares the weight parameter."""
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float):
+            raise TypeError(
+                f"coat.nn.RMSNorm.from_rmsnorm expects an RMSNorm with a 1-d weight and a float eps "
+                f"(variance_epsilon or eps), got {type(norm).__name__}"
+            )
+        converted = cls(weight.shape[0], eps, device="meta", dtype=weight.dtype, config=config)
+        converted.weight = weight
+        return converted.train(norm.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return coat_functional.rms_norm(x, self.weight, self.eps, self.config)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, config={self.config}"
+
+
+def _is_silu(activation: nn.Module) -> bool:
+    probe = torch.tensor([-3.0, -0.5, 0.0, 0.75, 4.0])
+    return torch.allclose(activation(probe), torch.nn.functional.silu(probe))
+
+
+class SwiGLUMLP(nn.Module):
+    """LlamaMLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, in FP8: the input is quantized once for
+    both gate and up GEMMs, SiLU*mul runs as one fused kernel that saves gate and up as E4M3 in 1 x G
+    groups and writes its product in FP8 for the down GEMM (optionally with Smooth-SwiGLU, see
+    :class:`coat.nn.FP8Config`). Children and parameter names are LlamaMLP's."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        config: FP8Config = FP8Config(),
+    ):
+        super().__init__()
+        factory = dict(device=device, dtype=dtype, config=config)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias, **factory)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias, **factory)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, **factory)
+        self.config = config
+
+    @classmethod
+    def from_mlp(cls, mlp: nn.Module, config: FP8Config = FP8Config()) -> "SwiGLUMLP":
+        """From a module with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear) and ``act_fn`` SiLU, as
+        transformers' LlamaMLP, MistralMLP and Qwen2MLP; shares their parameters."""
+        projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(p, nn.Linear) for p in projections):
+            raise TypeError(
+                f"coat.nn.SwiGLUMLP.from_mlp expects gate_proj, up_proj and down_proj nn.Linear children, "
+                f"got {type(mlp).__name__}"
+            )
+        activation = getattr(mlp, "act_fn", None)
+        if not isinstance(activation, nn.Module) or not _is_silu(activation):
+            raise ValueError(
+                f"coat.nn.SwiGLUMLP.from_mlp: {type(mlp).__name__}.act_fn must be SiLU (hidden_act='silu'), "
+                f"got {activation!r}; the fused kernel computes SiLU(gate) * up only"
+            )
+        gate, up, down = projections
+        converted = cls(
+            gate.in_features, gate.out_features, device="meta", dtype=gate.weight.dtype, config=config
+        )
+        converted.gate_proj, converted.up_proj, converted.down_proj = (
+            Linear.from_linear(p, config) for p in projections
+        )
+        return converted.train(mlp.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return coat_functional.swiglu_mlp(
+            x,
+            (self.gate_proj.weight, self.gate_proj.bias),
+            (self.up_proj.weight, self.up_proj.bias),
+            (self.down_proj.weight, self.down_proj.bias),
+            self.config,
+        )
+
+    def extra_repr(self) -> str:
+        return f"config={self.config}"
