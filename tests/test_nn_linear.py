@@ -203,6 +203,8 @@ def test_errors_for_bad_inputs():
         coat.nn.FP8Config(group_size=24)
     with pytest.raises(ValueError, match="unsupported FP8 format"):
         coat.nn.FP8Config(gradient_format="e3m4")
+    with pytest.raises(ValueError, match="both be e5m2"):
+        coat.nn.FP8Config(forward_format="e5m2", gradient_format="e5m2")
 
 
 @requires_cuda

@@ -39,9 +39,12 @@ class FP8Config:
     def __post_init__(self):
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
-        fp8_dtype(self.forward_format)
-        if self.gradient_format is not None:
-            fp8_dtype(self.gradient_format)
+        forward = fp8_dtype(self.forward_format)
+        if self.gradient_format is not None and forward == fp8_dtype(self.gradient_format) == torch.float8_e5m2:
+            raise ValueError(
+                "forward_format and gradient_format cannot both be e5m2: the weight-gradient GEMM would "
+                "multiply E5M2 by E5M2, which FP8 tensor cores (cuBLASLt) do not support"
+            )
 
     @property
     def forward_dtype(self) -> torch.dtype:
