@@ -70,6 +70,10 @@ def fp8_gemm(
     a: [M, K] FP8, contiguous (row-major). b_t: [N, K] FP8, contiguous, i.e. B = b_t.T is the column-major
     [K, N] operand. Scales are one-element float32 tensors (the dequantization scales of
     :func:`coat.ops.quantize_tensor`). bias: [N] or None. Returns a contiguous [M, N] tensor.
+
+    This calls torch._scaled_mm, whose schema is the same on every supported torch (2.11 and 2.13) and which
+    has a CPU implementation; torch.nn.functional.scaled_mm, its public successor, describes scaling with
+    recipe enums that are still being extended, and gains nothing for per-tensor scales.
     """
     n = b_t.shape[0]
     if not _device_has_fp8_gemm(a.device):
