@@ -150,8 +150,14 @@ def test_saved_activation_bytes_match_table_2(device):
     print(f"\nsaved per layer: stock {stock / unit:.2f} U (expected {expected_stock / unit:.2f}), "
           f"converted {converted / unit:.2f} U (expected {expected_converted / unit:.2f}), "
           f"ratio {stock / converted:.2f} (expected {expected_stock / expected_converted:.2f})")
-    assert abs(stock - expected_stock) <= 0.01 * expected_stock
-    assert abs(converted - expected_converted) <= 0.01 * expected_converted
+    # Attention saves the same tensors in both layers, so the difference does not depend on the backend.
+    expected_saving = expected_stock - expected_converted
+    assert abs((stock - converted) - expected_saving) <= 0.01 * expected_saving
+    if device == "cpu":  # where the SDPA kernel's saved tensors are the ones listed above
+        assert abs(stock - expected_stock) <= 0.01 * expected_stock
+        assert abs(converted - expected_converted) <= 0.01 * expected_converted
+        expected_ratio = expected_stock / expected_converted  # 2.14
+        assert abs(stock / converted - expected_ratio) <= 0.02 * expected_ratio
     assert stock / converted >= 2.0
 
 
