@@ -196,11 +196,12 @@ def test_swiglu_mlp_saves_fp8_only(device):
 
 
 def test_smooth_swiglu_scale():
-    gate = torch.tensor([[1.0, 0.0, -2.0, 30.0], [2.0, 0.0, 1.0, -1.0]])
-    up = torch.tensor([[1.0, 5.0, 0.25, 100.0], [-3.0, 1.0, 1.0, 1.0]])
+    gate = torch.tensor([[1.0, 0.0, -2.0, 30.0, 1.0], [2.0, 0.0, 1.0, -1.0, 1.0]])
+    up = torch.tensor([[1.0, 5.0, 0.25, 100.0, 1e-40], [-3.0, 1.0, 1.0, 1.0, 0.0]])
     scale = coat_functional.smooth_swiglu_scale(gate, up)
     amax = (F.silu(gate) * up).abs().amax(0)
     assert torch.equal(scale[1], torch.tensor(1.0))  # an all-zero channel is left alone
+    assert torch.equal(scale[4], torch.tensor(2.0**126))  # a subnormal channel: the largest normal scale
     for channel in (0, 2, 3):
         scaled = amax[channel] * scale[channel]
         assert 0.5 < scaled <= 1.0 and torch.log2(scale[channel]) == torch.round(torch.log2(scale[channel]))

@@ -287,12 +287,14 @@ def smooth_swiglu_scale(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Smooth-SwiGLU's per-channel scale s (Fishman et al. 2024, section 4.4), from each channel's max
     |SiLU(gate) * up| over the tokens: s_i = 2^-ceil(log2 amax_i), so every channel's amax lands in
     (1/2, 1] and the per-tensor scale of the product no longer follows the channel with the largest
-    outliers. Powers of two make s and its inverse, folded into the down projection, exact. Channels that
-    are all zero (or not finite) get s = 1. float32 [channels]."""
+    outliers. Powers of two make s and its inverse, folded into the down projection, exact; the exponent
+    is clamped to [-126, 126] so that both stay normal float32 numbers. Channels that are all zero (or not
+    finite) get s = 1. float32 [channels]."""
     with torch.no_grad():
         amax = (F.silu(gate) * up).abs().amax(dim=0).float()
+        exponent = torch.clamp(torch.ceil(torch.log2(amax)), -126, 126)
         usable = torch.isfinite(amax) & (amax > 0)
-        return torch.where(usable, torch.exp2(-torch.ceil(torch.log2(amax))), torch.ones_like(amax))
+        return torch.where(usable, torch.exp2(-exponent), torch.ones_like(amax))
 
 
 def _smoothed_down_weight(weight: torch.Tensor, smooth_scale: torch.Tensor | None) -> torch.Tensor:
