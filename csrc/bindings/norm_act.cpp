@@ -58,6 +58,10 @@ void check_saved_scales(const at::Tensor& scales, const at::Tensor& like, int64_
               "; pass the save_group_size the forward op used");
 }
 
+void check_max_cols(int64_t cols, const char* op, const char* arg) {
+  TORCH_CHECK(cols <= COAT_NORM_ACT_MAX_COLS, op, ": the last dimension of ", arg, " must be at most 2^30, got ", cols);
+}
+
 void check_rmsnorm_cols(int64_t cols, const char* op, const char* arg) {
   TORCH_CHECK(cols >= 1 && cols <= COAT_RMSNORM_MAX_COLS, op, ": the last dimension of ", arg,
               " (the normalized size) must be between 1 and ", COAT_RMSNORM_MAX_COLS, ", got ", cols);
@@ -150,6 +154,7 @@ SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor
   check_named_group_size(amax_group_size, op, "amax_group_size");
   const RowMatrix gate_m = as_row_matrix(gate, op, "gate");
   const RowMatrix up_m = as_row_matrix(up, op, "up");
+  check_max_cols(gate_m.cols, op, "gate");
   const float* smooth = smooth_scale_data(smooth_scale, gate, gate_m.cols, op);
 
   const at::TensorOptions float_options = gate.options().dtype(at::kFloat);
@@ -180,6 +185,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& dy, const
   const coat_dtype dy_dtype = input_dtype(dy, op, "dy");
   check_named_group_size(save_group_size, op, "save_group_size");
   const RowMatrix m = as_row_matrix(dy, op, "dy");
+  check_max_cols(m.cols, op, "dy");
   check_saved(gate_saved, dy, op, "gate_saved");
   check_saved(up_saved, dy, op, "up_saved");
   check_saved_scales(gate_scales, dy, save_group_size, op, "gate_scales");

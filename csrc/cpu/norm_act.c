@@ -7,7 +7,8 @@
 #include "coat/detail/norm_act_math.h"
 
 static int valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
-  return rows >= 0 && cols >= 0 && row_stride >= cols && (x != NULL || rows * cols == 0);
+  return rows >= 0 && cols >= 0 && cols <= COAT_NORM_ACT_MAX_COLS && row_stride >= cols &&
+         (x != NULL || rows * cols == 0);
 }
 
 static const void* row_at(const void* x, coat_dtype dtype, int64_t row, int64_t row_stride) {

@@ -50,6 +50,8 @@ extern "C" {
 
 /** The widest row RMSNorm accepts: a row is reduced by at most 1024 threads holding 32 elements each. */
 #define COAT_RMSNORM_MAX_COLS 32768
+/** The widest row any norm_act entry point accepts (2^30; offsets within a row are 32-bit on the GPU). */
+#define COAT_NORM_ACT_MAX_COLS 1073741824
 
 /** RMSNorm forward with FP8 output and FP8-saved input.
  *    rstd[r]  = 1 / sqrt(sum_c x[r,c]^2 / cols + eps)     (fp32, fixed reduction order, from the exact x)
