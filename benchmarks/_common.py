@@ -10,6 +10,7 @@ import platform
 import shlex
 import statistics
 import sys
+import time
 
 import torch
 
@@ -37,6 +38,21 @@ def time_cuda_ms(fn, warmup: int, repeat: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_ms(fn, warmup: int, repeat: int, device: torch.device | str) -> float:
+    """Median milliseconds of fn(): CUDA events on a GPU, time.perf_counter on the CPU, where the benchmarks
+    only run their smoke mode (tiny shapes, to check that they still work, not to time anything)."""
+    if torch.device(device).type == "cuda":
+        return time_cuda_ms(fn, warmup, repeat)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
 

@@ -1,9 +1,13 @@
 """coat: memory-efficient FP8 training for PyTorch (COAT, ICLR 2025).
 
-coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization.
+coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization, and the fused
+RMSNorm and SiLU*mul layers with FP8 outputs and FP8-saved inputs.
+coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear, RMSNorm, SwiGLUMLP), and
+coat.convert(model) converts a transformers Llama, Mistral or Qwen2 model to the FP8 precision flow.
 """
-from coat import ops
+from coat import nn, ops
 from coat._native import BUILT_WITH_CUDA
+from coat.conversion import convert
 
 __version__ = "0.1.0"
 
@@ -13,4 +17,4 @@ def built_with_cuda() -> bool:
     return BUILT_WITH_CUDA
 
 
-__all__ = ["ops", "built_with_cuda", "__version__"]
+__all__ = ["convert", "nn", "ops", "built_with_cuda", "__version__"]

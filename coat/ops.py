@@ -134,3 +134,179 @@ def _quantize_tensor_fake(x, group_amax, fp8_dtype, transpose=False):
 @torch.library.register_fake("coat::dequantize")
 def _dequantize_fake(q, scale, group_size, dtype):
     return q.new_empty(q.shape, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Fused non-linear layers: RMSNorm and SiLU*mul with FP8 outputs and FP8-saved inputs
+# (csrc/include/coat/norm_act.h states every formula, layout and reduction order).
+#
+# Forward: y is written in FP8 with one per-tensor scale, computed by group scaling inside the kernel that
+# computes y; y_scale = max(amax(y) / FP8_MAX, 2**-126) and y is bit for bit quantize_tensor of the fp32
+# result. The op's inputs are saved for backward as FP8 E4M3 with 1 x save_group_size groups, bit for bit
+# quantize_group of the inputs. Every NaN code the fused ops write is the positive NaN (0x7F).
+# Backward: reads only what the forward saved (plus dy) and returns gradients in dy's dtype.
+# CPU and CUDA give the same bits: every sum has a fixed reduction order.
+
+RMSNORM_MAX_COLS = 32768
+
+
+def _check_named_group_size(group_size: int, name: str, op: str) -> None:
+    if group_size not in GROUP_SIZES:
+        raise RuntimeError(f"{op}: {name} must be 16, 32, 64 or 128, got {group_size}")
+
+
+def rmsnorm_quantize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    save_group_size: int = 16,
+    amax_group_size: int = 128,
+    format: torch.dtype | str = "e4m3",
+    transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm with its output quantized to FP8 per tensor and its input saved in FP8 for backward.
+
+    With rows the leading dimensions of ``x`` flattened and H = ``x.shape[-1]`` (1 <= H <= 32768)::
+
+        rstd[r] = 1 / sqrt(sum_c x[r, c]**2 / H + eps)      float32, fixed reduction order
+        y       = (x * rstd) * weight                       float32, then quantized per tensor
+
+    ``x``: float32 / bfloat16 / float16 with a contiguous last dimension (row-strided views are read in
+    place); ``weight``: [H], float32 / bfloat16 / float16. ``amax_group_size`` is the 1 x G granularity of
+    the first stage of group scaling; since max is exact, the outputs do not depend on it.
+
+    Returns ``(y, y_scale, y_t, x_saved, x_saved_scales, rstd)``: y (x's shape, FP8 ``format``), its 0-d
+    float32 scale, its (H, rows) transpose when ``transpose`` is set (else None), x as E4M3 with
+    per-``save_group_size`` scales (``quantize_group(x, save_group_size)``), and rstd, float32 [rows].
+    A row holding +-Inf normalizes to 0 with NaN at the Inf (Inf * 0), as PyTorch's formula does.
+    """
+    check_device_supported(x, "coat.ops.rmsnorm_quantize")
+    y, y_scale, y_t, x_saved, x_saved_scales, rstd = torch.ops.coat.rmsnorm_quantize(
+        x, weight, eps, save_group_size, amax_group_size, fp8_dtype(format), transpose
+    )
+    return y, y_scale, y_t if transpose else None, x_saved, x_saved_scales, rstd
+
+
+def rmsnorm_backward(
+    dy: torch.Tensor,
+    x_saved: torch.Tensor,
+    x_saved_scales: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    save_group_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`rmsnorm_quantize` from what it saved. With x' the dequantized ``x_saved``,
+    xhat = x' * rstd and g = dy * weight, per row::
+
+        dx      = (g - xhat * sum_c(g * xhat) / H) * rstd          in dy's dtype
+        dweight = sum over rows of dy * xhat                        float32 [H] (cast it to weight's dtype)
+
+    Both sums have a fixed reduction order, so results are reproducible and the same on CPU and CUDA.
+    """
+    check_device_supported(dy, "coat.ops.rmsnorm_backward")
+    return torch.ops.coat.rmsnorm_backward(dy, x_saved, x_saved_scales, rstd, weight, save_group_size)
+
+
+def silu_mul_quantize(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    smooth_scale: torch.Tensor | None = None,
+    *,
+    save_group_size: int = 16,
+    amax_group_size: int = 128,
+    format: torch.dtype | str = "e4m3",
+    transpose: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SwiGLU's activation, ``y = silu(gate) * up [* smooth_scale]``, quantized to FP8 per tensor, with
+    gate and up saved in FP8 for backward.
+
+    ``gate``, ``up``: same shape [..., I] and dtype (float32 / bfloat16 / float16), contiguous last
+    dimension; row-strided views such as the two halves of one [..., 2I] GEMM output are read in place.
+    ``smooth_scale``: optional float32 [I], the Smooth-SwiGLU per-channel scale (Fishman et al., 2024):
+    y is multiplied by it before quantization and the caller folds 1 / smooth_scale into the next layer.
+    silu(g) = g * sigmoid(g) in float32 with coat's own exp (identical on CPU and CUDA); silu(-inf) is NaN.
+
+    Returns ``(y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales)`` as in
+    :func:`rmsnorm_quantize`.
+    """
+    check_device_supported(gate, "coat.ops.silu_mul_quantize")
+    y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = torch.ops.coat.silu_mul_quantize(
+        gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype(format), transpose
+    )
+    return y, y_scale, y_t if transpose else None, gate_saved, gate_scales, up_saved, up_scales
+
+
+def silu_mul_backward(
+    dy: torch.Tensor,
+    gate_saved: torch.Tensor,
+    gate_scales: torch.Tensor,
+    up_saved: torch.Tensor,
+    up_scales: torch.Tensor,
+    smooth_scale: torch.Tensor | None = None,
+    save_group_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients ``(dgate, dup)`` of :func:`silu_mul_quantize`, in dy's dtype, from the dequantized saved
+    inputs g and u: with s = sigmoid(g) and dy_s = dy * smooth_scale (or dy)::
+
+        dup   = dy_s * g * s
+        dgate = dy_s * u * s * (1 + g * (1 - s))
+    """
+    check_device_supported(dy, "coat.ops.silu_mul_backward")
+    return torch.ops.coat.silu_mul_backward(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size)
+
+
+def _check_rmsnorm_cols(x: torch.Tensor, name: str, op: str) -> None:
+    if not 1 <= x.shape[-1] <= RMSNORM_MAX_COLS:
+        raise RuntimeError(
+            f"{op}: the last dimension of {name} (the normalized size) must be between 1 and {RMSNORM_MAX_COLS}, "
+            f"got {x.shape[-1]}"
+        )
+
+
+@torch.library.register_fake("coat::rmsnorm_quantize")
+def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8_dtype, transpose):
+    op = "coat.rmsnorm_quantize"
+    _check_named_group_size(save_group_size, "save_group_size", op)
+    _check_named_group_size(amax_group_size, "amax_group_size", op)
+    _check_rmsnorm_cols(x, "x", op)
+    return (
+        x.new_empty(x.shape, dtype=fp8_dtype),
+        x.new_empty((), dtype=torch.float32),
+        _transposed(x, fp8_dtype, transpose),
+        x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+        _grouped(x, save_group_size),
+        x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32),
+    )
+
+
+@torch.library.register_fake("coat::rmsnorm_backward")
+def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group_size):
+    op = "coat.rmsnorm_backward"
+    _check_named_group_size(save_group_size, "save_group_size", op)
+    _check_rmsnorm_cols(dy, "dy", op)
+    return dy.new_empty(dy.shape), dy.new_empty((dy.shape[-1],), dtype=torch.float32)
+
+
+@torch.library.register_fake("coat::silu_mul_quantize")
+def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype, transpose):
+    op = "coat.silu_mul_quantize"
+    _check_named_group_size(save_group_size, "save_group_size", op)
+    _check_named_group_size(amax_group_size, "amax_group_size", op)
+    if gate.shape != up.shape:
+        raise RuntimeError(f"{op}: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    return (
+        gate.new_empty(gate.shape, dtype=fp8_dtype),
+        gate.new_empty((), dtype=torch.float32),
+        _transposed(gate, fp8_dtype, transpose),
+        gate.new_empty(gate.shape, dtype=torch.float8_e4m3fn),
+        _grouped(gate, save_group_size),
+        gate.new_empty(gate.shape, dtype=torch.float8_e4m3fn),
+        _grouped(gate, save_group_size),
+    )
+
+
+@torch.library.register_fake("coat::silu_mul_backward")
+def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size):
+    _check_named_group_size(save_group_size, "save_group_size", "coat.silu_mul_backward")
+    return dy.new_empty(dy.shape), dy.new_empty(dy.shape)

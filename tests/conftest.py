@@ -22,6 +22,8 @@ def cuda_skip_reason() -> str | None:
 
 
 _CUDA_SKIP = cuda_skip_reason()
+# For tests that only mean something on a GPU, e.g. comparing a CUDA run with a CPU run.
+requires_cuda = pytest.mark.skipif(_CUDA_SKIP is not None, reason=_CUDA_SKIP or "")
 
 
 @pytest.fixture(

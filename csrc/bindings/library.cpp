@@ -10,6 +10,17 @@ TORCH_LIBRARY(coat, m) {
   m.def("quantize_tensor(Tensor x, Tensor group_amax, ScalarType fp8_dtype, bool transpose=False)"
         " -> (Tensor q, Tensor scale, Tensor q_t)");
   m.def("dequantize(Tensor q, Tensor scale, int? group_size, ScalarType dtype) -> Tensor");
+  m.def("rmsnorm_quantize(Tensor x, Tensor weight, float eps, int save_group_size, int amax_group_size,"
+        " ScalarType fp8_dtype, bool transpose)"
+        " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor x_saved, Tensor x_saved_scales, Tensor rstd)");
+  m.def("rmsnorm_backward(Tensor dy, Tensor x_saved, Tensor x_saved_scales, Tensor rstd, Tensor weight,"
+        " int save_group_size) -> (Tensor dx, Tensor dweight)");
+  m.def("silu_mul_quantize(Tensor gate, Tensor up, Tensor? smooth_scale, int save_group_size, int amax_group_size,"
+        " ScalarType fp8_dtype, bool transpose)"
+        " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor gate_saved, Tensor gate_scales, Tensor up_saved,"
+        " Tensor up_scales)");
+  m.def("silu_mul_backward(Tensor dy, Tensor gate_saved, Tensor gate_scales, Tensor up_saved, Tensor up_scales,"
+        " Tensor? smooth_scale, int save_group_size) -> (Tensor dgate, Tensor dup)");
 }
 
 static PyObject* coat_built_with_cuda(PyObject*, PyObject*) {

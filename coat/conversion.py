@@ -1,0 +1,89 @@
+"""coat.convert: turns a transformers Llama, Mistral or Qwen2 model into an FP8-trained one, in place."""
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+from torch import nn
+
+from coat.nn.config import FP8Config
+from coat.nn.modules import Linear
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def convert(
+    model: nn.Module,
+    *,
+    group_size: int = 16,
+    forward_format: str = "e4m3",
+    gradient_format: str | None = "e5m2",
+    smooth_swiglu: bool = False,
+    modules_to_convert: Sequence[str] | None = None,
+    skip_modules: Sequence[str] = (),
+) -> nn.Module:
+    """Converts ``model`` in place to coat's FP8 precision flow and returns it.
+
+    Every decoder layer (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer) gets the FP8 forward of
+    :mod:`coat.nn.decoder`: RMSNorm, SiLU*mul and all seven projections in FP8, activations saved in FP8.
+    Parameters are shared, not copied, so ``state_dict()`` keys and values, ``save_pretrained`` /
+    ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
+
+    group_size, forward_format, gradient_format, smooth_swiglu: see :class:`coat.nn.FP8Config`.
+    modules_to_convert: fnmatch patterns of qualified module names (``"model.layers.*"``, ``"lm_head"``);
+        the matching decoder layers are converted, and matching ``nn.Linear`` modules outside them become
+        :class:`coat.nn.Linear`. None (the default) converts every decoder layer and nothing else.
+    skip_modules: patterns of modules to leave as they are (e.g. ``["model.layers.0", "model.layers.31"]``
+        to keep the first and last layers in BF16).
+
+    The LM head stays BF16 unless named in modules_to_convert: its logits feed the softmax over the
+    vocabulary directly, where FP8 error shows up unfiltered in the loss (FP8 recipes, TransformerEngine's
+    and COAT's included, keep the first and last layers in higher precision); it is often tied to the
+    embedding; and it runs once per model, so FP8 would save little (one input of 1 unit of memory).
+    """
+    from coat.nn.decoder import FP8_DECODER_LAYERS, install_decoder_layer, plan_decoder_layer
+
+    config = FP8Config(
+        group_size=group_size,
+        forward_format=forward_format,
+        gradient_format=gradient_format,
+        smooth_swiglu=smooth_swiglu,
+    )
+    converted_classes = tuple(FP8_DECODER_LAYERS.values())
+    named = list(model.named_modules())
+    if any(isinstance(module, converted_classes) for _, module in named):
+        raise ValueError(f"coat.convert: {type(model).__name__} is already converted")
+    decoder_layers = [(name, module) for name, module in named if type(module) in FP8_DECODER_LAYERS]
+    if not decoder_layers:
+        supported = ", ".join(cls.__name__ for cls in FP8_DECODER_LAYERS)
+        raise ValueError(
+            f"coat.convert supports transformers models built from {supported}; "
+            f"{type(model).__name__} has none of them"
+        )
+
+    def selected(name: str) -> bool:
+        return not _matches(name, skip_modules) and (modules_to_convert is None or _matches(name, modules_to_convert))
+
+    layers = [(name, layer) for name, layer in decoder_layers if selected(name)]
+    inside_layers = tuple(f"{name}." for name, _ in decoder_layers)
+    linears = []
+    if modules_to_convert is not None:
+        for pattern in modules_to_convert:
+            if not any(fnmatch.fnmatchcase(name, pattern) for name, _ in named):
+                raise ValueError(f"coat.convert: modules_to_convert pattern {pattern!r} matches no module")
+        linears = [
+            (name, module)
+            for name, module in named
+            if isinstance(module, nn.Linear) and not name.startswith(inside_layers) and selected(name)
+        ]
+
+    # Build every replacement first, so that a layer that does not fit leaves the model untouched.
+    plans = [(layer, plan_decoder_layer(layer, name, config)) for name, layer in layers]
+    for layer, plan in plans:
+        install_decoder_layer(layer, plan, config)
+    for name, linear in linears:
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name, Linear.from_linear(linear, config))
+    return model

@@ -1,0 +1,55 @@
+"""The options every coat layer takes: group size, FP8 formats, gradient handling, Smooth-SwiGLU."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from coat.ops import GROUP_SIZES, fp8_dtype
+
+# Stage-1 group of "group scaling" (per-tensor amax computed as a max over per-group maxima). It changes
+# only how the reduction is split, never a value: 128 keeps the intermediate small.
+AMAX_GROUP_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Config:
+    """How a coat layer quantizes.
+
+    group_size:      1 x G groups along the hidden dimension for the activations that non-linear layers
+                     (RMSNorm, SiLU*mul) save for backward (paper section 5.2; G = 16 per appendix H).
+    forward_format:  FP8 format of the activations and weights that enter the forward GEMMs, quantized
+                     per tensor with group scaling. E4M3, as in the paper.
+    gradient_format: FP8 format the output gradient of a linear layer is quantized to (per tensor) for the
+                     two backward GEMMs, dgrad dY x W and wgrad dY^T x X, both FP8 with fp32 accumulation.
+                     E5M2 by default, as in COAT's released FP8 linear layer and TransformerEngine's hybrid
+                     recipe: FP8 backward GEMMs are what makes a layer's backward faster than BF16. None keeps
+                     gradients unquantized: dgrad multiplies by the BF16 weight and wgrad by the dequantized
+                     FP8 input, in the gradient's dtype (paper appendix G.5).
+    smooth_swiglu:   scale each channel of SiLU(gate)*up by a power of two before it is quantized for the
+                     down projection, and fold the inverse into the down projection's weight (Smooth-SwiGLU,
+                     Fishman et al. 2024), so that channels with outliers do not crush the per-tensor scale.
+    """
+
+    group_size: int = 16
+    forward_format: str = "e4m3"
+    gradient_format: str | None = "e5m2"
+    smooth_swiglu: bool = False
+
+    def __post_init__(self):
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
+        forward = fp8_dtype(self.forward_format)
+        if self.gradient_format is not None and forward == fp8_dtype(self.gradient_format) == torch.float8_e5m2:
+            raise ValueError(
+                "forward_format and gradient_format cannot both be e5m2: the weight-gradient GEMM would "
+                "multiply E5M2 by E5M2, which FP8 tensor cores (cuBLASLt) do not support"
+            )
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return fp8_dtype(self.forward_format)
+
+    @property
+    def gradient_dtype(self) -> torch.dtype | None:
+        return None if self.gradient_format is None else fp8_dtype(self.gradient_format)

@@ -1,0 +1,155 @@
+"""The FP8 forward of transformers' Llama-style decoder layers (Llama, Mistral, Qwen2).
+
+A converted layer runs the precision flow of the paper (appendix G.1) as three blocks from
+:mod:`coat.nn.functional`, around transformers' own RoPE, KV cache and attention implementation (SDPA,
+FlashAttention, eager, ...), which are left as they are:
+
+    q, k, v = before_attention(x)          RMSNorm -> FP8 -> q/k/v GEMMs
+    a       = attention(RoPE(q), RoPE(k), v)
+    h       = after_attention(a, x)        x + o_proj(a)
+    out     = mlp_residual(h)              h + down(SiLU(gate(n)) * up(n)), n = RMSNorm(h)
+
+The layer keeps its class's identity (it becomes an instance of a subclass, e.g. FP8LlamaDecoderLayer of
+LlamaDecoderLayer) and its children's names, with coat modules in place of the norms, projections and MLP,
+so the state dict, gradient checkpointing and transformers' hooks keep working.
+
+This module imports transformers (pinned to 5.17.0 in the test extra); coat.convert imports it on use.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+from coat.nn import functional as coat_functional
+from coat.nn.config import FP8Config
+from coat.nn.modules import Linear, RMSNorm, SwiGLUMLP
+
+
+def _projection(linear: nn.Linear):
+    return linear.weight, linear.bias
+
+
+class FP8DecoderLayerMixin:
+    """forward() of a converted decoder layer; the rest is the transformers class it is mixed into."""
+
+    fp8_config: FP8Config
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        attn = self.self_attn
+        modeling = sys.modules[type(attn).__module__]  # the model family's RoPE and eager attention
+        config = self.fp8_config
+        input_shape = hidden_states.shape[:-1]
+        heads_shape = (*input_shape, -1, attn.head_dim)
+
+        query, key, value = coat_functional.before_attention(
+            hidden_states,
+            self.input_layernorm.weight,
+            self.input_layernorm.eps,
+            [_projection(attn.q_proj), _projection(attn.k_proj), _projection(attn.v_proj)],
+            config,
+        )
+        query, key, value = (t.view(heads_shape).transpose(1, 2) for t in (query, key, value))
+        cos, sin = position_embeddings
+        query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, attn.layer_idx)
+
+        implementation = attn.config._attn_implementation
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, modeling.eager_attention_forward)
+        # Qwen2 keeps a per-layer window, Mistral one in its config; Llama has none.
+        sliding_window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+        if sliding_window is not None:
+            kwargs["sliding_window"] = sliding_window
+        attn_output, _ = attention_interface(
+            attn,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not attn.training else attn.attention_dropout,
+            scaling=attn.scaling,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+
+        hidden_states = coat_functional.after_attention(
+            attn_output,
+            hidden_states,
+            *_projection(attn.o_proj),
+            config,
+            # SDPA, FlashAttention and flex attention keep their output for backward; eager attention does not.
+            attention_keeps_output=implementation != "eager",
+        )
+        mlp = self.mlp
+        return coat_functional.mlp_residual(
+            hidden_states,
+            self.post_attention_layernorm.weight,
+            self.post_attention_layernorm.eps,
+            _projection(mlp.gate_proj),
+            _projection(mlp.up_proj),
+            _projection(mlp.down_proj),
+            config,
+        )
+
+
+class FP8LlamaDecoderLayer(FP8DecoderLayerMixin, LlamaDecoderLayer):
+    """A LlamaDecoderLayer converted by coat.convert."""
+
+
+class FP8MistralDecoderLayer(FP8DecoderLayerMixin, MistralDecoderLayer):
+    """A MistralDecoderLayer converted by coat.convert."""
+
+
+class FP8Qwen2DecoderLayer(FP8DecoderLayerMixin, Qwen2DecoderLayer):
+    """A Qwen2DecoderLayer converted by coat.convert."""
+
+
+FP8_DECODER_LAYERS = {
+    LlamaDecoderLayer: FP8LlamaDecoderLayer,
+    MistralDecoderLayer: FP8MistralDecoderLayer,
+    Qwen2DecoderLayer: FP8Qwen2DecoderLayer,
+}
+
+
+def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:
+    """The coat modules that replace the layer's children, as (parent, child name, replacement), built
+    without touching the layer; raises a ValueError or TypeError that names what does not fit."""
+    attn = getattr(layer, "self_attn", None)
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in projections):
+        raise ValueError(f"coat.convert: {name}.self_attn must have nn.Linear children {', '.join(projections)}")
+    try:
+        return [
+            *((attn, p, Linear.from_linear(getattr(attn, p), config)) for p in projections),
+            (layer, "input_layernorm", RMSNorm.from_rmsnorm(layer.input_layernorm, config)),
+            (layer, "post_attention_layernorm", RMSNorm.from_rmsnorm(layer.post_attention_layernorm, config)),
+            (layer, "mlp", SwiGLUMLP.from_mlp(layer.mlp, config)),
+        ]
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"coat.convert: cannot convert {name}: {error}") from error
+
+
+def install_decoder_layer(layer: nn.Module, plan: list[tuple[nn.Module, str, nn.Module]], config: FP8Config) -> None:
+    """Puts the planned modules in place and gives the layer its FP8 forward. Parameters are shared with
+    the replaced modules, not copied, so the state dict and any optimizer keep working."""
+    for parent, child_name, replacement in plan:
+        setattr(parent, child_name, replacement)
+    layer.fp8_config = config
+    layer.__class__ = FP8_DECODER_LAYERS[type(layer)]

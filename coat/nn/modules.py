@@ -1,0 +1,154 @@
+"""coat's FP8 modules: drop-in replacements that keep the parameter names of the modules they replace."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from coat.nn import functional as coat_functional
+from coat.nn.config import FP8Config
+
+
+class Linear(nn.Linear):
+    """``torch.nn.Linear`` with FP8 GEMMs (see :mod:`coat.nn.functional`): same parameters (``weight``,
+    ``bias``), same initialization, same state dict. It saves only the FP8 transposed input and its scale
+    for backward."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        config: FP8Config = FP8Config(),
+    ):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: FP8Config = FP8Config()) -> "Linear":
+        """A coat Linear that shares ``linear``'s parameter objects (so optimizers, tied weights and
+        state-dict keys are unaffected) and its train/eval mode."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"coat.nn.Linear.from_linear expects a torch.nn.Linear, got {type(linear).__name__}")
+        converted = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",
+            dtype=linear.weight.dtype,
+            config=config,
+        )
+        converted.weight = linear.weight
+        converted.bias = linear.bias
+        return converted.train(linear.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return coat_functional.linear(x, self.weight, self.bias, self.config)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, config={self.config}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (``weight * x / sqrt(mean(x^2) + eps)``, as LlamaRMSNorm) through coat's fused kernel, which
+    saves its input as E4M3 in 1 x G groups (a quarter of the float32 input LlamaRMSNorm keeps, plus 1/8
+    for the scales) and writes its output in FP8 per tensor. Inside a converted decoder layer that FP8
+    output feeds the next GEMMs directly; called on its own, the module returns it dequantized, i.e. the
+    values an FP8 linear layer after it would read."""
+
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None, *, config: FP8Config = FP8Config()
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.config = config
+
+    @classmethod
+    def from_rmsnorm(cls, norm: nn.Module, config: FP8Config = FP8Config()) -> "RMSNorm":
+        """From a transformers Llama/Mistral/Qwen2 RMSNorm (``weight``, ``variance_epsilon``) or a
+        ``torch.nn.RMSNorm`` with a weight and an explicit eps; shares the weight parameter."""
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float):
+            raise TypeError(
+                f"coat.nn.RMSNorm.from_rmsnorm expects an RMSNorm with a 1-d weight and a float eps "
+                f"(variance_epsilon or eps), got {type(norm).__name__}"
+            )
+        converted = cls(weight.shape[0], eps, device="meta", dtype=weight.dtype, config=config)
+        converted.weight = weight
+        return converted.train(norm.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return coat_functional.rms_norm(x, self.weight, self.eps, self.config)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, config={self.config}"
+
+
+def _is_silu(activation: nn.Module) -> bool:
+    probe = torch.tensor([-3.0, -0.5, 0.0, 0.75, 4.0])
+    return torch.allclose(activation(probe), torch.nn.functional.silu(probe))
+
+
+class SwiGLUMLP(nn.Module):
+    """LlamaMLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, in FP8: the input is quantized once for
+    both gate and up GEMMs, SiLU*mul runs as one fused kernel that saves gate and up as E4M3 in 1 x G
+    groups and writes its product in FP8 for the down GEMM (optionally with Smooth-SwiGLU, see
+    :class:`coat.nn.FP8Config`). Children and parameter names are LlamaMLP's."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        config: FP8Config = FP8Config(),
+    ):
+        super().__init__()
+        factory = dict(device=device, dtype=dtype, config=config)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias, **factory)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias, **factory)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, **factory)
+        self.config = config
+
+    @classmethod
+    def from_mlp(cls, mlp: nn.Module, config: FP8Config = FP8Config()) -> "SwiGLUMLP":
+        """From a module with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear) and ``act_fn`` SiLU, as
+        transformers' LlamaMLP, MistralMLP and Qwen2MLP; shares their parameters."""
+        projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(p, nn.Linear) for p in projections):
+            raise TypeError(
+                f"coat.nn.SwiGLUMLP.from_mlp expects gate_proj, up_proj and down_proj nn.Linear children, "
+                f"got {type(mlp).__name__}"
+            )
+        activation = getattr(mlp, "act_fn", None)
+        if not isinstance(activation, nn.Module) or not _is_silu(activation):
+            raise ValueError(
+                f"coat.nn.SwiGLUMLP.from_mlp: {type(mlp).__name__}.act_fn must be SiLU (hidden_act='silu'), "
+                f"got {activation!r}; the fused kernel computes SiLU(gate) * up only"
+            )
+        gate, up, down = projections
+        converted = cls(
+            gate.in_features, gate.out_features, device="meta", dtype=gate.weight.dtype, config=config
+        )
+        converted.gate_proj, converted.up_proj, converted.down_proj = (
+            Linear.from_linear(p, config) for p in projections
+        )
+        return converted.train(mlp.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return coat_functional.swiglu_mlp(
+            x,
+            (self.gate_proj.weight, self.gate_proj.bias),
+            (self.up_proj.weight, self.up_proj.bias),
+            (self.down_proj.weight, self.down_proj.bias),
+            self.config,
+        )
+
+    def extra_repr(self) -> str:
+        return f"config={self.config}"

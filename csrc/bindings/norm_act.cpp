@@ -1,0 +1,222 @@
+// ATen bindings of the norm_act family (coat/norm_act.h): check, allocate, call the core.
+#include "coat/norm_act.h"
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "common.h"
+
+namespace coat {
+namespace {
+
+// (y, y_scale, y_t, x_saved, x_saved_scales, rstd)
+using RmsnormForwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// (y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales)
+using SiluMulForwardOutputs =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+std::vector<int64_t> grouped_shape(const at::Tensor& x, int64_t group_size) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = (shape.back() + group_size - 1) / group_size;
+  return shape;
+}
+
+void check_named_group_size(int64_t group_size, const char* op, const char* arg) {
+  TORCH_CHECK(group_size == 16 || group_size == 32 || group_size == 64 || group_size == 128, op, ": ", arg,
+              " must be 16, 32, 64 or 128, got ", group_size);
+}
+
+// A [cols] vector read in place by the kernels: weight or smooth_scale.
+void check_channel_vector(const at::Tensor& v, const at::Tensor& input, int64_t cols, const char* op,
+                          const char* arg) {
+  check_same_device(input, v, op, arg);
+  TORCH_CHECK(v.dim() == 1 && v.size(0) == cols, op, ": ", arg, " must have shape [", cols,
+              "] (the input's last dimension), got ", v.sizes());
+  TORCH_CHECK(v.is_contiguous(), op, ": ", arg, " must be contiguous; call .contiguous() first");
+}
+
+// An FP8 tensor saved by a forward op: E4M3, contiguous, with the shape of the tensor it was saved from.
+void check_saved(const at::Tensor& saved, const at::Tensor& like, const char* op, const char* arg) {
+  check_same_device(like, saved, op, arg);
+  TORCH_CHECK(saved.scalar_type() == at::kFloat8_e4m3fn, op, ": ", arg,
+              " must be torch.float8_e4m3fn, as the forward op saves it, got ", saved.scalar_type());
+  TORCH_CHECK(saved.sizes() == like.sizes(), op, ": ", arg, " has shape ", saved.sizes(),
+              " but dy has shape ", like.sizes(), "; pass the tensors the forward op returned for this dy");
+  TORCH_CHECK(saved.is_contiguous(), op, ": ", arg, " must be contiguous, as the forward op returns it");
+}
+
+void check_saved_scales(const at::Tensor& scales, const at::Tensor& like, int64_t group_size, const char* op,
+                        const char* arg) {
+  check_same_device(like, scales, op, arg);
+  const std::vector<int64_t> expected = grouped_shape(like, group_size);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), op, ": ", arg,
+              " must be a contiguous float32 tensor, as the forward op returns it, got ", scales.scalar_type());
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef(expected), op, ": with save_group_size=", group_size, " ", arg,
+              " must have shape ", at::IntArrayRef(expected), ", got ", scales.sizes(),
+              "; pass the save_group_size the forward op used");
+}
+
+void check_max_cols(int64_t cols, const char* op, const char* arg) {
+  TORCH_CHECK(cols <= COAT_NORM_ACT_MAX_COLS, op, ": the last dimension of ", arg, " must be at most 2^30, got ", cols);
+}
+
+void check_rmsnorm_cols(int64_t cols, const char* op, const char* arg) {
+  TORCH_CHECK(cols >= 1 && cols <= COAT_RMSNORM_MAX_COLS, op, ": the last dimension of ", arg,
+              " (the normalized size) must be between 1 and ", COAT_RMSNORM_MAX_COLS, ", got ", cols);
+}
+
+at::Tensor transposed_output(const at::Tensor& x, const RowMatrix& m, at::ScalarType fp8_dtype, bool transpose) {
+  return transpose ? at::empty({m.cols, m.rows}, x.options().dtype(fp8_dtype))
+                   : at::empty({0}, x.options().dtype(fp8_dtype));
+}
+
+RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t save_group_size,
+                                 int64_t amax_group_size, at::ScalarType fp8_dtype, bool transpose) {
+  constexpr const char* op = "coat.rmsnorm_quantize";
+  check_device(x, op, "x");
+  const coat_dtype x_dtype = input_dtype(x, op, "x");
+  const coat_fp8_format format = fp8_format(fp8_dtype, op, "fp8_dtype");
+  check_named_group_size(save_group_size, op, "save_group_size");
+  check_named_group_size(amax_group_size, op, "amax_group_size");
+  const RowMatrix m = as_row_matrix(x, op, "x");
+  check_rmsnorm_cols(m.cols, op, "x");
+  check_channel_vector(weight, x, m.cols, op, "weight");
+  const coat_dtype weight_dtype = input_dtype(weight, op, "weight");
+  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps), op, ": eps must be finite and >= 0, got ", eps);
+
+  const at::TensorOptions float_options = x.options().dtype(at::kFloat);
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(fp8_dtype));
+  at::Tensor y_scale = at::empty({}, float_options);
+  at::Tensor y_t = transposed_output(x, m, fp8_dtype, transpose);
+  at::Tensor x_saved = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor x_saved_scales = at::empty(grouped_shape(x, save_group_size), float_options);
+  at::Tensor rstd = at::empty({m.rows}, float_options);
+  at::Tensor y_amax = at::empty({1}, float_options);
+  COAT_CALL_CORE(x, coat_rmsnorm_quantize, x.data_ptr(), x_dtype, m.rows, m.cols, m.row_stride, weight.data_ptr(),
+                 weight_dtype, static_cast<float>(eps), save_group_size, format, data_as<uint8_t>(y),
+                 data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(x_saved),
+                 data_as<float>(x_saved_scales), data_as<float>(rstd), data_as<float>(y_amax));
+  return {y, y_scale, y_t, x_saved, x_saved_scales, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const at::Tensor& x_saved,
+                                                    const at::Tensor& x_saved_scales, const at::Tensor& rstd,
+                                                    const at::Tensor& weight, int64_t save_group_size) {
+  constexpr const char* op = "coat.rmsnorm_backward";
+  check_device(dy, op, "dy");
+  const coat_dtype dy_dtype = input_dtype(dy, op, "dy");
+  check_named_group_size(save_group_size, op, "save_group_size");
+  const RowMatrix m = as_row_matrix(dy, op, "dy");
+  check_rmsnorm_cols(m.cols, op, "dy");
+  check_saved(x_saved, dy, op, "x_saved");
+  check_saved_scales(x_saved_scales, dy, save_group_size, op, "x_saved_scales");
+  check_same_device(dy, rstd, op, "rstd");
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == m.rows, op,
+              ": rstd must be a contiguous float32 tensor with one value per row (", m.rows,
+              "), as rmsnorm_quantize returns it, got ", rstd.scalar_type(), " of shape ", rstd.sizes());
+  check_channel_vector(weight, dy, m.cols, op, "weight");
+  const coat_dtype weight_dtype = input_dtype(weight, op, "weight");
+
+  at::Tensor dx = at::empty(dy.sizes(), dy.options());
+  at::Tensor dweight = at::empty({m.cols}, dy.options().dtype(at::kFloat));
+  at::Tensor workspace = at::empty({coat_rmsnorm_backward_workspace_size(m.rows, m.cols)}, dy.options().dtype(at::kFloat));
+  COAT_CALL_CORE(dy, coat_rmsnorm_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
+                 data_as<const uint8_t>(x_saved), data_as<const float>(x_saved_scales), save_group_size,
+                 data_as<const float>(rstd), weight.data_ptr(), weight_dtype, dx.data_ptr(), data_as<float>(dweight),
+                 data_as<float>(workspace));
+  return {dx, dweight};
+}
+
+const float* smooth_scale_data(const std::optional<at::Tensor>& smooth_scale, const at::Tensor& input, int64_t cols,
+                               const char* op) {
+  if (!smooth_scale) return nullptr;
+  check_channel_vector(*smooth_scale, input, cols, op, "smooth_scale");
+  TORCH_CHECK(smooth_scale->scalar_type() == at::kFloat, op, ": smooth_scale must be float32, got ",
+              smooth_scale->scalar_type());
+  return data_as<const float>(*smooth_scale);
+}
+
+SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor& up,
+                                  const std::optional<at::Tensor>& smooth_scale, int64_t save_group_size,
+                                  int64_t amax_group_size, at::ScalarType fp8_dtype, bool transpose) {
+  constexpr const char* op = "coat.silu_mul_quantize";
+  check_device(gate, op, "gate");
+  check_same_device(gate, up, op, "up");
+  const coat_dtype dtype = input_dtype(gate, op, "gate");
+  TORCH_CHECK(up.scalar_type() == gate.scalar_type(), op, ": gate and up must have the same dtype, got ",
+              gate.scalar_type(), " and ", up.scalar_type());
+  TORCH_CHECK(up.sizes() == gate.sizes(), op, ": gate and up must have the same shape, got ", gate.sizes(), " and ",
+              up.sizes());
+  const coat_fp8_format format = fp8_format(fp8_dtype, op, "fp8_dtype");
+  check_named_group_size(save_group_size, op, "save_group_size");
+  check_named_group_size(amax_group_size, op, "amax_group_size");
+  const RowMatrix gate_m = as_row_matrix(gate, op, "gate");
+  const RowMatrix up_m = as_row_matrix(up, op, "up");
+  check_max_cols(gate_m.cols, op, "gate");
+  const float* smooth = smooth_scale_data(smooth_scale, gate, gate_m.cols, op);
+
+  const at::TensorOptions float_options = gate.options().dtype(at::kFloat);
+  const at::TensorOptions e4m3_options = gate.options().dtype(at::kFloat8_e4m3fn);
+  at::Tensor y = at::empty(gate.sizes(), gate.options().dtype(fp8_dtype));
+  at::Tensor y_scale = at::empty({}, float_options);
+  at::Tensor y_t = transposed_output(gate, gate_m, fp8_dtype, transpose);
+  at::Tensor gate_saved = at::empty(gate.sizes(), e4m3_options);
+  at::Tensor gate_scales = at::empty(grouped_shape(gate, save_group_size), float_options);
+  at::Tensor up_saved = at::empty(gate.sizes(), e4m3_options);
+  at::Tensor up_scales = at::empty(grouped_shape(gate, save_group_size), float_options);
+  at::Tensor y_amax = at::empty({1}, float_options);
+  COAT_CALL_CORE(gate, coat_silu_mul_quantize, gate.data_ptr(), up.data_ptr(), dtype, gate_m.rows, gate_m.cols,
+                 gate_m.row_stride, up_m.row_stride, smooth, save_group_size, format, data_as<uint8_t>(y),
+                 data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(gate_saved),
+                 data_as<float>(gate_scales), data_as<uint8_t>(up_saved), data_as<float>(up_scales),
+                 data_as<float>(y_amax));
+  return {y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& dy, const at::Tensor& gate_saved,
+                                                     const at::Tensor& gate_scales, const at::Tensor& up_saved,
+                                                     const at::Tensor& up_scales,
+                                                     const std::optional<at::Tensor>& smooth_scale,
+                                                     int64_t save_group_size) {
+  constexpr const char* op = "coat.silu_mul_backward";
+  check_device(dy, op, "dy");
+  const coat_dtype dy_dtype = input_dtype(dy, op, "dy");
+  check_named_group_size(save_group_size, op, "save_group_size");
+  const RowMatrix m = as_row_matrix(dy, op, "dy");
+  check_max_cols(m.cols, op, "dy");
+  check_saved(gate_saved, dy, op, "gate_saved");
+  check_saved(up_saved, dy, op, "up_saved");
+  check_saved_scales(gate_scales, dy, save_group_size, op, "gate_scales");
+  check_saved_scales(up_scales, dy, save_group_size, op, "up_scales");
+  const float* smooth = smooth_scale_data(smooth_scale, dy, m.cols, op);
+
+  at::Tensor dgate = at::empty(dy.sizes(), dy.options());
+  at::Tensor dup = at::empty(dy.sizes(), dy.options());
+  COAT_CALL_CORE(dy, coat_silu_mul_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
+                 data_as<const uint8_t>(gate_saved), data_as<const float>(gate_scales),
+                 data_as<const uint8_t>(up_saved), data_as<const float>(up_scales), smooth, save_group_size,
+                 dgate.data_ptr(), dup.data_ptr());
+  return {dgate, dup};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(coat, CPU, m) {
+  m.impl("rmsnorm_quantize", &rmsnorm_quantize);
+  m.impl("rmsnorm_backward", &rmsnorm_backward);
+  m.impl("silu_mul_quantize", &silu_mul_quantize);
+  m.impl("silu_mul_backward", &silu_mul_backward);
+}
+
+#ifdef COAT_WITH_CUDA
+TORCH_LIBRARY_IMPL(coat, CUDA, m) {
+  m.impl("rmsnorm_quantize", &rmsnorm_quantize);
+  m.impl("rmsnorm_backward", &rmsnorm_backward);
+  m.impl("silu_mul_quantize", &silu_mul_quantize);
+  m.impl("silu_mul_backward", &silu_mul_backward);
+}
+#endif
+
+}  // namespace coat

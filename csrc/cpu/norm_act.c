@@ -1,0 +1,200 @@
+/* C99 CPU implementation of coat/norm_act.h. The element math and the reduction orders are those of
+ * coat/detail/norm_act_math.h, replayed in the order csrc/cuda/norm_act.cu computes them. */
+#include "coat/norm_act.h"
+
+#include <stddef.h>
+
+#include "coat/detail/norm_act_math.h"
+
+static int valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
+  return rows >= 0 && cols >= 0 && cols <= COAT_NORM_ACT_MAX_COLS && row_stride >= cols &&
+         (x != NULL || rows * cols == 0);
+}
+
+static const void* row_at(const void* x, coat_dtype dtype, int64_t row, int64_t row_stride) {
+  const size_t element_size = dtype == COAT_FLOAT32 ? 4 : 2;
+  return (const char*)x + (size_t)row * (size_t)row_stride * element_size;
+}
+
+static int64_t lane_of_column(int64_t col, int64_t lanes) { return (col / COAT_NORM_ACT_CHUNK) % lanes; }
+
+/* One row of coat_quantize_group(x, group_size, E4M3): the FP8 copy of an input saved for backward. */
+static void save_row(const void* row, coat_dtype dtype, int64_t cols, int64_t group_size, uint8_t* codes,
+                     float* scales) {
+  for (int64_t begin = 0, group = 0; begin < cols; begin += group_size, ++group) {
+    const int64_t end = begin + group_size < cols ? begin + group_size : cols;
+    float amax = 0.0f;
+    for (int64_t c = begin; c < end; ++c) amax = coat_amax_step(amax, coat_load_f32(row, dtype, c));
+    const float scale = coat_scale_from_amax(amax, COAT_E4M3);
+    scales[group] = scale;
+    for (int64_t c = begin; c < end; ++c) codes[c] = coat_encode_scaled(coat_load_f32(row, dtype, c), scale, COAT_E4M3);
+  }
+}
+
+/* Writes code for element (r, c) of y and, when there is one, of its transpose. */
+static void put_code(uint8_t code, int64_t r, int64_t c, int64_t rows, int64_t cols, uint8_t* y, uint8_t* y_t) {
+  y[r * cols + c] = code;
+  if (y_t != NULL) y_t[c * rows + r] = code;
+}
+
+coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
+                                      int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
+                                      int64_t save_group_size, coat_fp8_format y_format, uint8_t* y,
+                                      float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
+                                      float* rstd, float* y_amax) {
+  if (!valid_matrix(x, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL ||
+      !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL)
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const int64_t lanes = coat_rmsnorm_lanes(cols);
+  const int64_t ngroups = coat_ceil_div(cols, save_group_size);
+  float amax = 0.0f;
+  /* pass 1: rstd, the saved input and the amax of y */
+#pragma omp parallel for schedule(static) reduction(max : amax)
+  for (int64_t r = 0; r < rows; ++r) {
+    const void* row = row_at(x, x_dtype, r, row_stride);
+    float partials[COAT_RMSNORM_MAX_LANES] = {0.0f};
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = coat_load_f32(row, x_dtype, c);
+      const int64_t lane = lane_of_column(c, lanes);
+      partials[lane] = partials[lane] + v * v;
+    }
+    const float row_rstd = coat_canonical_f32(coat_rmsnorm_rstd(coat_combine_lane_partials(partials, lanes), cols, eps));
+    rstd[r] = row_rstd;
+    save_row(row, x_dtype, cols, save_group_size, x_saved + r * cols, x_saved_scales + r * ngroups);
+    for (int64_t c = 0; c < cols; ++c)
+      amax = coat_amax_step(amax, coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), row_rstd,
+                                                     coat_load_f32(weight, weight_dtype, c)));
+  }
+  *y_amax = amax;
+  const float scale = coat_scale_from_amax(amax, y_format);
+  *y_scale = scale;
+  /* pass 2: y recomputed from x and quantized with the per-tensor scale */
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const void* row = row_at(x, x_dtype, r, row_stride);
+    for (int64_t c = 0; c < cols; ++c) {
+      const float value = coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), rstd[r], coat_load_f32(weight, weight_dtype, c));
+      put_code(coat_encode_scaled(value, scale, y_format), r, c, rows, cols, y, y_t);
+    }
+  }
+  return COAT_SUCCESS;
+}
+
+int64_t coat_rmsnorm_backward_workspace_size(int64_t rows, int64_t cols) {
+  return rows > 0 && cols > 0 ? coat_rmsnorm_backward_slices(rows, cols) * cols : 0;
+}
+
+coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
+                                      int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
+                                      int64_t save_group_size, const float* rstd, const void* weight,
+                                      coat_dtype weight_dtype, void* dx, float* dweight, float* workspace) {
+  if (!valid_matrix(dy, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL ||
+      dweight == NULL || !coat_is_valid_group_size(save_group_size) ||
+      (rows > 0 && (x_saved == NULL || x_saved_scales == NULL || rstd == NULL || dx == NULL || workspace == NULL)))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const int64_t lanes = coat_rmsnorm_lanes(cols);
+  const int64_t ngroups = coat_ceil_div(cols, save_group_size);
+  const int64_t rows_per_slice = coat_rmsnorm_backward_rows_per_slice(rows, cols);
+  const int64_t slices = rows > 0 ? coat_ceil_div(rows, rows_per_slice) : 0;
+#pragma omp parallel for schedule(static)
+  for (int64_t slice = 0; slice < slices; ++slice) {
+    float* slice_dweight = workspace + slice * cols;
+    for (int64_t c = 0; c < cols; ++c) slice_dweight[c] = 0.0f;
+    const int64_t end = (slice + 1) * rows_per_slice < rows ? (slice + 1) * rows_per_slice : rows;
+    for (int64_t r = slice * rows_per_slice; r < end; ++r) {
+      const void* dy_row = row_at(dy, dy_dtype, r, row_stride);
+      const uint8_t* codes = x_saved + r * cols;
+      const float* scales = x_saved_scales + r * ngroups;
+      const float row_rstd = rstd[r];
+      float partials[COAT_RMSNORM_MAX_LANES] = {0.0f};
+      for (int64_t c = 0; c < cols; ++c) {
+        const float xhat = coat_rmsnorm_xhat(codes[c], scales[c / save_group_size], row_rstd);
+        const float g = coat_load_f32(dy_row, dy_dtype, c) * coat_load_f32(weight, weight_dtype, c);
+        const int64_t lane = lane_of_column(c, lanes);
+        partials[lane] = partials[lane] + g * xhat;
+      }
+      const float mean_dot = coat_div_rn(coat_combine_lane_partials(partials, lanes), (float)cols);
+      for (int64_t c = 0; c < cols; ++c) {
+        const float xhat = coat_rmsnorm_xhat(codes[c], scales[c / save_group_size], row_rstd);
+        const float dy_value = coat_load_f32(dy_row, dy_dtype, c);
+        const float g = dy_value * coat_load_f32(weight, weight_dtype, c);
+        coat_store_as(dx, dy_dtype, r * cols + c, coat_rmsnorm_dx(g, xhat, mean_dot, row_rstd));
+        slice_dweight[c] = slice_dweight[c] + dy_value * xhat;
+      }
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < cols; ++c) {
+    float phases[COAT_DWEIGHT_PHASES] = {0.0f};
+    for (int64_t slice = 0; slice < slices; ++slice)
+      phases[slice % COAT_DWEIGHT_PHASES] = phases[slice % COAT_DWEIGHT_PHASES] + workspace[slice * cols + c];
+    dweight[c] = coat_canonical_f32(coat_combine_dweight_phases(phases));
+  }
+  return COAT_SUCCESS;
+}
+
+coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
+                                       int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
+                                       const float* smooth_scale, int64_t save_group_size,
+                                       coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
+                                       uint8_t* gate_saved, float* gate_scales, uint8_t* up_saved,
+                                       float* up_scales, float* y_amax) {
+  if (!valid_matrix(gate, rows, cols, gate_row_stride) || !valid_matrix(up, rows, cols, up_row_stride) ||
+      !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL)
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const int64_t ngroups = coat_ceil_div(cols, save_group_size);
+  float amax = 0.0f;
+  /* pass 1: the saved inputs and the amax of y */
+#pragma omp parallel for schedule(static) reduction(max : amax)
+  for (int64_t r = 0; r < rows; ++r) {
+    const void* gate_row = row_at(gate, dtype, r, gate_row_stride);
+    const void* up_row = row_at(up, dtype, r, up_row_stride);
+    save_row(gate_row, dtype, cols, save_group_size, gate_saved + r * cols, gate_scales + r * ngroups);
+    save_row(up_row, dtype, cols, save_group_size, up_saved + r * cols, up_scales + r * ngroups);
+    for (int64_t c = 0; c < cols; ++c)
+      amax = coat_amax_step(amax, coat_silu_mul(coat_load_f32(gate_row, dtype, c), coat_load_f32(up_row, dtype, c),
+                                                smooth_scale ? smooth_scale[c] : 1.0f));
+  }
+  *y_amax = amax;
+  const float scale = coat_scale_from_amax(amax, y_format);
+  *y_scale = scale;
+  /* pass 2: y recomputed from gate and up and quantized with the per-tensor scale */
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const void* gate_row = row_at(gate, dtype, r, gate_row_stride);
+    const void* up_row = row_at(up, dtype, r, up_row_stride);
+    for (int64_t c = 0; c < cols; ++c) {
+      const float value = coat_silu_mul(coat_load_f32(gate_row, dtype, c), coat_load_f32(up_row, dtype, c),
+                                        smooth_scale ? smooth_scale[c] : 1.0f);
+      put_code(coat_encode_scaled(value, scale, y_format), r, c, rows, cols, y, y_t);
+    }
+  }
+  return COAT_SUCCESS;
+}
+
+coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
+                                       int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
+                                       const uint8_t* up_saved, const float* up_scales,
+                                       const float* smooth_scale, int64_t save_group_size, void* dgate,
+                                       void* dup) {
+  if (!valid_matrix(dy, rows, cols, row_stride) || !coat_is_valid_group_size(save_group_size) ||
+      (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || up_saved == NULL || up_scales == NULL ||
+                           dgate == NULL || dup == NULL)))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const int64_t ngroups = coat_ceil_div(cols, save_group_size);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const void* dy_row = row_at(dy, dy_dtype, r, row_stride);
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t scale_index = r * ngroups + c / save_group_size;
+      const float gate_value = coat_e4m3_to_f32(gate_saved[r * cols + c]) * gate_scales[scale_index];
+      const float up_value = coat_e4m3_to_f32(up_saved[r * cols + c]) * up_scales[scale_index];
+      float dgate_value, dup_value;
+      coat_silu_mul_grads(coat_load_f32(dy_row, dy_dtype, c), gate_value, up_value,
+                          smooth_scale ? smooth_scale[c] : 1.0f, &dgate_value, &dup_value);
+      coat_store_as(dgate, dy_dtype, r * cols + c, dgate_value);
+      coat_store_as(dup, dy_dtype, r * cols + c, dup_value);
+    }
+  }
+  return COAT_SUCCESS;
+}

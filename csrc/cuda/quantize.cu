@@ -1,0 +1,644 @@
+/*
+ * CUDA implementation of coat/quantize.h: the *_cuda entry points. Element for element they run the
+ * steps of coat/detail/quantize_math.h that csrc/cpu/quantize.c runs, so results are bit-identical
+ * (IEEE division under -prec-div=true, no FMA contraction, no flush to zero; max is exact, so the order
+ * of the amax reductions does not matter).
+ *
+ * The kernels are memory-bound. One template, quantize_kernel, serves group quantization, tensor
+ * quantization and group amax, each with or without the transposed output; dequantize_kernel and
+ * reduce_amax_kernel complete the family. Every entry point enqueues on the given stream and returns
+ * without synchronising.
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "coat/detail/quantize_math.h"
+#include "coat/quantize.h"
+#include "group_amax.cuh"
+#include "launch.cuh"
+
+namespace coat {
+namespace device {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kThreadsLog2 = 8;
+constexpr int kWarps = kThreads / 32;
+
+/** Passes of a tile: each thread handles one chunk of a different row in each pass. */
+constexpr int kPasses = 4;
+
+/** Quantizers: elements of one row per lane and pass (one 16-byte load of bf16 / fp16, two of fp32). */
+constexpr int kQuantizeChunk = 8;
+/** Dequantizer: FP8 codes of one row per lane and pass (one 16-byte load). */
+constexpr int kDequantizeChunk = 16;
+/** Amax reduction: floats per lane and pass (one 16-byte load). */
+constexpr int kReduceChunk = 4;
+
+/** Transposing quantizers stage tiles of 64 rows x 128 columns of codes in shared memory: 16 lanes per
+ *  row, 16 rows per pass. */
+constexpr int kTransposeLanesLog2 = 4;
+constexpr int kTransposeTileCols = kQuantizeChunk << kTransposeLanesLog2;
+constexpr int kTransposeTileRows = (kThreads >> kTransposeLanesLog2) * kPasses;
+/** Row pitch of a staged tile in 32-bit words. Odd, so that the column reads of the transpose phase hit
+ *  32 distinct banks (see write_transposed_tile); the row-wise staging stores are conflict-free too. */
+constexpr int kTilePitchWords = kTransposeTileCols / 4 + 1;
+
+/** Chunks of N elements of T a thread loads before it processes the first: 64 bytes of independent loads
+ *  in flight per thread on the vector path, which saturates HBM at the occupancy these kernels reach.
+ *  The element-wise path holds one register per element, so it keeps 16 elements in flight. */
+template <bool kVector, typename T, int N>
+__host__ __device__ constexpr int batch_chunks() {
+  constexpr int kChunks = kVector ? 64 / static_cast<int>(sizeof(T) * N) : 16 / N;
+  return kChunks < 1 ? 1 : kChunks > kPasses ? kPasses : kChunks;
+}
+
+/** N elements that one lane loads or stores together, aligned for vector access. */
+template <typename T, int N>
+struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Chunk {
+  T e[N];
+};
+
+/** The widest access for a chunk of kBytes: 16-byte words, or one 8-byte word for 8 FP8 codes. */
+template <int kBytes>
+struct VectorWord {
+  using type = uint4;
+};
+template <>
+struct VectorWord<8> {
+  using type = uint2;
+};
+
+/** Loads columns [col, col + N) of the row at base + row_offset. Columns >= cols, and all of them when
+ *  !row_valid, read as 0 (which no amax notices). kVector: col and cols are multiples of N, so a chunk
+ *  is wholly inside or outside the row, and the chunk's address is aligned to its vector word. */
+template <bool kVector, typename T, int N>
+__device__ __forceinline__ void load_chunk(Chunk<T, N>& chunk, const T* __restrict__ base, int64_t row_offset,
+                                           int64_t col, int64_t cols, bool row_valid) {
+  if constexpr (kVector) {
+    using Word = typename VectorWord<sizeof(T) * N>::type;
+    constexpr int kWords = sizeof(T) * N / sizeof(Word);
+    Word* words = reinterpret_cast<Word*>(chunk.e);
+    if (row_valid && col < cols) {
+      const Word* source = reinterpret_cast<const Word*>(base + row_offset + col);
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) words[w] = source[w];
+    } else {
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) words[w] = Word{};
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) chunk.e[i] = row_valid && col + i < cols ? base[row_offset + col + i] : T(0);
+  }
+}
+
+/** Stores the in-range columns of a chunk to columns [col, col + N) of the row at base + row_offset,
+ *  nothing when !row_valid. kVector: as for load_chunk. */
+template <bool kVector, typename T, int N>
+__device__ __forceinline__ void store_chunk(const Chunk<T, N>& chunk, T* __restrict__ base, int64_t row_offset,
+                                            int64_t col, int64_t cols, bool row_valid) {
+  if constexpr (kVector) {
+    using Word = typename VectorWord<sizeof(T) * N>::type;
+    constexpr int kWords = sizeof(T) * N / sizeof(Word);
+    if (row_valid && col < cols) {
+      const Word* words = reinterpret_cast<const Word*>(chunk.e);
+      Word* target = reinterpret_cast<Word*>(base + row_offset + col);
+#pragma unroll
+      for (int w = 0; w < kWords; ++w) target[w] = words[w];
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (row_valid && col + i < cols) base[row_offset + col + i] = chunk.e[i];
+  }
+}
+
+/** Storage and exact fp32 conversion of a high-precision input dtype (coat_load_f32's cases). */
+template <coat_dtype kDtype>
+struct Input {
+  using Storage = float;
+  __device__ static float to_f32(float value) { return value; }
+};
+template <>
+struct Input<COAT_BFLOAT16> {
+  using Storage = uint16_t;
+  __device__ static float to_f32(uint16_t bits) { return coat_bf16_to_f32(bits); }
+};
+template <>
+struct Input<COAT_FLOAT16> {
+  using Storage = uint16_t;
+  __device__ static float to_f32(uint16_t bits) { return coat_f16_to_f32(bits); }
+};
+
+/** Storage and rounding of a dequantizer output dtype (coat_store's cases). */
+template <coat_dtype kDtype>
+struct Output {
+  using Storage = float;
+  __device__ static float from_f32(float value) { return value; }
+};
+template <>
+struct Output<COAT_BFLOAT16> {
+  using Storage = uint16_t;
+  __device__ static uint16_t from_f32(float value) { return coat_f32_to_bf16(value); }
+};
+
+enum class QuantizeMode {
+  kGroupScale,   ///< coat_quantize_group: one scale per 1xG group, and the codes
+  kTensorScale,  ///< coat_quantize_tensor: one scale from a precomputed amax, and the codes
+  kAmaxOnly,     ///< coat_group_amax: per-group amax only
+};
+
+struct QuantizeParams {
+  const void* x;
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride;
+  int group_log2;            ///< log2 G (kGroupScale, kAmaxOnly)
+  int lanes_per_row_log2;    ///< lanes sharing a row in a pass (non-transposing kernels)
+  const float* tensor_amax;  ///< kTensorScale: the amax the scale derives from
+  float* stats;              ///< scales (kGroupScale), group amax (kAmaxOnly), scale[0] (kTensorScale)
+  uint8_t* q;
+  uint8_t* q_t;              ///< transposed codes (transposing kernels)
+  bool q_t_word_stores;      ///< rows % 4 == 0 and q_t 4-byte aligned: q_t takes 4-byte stores
+};
+
+/** The shared tile of a transposing kernel. A function-local static, so that only the kernels that
+ *  call this allocate it. */
+__device__ __forceinline__ uint32_t* transpose_tile() {
+  __shared__ uint32_t tile[kTransposeTileRows * kTilePitchWords];
+  return tile;
+}
+
+/** in[i] holds bytes (i, 0..3) of a 4x4 byte block; out[k] receives bytes (0..3, k). */
+__device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&in)[4], uint32_t (&out)[4]) {
+  const uint32_t rows01_cols01 = __byte_perm(in[0], in[1], 0x5140);  // (0,0) (1,0) (0,1) (1,1)
+  const uint32_t rows01_cols23 = __byte_perm(in[0], in[1], 0x7362);  // (0,2) (1,2) (0,3) (1,3)
+  const uint32_t rows23_cols01 = __byte_perm(in[2], in[3], 0x5140);
+  const uint32_t rows23_cols23 = __byte_perm(in[2], in[3], 0x7362);
+  out[0] = __byte_perm(rows01_cols01, rows23_cols01, 0x5410);
+  out[1] = __byte_perm(rows01_cols01, rows23_cols01, 0x7632);
+  out[2] = __byte_perm(rows01_cols23, rows23_cols23, 0x5410);
+  out[3] = __byte_perm(rows01_cols23, rows23_cols23, 0x7632);
+}
+
+/**
+ * Writes a staged tile (matrix rows row0.., columns col0..) to q_t[c * rows + r].
+ *
+ * Each thread transposes 2 blocks of 4 rows x 4 columns: 4 word reads from shared memory, a 4x4 byte
+ * transpose in registers, then one 4-byte store into each of 4 rows of q_t. A warp takes 8 quad-rows x
+ * 4 quad-columns, so a store instruction writes 4 runs of 32 contiguous bytes (whole sectors), and its
+ * shared reads (word (4 * quad_row + i) * 33 + quad_col) fall in banks 4 * quad_row + quad_col + i
+ * mod 32: all distinct. Without word stores (rows % 4 != 0, unaligned q_t) the bytes go one by one.
+ */
+__device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint8_t* __restrict__ q_t,
+                                                      int64_t rows, int64_t cols, int64_t row0, int64_t col0,
+                                                      bool word_stores) {
+  constexpr int kWarpQuadRows = 8;
+  constexpr int kWarpQuadCols = 4;
+  constexpr int kPatchesPerColumn = kTransposeTileRows / 4 / kWarpQuadRows;
+  constexpr int kSteps = (kTransposeTileRows / 4) * (kTransposeTileCols / 4) / kThreads;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+    const int patch = step * kWarps + warp;
+    const int quad_row = (patch % kPatchesPerColumn) * kWarpQuadRows + lane % kWarpQuadRows;
+    const int quad_col = (patch / kPatchesPerColumn) * kWarpQuadCols + lane / kWarpQuadRows;
+    uint32_t tile_rows[4];
+    uint32_t tile_cols[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) tile_rows[i] = tile[(4 * quad_row + i) * kTilePitchWords + quad_col];
+    transpose_4x4_bytes(tile_rows, tile_cols);
+
+    const int64_t row = row0 + 4 * quad_row;
+    if (row >= rows) continue;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int64_t col = col0 + 4 * quad_col + k;
+      if (col >= cols) continue;
+      uint8_t* target = q_t + col * rows + row;
+      if (word_stores) {
+        *reinterpret_cast<uint32_t*>(target) = tile_cols[k];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (row + i < rows) target[i] = static_cast<uint8_t>(tile_cols[k] >> (8 * i));
+      }
+    }
+  }
+}
+
+/**
+ * Quantizes, or takes the group amax of, a rows x cols matrix, in tiles of kPasses * (256 / L) rows by
+ * 8 * L columns, with L = 2^lanes_per_row_log2 lanes per row (L = 16 when transposing: 64 x 128 tiles).
+ *
+ * In each of kPasses passes a thread owns the 8 elements [col, col + 8) of one row, col = tile column +
+ * 8 * (its lane in the row). It loads the chunks of a batch of passes (batch_chunks), then per pass:
+ *   - converts them to fp32;
+ *   - group modes: reduces the amax over the group_lanes(G, 8, L) lanes of its group (out-of-range
+ *     columns count as 0); the lane holding the group's first columns writes the amax (kAmaxOnly) or
+ *     the scale (kGroupScale);
+ *   - unless kAmaxOnly: encodes 8 codes with its group's (or the tensor's) scale, stores them to q and,
+ *     when kTranspose, to the block's shared tile, which the block then writes to q_t.
+ * Blocks loop over tiles, grid-stride in both dimensions; row tiles vary fastest across blockIdx.x, so
+ * that blocks running together complete each other's q_t lines.
+ *
+ * kVector: x's chunks are 16-byte aligned and cols % 8 == 0 (one or two 16-byte loads and one 8-byte
+ * store per chunk). Otherwise every element is loaded and stored on its own, with column bounds.
+ */
+template <QuantizeMode kMode, coat_dtype kDtype, coat_fp8_format kFormat, bool kTranspose, bool kVector>
+__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeParams p) {
+  using T = typename Input<kDtype>::Storage;
+  const T* __restrict__ x = static_cast<const T*>(p.x);
+
+  const int lanes_log2 = kTranspose ? kTransposeLanesLog2 : p.lanes_per_row_log2;
+  const int lane_in_row = threadIdx.x & ((1 << lanes_log2) - 1);
+  const int row_in_pass = threadIdx.x >> lanes_log2;
+  const int rows_per_pass = kThreads >> lanes_log2;
+  const int64_t tile_rows = int64_t{rows_per_pass} * kPasses;
+  const int64_t tile_cols = int64_t{kQuantizeChunk} << lanes_log2;
+  const int group_size = 1 << p.group_log2;
+  const int64_t ngroups = (p.cols + group_size - 1) >> p.group_log2;
+  const int reduce_lanes = group_lanes(group_size, kQuantizeChunk, 1 << lanes_log2);
+
+  float tensor_scale = 0.0f;
+  if constexpr (kMode == QuantizeMode::kTensorScale) {
+    tensor_scale = coat_scale_from_amax(*p.tensor_amax, kFormat);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) p.stats[0] = tensor_scale;
+  }
+
+  constexpr int kBatch = batch_chunks<kVector, T, kQuantizeChunk>();
+  for (int64_t col0 = blockIdx.y * tile_cols; col0 < p.cols; col0 += gridDim.y * tile_cols) {
+    const int64_t col = col0 + lane_in_row * kQuantizeChunk;
+    for (int64_t row0 = blockIdx.x * tile_rows; row0 < p.rows; row0 += gridDim.x * tile_rows) {
+#pragma unroll
+      for (int first_pass = 0; first_pass < kPasses; first_pass += kBatch) {
+        Chunk<T, kQuantizeChunk> chunks[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int64_t row = row0 + (first_pass + b) * rows_per_pass + row_in_pass;
+          load_chunk<kVector>(chunks[b], x, row * p.row_stride, col, p.cols, row < p.rows);
+        }
+
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int tile_row = (first_pass + b) * rows_per_pass + row_in_pass;
+          const int64_t row = row0 + tile_row;
+          const bool row_valid = row < p.rows;
+          float values[kQuantizeChunk];
+#pragma unroll
+          for (int i = 0; i < kQuantizeChunk; ++i) values[i] = Input<kDtype>::to_f32(chunks[b].e[i]);
+
+          float scale = tensor_scale;
+          if constexpr (kMode != QuantizeMode::kTensorScale) {
+            const float amax = group_amax_reduce(lane_amax(values), reduce_lanes);
+            if constexpr (kMode == QuantizeMode::kGroupScale) scale = coat_scale_from_amax(amax, kFormat);
+            if (row_valid && col < p.cols && starts_group(col, group_size))
+              p.stats[row * ngroups + (col >> p.group_log2)] = kMode == QuantizeMode::kAmaxOnly ? amax : scale;
+          }
+
+          if constexpr (kMode != QuantizeMode::kAmaxOnly) {
+            Chunk<uint8_t, kQuantizeChunk> codes;
+#pragma unroll
+            for (int i = 0; i < kQuantizeChunk; ++i) codes.e[i] = coat_quantize_value(values[i], scale, kFormat);
+            store_chunk<kVector>(codes, p.q, row * p.cols, col, p.cols, row_valid);
+            if constexpr (kTranspose) {
+              // Staged unconditionally: the transpose phase skips rows and columns out of range.
+              const uint32_t* code_words = reinterpret_cast<const uint32_t*>(codes.e);
+              uint32_t* staged = transpose_tile() + tile_row * kTilePitchWords + 2 * lane_in_row;
+              staged[0] = code_words[0];
+              staged[1] = code_words[1];
+            }
+          }
+        }
+      }
+
+      if constexpr (kTranspose) {
+        __syncthreads();
+        write_transposed_tile(transpose_tile(), p.q_t, p.rows, p.cols, row0, col0, p.q_t_word_stores);
+        __syncthreads();  // the next tile's staging overwrites the tile
+      }
+    }
+  }
+}
+
+/** scale[0] = max(amax[0] / FP8_MAX, 2^-126), for tensor quantization of an empty matrix (the C core
+ *  writes the scale whatever the size). One thread. */
+__global__ void tensor_scale_kernel(const float* __restrict__ amax, coat_fp8_format format, float* __restrict__ scale) {
+  scale[0] = coat_scale_from_amax(amax[0], format);
+}
+
+/** Floats a block of reduce_amax_kernel reads per grid-stride step. */
+template <bool kVector>
+__host__ __device__ constexpr int64_t reduce_block_span() {
+  return int64_t{kThreads} * batch_chunks<kVector, float, kReduceChunk>() * kReduceChunk;
+}
+
+/**
+ * atomicMax of max(values[0..count)) into *amax_bits, which the caller zeroed: the bits of a float >= 0
+ * order like the float.
+ *
+ * Each thread reads, per grid-stride step, 4 chunks of 4 floats (16-byte loads when kVector: values
+ * 16-byte aligned and count % 4 == 0) and keeps a running fmaxf from 0, as the C core does; the block
+ * reduces through shuffles and shared memory and issues one atomic.
+ */
+template <bool kVector>
+__global__ void __launch_bounds__(kThreads, 2)
+    reduce_amax_kernel(const float* __restrict__ values, int64_t count, unsigned int* __restrict__ amax_bits) {
+  constexpr int kBatch = batch_chunks<kVector, float, kReduceChunk>();
+  constexpr int64_t kBlockSpan = reduce_block_span<kVector>();
+  float amax = 0.0f;
+  for (int64_t base = blockIdx.x * kBlockSpan; base < count; base += gridDim.x * kBlockSpan) {
+    Chunk<float, kReduceChunk> chunks[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      load_chunk<kVector>(chunks[b], values, 0, base + (b * kThreads + threadIdx.x) * kReduceChunk, count, true);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+      for (int i = 0; i < kReduceChunk; ++i) amax = fmaxf(amax, chunks[b].e[i]);
+  }
+
+  __shared__ float warp_amax[kWarps];
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  amax = group_amax_reduce(amax, 32);
+  if (lane == 0) warp_amax[warp] = amax;
+  __syncthreads();
+  if (warp == 0) {
+    amax = group_amax_reduce(lane < kWarps ? warp_amax[lane] : 0.0f, 32);
+    // The sign bit is cleared because fmaxf may keep a -0 input, whose bits would beat any positive value.
+    if (lane == 0) atomicMax(amax_bits, __float_as_uint(amax) & 0x7FFFFFFFu);
+  }
+}
+
+struct DequantizeParams {
+  const uint8_t* q;
+  int64_t rows;
+  int64_t cols;
+  const float* scales;
+  int group_log2;          ///< log2 G, or -1: one per-tensor scale, scales[0]
+  int lanes_per_row_log2;  ///< lanes sharing a row in a pass
+  void* out;
+};
+
+/**
+ * out[r * cols + c] = round_to(kOutDtype, fp8_decode(q[r * cols + c]) * scale), in tiles of
+ * kPasses * (256 / L) rows by 16 * L columns, L = 2^lanes_per_row_log2.
+ *
+ * The block first decodes all 256 codes into a shared table (one coat_fp8_to_f32 per thread), so that
+ * decoding an element costs one shared load instead of the codec's bit manipulation. In each of kPasses
+ * passes a thread owns the 16 codes [col, col + 16) of one row; as G is a multiple of 16 they share one
+ * scale. It loads codes and scales a batch of passes ahead, then looks up, scales, rounds and stores
+ * each chunk (64 or 32 bytes). kVector: cols % 16 == 0 and q, out 16-byte aligned.
+ */
+template <coat_fp8_format kFormat, coat_dtype kOutDtype, bool kVector>
+__global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(const DequantizeParams p) {
+  static_assert(kThreads == 256, "one thread per FP8 code fills the decode table");
+  using T = typename Output<kOutDtype>::Storage;
+  T* __restrict__ out = static_cast<T*>(p.out);
+
+  __shared__ float decoded[256];
+  decoded[threadIdx.x] = coat_fp8_to_f32(static_cast<uint8_t>(threadIdx.x), kFormat);
+  __syncthreads();
+
+  const int lanes_log2 = p.lanes_per_row_log2;
+  const int lane_in_row = threadIdx.x & ((1 << lanes_log2) - 1);
+  const int row_in_pass = threadIdx.x >> lanes_log2;
+  const int rows_per_pass = kThreads >> lanes_log2;
+  const int64_t tile_rows = int64_t{rows_per_pass} * kPasses;
+  const int64_t tile_cols = int64_t{kDequantizeChunk} << lanes_log2;
+  const bool per_group = p.group_log2 >= 0;
+  const int64_t ngroups = per_group ? (p.cols + (int64_t{1} << p.group_log2) - 1) >> p.group_log2 : 0;
+
+  constexpr int kBatch = batch_chunks<kVector, uint8_t, kDequantizeChunk>();
+  for (int64_t col0 = blockIdx.y * tile_cols; col0 < p.cols; col0 += gridDim.y * tile_cols) {
+    const int64_t col = col0 + lane_in_row * kDequantizeChunk;
+    for (int64_t row0 = blockIdx.x * tile_rows; row0 < p.rows; row0 += gridDim.x * tile_rows) {
+#pragma unroll
+      for (int first_pass = 0; first_pass < kPasses; first_pass += kBatch) {
+        Chunk<uint8_t, kDequantizeChunk> codes[kBatch];
+        float scales[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int64_t row = row0 + (first_pass + b) * rows_per_pass + row_in_pass;
+          const bool in_range = row < p.rows && col < p.cols;
+          load_chunk<kVector>(codes[b], p.q, row * p.cols, col, p.cols, row < p.rows);
+          scales[b] = in_range ? p.scales[per_group ? row * ngroups + (col >> p.group_log2) : 0] : 0.0f;
+        }
+
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int64_t row = row0 + (first_pass + b) * rows_per_pass + row_in_pass;
+          Chunk<T, kDequantizeChunk> values;
+#pragma unroll
+          for (int i = 0; i < kDequantizeChunk; ++i)
+            values.e[i] = Output<kOutDtype>::from_f32(decoded[codes[b].e[i]] * scales[b]);
+          store_chunk<kVector>(values, out, row * p.cols, col, p.cols, row < p.rows);
+        }
+      }
+    }
+  }
+}
+
+/** A compile-time value carried by a type: turns a runtime choice into a template argument. */
+template <auto kValue>
+struct Constant {
+  static constexpr auto value = kValue;
+};
+
+template <typename Body>
+void dispatch_bool(bool flag, Body&& body) {
+  if (flag)
+    body(Constant<true>{});
+  else
+    body(Constant<false>{});
+}
+
+template <typename Body>
+void dispatch_input_dtype(coat_dtype dtype, Body&& body) {
+  switch (dtype) {
+    case COAT_BFLOAT16: body(Constant<COAT_BFLOAT16>{}); break;
+    case COAT_FLOAT16: body(Constant<COAT_FLOAT16>{}); break;
+    default: body(Constant<COAT_FLOAT32>{}); break;
+  }
+}
+
+template <typename Body>
+void dispatch_format(coat_fp8_format format, Body&& body) {
+  if (format == COAT_E4M3)
+    body(Constant<COAT_E4M3>{});
+  else
+    body(Constant<COAT_E5M2>{});
+}
+
+/** coat_valid_matrix of the C core. */
+bool valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
+  return rows >= 0 && cols >= 0 && row_stride >= cols && (x != nullptr || rows * cols == 0);
+}
+
+/** The enums select template instantiations, so values outside them are refused rather than guessed. */
+bool valid_input_dtype(coat_dtype dtype) {
+  return dtype == COAT_FLOAT32 || dtype == COAT_BFLOAT16 || dtype == COAT_FLOAT16;
+}
+
+bool valid_format(coat_fp8_format format) { return format == COAT_E4M3 || format == COAT_E5M2; }
+
+int64_t element_size(coat_dtype dtype) { return dtype == COAT_FLOAT32 ? 4 : 2; }
+
+/** Launches quantize_kernel for a non-empty matrix: picks the tile width, the vector path and the
+ *  instantiation. p.q_t selects the transposing kernel; p.q is null only for kAmaxOnly. */
+template <QuantizeMode kMode>
+coat_status launch_quantize(QuantizeParams p, coat_dtype dtype, coat_fp8_format format, cudaStream_t stream) {
+  const bool transpose = p.q_t != nullptr;
+  const bool vector = p.cols % kQuantizeChunk == 0 && is_aligned(p.x, 16) &&
+                      (p.rows == 1 || p.row_stride * element_size(dtype) % 16 == 0) &&
+                      (p.q == nullptr || is_aligned(p.q, 8));
+  // Rows as wide as the data allows (up to a whole block per row), for long contiguous runs.
+  p.lanes_per_row_log2 =
+      transpose ? kTransposeLanesLog2 : min(ceil_log2(coat_ceil_div(p.cols, kQuantizeChunk)), kThreadsLog2);
+  p.q_t_word_stores = transpose && p.rows % 4 == 0 && is_aligned(p.q_t, 4);
+  const int64_t tile_rows = int64_t{kThreads >> p.lanes_per_row_log2} * kPasses;
+  const int64_t tile_cols = int64_t{kQuantizeChunk} << p.lanes_per_row_log2;
+  const dim3 grid(clamp_grid(coat_ceil_div(p.rows, tile_rows), kMaxGridX),
+                  clamp_grid(coat_ceil_div(p.cols, tile_cols), kMaxGridY));
+
+  dispatch_input_dtype(dtype, [&](auto input) {
+    dispatch_bool(vector, [&](auto vectorized) {
+      if constexpr (kMode == QuantizeMode::kAmaxOnly) {
+        quantize_kernel<kMode, decltype(input)::value, COAT_E4M3, false, decltype(vectorized)::value>
+            <<<grid, kThreads, 0, stream>>>(p);
+      } else {
+        dispatch_format(format, [&](auto fp8) {
+          dispatch_bool(transpose, [&](auto transposed) {
+            quantize_kernel<kMode, decltype(input)::value, decltype(fp8)::value, decltype(transposed)::value,
+                            decltype(vectorized)::value><<<grid, kThreads, 0, stream>>>(p);
+          });
+        });
+      }
+    });
+  });
+  return launch_status();
+}
+
+}  // namespace
+}  // namespace device
+}  // namespace coat
+
+coat_status coat_quantize_group_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                     int64_t row_stride, int64_t group_size, coat_fp8_format format,
+                                     uint8_t* q, float* scales, uint8_t* q_t, coat_cuda_stream stream) {
+  using namespace coat::device;
+  if (!valid_matrix(x, rows, cols, row_stride) || !coat_is_valid_group_size(group_size) ||
+      !valid_input_dtype(dtype) || !valid_format(format))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  if (rows == 0 || cols == 0) return COAT_SUCCESS;
+  QuantizeParams p{};
+  p.x = x;
+  p.rows = rows;
+  p.cols = cols;
+  p.row_stride = row_stride;
+  p.group_log2 = ceil_log2(group_size);
+  p.stats = scales;
+  p.q = q;
+  p.q_t = q_t;
+  return launch_quantize<QuantizeMode::kGroupScale>(p, dtype, format, as_cuda_stream(stream));
+}
+
+coat_status coat_group_amax_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                 int64_t row_stride, int64_t group_size, float* group_amax,
+                                 coat_cuda_stream stream) {
+  using namespace coat::device;
+  if (!valid_matrix(x, rows, cols, row_stride) || !coat_is_valid_group_size(group_size) ||
+      !valid_input_dtype(dtype))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  if (rows == 0 || cols == 0) return COAT_SUCCESS;
+  QuantizeParams p{};
+  p.x = x;
+  p.rows = rows;
+  p.cols = cols;
+  p.row_stride = row_stride;
+  p.group_log2 = ceil_log2(group_size);
+  p.stats = group_amax;
+  return launch_quantize<QuantizeMode::kAmaxOnly>(p, dtype, COAT_E4M3, as_cuda_stream(stream));
+}
+
+coat_status coat_reduce_amax_cuda(const float* group_amax, int64_t count, float* amax, coat_cuda_stream stream) {
+  using namespace coat::device;
+  if (count < 0 || amax == nullptr || (group_amax == nullptr && count > 0)) return COAT_ERROR_INVALID_ARGUMENT;
+  const cudaStream_t cuda_stream = as_cuda_stream(stream);
+  // atomicMax on the bits needs a zero start; it is also the result for count == 0.
+  if (cudaMemsetAsync(amax, 0, sizeof(float), cuda_stream) != cudaSuccess) return COAT_ERROR_CUDA;
+  if (count == 0) return COAT_SUCCESS;
+  // Enough blocks for one grid-stride step, up to a cap past which the blocks loop; the cap bounds the
+  // atomics on the single result word.
+  constexpr int64_t kMaxBlocks = 1024;
+  unsigned int* amax_bits = reinterpret_cast<unsigned int*>(amax);
+  if (is_aligned(group_amax, 16) && count % kReduceChunk == 0) {
+    const unsigned int blocks = clamp_grid(coat_ceil_div(count, reduce_block_span<true>()), kMaxBlocks);
+    reduce_amax_kernel<true><<<blocks, kThreads, 0, cuda_stream>>>(group_amax, count, amax_bits);
+  } else {
+    const unsigned int blocks = clamp_grid(coat_ceil_div(count, reduce_block_span<false>()), kMaxBlocks);
+    reduce_amax_kernel<false><<<blocks, kThreads, 0, cuda_stream>>>(group_amax, count, amax_bits);
+  }
+  return launch_status();
+}
+
+coat_status coat_quantize_tensor_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                      int64_t row_stride, const float* amax, coat_fp8_format format,
+                                      uint8_t* q, float* scale, uint8_t* q_t, coat_cuda_stream stream) {
+  using namespace coat::device;
+  if (!valid_matrix(x, rows, cols, row_stride) || amax == nullptr || scale == nullptr ||
+      !valid_input_dtype(dtype) || !valid_format(format))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  if (rows == 0 || cols == 0) {
+    tensor_scale_kernel<<<1, 1, 0, as_cuda_stream(stream)>>>(amax, format, scale);
+    return launch_status();
+  }
+  QuantizeParams p{};
+  p.x = x;
+  p.rows = rows;
+  p.cols = cols;
+  p.row_stride = row_stride;
+  p.tensor_amax = amax;
+  p.stats = scale;
+  p.q = q;
+  p.q_t = q_t;
+  return launch_quantize<QuantizeMode::kTensorScale>(p, dtype, format, as_cuda_stream(stream));
+}
+
+coat_status coat_dequantize_cuda(const uint8_t* q, coat_fp8_format format, int64_t rows, int64_t cols,
+                                 const float* scales, int64_t group_size, void* out, coat_dtype out_dtype,
+                                 coat_cuda_stream stream) {
+  using namespace coat::device;
+  if (!valid_matrix(q, rows, cols, cols) || (scales == nullptr && rows * cols > 0) ||
+      (group_size != 0 && !coat_is_valid_group_size(group_size)) ||
+      (out_dtype != COAT_FLOAT32 && out_dtype != COAT_BFLOAT16) || !valid_format(format))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  if (rows == 0 || cols == 0) return COAT_SUCCESS;
+  DequantizeParams p{};
+  p.q = q;
+  p.rows = rows;
+  p.cols = cols;
+  p.scales = scales;
+  p.group_log2 = group_size ? ceil_log2(group_size) : -1;
+  p.lanes_per_row_log2 = min(ceil_log2(coat_ceil_div(cols, kDequantizeChunk)), kThreadsLog2);
+  p.out = out;
+  const bool vector = cols % kDequantizeChunk == 0 && is_aligned(q, 16) && is_aligned(out, 16);
+  const int64_t tile_rows = int64_t{kThreads >> p.lanes_per_row_log2} * kPasses;
+  const int64_t tile_cols = int64_t{kDequantizeChunk} << p.lanes_per_row_log2;
+  const dim3 grid(clamp_grid(coat_ceil_div(rows, tile_rows), kMaxGridX),
+                  clamp_grid(coat_ceil_div(cols, tile_cols), kMaxGridY));
+  const cudaStream_t cuda_stream = as_cuda_stream(stream);
+
+  dispatch_format(format, [&](auto fp8) {
+    dispatch_bool(out_dtype == COAT_BFLOAT16, [&](auto bf16) {
+      dispatch_bool(vector, [&](auto vectorized) {
+        dequantize_kernel<decltype(fp8)::value, decltype(bf16)::value ? COAT_BFLOAT16 : COAT_FLOAT32,
+                          decltype(vectorized)::value><<<grid, kThreads, 0, cuda_stream>>>(p);
+      });
+    });
+  });
+  return launch_status();
+}

@@ -1,0 +1,211 @@
+/*
+ * The arithmetic of the norm_act family (coat/norm_act.h), shared by the C and CUDA implementations so
+ * that both compute the same bits: the element formulas, the exp used by SiLU, and the reduction orders.
+ * Internal: not part of the C API.
+ *
+ * Every expression here is evaluated in fp32 with one rounding per operation, in the order written:
+ * the C core is compiled as C99 (no FMA contraction) and the CUDA core with -fmad=false, and division and
+ * square root go through coat_div_rn / coat_sqrt_rn (correctly rounded on both).
+ *
+ * Reduction order of a row sum (RMSNorm's sum of squares and backward dot product):
+ *   A row of `cols` elements is cut into chunks of COAT_NORM_ACT_CHUNK = 8 consecutive elements (the last
+ *   may be short), and the chunks are dealt to L = coat_rmsnorm_lanes(cols) lanes: chunk k belongs to lane
+ *   k % L. Each lane starts from +0 and adds its terms one at a time, chunk by chunk in increasing k,
+ *   element by element in increasing column. The L lane partials are then combined by
+ *   coat_combine_lane_partials: pairwise within each group of 32 lanes (lane l += lane l + 16, + 8, + 4,
+ *   + 2, + 1: a warp's xor butterfly), then pairwise across the L/32 group sums the same way.
+ *   The CUDA kernel runs exactly L threads per row, one per lane; the C code replays the same order.
+ *
+ * Reduction order of RMSNorm's dweight (a sum over rows, per column):
+ *   Rows are cut into slices of coat_rmsnorm_backward_rows_per_slice(rows, cols) consecutive rows. Within a
+ *   slice, per column, terms are added one row at a time in increasing row order, starting from +0 (one
+ *   row of the workspace per slice). Slice s then goes to phase s % 16; each phase adds its slices in
+ *   increasing s from +0; the 16 phase sums are combined pairwise (phase p += phase p + 8, + 4, + 2, + 1).
+ */
+#ifndef COAT_DETAIL_NORM_ACT_MATH_H
+#define COAT_DETAIL_NORM_ACT_MATH_H
+
+#include <math.h>
+
+#include "coat/detail/quantize_math.h"
+#include "coat/norm_act.h"
+
+/** Elements a thread loads at once: 16 bytes of bf16 / fp16 (two 16-byte loads of fp32). Every group size
+ *  is a multiple of it, so a chunk never straddles two quantization groups. */
+#define COAT_NORM_ACT_CHUNK 8
+/** A lane of an RMSNorm row holds at most this many chunks, in registers. */
+#define COAT_RMSNORM_MAX_CHUNKS_PER_LANE 4
+#define COAT_RMSNORM_MAX_LANES 1024
+/** Phases of the final dweight sum over slices (see above). */
+#define COAT_DWEIGHT_PHASES 16
+
+#define COAT_CANONICAL_NAN_BITS 0x7FC00000u
+#define COAT_FP8_CANONICAL_NAN 0x7Fu
+
+COAT_INLINE float coat_div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+COAT_INLINE float coat_sqrt_rn(float a) {
+#ifdef __CUDA_ARCH__
+  return __fsqrt_rn(a);
+#else
+  return sqrtf(a);
+#endif
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Reduction shapes                                                                                   */
+
+/** L, the number of lanes (CUDA threads) that reduce one RMSNorm row: the smallest power of two >= 32
+ *  that leaves each lane at most COAT_RMSNORM_MAX_CHUNKS_PER_LANE chunks, capped at 1024. It depends on
+ *  cols only, so that the reduction order does too. */
+COAT_INLINE int64_t coat_rmsnorm_lanes(int64_t cols) {
+  const int64_t chunks = coat_ceil_div(cols, COAT_NORM_ACT_CHUNK);
+  int64_t lanes = 32;
+  while (lanes < COAT_RMSNORM_MAX_LANES && lanes * COAT_RMSNORM_MAX_CHUNKS_PER_LANE < chunks) lanes *= 2;
+  return lanes;
+}
+
+/** Rows per dweight slice: enough slices that the backward kernel has ~64K threads (2048 warps) at work
+ *  (L threads per slice, at least 128 slices), so it streams at full bandwidth, and no more, since each
+ *  slice costs one fp32 row of workspace. */
+COAT_INLINE int64_t coat_rmsnorm_backward_rows_per_slice(int64_t rows, int64_t cols) {
+  int64_t max_slices = 65536 / coat_rmsnorm_lanes(cols);
+  if (max_slices < 128) max_slices = 128;
+  return rows <= max_slices ? 1 : coat_ceil_div(rows, max_slices);
+}
+
+COAT_INLINE int64_t coat_rmsnorm_backward_slices(int64_t rows, int64_t cols) {
+  return coat_ceil_div(rows, coat_rmsnorm_backward_rows_per_slice(rows, cols));
+}
+
+/** Combines the per-lane partial sums of a row in the order of the file comment (overwrites `partials`).
+ *  lanes = 32 * 2^k. This is what the CUDA kernels compute with warp butterflies. */
+COAT_INLINE float coat_combine_lane_partials(float* partials, int64_t lanes) {
+  for (int64_t base = 0; base < lanes; base += 32)
+    for (int offset = 16; offset > 0; offset >>= 1)
+      for (int lane = 0; lane < offset; ++lane)
+        partials[base + lane] = partials[base + lane] + partials[base + lane + offset];
+  for (int64_t offset = lanes / 64; offset > 0; offset >>= 1)
+    for (int64_t group = 0; group < offset; ++group)
+      partials[32 * group] = partials[32 * group] + partials[32 * (group + offset)];
+  return partials[0];
+}
+
+/** Combines the COAT_DWEIGHT_PHASES phase sums of a dweight column (overwrites `phases`). */
+COAT_INLINE float coat_combine_dweight_phases(float* phases) {
+  for (int offset = COAT_DWEIGHT_PHASES / 2; offset > 0; offset >>= 1)
+    for (int phase = 0; phase < offset; ++phase) phases[phase] = phases[phase] + phases[phase + offset];
+  return phases[0];
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* RMSNorm                                                                                            */
+
+/** rstd = 1 / sqrt(sum_sq / cols + eps). A row holding +-Inf (or squares that overflow) gets rstd = 0,
+ *  as PyTorch's x * rsqrt(mean(x^2) + eps) does, and a NaN row gets NaN. */
+COAT_INLINE float coat_rmsnorm_rstd(float sum_sq, int64_t cols, float eps) {
+  return coat_div_rn(1.0f, coat_sqrt_rn(coat_div_rn(sum_sq, (float)cols) + eps));
+}
+
+COAT_INLINE float coat_rmsnorm_apply(float x, float rstd, float weight) { return (x * rstd) * weight; }
+
+/** Backward of RMSNorm, per element: the normalized saved input, decoded as coat_dequantize does. */
+COAT_INLINE float coat_rmsnorm_xhat(uint8_t code, float scale, float rstd) {
+  return (coat_e4m3_to_f32(code) * scale) * rstd;
+}
+
+/** dx = (g - xhat * mean_dot) * rstd with g = dy * weight and mean_dot = (sum_c g * xhat) / cols. */
+COAT_INLINE float coat_rmsnorm_dx(float g, float xhat, float mean_dot, float rstd) {
+  return (g - xhat * mean_dot) * rstd;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* SiLU                                                                                               */
+
+/** e^x from + - * and exact scalings only, so that the C and CUDA results are the same bits (libm expf
+ *  and CUDA's expf differ in the last place). Cephes' expf: x = n ln2 + r with |r| <= ln2/2 (ln2 split in
+ *  two so that n * ln2_hi is exact), a degree-7 polynomial for e^r, then two exact power-of-two scalings
+ *  (2^n is split so that subnormal results are rounded once). Error below 1 ulp for normal results
+ *  (tests/test_norm_act.py measures it); +Inf above 88.72, +0 below -103.28, NaN for NaN. */
+COAT_INLINE float coat_exp(float x) {
+  if (x != x) return x;
+  if (x > 88.72283905206835f) return coat_f32_from_bits(0x7F800000u);
+  if (x < -103.278929903431851103f) return 0.0f;
+  const float n = floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  const float r2 = r * r;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r2 + r + 1.0f;
+  const int exponent = (int)n;                 /* in [-150, 128] */
+  const int first = exponent / 2, second = exponent - first; /* each in [-75, 64]: 2^k is a normal float */
+  p = p * coat_f32_from_bits((uint32_t)(first + 127) << 23);
+  return p * coat_f32_from_bits((uint32_t)(second + 127) << 23);
+}
+
+/** sigmoid(g) = 1 / (1 + e^-g): 0 for g < -88.7 (and -Inf), 1 for g > 16.6. */
+COAT_INLINE float coat_sigmoid(float g) { return coat_div_rn(1.0f, 1.0f + coat_exp(-g)); }
+
+/** y = (silu(g) * up) * smooth, with silu(g) = g * sigmoid(g), so silu(-Inf) = -Inf * 0 = NaN as in
+ *  PyTorch. smooth is the Smooth-SwiGLU channel scale, 1 without one (multiplying by 1 is exact). */
+COAT_INLINE float coat_silu_mul(float gate, float up, float smooth) {
+  return ((gate * coat_sigmoid(gate)) * up) * smooth;
+}
+
+/** Gradients of coat_silu_mul at (gate, up) for the output gradient dy (see coat_silu_mul_backward_cpu). */
+COAT_INLINE void coat_silu_mul_grads(float dy, float gate, float up, float smooth, float* dgate, float* dup) {
+  const float s = coat_sigmoid(gate);
+  const float dy_s = dy * smooth;
+  *dup = dy_s * (gate * s);
+  *dgate = (dy_s * up) * (s * (1.0f + gate * (1.0f - s)));
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Encoding and stores                                                                                */
+
+/** coat_quantize_value with every NaN result mapped to the positive NaN code (x86 makes Inf / Inf a
+ *  negative NaN, CUDA a positive one). Both formats encode NaN as sign | 0x7F and nothing else as x7F. */
+COAT_INLINE uint8_t coat_encode_scaled(float x, float scale, coat_fp8_format format) {
+  const uint8_t code = coat_quantize_value(x, scale, format);
+  return (code & 0x7Fu) == 0x7Fu ? (uint8_t)COAT_FP8_CANONICAL_NAN : code;
+}
+
+/** fp32 -> IEEE binary16, round to nearest even, overflow to +-Inf, NaN -> 0x7E00 (F. Giesen's
+ *  float_to_half_fast3_rtne; the subnormal case rounds in the fp32 adder). */
+COAT_INLINE uint16_t coat_f32_to_f16(float f) {
+  uint32_t bits = coat_f32_to_bits(f);
+  const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+  bits &= 0x7FFFFFFFu;
+  if (bits > 0x7F800000u) return (uint16_t)0x7E00u;
+  if (bits >= 0x47800000u) return (uint16_t)(sign | 0x7C00u); /* >= 2^16: Inf */
+  if (bits < 0x38800000u) {                                   /* below 2^-14: subnormal steps of 2^-24 */
+    const float magic = coat_f32_from_bits(126u << 23);      /* 0.5, whose ulp is 2^-24 */
+    return (uint16_t)(sign | (coat_f32_to_bits(coat_fadd_rn(coat_f32_from_bits(bits), magic)) - (126u << 23)));
+  }
+  bits = bits - (112u << 23) + 0xFFFu + ((bits >> 13) & 1u);
+  return (uint16_t)(sign | (bits >> 13));
+}
+
+/** Stores v as element i of `out` in `dtype`; NaN is stored canonically (0x7FC00000, 0x7FC0, 0x7E00). */
+COAT_INLINE void coat_store_as(void* out, coat_dtype dtype, int64_t i, float v) {
+  switch (dtype) {
+    case COAT_BFLOAT16: ((uint16_t*)out)[i] = coat_f32_to_bf16(v); break;
+    case COAT_FLOAT16: ((uint16_t*)out)[i] = coat_f32_to_f16(v); break;
+    default: ((float*)out)[i] = v != v ? coat_f32_from_bits(COAT_CANONICAL_NAN_BITS) : v; break;
+  }
+}
+
+COAT_INLINE float coat_canonical_f32(float v) { return v != v ? coat_f32_from_bits(COAT_CANONICAL_NAN_BITS) : v; }
+
+#endif /* COAT_DETAIL_NORM_ACT_MATH_H */

@@ -1,0 +1,142 @@
+/*
+ * coat core: fused non-linear layers with FP8 outputs and FP8-saved inputs (COAT section 5, appendix G.3).
+ *
+ * Two layers of a Llama-style block, each as a forward/backward pair:
+ *   RMSNorm:  y = x * rstd * weight,           rstd = 1 / sqrt(mean(x^2) + eps)   (per row)
+ *   SiLU*mul: y = silu(gate) * up [* smooth_scale[c]]                             (Smooth-SwiGLU when given)
+ *
+ * The forward writes y in FP8 with ONE per-tensor scale ("group scaling", COAT 5.2): the first pass
+ * computes the op and the amax of y inside the same kernel, a second pass recomputes the op from the
+ * inputs and quantizes it, so y never exists in memory in high precision. The forward also saves the
+ * op's INPUTS for backward as FP8 E4M3 with 1 x G groups (G = save_group_size), which is all the backward
+ * reads (plus rstd for RMSNorm). Backward gradients stay in the high-precision dtype (appendix G.5).
+ *
+ * Layout. High-precision tensors are row-major matrices of `rows` x `cols` whose rows start `row_stride`
+ * elements apart (row_stride >= cols, last dimension contiguous), as in coat/quantize.h, so the two
+ * halves of one [.., 2I] GEMM output can be passed as gate and up without a copy. Every output is
+ * contiguous. Groups, scales and FP8 encodings follow coat/quantize.h exactly:
+ *     scale = max(amax / FP8_MAX, 2^-126),  code = fp8_encode(v / scale)
+ * with one exception made for CPU/GPU bit equality: every NaN code is the positive NaN 0x7F (x86 and
+ * CUDA give NaNs of different signs, e.g. for Inf / Inf), so the sign of a NaN carries no information.
+ *
+ * Per-tensor FP8 output (y, y_scale, y_t). With y_f32 the fp32 op result defined in
+ * coat/detail/norm_act_math.h:
+ *     y_amax     = max |y_f32| over the tensor, NaN ignored (written to the one-float `y_amax` scratch)
+ *     y_scale[0] = max(y_amax / FP8_MAX, 2^-126)
+ *     y[r*cols + c] = fp8_encode(y_f32[r, c] / y_scale[0])       and, when y_t != NULL,
+ *     y_t[c*rows + r] = y[r*cols + c]                              (the operand of the weight-gradient GEMM)
+ * which is bit for bit coat_quantize_tensor applied to y_f32 (max is exact, so the result does not depend
+ * on how the amax is grouped).
+ *
+ * Saved inputs (E4M3, 1 x G groups along a row, G in {16, 32, 64, 128}, the last group of a row may be
+ * short): saved[r*cols + c] and scales[r*ceil(cols/G) + c/G] are bit for bit coat_quantize_group(input, G).
+ *
+ * Determinism. Every sum (the per-row sum of squares and dot product of RMSNorm, the column sums of
+ * dweight) has a fixed reduction order, defined in coat/detail/norm_act_math.h and shared by the C and
+ * CUDA implementations, which therefore agree bit for bit. NaN outputs in fp32 are the canonical 0x7FC00000.
+ *
+ * The CPU (C) and CUDA implementations compute the same values element for element, bit for bit.
+ * CUDA entry points enqueue work on `stream` and return without synchronising; their pointers are device
+ * pointers (the `y_amax` and `workspace` scratch included).
+ */
+#ifndef COAT_NORM_ACT_H
+#define COAT_NORM_ACT_H
+
+#include "coat/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** The widest row RMSNorm accepts: a row is reduced by at most 1024 threads holding 32 elements each. */
+#define COAT_RMSNORM_MAX_COLS 32768
+/** The widest row any norm_act entry point accepts (2^30; offsets within a row are 32-bit on the GPU). */
+#define COAT_NORM_ACT_MAX_COLS 1073741824
+
+/** RMSNorm forward with FP8 output and FP8-saved input.
+ *    rstd[r]  = 1 / sqrt(sum_c x[r,c]^2 / cols + eps)     (fp32, fixed reduction order, from the exact x)
+ *    y_f32    = (x[r,c] * rstd[r]) * weight[c]           (fp32, two roundings, in this order)
+ *  y, y_scale, y_t: the per-tensor FP8 output of y_f32 in `y_format` (see above); y_t may be NULL.
+ *  x_saved (rows*cols bytes), x_saved_scales (rows*ceil(cols/G) fp32): coat_quantize_group(x, G, E4M3).
+ *  x: `x_dtype`, rows x cols with row_stride; weight: `cols` contiguous elements of `weight_dtype`;
+ *  rstd: `rows` fp32; y_amax: one fp32 of scratch (receives the amax of y_f32).
+ *  1 <= cols <= COAT_RMSNORM_MAX_COLS; eps is added in fp32. */
+coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
+                                      int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
+                                      int64_t save_group_size, coat_fp8_format y_format, uint8_t* y,
+                                      float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
+                                      float* rstd, float* y_amax);
+coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
+                                       int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
+                                       int64_t save_group_size, coat_fp8_format y_format, uint8_t* y,
+                                       float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
+                                       float* rstd, float* y_amax, coat_cuda_stream stream);
+
+/** Number of fp32 elements of scratch coat_rmsnorm_backward_* needs: one partial dweight row per slice
+ *  of rows (see coat_rmsnorm_backward_rows_per_slice in coat/detail/norm_act_math.h). */
+int64_t coat_rmsnorm_backward_workspace_size(int64_t rows, int64_t cols);
+
+/** RMSNorm backward from the FP8-saved input. With x' = fp8_decode(x_saved) * scale (fp32, as
+ *  coat_dequantize gives), and per row r:
+ *    xhat[c] = x'[r,c] * rstd[r],   g[c] = dy[r,c] * weight[c]
+ *    dot     = sum_c g[c] * xhat[c]                         (fixed reduction order, as the forward's sum)
+ *    dx[r,c] = (g[c] - xhat[c] * (dot / cols)) * rstd[r]    rounded to dy's dtype
+ *    dweight[c] = sum_r dy[r,c] * xhat[c]                   (fp32, fixed order over rows)
+ *  dy: `dy_dtype`, rows x cols with row_stride; x_saved: rows*cols E4M3 bytes; x_saved_scales:
+ *  rows*ceil(cols/G) fp32; rstd: `rows` fp32; weight: `cols` elements of `weight_dtype`; dx: rows*cols
+ *  contiguous elements of `dy_dtype`; dweight: `cols` fp32; workspace: coat_rmsnorm_backward_workspace_size
+ *  fp32 of scratch. 1 <= cols <= COAT_RMSNORM_MAX_COLS. */
+coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
+                                      int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
+                                      int64_t save_group_size, const float* rstd, const void* weight,
+                                      coat_dtype weight_dtype, void* dx, float* dweight, float* workspace);
+coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
+                                       int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
+                                       int64_t save_group_size, const float* rstd, const void* weight,
+                                       coat_dtype weight_dtype, void* dx, float* dweight, float* workspace,
+                                       coat_cuda_stream stream);
+
+/** SiLU*mul forward (SwiGLU's activation) with FP8 output and FP8-saved inputs.
+ *    y_f32 = (silu(gate[r,c]) * up[r,c]) * smooth_scale[c]     (a factor of 1, which is exact, when
+ *            smooth_scale is NULL; silu(g) = g * sigmoid(g) as defined in coat/detail/norm_act_math.h)
+ *  y, y_scale, y_t: the per-tensor FP8 output of y_f32 in `y_format`; y_t may be NULL.
+ *  gate_saved / up_saved, gate_scales / up_scales: coat_quantize_group(gate / up, G, E4M3).
+ *  gate, up: `dtype`, rows x cols, with their own row strides; smooth_scale: `cols` fp32 or NULL;
+ *  y_amax: one fp32 of scratch. Smooth-SwiGLU (Fishman et al., 2024): the caller folds 1/smooth_scale
+ *  into the next linear layer, so that the FP8 input of that layer has no per-channel outliers. */
+coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
+                                       int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
+                                       const float* smooth_scale, int64_t save_group_size,
+                                       coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
+                                       uint8_t* gate_saved, float* gate_scales, uint8_t* up_saved,
+                                       float* up_scales, float* y_amax);
+coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
+                                        int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
+                                        const float* smooth_scale, int64_t save_group_size,
+                                        coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
+                                        uint8_t* gate_saved, float* gate_scales, uint8_t* up_saved,
+                                        float* up_scales, float* y_amax, coat_cuda_stream stream);
+
+/** SiLU*mul backward from the FP8-saved inputs g' and u' (decoded as coat_dequantize does), elementwise:
+ *    s        = 1 / (1 + exp(-g'))                          (sigmoid, as in the forward)
+ *    dy_s     = dy * smooth_scale[c]                        (dy * 1 without smooth_scale)
+ *    dup      = dy_s * (g' * s)
+ *    dgate    = (dy_s * u') * (s * (1 + g' * (1 - s)))
+ *  both rounded to dy's dtype. dy: `dy_dtype`, rows x cols with row_stride; dgate, dup: rows*cols
+ *  contiguous elements of `dy_dtype`. */
+coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
+                                       int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
+                                       const uint8_t* up_saved, const float* up_scales,
+                                       const float* smooth_scale, int64_t save_group_size, void* dgate,
+                                       void* dup);
+coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
+                                        int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
+                                        const uint8_t* up_saved, const float* up_scales,
+                                        const float* smooth_scale, int64_t save_group_size, void* dgate,
+                                        void* dup, coat_cuda_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COAT_NORM_ACT_H */

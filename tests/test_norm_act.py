@@ -1,0 +1,531 @@
+"""Tests of the fused non-linear layers: coat.ops.rmsnorm_quantize / rmsnorm_backward and
+silu_mul_quantize / silu_mul_backward (csrc/include/coat/norm_act.h).
+
+What is checked, and against what:
+- Ties to the standalone quantizers, bit for bit: y == quantize_tensor(the fp32 op result), and the saved
+  inputs == quantize_group(input). The fused ops write every NaN code as the positive NaN (0x7F); the
+  standalone CPU quantizers keep the sign x86 gives (Inf / Inf is a negative NaN), so NaN codes are
+  compared without their sign.
+- The documented arithmetic, bit for bit: rstd, dx, dweight, dgate and dup equal an fp32 replay
+  (tests/reference_norm_act.py) of the operation and reduction order norm_act_math.h documents.
+- Accuracy against float64 references written from the formulas:
+  * y is FP8, so the bf16 rule cannot apply to it. Bound: y / y_scale lies within half an FP8 step of the
+    exact value (round to nearest) plus a relative slack of 1e-5 for the fp32 arithmetic before rounding
+    (the fp32 error of the op is below 3e-6), so a code may differ from the exact rounding only where the
+    exact value is that close to a rounding boundary; y_scale is within 1e-5 of amax(y64) / FP8_MAX.
+  * The backward reads FP8-saved inputs, so against the float64 gradient at the exact input its error is
+    FP8 noise, not arithmetic. Bound: the reference is the float64 backward evaluated at the dequantized
+    saved inputs (and the kernel's rstd), and the flash-attention rule applies there: max error at most
+    2x that of the same formula computed by PyTorch in bf16.
+  * rstd: the flash-attention rule against float64, and the tighter fp32 bound derived in
+    test_rmsnorm_forward.
+- CUDA (skipped without a GPU): every output equal to the C core's, bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import reference_norm_act as ref
+from coat import ops
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits as integers, so that comparisons are exact (NaN included)."""
+    integer = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+    return t.view(integer)
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    differ = bits(actual.cpu()) != bits(expected.cpu())
+    assert not differ.any(), f"{what}: {int(differ.sum())} of {differ.numel()} elements differ, first at {differ.nonzero()[0].tolist()}"
+
+
+def nan_codes_unsigned(codes: torch.Tensor) -> torch.Tensor:
+    """FP8 codes with the sign of NaN codes cleared (NaN is S.1111.111 in E4M3 and S.11111.11 in E5M2)."""
+    raw = codes.view(torch.uint8)
+    return torch.where((raw & 0x7F) == 0x7F, torch.full_like(raw, 0x7F), raw).view(codes.dtype)
+
+
+def on_device(t: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    """t on `device` with the same sizes, strides and storage offset, so that views stay views."""
+    if t is None or device == "cpu":
+        return t
+    storage = t.untyped_storage()
+    flat = torch.empty(0, dtype=t.dtype).set_(storage, 0, (storage.nbytes() // t.element_size(),), (1,))
+    return flat.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def run(op, *args, device: str):
+    """Runs the op on `device` (args are CPU tensors and scalars) and returns CPU outputs. On CUDA it also
+    runs the C core and requires every output to be the same, bit for bit."""
+    outputs = op(*(on_device(a, device) if isinstance(a, torch.Tensor) else a for a in args))
+    if device != "cpu":
+        for i, (gpu, cpu) in enumerate(zip(outputs, op(*args))):
+            assert_same_bits(gpu.cpu(), cpu, f"output {i} on {device} vs the C core")
+    return tuple(t.cpu() for t in outputs)
+
+
+def activations(shape, dtype, seed: int, outliers: bool = True) -> torch.Tensor:
+    """Normal values with heavy-tailed per-row and per-channel magnitudes, like LLM activations."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    if outliers:
+        x = x * torch.exp(torch.randn(shape[-1], generator=g, dtype=torch.float64))
+        x = x * torch.exp(0.5 * torch.randn(*shape[:-1], 1, generator=g, dtype=torch.float64))
+    return x.to(dtype)
+
+
+def max_error(actual: torch.Tensor, expected64: torch.Tensor) -> float:
+    return (actual.double() - expected64).abs().max().item() if actual.numel() else 0.0
+
+
+def check_fp8_output(y: torch.Tensor, y_scale: torch.Tensor, y64: torch.Tensor) -> None:
+    """The FP8 accuracy bound stated in the module docstring."""
+    fp8 = y.dtype
+    expected_scale = ref.per_tensor_scale(y64, fp8)
+    assert y_scale.shape == () and y_scale.dtype == torch.float32
+    assert abs(y_scale.item() - expected_scale) <= 1e-5 * expected_scale
+    exact = (y64 / y_scale.double()).flatten()
+    finite = torch.isfinite(exact)
+    error = (y.double().flatten() - exact).abs()[finite]
+    allowed = 0.5 * ref.fp8_step(exact, fp8)[finite] + 1e-5 * exact.abs()[finite]
+    assert (error <= allowed).all(), f"max excess {(error - allowed).max().item()}"
+
+
+def check_tied_to_quantize_tensor(y, y_scale, y32, y_t) -> None:
+    """y_t is the op's transpose output, empty when it was not asked for."""
+    transpose_output = y_t if y_t.numel() == y.numel() else None
+    q, scale, q_t = ops.quantize_tensor(y32, y.dtype, transpose=transpose_output is not None)
+    assert_same_bits(y_scale, scale, "y_scale vs quantize_tensor")
+    assert_same_bits(y, nan_codes_unsigned(q), "y vs quantize_tensor")
+    if transpose_output is not None:
+        assert_same_bits(transpose_output, nan_codes_unsigned(q_t), "y_t vs quantize_tensor")
+
+
+def check_tied_to_quantize_group(saved, scales, x, group_size) -> None:
+    q, expected_scales, _ = ops.quantize_group(x, group_size, E4M3)
+    assert_same_bits(scales, expected_scales, "saved scales vs quantize_group")
+    assert_same_bits(saved, nan_codes_unsigned(q), "saved codes vs quantize_group")
+
+
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def rmsnorm_forward(x, weight, *, eps=EPS, group_size=16, amax_group_size=128, fp8=E4M3, transpose=True, device="cpu"):
+    return run(torch.ops.coat.rmsnorm_quantize, x, weight, eps, group_size, amax_group_size, fp8, transpose, device=device)
+
+
+def silu_mul_forward(gate, up, smooth=None, *, group_size=16, fp8=E4M3, transpose=True, device="cpu"):
+    return run(torch.ops.coat.silu_mul_quantize, gate, up, smooth, group_size, 128, fp8, transpose, device=device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# RMSNorm forward
+
+# H in {64, 128, 2048, 11008} from Llama shapes, 176 and 1000 (H % 128 != 0), 100 and 7 (H % 8 != 0: short
+# chunks and the CUDA scalar path); rows 1, 97, 4097.
+RMSNORM_SHAPES = [(1, 64), (97, 128), (4097, 176), (97, 2048), (1, 11008), (97, 11008), (97, 1000), (5, 100), (3, 7)]
+# (x dtype, weight dtype, save group size, FP8 format of y)
+RMSNORM_OPTIONS = [
+    (torch.float32, torch.float32, 32, E4M3),
+    (torch.float16, torch.bfloat16, 64, E5M2),
+    (torch.bfloat16, torch.float32, 128, E5M2),
+    (torch.bfloat16, torch.float16, 16, E4M3),
+]
+
+
+def check_rmsnorm_forward(x, weight, outputs, *, eps=EPS, group_size=16) -> None:
+    y, y_scale, y_t, x_saved, x_saved_scales, rstd = outputs
+    cols = x.shape[-1]
+    x32, w32 = rows_of(x).float(), weight.float()
+
+    # rstd: the documented order, bit for bit, then its accuracy. The fp32 bound: each lane adds at most
+    # 8 * 4 terms and the tree log2(L) more, every addition of positive terms costing one rounding u = 2^-24
+    # relatively; mean, + eps, sqrt (which halves the relative error) and the division add about 2u.
+    # 4 extra units and a factor of 2 of margin give the bound below.
+    assert rstd.shape == (x32.shape[0],) and rstd.dtype == torch.float32
+    assert_same_bits(rstd, ref.rmsnorm_rstd_f32(x32, eps), "rstd vs the documented order")
+    y64, rstd64 = ref.rmsnorm(rows_of(x), weight, eps)
+    rstd_bf16 = torch.rsqrt(rows_of(x).bfloat16().pow(2).mean(dim=-1) + eps)
+    assert max_error(rstd, rstd64) <= 2 * max_error(rstd_bf16, rstd64)
+    lanes = ref.rmsnorm_lanes(cols)
+    bound = (8 * ref.MAX_CHUNKS_PER_LANE + math.log2(lanes) + 4) * 2.0**-24
+    assert ((rstd.double() - rstd64).abs() / rstd64).max().item() <= bound
+
+    # y: tied to quantize_tensor of the fp32 result computed with the kernel's rstd, then its accuracy
+    y32 = ref.rmsnorm_forward_f32(x32, rstd, w32).reshape(x.shape)
+    check_tied_to_quantize_tensor(y, y_scale, y32, y_t)
+    check_fp8_output(y, y_scale, y64.reshape(x.shape))
+    assert_same_bits(y_t, rows_of(y).T.contiguous(), "y_t vs y")
+
+    check_tied_to_quantize_group(x_saved, x_saved_scales, x, group_size)
+
+
+@pytest.mark.parametrize("shape", RMSNORM_SHAPES, ids=str)
+def test_rmsnorm_forward(device, shape):
+    x = activations(shape, torch.bfloat16, seed=shape[0] * shape[1])
+    weight = (1 + 0.2 * torch.randn(shape[-1], generator=torch.Generator().manual_seed(1))).bfloat16()
+    check_rmsnorm_forward(x, weight, rmsnorm_forward(x, weight, device=device))
+
+
+@pytest.mark.parametrize("x_dtype, weight_dtype, group_size, fp8", RMSNORM_OPTIONS, ids=str)
+def test_rmsnorm_forward_dtypes_and_groups(device, x_dtype, weight_dtype, group_size, fp8):
+    x = activations((33, 1000), x_dtype, seed=7)
+    weight = (1 + 0.2 * torch.randn(1000, generator=torch.Generator().manual_seed(2))).to(weight_dtype)
+    outputs = rmsnorm_forward(x, weight, eps=1e-5, group_size=group_size, fp8=fp8, device=device)
+    assert outputs[0].dtype == fp8
+    check_rmsnorm_forward(x, weight, outputs, eps=1e-5, group_size=group_size)
+
+
+def test_rmsnorm_forward_nd_and_strided(device):
+    base = activations((2, 3, 5, 300), torch.bfloat16, seed=3)
+    weight = torch.rand(256).bfloat16() + 0.5
+    for x in (base[..., :256], base[..., 5:261]):  # row-strided; the second is not 16-byte aligned
+        outputs = rmsnorm_forward(x, weight, device=device)
+        y, y_scale, y_t, x_saved, x_saved_scales, rstd = outputs
+        assert y.shape == x.shape and y_t.shape == (256, 30) and x_saved.shape == x.shape
+        assert x_saved_scales.shape == (2, 3, 5, 16) and rstd.shape == (30,)
+        check_rmsnorm_forward(x, weight, outputs)
+        flat = rmsnorm_forward(rows_of(x.contiguous()), weight)
+        for nd, two_d in zip(outputs, flat):
+            assert_same_bits(nd.reshape(two_d.shape), two_d, "N-D strided vs 2-D contiguous")
+
+
+def test_rmsnorm_forward_without_transpose(device):
+    x = activations((97, 128), torch.bfloat16, seed=4)
+    weight = torch.ones(128, dtype=torch.bfloat16)
+    with_t = rmsnorm_forward(x, weight, device=device)
+    without = rmsnorm_forward(x, weight, transpose=False, device=device)
+    assert without[2].numel() == 0
+    for i in (0, 1, 3, 4, 5):
+        assert_same_bits(without[i], with_t[i])
+    y, y_scale, y_t, *_ = ops.rmsnorm_quantize(x, weight)
+    assert y_t is None
+
+
+def test_rmsnorm_amax_group_size_does_not_change_outputs(device):
+    x = activations((33, 176), torch.bfloat16, seed=5)
+    weight = torch.ones(176, dtype=torch.bfloat16)
+    first = rmsnorm_forward(x, weight, amax_group_size=16, device=device)
+    for amax_group_size in (32, 64, 128):
+        for a, b in zip(first, rmsnorm_forward(x, weight, amax_group_size=amax_group_size, device=device)):
+            assert_same_bits(a, b)
+
+
+def test_rmsnorm_forward_special_values(device):
+    """Zero and constant rows, NaN and +-Inf. Documented behaviour: a zero row gives y = 0 and
+    rstd = 1/sqrt(eps); a NaN row gives rstd = NaN and NaN codes in its y row; a row holding +-Inf gets
+    rstd = 0, so y is 0 there except NaN (Inf * 0) at the Inf; NaN rows never reach y_scale (NaN is
+    ignored by the amax); the saved input follows quantize_group (an Inf makes its group's scale Inf)."""
+    x = activations((6, 64), torch.bfloat16, seed=6, outliers=False)
+    x[0] = 0
+    x[1] = 3.0
+    x[2, 5] = math.nan
+    x[3, 7] = math.inf
+    x[4, 9] = -math.inf
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    outputs = rmsnorm_forward(x, weight, device=device)
+    y, y_scale, y_t, x_saved, x_saved_scales, rstd = outputs
+    codes = y.view(torch.uint8)
+    assert (codes[0] == 0).all() and rstd[0].item() == pytest.approx(1 / math.sqrt(EPS), rel=1e-6)
+    assert rstd[1].item() == pytest.approx(1 / math.sqrt(9 + EPS), rel=1e-6)
+    assert torch.isnan(rstd[2]) and (codes[2] == 0x7F).all()
+    for row, col in ((3, 7), (4, 9)):
+        assert rstd[row].item() == 0.0
+        expected = torch.zeros(64, dtype=torch.uint8)
+        expected[col] = 0x7F
+        assert torch.equal(codes[row] & 0x7F, expected)  # x * 0 keeps the sign of x: codes 0x00 and 0x80
+    finite_rows = ref.rmsnorm(x[[0, 1, 5]], weight, EPS)[0]
+    assert y_scale.item() == pytest.approx(ref.per_tensor_scale(finite_rows, E4M3), rel=1e-5)
+    check_tied_to_quantize_group(x_saved, x_saved_scales, x, 16)
+    check_tied_to_quantize_tensor(y, y_scale, ref.rmsnorm_forward_f32(x.float(), rstd, weight.float()), y_t)
+
+
+# ----------------------------------------------------------------------------------------------------
+# RMSNorm backward
+
+
+def rmsnorm_backward_case(shape, dtype, weight_dtype=torch.bfloat16, group_size=16, seed=0):
+    x = activations(shape, torch.bfloat16, seed=seed)
+    weight = (1 + 0.2 * torch.randn(shape[-1], generator=torch.Generator().manual_seed(seed + 1))).to(weight_dtype)
+    _, _, _, x_saved, x_saved_scales, rstd = rmsnorm_forward(x, weight, group_size=group_size, transpose=False)
+    dy = activations(shape, dtype, seed=seed + 2, outliers=False)
+    return dy, x_saved, x_saved_scales, rstd, weight
+
+
+def check_rmsnorm_backward(dy, x_saved, x_saved_scales, rstd, weight, group_size, dx, dweight) -> None:
+    x_deq = rows_of(ops.dequantize(x_saved, x_saved_scales, group_size, torch.float32))
+    dy32, w32 = rows_of(dy).float(), weight.float()
+    dx32, dweight32 = ref.rmsnorm_backward_f32(dy32, x_deq, rstd, w32)
+    assert_same_bits(dx, dx32.to(dy.dtype).reshape(dy.shape), "dx vs the documented order")
+    assert_same_bits(dweight, dweight32, "dweight vs the documented order")
+
+    dx64, dweight64 = ref.rmsnorm_backward(rows_of(dy), x_deq, rstd, weight)
+    # the same formula, computed by PyTorch in bf16
+    xhat = x_deq.bfloat16() * rstd.bfloat16().unsqueeze(-1)
+    g = rows_of(dy).bfloat16() * weight.bfloat16()
+    dx_bf16 = rstd.bfloat16().unsqueeze(-1) * (g - xhat * (g * xhat).mean(dim=-1, keepdim=True))
+    dweight_bf16 = (rows_of(dy).bfloat16() * xhat).sum(dim=0)
+    assert max_error(rows_of(dx), dx64) <= 2 * max_error(dx_bf16, dx64)
+    assert max_error(dweight, dweight64) <= 2 * max_error(dweight_bf16, dweight64)
+
+
+@pytest.mark.parametrize("shape", RMSNORM_SHAPES, ids=str)
+def test_rmsnorm_backward(device, shape):
+    dy, x_saved, x_saved_scales, rstd, weight = rmsnorm_backward_case(shape, torch.bfloat16, seed=shape[1])
+    dx, dweight = run(torch.ops.coat.rmsnorm_backward, dy, x_saved, x_saved_scales, rstd, weight, 16, device=device)
+    assert dx.dtype == dy.dtype and dweight.dtype == torch.float32 and dweight.shape == (shape[-1],)
+    check_rmsnorm_backward(dy, x_saved, x_saved_scales, rstd, weight, 16, dx, dweight)
+
+
+@pytest.mark.parametrize("dy_dtype, weight_dtype, group_size", [
+    (torch.float32, torch.float32, 32), (torch.float16, torch.bfloat16, 64), (torch.bfloat16, torch.float32, 128),
+], ids=str)
+def test_rmsnorm_backward_dtypes_and_groups(device, dy_dtype, weight_dtype, group_size):
+    case = rmsnorm_backward_case((300, 1000), dy_dtype, weight_dtype, group_size, seed=11)
+    dx, dweight = run(torch.ops.coat.rmsnorm_backward, *case, group_size, device=device)
+    assert dx.dtype == dy_dtype
+    check_rmsnorm_backward(*case, group_size, dx, dweight)
+
+
+def test_rmsnorm_backward_nd_strided_dy(device):
+    x = activations((2, 7, 128), torch.bfloat16, seed=12)
+    weight = torch.rand(128).bfloat16() + 0.5
+    _, _, _, x_saved, x_saved_scales, rstd = rmsnorm_forward(x, weight)
+    dy = activations((2, 7, 160), torch.bfloat16, seed=13)[..., 16:144]
+    dx, dweight = run(torch.ops.coat.rmsnorm_backward, dy, x_saved, x_saved_scales, rstd, weight, 16, device=device)
+    assert dx.shape == (2, 7, 128) and dx.is_contiguous()
+    check_rmsnorm_backward(dy, x_saved, x_saved_scales, rstd, weight, 16, dx, dweight)
+
+
+def test_rmsnorm_backward_many_slices(device):
+    """More rows than the maximum number of dweight slices, with a last slice that is short."""
+    cols = 64
+    rows = 3 * max(128, 65536 // ref.rmsnorm_lanes(cols)) + 5
+    assert ref.rmsnorm_backward_rows_per_slice(rows, cols) == 4
+    case = rmsnorm_backward_case((rows, cols), torch.bfloat16, seed=14)
+    dx, dweight = run(torch.ops.coat.rmsnorm_backward, *case, 16, device=device)
+    check_rmsnorm_backward(*case, 16, dx, dweight)
+
+
+def test_rmsnorm_zero_rows(device):
+    x = torch.empty(0, 64, dtype=torch.bfloat16)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    y, y_scale, y_t, x_saved, x_saved_scales, rstd = rmsnorm_forward(x, weight, device=device)
+    assert y.shape == (0, 64) and y_t.shape == (64, 0) and rstd.shape == (0,)
+    assert y_scale.item() == 2.0**-126
+    dx, dweight = run(torch.ops.coat.rmsnorm_backward, x, x_saved, x_saved_scales, rstd, weight, 16, device=device)
+    assert dx.shape == (0, 64) and (dweight == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# SiLU * mul forward
+
+SILU_SHAPES = [(1, 64), (97, 128), (4097, 176), (97, 2048), (1, 11008), (33, 11008), (97, 1000), (5, 100), (3, 7)]
+
+
+def check_silu_mul_forward(gate, up, smooth, outputs, group_size=16) -> None:
+    y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = outputs
+    y32 = ref.silu_mul_f32(gate.float(), up.float(), smooth)
+    check_tied_to_quantize_tensor(y, y_scale, y32, y_t)
+    check_fp8_output(y, y_scale, ref.silu_mul(gate, up, smooth))
+    check_tied_to_quantize_group(gate_saved, gate_scales, gate, group_size)
+    check_tied_to_quantize_group(up_saved, up_scales, up, group_size)
+
+
+def gate_up(shape, dtype, seed):
+    """gate and up as the two halves of one [..., 2I] GEMM output: row-strided views."""
+    fused = activations((*shape[:-1], 2 * shape[-1]), dtype, seed=seed)
+    return fused[..., : shape[-1]], fused[..., shape[-1] :]
+
+
+@pytest.mark.parametrize("shape", SILU_SHAPES, ids=str)
+def test_silu_mul_forward(device, shape):
+    gate, up = gate_up(shape, torch.bfloat16, seed=shape[1])
+    check_silu_mul_forward(gate, up, None, silu_mul_forward(gate, up, device=device))
+
+
+@pytest.mark.parametrize("dtype, group_size, fp8", [
+    (torch.float32, 32, E4M3), (torch.float16, 64, E5M2), (torch.bfloat16, 128, E5M2),
+], ids=str)
+def test_silu_mul_forward_smooth_dtypes_and_groups(device, dtype, group_size, fp8):
+    gate, up = activations((33, 1000), dtype, seed=21), activations((33, 1000), dtype, seed=22)
+    smooth = torch.exp(torch.randn(1000, generator=torch.Generator().manual_seed(23)))
+    outputs = silu_mul_forward(gate, up, smooth, group_size=group_size, fp8=fp8, device=device)
+    assert outputs[0].dtype == fp8
+    check_silu_mul_forward(gate, up, smooth, outputs, group_size)
+
+
+def test_silu_mul_forward_nd_and_views(device):
+    gate, up = gate_up((2, 3, 5, 100), torch.bfloat16, seed=24)  # up starts 200 bytes in: not 16-byte aligned
+    outputs = silu_mul_forward(gate, up, device=device)
+    assert outputs[0].shape == (2, 3, 5, 100) and outputs[2].shape == (100, 30)
+    assert outputs[4].shape == (2, 3, 5, 7)
+    check_silu_mul_forward(gate, up, None, outputs)
+    flat = silu_mul_forward(rows_of(gate.contiguous()), rows_of(up.contiguous()))
+    for nd, two_d in zip(outputs, flat):
+        assert_same_bits(nd.reshape(two_d.shape), two_d, "N-D strided vs 2-D contiguous")
+
+
+def test_silu_mul_forward_special_values(device):
+    """NaN gate or up gives a NaN code at that element only; silu(-Inf) is NaN, as in PyTorch; a +Inf
+    product makes y_scale Inf, so that y dequantizes to NaN/0 instead of silently clipping the overflow
+    (the rule of quantize_tensor). Zero inputs give zero codes and the smallest scale."""
+    gate, up = activations((4, 64), torch.bfloat16, seed=25), activations((4, 64), torch.bfloat16, seed=26)
+    gate[0, 3], up[1, 4], gate[2, 5] = math.nan, math.nan, -math.inf
+    outputs = silu_mul_forward(gate, up, device=device)
+    codes = outputs[0].view(torch.uint8)
+    assert codes[0, 3] == 0x7F and codes[1, 4] == 0x7F and codes[2, 5] == 0x7F
+    assert int(((codes & 0x7F) == 0x7F).sum()) == 3 and torch.isfinite(outputs[1])
+    check_silu_mul_forward(gate, up, None, outputs)
+
+    gate[3, 6], up[3, 6] = math.inf, 2.0
+    outputs = silu_mul_forward(gate, up, device=device)
+    assert outputs[1].item() == math.inf
+    codes = outputs[0].view(torch.uint8)
+    nan = (codes & 0x7F) == 0x7F
+    assert codes[3, 6] == 0x7F and ((codes[~nan] & 0x7F) == 0).all()  # finite / Inf is +-0
+    check_tied_to_quantize_group(outputs[3], outputs[4], gate, 16)
+
+    zeros = torch.zeros(3, 32, dtype=torch.bfloat16)
+    y, y_scale, *_ = silu_mul_forward(zeros, zeros, device=device)
+    assert (y.view(torch.uint8) == 0).all() and y_scale.item() == 2.0**-126
+
+
+# ----------------------------------------------------------------------------------------------------
+# SiLU * mul backward
+
+
+def check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup) -> None:
+    gate_saved, gate_scales, up_saved, up_scales = saved
+    g = ops.dequantize(gate_saved, gate_scales, group_size, torch.float32)
+    u = ops.dequantize(up_saved, up_scales, group_size, torch.float32)
+    dgate32, dup32 = ref.silu_mul_backward_f32(dy.float(), g, u, smooth)
+    assert_same_bits(dgate, dgate32.to(dy.dtype), "dgate vs the documented arithmetic")
+    assert_same_bits(dup, dup32.to(dy.dtype), "dup vs the documented arithmetic")
+
+    dgate64, dup64 = ref.silu_mul_backward(dy, g, u, smooth)
+    # the same formula, computed by PyTorch in bf16
+    dy_b = dy.bfloat16() if smooth is None else dy.bfloat16() * smooth.bfloat16()
+    g_b, u_b = g.bfloat16(), u.bfloat16()
+    s = torch.sigmoid(g_b)
+    dgate_bf16, dup_bf16 = dy_b * u_b * s * (1 + g_b * (1 - s)), dy_b * g_b * s
+    assert max_error(dgate, dgate64) <= 2 * max_error(dgate_bf16, dgate64)
+    assert max_error(dup, dup64) <= 2 * max_error(dup_bf16, dup64)
+
+
+def silu_mul_backward_case(shape, dtype, smooth=None, group_size=16, seed=0):
+    gate, up = gate_up(shape, torch.bfloat16, seed=seed)
+    outputs = silu_mul_forward(gate, up, smooth, group_size=group_size, transpose=False)
+    return activations(shape, dtype, seed=seed + 1, outliers=False), outputs[3:]
+
+
+@pytest.mark.parametrize("shape", SILU_SHAPES, ids=str)
+def test_silu_mul_backward(device, shape):
+    dy, saved = silu_mul_backward_case(shape, torch.bfloat16, seed=shape[1])
+    dgate, dup = run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, device=device)
+    check_silu_mul_backward(dy, saved, None, 16, dgate, dup)
+
+
+@pytest.mark.parametrize("dtype, group_size", [(torch.float32, 32), (torch.float16, 64), (torch.bfloat16, 128)], ids=str)
+def test_silu_mul_backward_smooth_dtypes_and_groups(device, dtype, group_size):
+    smooth = torch.exp(torch.randn(1000, generator=torch.Generator().manual_seed(31)))
+    dy, saved = silu_mul_backward_case((33, 1000), dtype, smooth, group_size, seed=32)
+    dgate, dup = run(torch.ops.coat.silu_mul_backward, dy, *saved, smooth, group_size, device=device)
+    assert dgate.dtype == dtype and dup.dtype == dtype
+    check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup)
+
+
+def test_silu_mul_backward_strided_dy(device):
+    dy_wide, saved = silu_mul_backward_case((2, 9, 176), torch.bfloat16, seed=33)
+    dy = torch.cat([dy_wide, dy_wide], dim=-1)[..., 3:179]
+    dgate, dup = run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, device=device)
+    assert dgate.shape == (2, 9, 176) and dgate.is_contiguous()
+    check_silu_mul_backward(dy, saved, None, 16, dgate, dup)
+
+
+def test_coat_exp_accuracy():
+    """The exp that SiLU uses (replayed in fp32; the backward tests tie the kernels to the replay bit for
+    bit): below 1 ulp over its whole normal range, exact at the special values."""
+    x = torch.cat([torch.linspace(-87.3, 88.72, 2_000_001), 30 * torch.randn(200_000, generator=torch.Generator().manual_seed(0))])
+    x = x[(x > -87.3) & (x < 88.72)]
+    e = ref.coat_exp(x).double()
+    exact = torch.exp(x.double())
+    ulp = torch.pow(2.0, torch.floor(torch.log2(exact)) - 23)
+    assert ((e - exact).abs() / ulp).max().item() < 1.0
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 89.0, -104.0])
+    e = ref.coat_exp(special)
+    assert e[:4].tolist() == [1.0, 1.0, math.inf, 0.0] and math.isnan(e[4]) and e[5] == math.inf and e[6] == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# opcheck and errors
+
+
+def test_opcheck(device):
+    x = on_device(activations((3, 5, 64), torch.bfloat16, seed=41), device)
+    weight = on_device(torch.ones(64, dtype=torch.bfloat16), device)
+    smooth = on_device(torch.rand(64) + 0.5, device)
+    torch.library.opcheck(torch.ops.coat.rmsnorm_quantize.default, (x, weight, EPS, 16, 128, E4M3, True))
+    for s, transpose in ((None, False), (smooth, True)):
+        torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default, (x, x * 2, s, 32, 64, E5M2, transpose))
+    # test_schema compares the inputs before and after the call with torch.allclose, which torch does not
+    # implement for FP8 tensors, and the backward ops take FP8 inputs; the other checks all run.
+    fp8_input_checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    _, _, _, x_saved, x_saved_scales, rstd = torch.ops.coat.rmsnorm_quantize(x, weight, EPS, 16, 128, E4M3, False)
+    torch.library.opcheck(
+        torch.ops.coat.rmsnorm_backward.default, (x, x_saved, x_saved_scales, rstd, weight, 16), test_utils=fp8_input_checks
+    )
+    for s in (None, smooth):
+        torch.library.opcheck(
+            torch.ops.coat.silu_mul_backward.default,
+            (x, x_saved, x_saved_scales, x_saved, x_saved_scales, s, 16),
+            test_utils=fp8_input_checks,
+        )
+
+
+def test_errors():
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    rmsnorm = torch.ops.coat.rmsnorm_quantize
+    silu_mul = torch.ops.coat.silu_mul_quantize
+    cases = [
+        (lambda: rmsnorm(x.int(), w, EPS, 16, 128, E4M3, False), "x must be float32, bfloat16 or float16"),
+        (lambda: rmsnorm(x.T, w, EPS, 16, 128, E4M3, False), "last dimension must be contiguous"),
+        (lambda: rmsnorm(x, w, EPS, 8, 128, E4M3, False), "save_group_size must be 16, 32, 64 or 128, got 8"),
+        (lambda: rmsnorm(x, w, EPS, 16, 256, E4M3, False), "amax_group_size must be 16, 32, 64 or 128, got 256"),
+        (lambda: rmsnorm(x, w, EPS, 16, 128, torch.float16, False), "fp8_dtype must be torch.float8_e4m3fn"),
+        (lambda: rmsnorm(x, w[:32], EPS, 16, 128, E4M3, False), r"weight must have shape \[64\]"),
+        (lambda: rmsnorm(x, w, -1.0, 16, 128, E4M3, False), "eps must be finite and >= 0"),
+        (lambda: rmsnorm(torch.ones(2, 40000), torch.ones(40000), EPS, 16, 128, E4M3, False), "between 1 and 32768"),
+        (lambda: silu_mul(x, x[:, :32], None, 16, 128, E4M3, False), "gate and up must have the same shape"),
+        (lambda: silu_mul(x, x.float(), None, 16, 128, E4M3, False), "gate and up must have the same dtype"),
+        (lambda: silu_mul(x, x, torch.ones(64, dtype=torch.bfloat16), 16, 128, E4M3, False), "smooth_scale must be float32"),
+        (lambda: silu_mul(x, x, torch.ones(32), 16, 128, E4M3, False), r"smooth_scale must have shape \[64\]"),
+    ]
+    _, _, _, saved, scales, rstd = rmsnorm(x, w, EPS, 16, 128, E4M3, False)
+    backward = torch.ops.coat.rmsnorm_backward
+    cases += [
+        (lambda: backward(x[:2], saved, scales, rstd, w, 16), "x_saved has shape"),
+        (lambda: backward(x, saved.view(torch.uint8), scales, rstd, w, 16), "x_saved must be torch.float8_e4m3fn"),
+        (lambda: backward(x, saved, scales, rstd, w, 32), r"x_saved_scales must have shape \[4, 2\]"),
+        (lambda: backward(x, saved, scales, rstd[:2], w, 16), "one value per row"),
+        (lambda: torch.ops.coat.silu_mul_backward(x, saved, scales, saved.T, scales, None, 16), "up_saved has shape"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
