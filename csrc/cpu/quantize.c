@@ -107,7 +107,7 @@ coat_status coat_dequantize_cpu(const uint8_t* q, coat_fp8_format format, int64_
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const float scale = group_size ? scales[r * ngroups + c / group_size] : scales[0];
-      coat_store(out, out_dtype, r * cols + c, coat_fp8_to_f32(q[r * cols + c], format) * scale);
+      coat_store(out, out_dtype, r * cols + c, coat_dequantize_value(coat_fp8_to_f32(q[r * cols + c], format), scale));
     }
   }
   return COAT_SUCCESS;

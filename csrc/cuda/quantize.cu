@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(const Dequantiz
           Chunk<T, kDequantizeChunk> values;
 #pragma unroll
           for (int i = 0; i < kDequantizeChunk; ++i)
-            values.e[i] = Output<kOutDtype>::from_f32(decoded[codes[b].e[i]] * scales[b]);
+            values.e[i] = Output<kOutDtype>::from_f32(coat_dequantize_value(decoded[codes[b].e[i]], scales[b]));
           store_chunk<kVector>(values, out, row * p.cols, col, p.cols, row < p.rows);
         }
       }

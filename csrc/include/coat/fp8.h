@@ -23,39 +23,36 @@ COAT_INLINE float coat_fp8_max(coat_fp8_format format) {
   return format == COAT_E4M3 ? COAT_E4M3_MAX : COAT_E5M2_MAX;
 }
 
+/* Both encoders compute the subnormal and the normal code and select, instead of branching: on a GPU
+ * the selects cost a few instructions where divergent branches cost most of a memory-bound kernel's
+ * budget. The selections are ordered so that the special cases (saturation, Inf, NaN) win. */
 COAT_INLINE uint8_t coat_f32_to_e4m3(float f) {
-  uint32_t bits = coat_f32_to_bits(f);
-  const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
-  bits &= 0x7FFFFFFFu;
-  if (bits > 0x7F800000u) return (uint8_t)(sign | 0x7Fu);  /* NaN */
-  if (bits >= 0x43E00000u) return (uint8_t)(sign | 0x7Eu); /* >= 448, Inf included: saturate */
-  if (bits < 0x3C800000u) {
-    /* below 2^-6, the smallest normal: subnormal steps of 2^-9. Adding 2^14 (whose ulp is 2^-9) lets
-     * the fp32 adder round to nearest even; the low mantissa bits are then the code (8 = 2^-6). */
-    const float magic = coat_f32_from_bits(141u << 23);
-    return (uint8_t)(sign | (coat_f32_to_bits(coat_fadd_rn(coat_f32_from_bits(bits), magic)) -
-                             (141u << 23)));
-  }
+  const uint32_t bits = coat_f32_to_bits(f) & 0x7FFFFFFFu;
+  const uint32_t sign = (coat_f32_to_bits(f) >> 24) & 0x80u;
+  /* below 2^-6, the smallest normal: subnormal steps of 2^-9. Adding 2^14 (whose ulp is 2^-9) lets the
+   * fp32 adder round to nearest even; the low mantissa bits are then the code (8 = 2^-6). */
+  const uint32_t subnormal =
+      coat_f32_to_bits(coat_fadd_rn(coat_f32_from_bits(bits), coat_f32_from_bits(141u << 23))) - (141u << 23);
   /* normal: rebias the exponent (127 -> 7) and round the mantissa to 3 bits, nearest even */
-  bits = bits - (120u << 23) + 0x7FFFFu + ((bits >> 20) & 1u);
-  return (uint8_t)(sign | (bits >> 20));
+  const uint32_t normal = (bits - (120u << 23) + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20;
+  uint32_t code = bits < 0x3C800000u ? subnormal : normal;
+  code = bits >= 0x43E00000u ? 0x7Eu : code; /* >= 448, Inf included: saturate */
+  code = bits > 0x7F800000u ? 0x7Fu : code;  /* NaN */
+  return (uint8_t)(sign | code);
 }
 
 COAT_INLINE uint8_t coat_f32_to_e5m2(float f) {
-  uint32_t bits = coat_f32_to_bits(f);
-  const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
-  bits &= 0x7FFFFFFFu;
-  if (bits > 0x7F800000u) return (uint8_t)(sign | 0x7Fu);  /* NaN */
-  if (bits == 0x7F800000u) return (uint8_t)(sign | 0x7Cu); /* Inf */
-  if (bits >= 0x47600000u) return (uint8_t)(sign | 0x7Bu); /* >= 57344: saturate */
-  if (bits < 0x38800000u) {
-    /* below 2^-14: subnormal steps of 2^-16; 2^7 has ulp 2^-16 */
-    const float magic = coat_f32_from_bits(134u << 23);
-    return (uint8_t)(sign | (coat_f32_to_bits(coat_fadd_rn(coat_f32_from_bits(bits), magic)) -
-                             (134u << 23)));
-  }
-  bits = bits - (112u << 23) + 0xFFFFFu + ((bits >> 21) & 1u);
-  return (uint8_t)(sign | (bits >> 21));
+  const uint32_t bits = coat_f32_to_bits(f) & 0x7FFFFFFFu;
+  const uint32_t sign = (coat_f32_to_bits(f) >> 24) & 0x80u;
+  /* below 2^-14: subnormal steps of 2^-16; 2^7 has ulp 2^-16 */
+  const uint32_t subnormal =
+      coat_f32_to_bits(coat_fadd_rn(coat_f32_from_bits(bits), coat_f32_from_bits(134u << 23))) - (134u << 23);
+  const uint32_t normal = (bits - (112u << 23) + 0xFFFFFu + ((bits >> 21) & 1u)) >> 21;
+  uint32_t code = bits < 0x38800000u ? subnormal : normal;
+  code = bits >= 0x47600000u ? 0x7Bu : code;  /* >= 57344: saturate */
+  code = bits == 0x7F800000u ? 0x7Cu : code;  /* Inf */
+  code = bits > 0x7F800000u ? 0x7Fu : code;   /* NaN */
+  return (uint8_t)(sign | code);
 }
 
 COAT_INLINE float coat_e4m3_to_f32(uint8_t q) {

@@ -19,8 +19,11 @@ COAT_INLINE float coat_load_f32(const void* data, coat_dtype dtype, int64_t i) {
   }
 }
 
-/* max(a, |x|) with NaN x ignored (fmaxf returns the non-NaN operand). */
-COAT_INLINE float coat_amax_step(float a, float x) { return fmaxf(a, fabsf(x)); }
+/* max(a, |x|) with NaN x ignored. Not fmaxf: glibc's returns NaN for a signalling NaN operand. */
+COAT_INLINE float coat_amax_step(float a, float x) {
+  const float magnitude = fabsf(x);
+  return magnitude > a ? magnitude : a;
+}
 
 /* scale = max(amax / FP8_MAX, 2^-126): the value quantization divides by and dequantization multiplies by. */
 COAT_INLINE float coat_scale_from_amax(float amax, coat_fp8_format format) {
@@ -28,10 +31,17 @@ COAT_INLINE float coat_scale_from_amax(float amax, coat_fp8_format format) {
 }
 
 /* The sign of a NaN quotient (NaN / s, Inf / Inf) is platform-defined (x86 makes Inf / Inf negative, CUDA
- * makes every NaN positive), so it is taken from x: CPU and CUDA then agree on the code's sign bit. */
+ * makes every NaN positive), so it is taken from x: CPU and CUDA then agree on the code's sign bit. For
+ * every other quotient the sign is already x's, the scale being positive. */
 COAT_INLINE uint8_t coat_quantize_value(float x, float scale, coat_fp8_format format) {
-  const float y = x / scale;
-  return coat_f32_to_fp8(y == y ? y : copysignf(y, x), format);
+  return coat_f32_to_fp8(copysignf(x / scale, x), format);
+}
+
+/* decode(q) * scale, with any NaN result (a NaN code, or 0 * Inf) the canonical quiet NaN 0x7FC00000:
+ * the bits of an arithmetic NaN differ between x86 and CUDA. */
+COAT_INLINE float coat_dequantize_value(float decoded, float scale) {
+  const float product = decoded * scale;
+  return product == product ? product : coat_f32_from_bits(0x7FC00000u);
 }
 
 COAT_INLINE int coat_is_valid_group_size(int64_t group_size) {
