@@ -321,6 +321,20 @@ def test_rmsnorm_backward_many_slices(device):
     check_rmsnorm_backward(*case, 16, dx, dweight)
 
 
+@pytest.mark.parametrize("cols", [1032, 4096, 8192, 16384, 20000, 32768])
+def test_rmsnorm_every_row_width_class(device, cols):
+    """One shape per number of lanes L a row is reduced by (64 ... 1024: the CUDA kernels use 256-, 512- and
+    1024-thread blocks, and the widest rows keep part of their state in shared memory)."""
+    x = activations((3, cols), torch.bfloat16, seed=cols)
+    weight = (1 + 0.2 * torch.randn(cols, generator=torch.Generator().manual_seed(cols))).bfloat16()
+    outputs = rmsnorm_forward(x, weight, device=device)
+    check_rmsnorm_forward(x, weight, outputs)
+    _, _, _, x_saved, x_saved_scales, rstd = outputs
+    dy = activations((3, cols), torch.bfloat16, seed=cols + 1, outliers=False)
+    dx, dweight = run(torch.ops.coat.rmsnorm_backward, dy, x_saved, x_saved_scales, rstd, weight, 16, device=device)
+    check_rmsnorm_backward(dy, x_saved, x_saved_scales, rstd, weight, 16, dx, dweight)
+
+
 def test_rmsnorm_zero_rows(device):
     x = torch.empty(0, 64, dtype=torch.bfloat16)
     weight = torch.ones(64, dtype=torch.bfloat16)
