@@ -49,7 +49,9 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     differ = bits(actual.cpu()) != bits(expected.cpu())
-    assert not differ.any(), f"{what}: {int(differ.sum())} of {differ.numel()} elements differ, first at {differ.nonzero()[0].tolist()}"
+    if differ.any():
+        first = differ.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int(differ.sum())} of {differ.numel()} elements differ, first at {first}")
 
 
 def nan_codes_unsigned(codes: torch.Tensor) -> torch.Tensor:
