@@ -6,7 +6,8 @@ Two kinds of reference, kept apart:
    Smooth-SwiGLU: Fishman et al. 2024), independent of the kernels. Accuracy is judged against these.
 2. fp32 replays of the arithmetic that csrc/include/coat/detail/norm_act_math.h documents (operation
    order, reduction order, coat's exp), built from torch fp32 elementwise + - * / and floor, each of which
-   rounds once (IEEE); the square root goes through float64 (see sqrt_f32). The kernels must match them bit for bit; this pins the documented order to what the C core
+   rounds once (IEEE); the square root goes through float64 (see sqrt_f32). The kernels must match them
+   bit for bit; this pins the documented order to what the C core
    does, and the CUDA tests pin CUDA to the C core.
 """
 from __future__ import annotations

@@ -49,7 +49,9 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     differ = bits(actual.cpu()) != bits(expected.cpu())
-    assert not differ.any(), f"{what}: {int(differ.sum())} of {differ.numel()} elements differ, first at {differ.nonzero()[0].tolist()}"
+    if differ.any():
+        first = differ.nonzero()[0].tolist()
+        raise AssertionError(f"{what}: {int(differ.sum())} of {differ.numel()} elements differ, first at {first}")
 
 
 def nan_codes_unsigned(codes: torch.Tensor) -> torch.Tensor:
@@ -319,6 +321,20 @@ def test_rmsnorm_backward_many_slices(device):
     case = rmsnorm_backward_case((rows, cols), torch.bfloat16, seed=14)
     dx, dweight = run(torch.ops.coat.rmsnorm_backward, *case, 16, device=device)
     check_rmsnorm_backward(*case, 16, dx, dweight)
+
+
+@pytest.mark.parametrize("cols", [1032, 4096, 8192, 16384, 20000, 32768])
+def test_rmsnorm_every_row_width_class(device, cols):
+    """One shape per number of lanes L a row is reduced by (64 ... 1024: the CUDA kernels use 256-, 512- and
+    1024-thread blocks, and the widest rows keep part of their state in shared memory)."""
+    x = activations((3, cols), torch.bfloat16, seed=cols)
+    weight = (1 + 0.2 * torch.randn(cols, generator=torch.Generator().manual_seed(cols))).bfloat16()
+    outputs = rmsnorm_forward(x, weight, device=device)
+    check_rmsnorm_forward(x, weight, outputs)
+    _, _, _, x_saved, x_saved_scales, rstd = outputs
+    dy = activations((3, cols), torch.bfloat16, seed=cols + 1, outliers=False)
+    dx, dweight = run(torch.ops.coat.rmsnorm_backward, dy, x_saved, x_saved_scales, rstd, weight, 16, device=device)
+    check_rmsnorm_backward(dy, x_saved, x_saved_scales, rstd, weight, 16, dx, dweight)
 
 
 def test_rmsnorm_zero_rows(device):

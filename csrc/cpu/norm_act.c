@@ -58,7 +58,8 @@ coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t
       const int64_t lane = lane_of_column(c, lanes);
       partials[lane] = partials[lane] + v * v;
     }
-    const float row_rstd = coat_canonical_f32(coat_rmsnorm_rstd(coat_combine_lane_partials(partials, lanes), cols, eps));
+    const float sum_sq = coat_combine_lane_partials(partials, lanes);
+    const float row_rstd = coat_canonical_f32(coat_rmsnorm_rstd(sum_sq, cols, eps));
     rstd[r] = row_rstd;
     save_row(row, x_dtype, cols, save_group_size, x_saved + r * cols, x_saved_scales + r * ngroups);
     for (int64_t c = 0; c < cols; ++c)
@@ -73,7 +74,8 @@ coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     const void* row = row_at(x, x_dtype, r, row_stride);
     for (int64_t c = 0; c < cols; ++c) {
-      const float value = coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), rstd[r], coat_load_f32(weight, weight_dtype, c));
+      const float value =
+          coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), rstd[r], coat_load_f32(weight, weight_dtype, c));
       put_code(coat_encode_scaled(value, scale, y_format), r, c, rows, cols, y, y_t);
     }
   }

@@ -46,7 +46,8 @@ __device__ __forceinline__ size_t element_size(coat_dtype dtype) { return dtype 
 template <class T>
 __device__ __forceinline__ T* row_at(T* base, coat_dtype dtype, int64_t row, int64_t row_stride) {
   using Byte = typename std::conditional<std::is_const<T>::value, const char, char>::type;
-  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + static_cast<size_t>(row) * static_cast<size_t>(row_stride) * element_size(dtype));
+  const size_t offset = static_cast<size_t>(row) * static_cast<size_t>(row_stride) * element_size(dtype);
+  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + offset);
 }
 
 __device__ __forceinline__ void unpack_16bit(uint32_t pair, coat_dtype dtype, float* out) {
@@ -178,8 +179,10 @@ __device__ __forceinline__ void store_chunk(void* out, coat_dtype dtype, int off
     if (count == 0) return;
     if (dtype == COAT_FLOAT32) {
       float4* p = reinterpret_cast<float4*>(static_cast<float*>(out) + offset);
-      p[0] = make_float4(coat_canonical_f32(v[0]), coat_canonical_f32(v[1]), coat_canonical_f32(v[2]), coat_canonical_f32(v[3]));
-      p[1] = make_float4(coat_canonical_f32(v[4]), coat_canonical_f32(v[5]), coat_canonical_f32(v[6]), coat_canonical_f32(v[7]));
+      p[0] = make_float4(coat_canonical_f32(v[0]), coat_canonical_f32(v[1]), coat_canonical_f32(v[2]),
+                         coat_canonical_f32(v[3]));
+      p[1] = make_float4(coat_canonical_f32(v[4]), coat_canonical_f32(v[5]), coat_canonical_f32(v[6]),
+                         coat_canonical_f32(v[7]));
     } else {
       uint4* p = reinterpret_cast<uint4*>(static_cast<uint16_t*>(out) + offset);
       *p = dtype == COAT_BFLOAT16 ? pack_chunk<COAT_BFLOAT16>(v) : pack_chunk<COAT_FLOAT16>(v);
@@ -544,7 +547,8 @@ template <int kMaxThreads>
 constexpr bool kRegistersShort = kMaxThreads > 512;
 
 template <int kMaxThreads>
-constexpr size_t kDweightSharedBytes = kRegistersShort<kMaxThreads> ? sizeof(float) * kChunksPerLane * kChunk * kMaxThreads : 0;
+constexpr size_t kDweightSharedBytes =
+    kRegistersShort<kMaxThreads> ? sizeof(float) * kChunksPerLane * kChunk * kMaxThreads : 0;
 
 // L threads per slice of rows; each lane accumulates the dweight partial sums of its own columns across the
 // slice's rows and writes them to the slice's workspace row at the end. kVector: the 16-byte path only
@@ -913,7 +917,8 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
                 aligned(gate_saved, 8) && aligned(up_saved, 8);
   args.dgate = dgate;
   args.dup = dup;
-  const dim3 grid(static_cast<unsigned>(coat_ceil_div(coat_ceil_div(cols, kChunk), kWarpSize)), limited_blocks(rows, 8));
+  const int64_t chunks_per_row = coat_ceil_div(cols, kChunk);
+  const dim3 grid(static_cast<unsigned>(coat_ceil_div(chunks_per_row, kWarpSize)), limited_blocks(rows, 8));
   silu_mul_backward_kernel<<<grid, dim3(kWarpSize, 8), 0, reinterpret_cast<cudaStream_t>(stream)>>>(args);
   return launch_status();
 }

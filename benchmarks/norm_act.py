@@ -1,0 +1,104 @@
+"""Bandwidth of coat's fused RMSNorm and SiLU*mul ops against plain PyTorch ops measured in the same run.
+
+GB/s counts the bytes each op must move at the least, by the model in benchmarks/NOTES.md ("Fused RMSNorm
+and SiLU*mul"), with N = rows * H elements and bf16 inputs:
+
+    rmsnorm_quantize       6.25 N  (x read twice 4N, x_saved N, its 1x16 scales N/4, y N) + N with y_t
+    rmsnorm_backward       5.25 N  (dy 2N, x_saved N + N/4, dx 2N)
+    silu_mul_quantize     11.5  N  (gate, up read twice 8N, saved 2N + N/2, y N) + N with y_t
+    silu_mul_backward      8.5  N  (dy 2N, saved 2N + N/2, dgate, dup 4N)
+    F.rms_norm (bf16)      4    N  (x 2N, y 2N): the "plain RMSNorm pass"
+    silu(g) * u (bf16)     6    N  (g, u 4N, y 2N) by the same rule, although eager PyTorch runs two kernels
+
+Target (COAT appendix J): rmsnorm_quantize within 5% of a plain RMSNorm pass by bytes, i.e. its GB/s at least
+95% of F.rms_norm's. The unfused chain of standalone ops is timed for context.
+
+    python benchmarks/norm_act.py            (needs a CUDA GPU)
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import coat
+from coat import ops
+
+from _common import parser, print_table, time_cuda_ms, write_results
+
+RMSNORM_SHAPES = [(4096, 4096), (16384, 4096), (8192, 8192)]
+SILU_SHAPES = [(4096, 11008), (16384, 14336)]
+TARGET = 0.95
+
+
+def rmsnorm_unfused(x, weight):
+    """What the fused op replaces: RMSNorm in bf16, then the standalone quantizers."""
+    y = F.rms_norm(x, (x.shape[-1],), weight, 1e-6)
+    ops.quantize_group(x, 16)
+    return ops.quantize_tensor(y, transpose=True)
+
+
+def rmsnorm_cases(rows, cols):
+    n = rows * cols
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    _, _, _, x_saved, x_scales, rstd = ops.rmsnorm_quantize(x, weight)
+    copy_dst = torch.empty_like(x)
+    return {
+        "copy (bf16)": (lambda: copy_dst.copy_(x), 4 * n),
+        "F.rms_norm (bf16, plain)": (lambda: F.rms_norm(x, (cols,), weight, 1e-6), 4 * n),
+        "rmsnorm_quantize": (lambda: ops.rmsnorm_quantize(x, weight), 6.25 * n),
+        "rmsnorm_quantize +transpose": (lambda: ops.rmsnorm_quantize(x, weight, transpose=True), 7.25 * n),
+        "rmsnorm_backward": (lambda: ops.rmsnorm_backward(dy, x_saved, x_scales, rstd, weight), 5.25 * n),
+        "unfused chain (context)": (lambda: rmsnorm_unfused(x, weight), 4 * n + 3.25 * n + 2 * n + 4 * n),
+    }
+
+
+def silu_cases(rows, cols):
+    n = rows * cols
+    fused = torch.randn(rows, 2 * cols, device="cuda", dtype=torch.bfloat16)
+    gate, up = fused[:, :cols], fused[:, cols:]  # the halves of one GEMM output, read in place
+    dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    saved = ops.silu_mul_quantize(gate, up)[3:]
+    copy_dst = torch.empty_like(dy)
+    return {
+        "copy (bf16)": (lambda: copy_dst.copy_(dy), 4 * n),
+        "silu(g) * u (bf16, eager)": (lambda: F.silu(gate) * up, 6 * n),
+        "silu_mul_quantize": (lambda: ops.silu_mul_quantize(gate, up), 11.5 * n),
+        "silu_mul_quantize +transpose": (lambda: ops.silu_mul_quantize(gate, up, transpose=True), 12.5 * n),
+        "silu_mul_backward": (lambda: ops.silu_mul_backward(dy, *saved), 8.5 * n),
+    }
+
+
+def measure(family, shape, cases, warmup, repeat, baseline):
+    timed = {name: (time_cuda_ms(fn, warmup, repeat), nbytes) for name, (fn, nbytes) in cases.items()}
+    copy_gbs = timed["copy (bf16)"][1] / timed["copy (bf16)"][0] / 1e6
+    baseline_gbs = timed[baseline][1] / timed[baseline][0] / 1e6
+    rows = []
+    for name, (ms, nbytes) in timed.items():
+        gbs = nbytes / ms / 1e6
+        row = {"family": family, "shape": f"{shape[0]}x{shape[1]}", "op": name, "ms": ms, "GB/s": gbs,
+               "vs copy": gbs / copy_gbs, "vs plain": gbs / baseline_gbs}
+        if name.startswith("rmsnorm_quantize"):
+            row["meets 95%"] = "yes" if gbs / baseline_gbs >= TARGET else "NO"
+        rows.append(row)
+    return rows
+
+
+def main():
+    args = parser(__doc__).parse_args()
+    if not torch.cuda.is_available() or not coat.built_with_cuda():
+        sys.exit("benchmarks/norm_act.py needs a CUDA GPU and coat built with CUDA")
+    torch.manual_seed(0)
+    rows = []
+    for shape in RMSNORM_SHAPES:
+        rows += measure("rmsnorm", shape, rmsnorm_cases(*shape), args.warmup, args.repeat, "F.rms_norm (bf16, plain)")
+    for shape in SILU_SHAPES:
+        rows += measure("silu_mul", shape, silu_cases(*shape), args.warmup, args.repeat, "silu(g) * u (bf16, eager)")
+    print_table(rows, ["family", "shape", "op", "ms", "GB/s", "vs copy", "vs plain", "meets 95%"])
+    path = write_results(args.results_dir, "norm_act", rows, {"target_fraction_of_plain_rmsnorm": TARGET})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
