@@ -62,6 +62,12 @@ void check_group_size(int64_t group_size, const char* op) {
               ": group_size must be 16, 32, 64 or 128, got ", group_size);
 }
 
+std::vector<int64_t> grouped_shape(const at::Tensor& x, int64_t group_size) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = (shape.back() + group_size - 1) / group_size;
+  return shape;
+}
+
 void check_status(coat_status status, const char* function) {
 #ifdef COAT_WITH_CUDA
   if (status == COAT_ERROR_CUDA) C10_CUDA_CHECK(cudaGetLastError());

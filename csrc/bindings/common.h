@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "coat/common.h"
 
 #ifdef COAT_WITH_CUDA
@@ -33,6 +35,9 @@ coat_fp8_format fp8_format(at::ScalarType dtype, const char* op, const char* arg
 void check_device(const at::Tensor& t, const char* op, const char* arg);
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op, const char* arg);
 void check_group_size(int64_t group_size, const char* op);
+
+// x's shape with the last dimension replaced by its number of 1 x group_size groups, ceil(cols / G).
+std::vector<int64_t> grouped_shape(const at::Tensor& x, int64_t group_size);
 
 // Turns a core status into an exception; for COAT_ERROR_CUDA it reports cudaGetLastError().
 void check_status(coat_status status, const char* function);

@@ -17,12 +17,6 @@ using RmsnormForwardOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at:
 using SiluMulForwardOutputs =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-std::vector<int64_t> grouped_shape(const at::Tensor& x, int64_t group_size) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = (shape.back() + group_size - 1) / group_size;
-  return shape;
-}
-
 void check_named_group_size(int64_t group_size, const char* op, const char* arg) {
   TORCH_CHECK(group_size == 16 || group_size == 32 || group_size == 64 || group_size == 128, op, ": ", arg,
               " must be 16, 32, 64 or 128, got ", group_size);

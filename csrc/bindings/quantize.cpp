@@ -8,12 +8,6 @@
 namespace coat {
 namespace {
 
-std::vector<int64_t> grouped_shape(const at::Tensor& x, int64_t ngroups) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = ngroups;
-  return shape;
-}
-
 at::Tensor transposed_output(const at::Tensor& x, const RowMatrix& m, at::ScalarType fp8_dtype, bool transpose) {
   return transpose ? at::empty({m.cols, m.rows}, x.options().dtype(fp8_dtype))
                    : at::empty({0}, x.options().dtype(fp8_dtype));
@@ -27,10 +21,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_group(const at::Tensor& 
   const coat_fp8_format format = fp8_format(fp8_dtype, op, "fp8_dtype");
   check_group_size(group_size, op);
   const RowMatrix m = as_row_matrix(x, op, "x");
-  const int64_t ngroups = (m.cols + group_size - 1) / group_size;
 
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(fp8_dtype));
-  at::Tensor scales = at::empty(grouped_shape(x, ngroups), x.options().dtype(at::kFloat));
+  at::Tensor scales = at::empty(grouped_shape(x, group_size), x.options().dtype(at::kFloat));
   at::Tensor q_t = transposed_output(x, m, fp8_dtype, transpose);
   COAT_CALL_CORE(x, coat_quantize_group, x.data_ptr(), dtype, m.rows, m.cols, m.row_stride, group_size,
                  format, data_as<uint8_t>(q), data_as<float>(scales), transpose ? data_as<uint8_t>(q_t) : nullptr);
@@ -43,9 +36,8 @@ at::Tensor group_amax(const at::Tensor& x, int64_t group_size) {
   const coat_dtype dtype = input_dtype(x, op, "x");
   check_group_size(group_size, op);
   const RowMatrix m = as_row_matrix(x, op, "x");
-  const int64_t ngroups = (m.cols + group_size - 1) / group_size;
 
-  at::Tensor amax = at::empty(grouped_shape(x, ngroups), x.options().dtype(at::kFloat));
+  at::Tensor amax = at::empty(grouped_shape(x, group_size), x.options().dtype(at::kFloat));
   COAT_CALL_CORE(x, coat_group_amax, x.data_ptr(), dtype, m.rows, m.cols, m.row_stride, group_size,
                  data_as<float>(amax));
   return amax;
@@ -87,7 +79,7 @@ at::Tensor dequantize(const at::Tensor& q, const at::Tensor& scale, std::optiona
   const RowMatrix m = as_row_matrix(q, op, "q");
   if (group_size) {
     check_group_size(*group_size, op);
-    const std::vector<int64_t> expected = grouped_shape(q, (m.cols + *group_size - 1) / *group_size);
+    const std::vector<int64_t> expected = grouped_shape(q, *group_size);
     TORCH_CHECK(scale.sizes() == at::IntArrayRef(expected), op, ": with group_size=", *group_size,
                 " and q of shape ", q.sizes(), " scale must have shape ", at::IntArrayRef(expected), ", got ", scale.sizes());
   } else {

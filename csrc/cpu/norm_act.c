@@ -27,7 +27,7 @@ static void save_row(const void* row, coat_dtype dtype, int64_t cols, int64_t gr
     for (int64_t c = begin; c < end; ++c) amax = coat_amax_step(amax, coat_load_f32(row, dtype, c));
     const float scale = coat_scale_from_amax(amax, COAT_E4M3);
     scales[group] = scale;
-    for (int64_t c = begin; c < end; ++c) codes[c] = coat_encode_scaled(coat_load_f32(row, dtype, c), scale, COAT_E4M3);
+    for (int64_t c = begin; c < end; ++c) codes[c] = coat_quantize_value(coat_load_f32(row, dtype, c), scale, COAT_E4M3);
   }
 }
 
@@ -59,7 +59,7 @@ coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t
       partials[lane] = partials[lane] + v * v;
     }
     const float sum_sq = coat_combine_lane_partials(partials, lanes);
-    const float row_rstd = coat_canonical_f32(coat_rmsnorm_rstd(sum_sq, cols, eps));
+    const float row_rstd = coat_canonical_nan(coat_rmsnorm_rstd(sum_sq, cols, eps));
     rstd[r] = row_rstd;
     save_row(row, x_dtype, cols, save_group_size, x_saved + r * cols, x_saved_scales + r * ngroups);
     for (int64_t c = 0; c < cols; ++c)
@@ -76,7 +76,7 @@ coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t
     for (int64_t c = 0; c < cols; ++c) {
       const float value =
           coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), rstd[r], coat_load_f32(weight, weight_dtype, c));
-      put_code(coat_encode_scaled(value, scale, y_format), r, c, rows, cols, y, y_t);
+      put_code(coat_quantize_value(value, scale, y_format), r, c, rows, cols, y, y_t);
     }
   }
   return COAT_SUCCESS;
@@ -130,7 +130,7 @@ coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64
     float phases[COAT_DWEIGHT_PHASES] = {0.0f};
     for (int64_t slice = 0; slice < slices; ++slice)
       phases[slice % COAT_DWEIGHT_PHASES] = phases[slice % COAT_DWEIGHT_PHASES] + workspace[slice * cols + c];
-    dweight[c] = coat_canonical_f32(coat_combine_dweight_phases(phases));
+    dweight[c] = coat_canonical_nan(coat_combine_dweight_phases(phases));
   }
   return COAT_SUCCESS;
 }
@@ -168,7 +168,7 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
     for (int64_t c = 0; c < cols; ++c) {
       const float value = coat_silu_mul(coat_load_f32(gate_row, dtype, c), coat_load_f32(up_row, dtype, c),
                                         smooth_scale ? smooth_scale[c] : 1.0f);
-      put_code(coat_encode_scaled(value, scale, y_format), r, c, rows, cols, y, y_t);
+      put_code(coat_quantize_value(value, scale, y_format), r, c, rows, cols, y, y_t);
     }
   }
   return COAT_SUCCESS;

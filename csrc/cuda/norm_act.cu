@@ -20,8 +20,13 @@
 
 #include "coat/detail/norm_act_math.h"
 #include "coat/norm_act.h"
+#include "group_amax.cuh"
+#include "launch.cuh"
 
 namespace {
+
+using coat::device::group_amax_reduce;
+using coat::device::launch_status;
 
 constexpr int kChunk = COAT_NORM_ACT_CHUNK;
 constexpr int kChunksPerLane = COAT_RMSNORM_MAX_CHUNKS_PER_LANE;
@@ -143,14 +148,14 @@ __device__ __forceinline__ Codes encode_chunk(const float v[kChunk], int count, 
   if (format == COAT_E4M3) {
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
-      const uint32_t code = e < count ? coat_encode_scaled(v[e], scale, COAT_E4M3) : 0u;
+      const uint32_t code = e < count ? coat_quantize_value(v[e], scale, COAT_E4M3) : 0u;
       if (e < 4) codes.lo |= code << (8 * e);
       else codes.hi |= code << (8 * (e - 4));
     }
   } else {
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
-      const uint32_t code = e < count ? coat_encode_scaled(v[e], scale, COAT_E5M2) : 0u;
+      const uint32_t code = e < count ? coat_quantize_value(v[e], scale, COAT_E5M2) : 0u;
       if (e < 4) codes.lo |= code << (8 * e);
       else codes.hi |= code << (8 * (e - 4));
     }
@@ -179,10 +184,10 @@ __device__ __forceinline__ void store_chunk(void* out, coat_dtype dtype, int off
     if (count == 0) return;
     if (dtype == COAT_FLOAT32) {
       float4* p = reinterpret_cast<float4*>(static_cast<float*>(out) + offset);
-      p[0] = make_float4(coat_canonical_f32(v[0]), coat_canonical_f32(v[1]), coat_canonical_f32(v[2]),
-                         coat_canonical_f32(v[3]));
-      p[1] = make_float4(coat_canonical_f32(v[4]), coat_canonical_f32(v[5]), coat_canonical_f32(v[6]),
-                         coat_canonical_f32(v[7]));
+      p[0] = make_float4(coat_canonical_nan(v[0]), coat_canonical_nan(v[1]), coat_canonical_nan(v[2]),
+                         coat_canonical_nan(v[3]));
+      p[1] = make_float4(coat_canonical_nan(v[4]), coat_canonical_nan(v[5]), coat_canonical_nan(v[6]),
+                         coat_canonical_nan(v[7]));
     } else {
       uint4* p = reinterpret_cast<uint4*>(static_cast<uint16_t*>(out) + offset);
       *p = dtype == COAT_BFLOAT16 ? pack_chunk<COAT_BFLOAT16>(v) : pack_chunk<COAT_FLOAT16>(v);
@@ -193,7 +198,7 @@ __device__ __forceinline__ void store_chunk(void* out, coat_dtype dtype, int off
     float* p = static_cast<float*>(out) + offset;
 #pragma unroll
     for (int e = 0; e < kChunk; ++e)
-      if (e < count) p[e] = coat_canonical_f32(v[e]);
+      if (e < count) p[e] = coat_canonical_nan(v[e]);
   } else {
     uint16_t* p = static_cast<uint16_t*>(out) + offset;
     const bool bf16 = dtype == COAT_BFLOAT16;
@@ -208,13 +213,7 @@ __device__ __forceinline__ int chunk_count(int col, int cols) { return col < col
 // ---------------------------------------------------------------------------------------------------
 // Reductions
 
-// Max over aligned groups of `width` lanes (a power of two <= 16). Max is exact, so the order is free.
-__device__ __forceinline__ float group_max(float v, int width) {
-  for (int offset = 1; offset < width; offset <<= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) { return group_max(v, kWarpSize); }
+__device__ __forceinline__ float warp_max(float v) { return group_amax_reduce(v, kWarpSize); }
 
 // The row's sum of one partial per lane, in the order of coat_combine_lane_partials: xor butterfly in each
 // warp (lane l adds lane l + 16, + 8, ..., + 1), then across the row's warps the same way. Every thread of
@@ -246,7 +245,7 @@ __device__ __forceinline__ void save_chunk(const float v[kChunk], int count, int
   float amax = 0.0f;
 #pragma unroll
   for (int e = 0; e < kChunk; ++e) amax = coat_amax_step(amax, v[e]);
-  amax = group_max(amax, lanes_per_group);
+  amax = group_amax_reduce(amax, lanes_per_group);
   if (count == 0) return;
   const float scale = coat_scale_from_amax(amax, COAT_E4M3);
   store_codes(saved_row + col, encode_chunk(v, count, scale, COAT_E4M3), count, vector);
@@ -302,7 +301,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) rmsnorm_stats_kernel(RmsnormSt
     save_chunk(x[k], count, col, a.group_size / kChunk, a.group_size, saved_row, scales_row, a.vector);
   }
   const float rstd = coat_rmsnorm_rstd(row_sum(partial, a.lanes, warp_sums), a.cols, a.eps);
-  if (row_active && lane == 0) a.rstd[row] = coat_canonical_f32(rstd);
+  if (row_active && lane == 0) a.rstd[row] = coat_canonical_nan(rstd);
 
   float amax = 0.0f;
 #pragma unroll
@@ -668,7 +667,7 @@ __global__ void __launch_bounds__(kWarpSize * COAT_DWEIGHT_PHASES)
   float phases[COAT_DWEIGHT_PHASES];
 #pragma unroll
   for (int p = 0; p < COAT_DWEIGHT_PHASES; ++p) phases[p] = phase_sums[p][threadIdx.x];
-  dweight[col] = coat_canonical_f32(coat_combine_dweight_phases(phases));
+  dweight[col] = coat_canonical_nan(coat_combine_dweight_phases(phases));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -740,8 +739,6 @@ unsigned limited_blocks(int64_t items, int64_t per_block) {
   const int64_t blocks = coat_ceil_div(items, per_block);
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > kMaxGridY ? kMaxGridY : blocks));
 }
-
-coat_status launch_status() { return cudaGetLastError() == cudaSuccess ? COAT_SUCCESS : COAT_ERROR_CUDA; }
 
 // The second pass of both forward ops, on 64 x 64 tiles: row tiles over grid.x, column tiles over grid.y.
 template <class Op>

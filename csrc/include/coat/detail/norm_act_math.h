@@ -39,8 +39,6 @@
 /** Phases of the final dweight sum over slices (see above). */
 #define COAT_DWEIGHT_PHASES 16
 
-#define COAT_CANONICAL_NAN_BITS 0x7FC00000u
-#define COAT_FP8_CANONICAL_NAN 0x7Fu
 
 COAT_INLINE float coat_div_rn(float a, float b) {
 #ifdef __CUDA_ARCH__
@@ -113,7 +111,9 @@ COAT_INLINE float coat_rmsnorm_rstd(float sum_sq, int64_t cols, float eps) {
   return coat_div_rn(1.0f, coat_sqrt_rn(coat_div_rn(sum_sq, (float)cols) + eps));
 }
 
-COAT_INLINE float coat_rmsnorm_apply(float x, float rstd, float weight) { return (x * rstd) * weight; }
+COAT_INLINE float coat_rmsnorm_apply(float x, float rstd, float weight) {
+  return coat_canonical_nan((x * rstd) * weight);
+}
 
 /** Backward of RMSNorm, per element: the normalized saved input, decoded as coat_dequantize does. */
 COAT_INLINE float coat_rmsnorm_xhat(uint8_t code, float scale, float rstd) {
@@ -160,7 +160,7 @@ COAT_INLINE float coat_sigmoid(float g) { return coat_div_rn(1.0f, 1.0f + coat_e
 /** y = (silu(g) * up) * smooth, with silu(g) = g * sigmoid(g), so silu(-Inf) = -Inf * 0 = NaN as in
  *  PyTorch. smooth is the Smooth-SwiGLU channel scale, 1 without one (multiplying by 1 is exact). */
 COAT_INLINE float coat_silu_mul(float gate, float up, float smooth) {
-  return ((gate * coat_sigmoid(gate)) * up) * smooth;
+  return coat_canonical_nan(((gate * coat_sigmoid(gate)) * up) * smooth);
 }
 
 /** Gradients of coat_silu_mul at (gate, up) for the output gradient dy (see coat_silu_mul_backward_cpu). */
@@ -172,73 +172,16 @@ COAT_INLINE void coat_silu_mul_grads(float dy, float gate, float up, float smoot
 }
 
 /* ------------------------------------------------------------------------------------------------ */
-/* Encoding and stores                                                                                */
-
-/** coat_f32_to_e4m3 / coat_f32_to_e5m2 (coat/fp8.h) without branches, and with every NaN mapped to the
- *  positive NaN code 0x7F (x86 makes Inf / Inf a negative NaN, CUDA a positive one). Each case is computed
- *  and the right one selected, in the reference's order of precedence; per element this is about 15
- *  integer operations and no divergent branch, which matters on the GPU, where the fused kernels are
- *  close to issue-bound. Equal to the reference for all 2^32 inputs, NaN sign aside
- *  (scripts/check_fp8_encoders.c checks it). */
-COAT_INLINE uint8_t coat_f32_to_e4m3_canonical(float f) {
-  const uint32_t bits = coat_f32_to_bits(f);
-  const uint32_t sign = (bits >> 24) & 0x80u;
-  const uint32_t magnitude = bits & 0x7FFFFFFFu;
-  /* normal: rebias the exponent (127 -> 7), round the mantissa to 3 bits, nearest even */
-  const uint32_t normal = (magnitude - (120u << 23) + 0x7FFFFu + ((magnitude >> 20) & 1u)) >> 20;
-  /* below 2^-6: subnormal steps of 2^-9, rounded by the fp32 adder (2^14 has ulp 2^-9) */
-  const uint32_t subnormal =
-      coat_f32_to_bits(coat_fadd_rn(coat_f32_from_bits(magnitude), coat_f32_from_bits(141u << 23))) - (141u << 23);
-  uint32_t code = magnitude < 0x3C800000u ? subnormal : normal;
-  code = magnitude >= 0x43E00000u ? 0x7Eu : code; /* >= 448, Inf included: saturate */
-  return (uint8_t)(magnitude > 0x7F800000u ? COAT_FP8_CANONICAL_NAN : (sign | code));
-}
-
-COAT_INLINE uint8_t coat_f32_to_e5m2_canonical(float f) {
-  const uint32_t bits = coat_f32_to_bits(f);
-  const uint32_t sign = (bits >> 24) & 0x80u;
-  const uint32_t magnitude = bits & 0x7FFFFFFFu;
-  const uint32_t normal = (magnitude - (112u << 23) + 0xFFFFFu + ((magnitude >> 21) & 1u)) >> 21;
-  /* below 2^-14: subnormal steps of 2^-16 (2^7 has ulp 2^-16) */
-  const uint32_t subnormal =
-      coat_f32_to_bits(coat_fadd_rn(coat_f32_from_bits(magnitude), coat_f32_from_bits(134u << 23))) - (134u << 23);
-  uint32_t code = magnitude < 0x38800000u ? subnormal : normal;
-  code = magnitude >= 0x47600000u ? 0x7Bu : code; /* >= 57344: saturate */
-  code = magnitude == 0x7F800000u ? 0x7Cu : code; /* Inf stays Inf */
-  return (uint8_t)(magnitude > 0x7F800000u ? COAT_FP8_CANONICAL_NAN : (sign | code));
-}
-
-/** The FP8 code of x / scale: coat_quantize_value (coat/detail/quantize_math.h) with canonical NaN. */
-COAT_INLINE uint8_t coat_encode_scaled(float x, float scale, coat_fp8_format format) {
-  const float v = coat_div_rn(x, scale);
-  return format == COAT_E4M3 ? coat_f32_to_e4m3_canonical(v) : coat_f32_to_e5m2_canonical(v);
-}
-
-/** fp32 -> IEEE binary16, round to nearest even, overflow to +-Inf, NaN -> 0x7E00 (F. Giesen's
- *  float_to_half_fast3_rtne; the subnormal case rounds in the fp32 adder). */
-COAT_INLINE uint16_t coat_f32_to_f16(float f) {
-  uint32_t bits = coat_f32_to_bits(f);
-  const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
-  bits &= 0x7FFFFFFFu;
-  if (bits > 0x7F800000u) return (uint16_t)0x7E00u;
-  if (bits >= 0x47800000u) return (uint16_t)(sign | 0x7C00u); /* >= 2^16: Inf */
-  if (bits < 0x38800000u) {                                   /* below 2^-14: subnormal steps of 2^-24 */
-    const float magic = coat_f32_from_bits(126u << 23);      /* 0.5, whose ulp is 2^-24 */
-    return (uint16_t)(sign | (coat_f32_to_bits(coat_fadd_rn(coat_f32_from_bits(bits), magic)) - (126u << 23)));
-  }
-  bits = bits - (112u << 23) + 0xFFFu + ((bits >> 13) & 1u);
-  return (uint16_t)(sign | (bits >> 13));
-}
+/* Stores                                                                                             */
 
 /** Stores v as element i of `out` in `dtype`; NaN is stored canonically (0x7FC00000, 0x7FC0, 0x7E00). */
 COAT_INLINE void coat_store_as(void* out, coat_dtype dtype, int64_t i, float v) {
   switch (dtype) {
     case COAT_BFLOAT16: ((uint16_t*)out)[i] = coat_f32_to_bf16(v); break;
     case COAT_FLOAT16: ((uint16_t*)out)[i] = coat_f32_to_f16(v); break;
-    default: ((float*)out)[i] = v != v ? coat_f32_from_bits(COAT_CANONICAL_NAN_BITS) : v; break;
+    default: ((float*)out)[i] = coat_canonical_nan(v); break;
   }
 }
 
-COAT_INLINE float coat_canonical_f32(float v) { return v != v ? coat_f32_from_bits(COAT_CANONICAL_NAN_BITS) : v; }
 
 #endif /* COAT_DETAIL_NORM_ACT_MATH_H */

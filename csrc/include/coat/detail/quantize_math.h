@@ -37,11 +37,9 @@ COAT_INLINE uint8_t coat_quantize_value(float x, float scale, coat_fp8_format fo
   return coat_f32_to_fp8(copysignf(x / scale, x), format);
 }
 
-/* decode(q) * scale, with any NaN result (a NaN code, or 0 * Inf) the canonical quiet NaN 0x7FC00000:
- * the bits of an arithmetic NaN differ between x86 and CUDA. */
+/* decode(q) * scale; a NaN result (a NaN code, or 0 * Inf) is the canonical NaN. */
 COAT_INLINE float coat_dequantize_value(float decoded, float scale) {
-  const float product = decoded * scale;
-  return product == product ? product : coat_f32_from_bits(0x7FC00000u);
+  return coat_canonical_nan(decoded * scale);
 }
 
 COAT_INLINE int coat_is_valid_group_size(int64_t group_size) {
