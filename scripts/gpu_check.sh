@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# On a fresh GPU machine with torch and nvcc: build coat with CUDA, run the test suite (CUDA cases compare
-# against the C CPU core bit for bit) and the GPU benchmarks. Logs and benchmark JSON go to OUTDIR, packed
-# into OUTDIR/gpu_check.tgz as well; a summary is printed last.
-#   usage: scripts/gpu_check.sh OUTDIR [pytest args...]
+# On a GPU machine with torch and nvcc: build coat with CUDA, run the test suite (CUDA cases compare against
+# the C CPU core bit for bit) and the GPU benchmarks. Logs and benchmark JSON go to OUTDIR (logs/, results/)
+# and are packed into OUTDIR/gpu_check.tgz; the tail of each stage is printed.
+#
+#   usage: scripts/gpu_check.sh OUTDIR [STAGE...]
+#   stages: build, tests, tests:PATTERN (pytest -k), bench (every benchmarks/*.py), bench:NAME (one script)
+#   default: build tests bench
 set -uo pipefail
-out=${1:?usage: scripts/gpu_check.sh OUTDIR [pytest args...]}
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE...]}
 shift
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(build tests bench)
 cd "$(dirname "$0")/.."
 mkdir -p "$out/logs" "$out/results"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS=${MAX_JOBS:-16}
@@ -15,21 +20,33 @@ status=0
 { nvidia-smi; nvcc --version; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \
   > "$out/logs/env.txt" 2>&1
 
-echo "== build =="
-if ! python3 setup.py build_ext --inplace > "$out/logs/build.log" 2>&1; then
-  tail -n 40 "$out/logs/build.log"; echo "BUILD FAILED"; exit 1
-fi
-python3 -c "import coat; assert coat.built_with_cuda(), 'extension built without CUDA'" || exit 1
-
-echo "== tests =="
-python3 -m pytest tests -q -rs "$@" 2>&1 | tee "$out/logs/tests.log" | tail -n 25
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-
-for bench in benchmarks/[a-z]*.py; do
-  name=$(basename "$bench" .py)
+run_bench() {
+  local name=$1
   echo "== benchmark $name =="
-  python3 "$bench" --results-dir "$out/results" 2>&1 | tee "$out/logs/bench_$name.log" | tail -n 30
+  python3 "benchmarks/$name.py" --results-dir "$out/results" 2>&1 | tee "$out/logs/bench_$name.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+
+for stage in "${stages[@]}"; do
+  case $stage in
+    build)
+      echo "== build =="
+      if ! python3 setup.py build_ext --inplace > "$out/logs/build.log" 2>&1; then
+        tail -n 40 "$out/logs/build.log"; echo "BUILD FAILED"; exit 1
+      fi
+      python3 -c "import coat; assert coat.built_with_cuda(), 'extension built without CUDA'" || exit 1 ;;
+    tests | tests:*)
+      echo "== tests ${stage#tests} =="
+      filter=(); [ "$stage" = tests ] || filter=(-k "${stage#tests:}")
+      python3 -m pytest tests -q -rs "${filter[@]}" 2>&1 | tee "$out/logs/tests.log" | grep -v "^SKIPPED" | tail -n 30
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    bench)
+      for script in benchmarks/[a-z]*.py; do run_bench "$(basename "$script" .py)"; done ;;
+    bench:*)
+      run_bench "${stage#bench:}" ;;
+    *)
+      echo "unknown stage $stage"; exit 2 ;;
+  esac
 done
 
 tar czf "$out/gpu_check.tgz" -C "$out" logs results
