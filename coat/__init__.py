@@ -1,6 +1,7 @@
 """coat: memory-efficient FP8 training for PyTorch (COAT, ICLR 2025).
 
-coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization.
+coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization, and the fused FP8
+AdamW step with dynamic range expansion.
 """
 from coat import ops
 from coat._native import native as _native
