@@ -18,6 +18,15 @@ SHAPES = {"matrix": (24, 40), "wide": (3, 300), "cube": (2, 3, 20), "vector": (5
 MOMENTS = (("exp_avg", "exp_avg_meta"), ("exp_avg_sq", "exp_avg_sq_meta"))
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is faster than two, and keeps the run time steady on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(seed)
     return {
