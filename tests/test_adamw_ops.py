@@ -12,7 +12,7 @@ import torch
 
 import coat
 import reference_adamw as ref
-from reference_adamw import E4M3, E5M2, Hyper
+from reference_adamw import E4M3, Hyper
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 GROUP_SIZES = (16, 32, 64, 128)
@@ -129,9 +129,9 @@ def test_quantize_expanded_matches_reference(shape, fmt, expand, group_size, dev
     if not expand:
         assert torch.all(meta[..., 1:] == 1.0)
 
-    # The kernel's x' = C * exp2(log2 C + log2(t) / k) has |log2 x'| <= 2^6 here, so exp2's argument carries
-    # ~2^-18 of rounding (a few ulp of log2 t, one of the product): relative error <= 2^-18 * ln 2 < 3e-6.
-    # Without expansion x' = t * 1: exact.
+    # The kernel's x' = exp2(log2 C + log2(t) / k), with log2 C's integer part kept exact: the rest of the
+    # argument carries a few ulp of log2 t (|log2 t| < 32 here: ulp 2^-19) divided by k, and exp2 adds ~1 ulp:
+    # relative error < 3e-6 (measured: 1.1e-6 over 800k elements). Without expansion x' = t: exact.
     out = dequantize(codes, meta, group_size, device)
     expected = ref.dequantize(codes, meta, group_size)
     assert out.dtype == torch.float32 and out.shape == x.shape
@@ -196,6 +196,20 @@ def test_quantize_expanded_edge_cases(fmt, expand, device):
 
 
 @pytest.mark.parametrize("fmt", FP8)
+def test_quantize_expanded_single_element_tail(fmt, device):
+    """A row of G + 1 columns ends in a group of one element: range 1, so k = 1 and C is the element itself
+    (rounded to bf16); it comes back within half an FP8 step."""
+    x = torch.cat([torch.logspace(-4, 0, 16), torch.tensor([-0.37])]).reshape(1, 17)
+    codes, meta = quantize(x, 16, fmt, True, device)
+    assert meta.shape == (1, 2, 3)
+    assert meta[0, 1, 1] == 1.0 and meta[0, 1, 2] == torch.tensor(0.37).to(torch.bfloat16)
+    assert meta[0, 0, 1] > 1.0
+    check_against_oracle(x, codes, meta, 16, fmt, True, meta_rate=0.0)
+    out = dequantize(codes, meta, 16, device)
+    assert abs(out[0, 16] + 0.37) <= 0.37 * (2.0**-4 if fmt == "e4m3" else 2.0**-3)
+
+
+@pytest.mark.parametrize("fmt", FP8)
 def test_quantize_expanded_non_finite(fmt, device):
     """A NaN or Inf takes no part in its group's statistics and encodes as NaN: the rest of the group is
     quantized exactly as if the element were 0 (zeros take no part either), and dequantizes finite."""
@@ -219,7 +233,12 @@ def test_quantize_expanded_non_finite(fmt, device):
 
 def adam_moments():
     """exp_avg / exp_avg_sq of a small transformer after 1 and 5 torch.optim.AdamW steps on random tokens."""
-    torch.manual_seed(0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return _train_and_record_moments()
+
+
+def _train_and_record_moments():
     vocab, width = 128, 64
     model = torch.nn.Sequential(
         torch.nn.Embedding(vocab, width),
@@ -251,8 +270,11 @@ def moments():
 def test_expansion_reduces_update_error(moments, step, v_fmt):
     """Table 1 of the paper: the MSE of m / (sqrt(v) + eps), the update direction, with FP8 m and v, is
     smaller with dynamic range expansion than with plain per-group quantization of the same format. On this
-    model expansion gives 3-5x (the paper reports 1.63x on its models); the test asks for 2x. At step 1 with
-    E4M3 v, plain quantization flushes small v to 0 where m survives, and the error explodes (m / eps)."""
+    model expansion gives 3.2-4.8x, and 36x at step 1 with E4M3 v, where plain quantization pushes the small
+    v (the square of the gradient's range) to the format's floor (the paper reports 1.63x on its models);
+    the test asks for 2x. Expanded, no element is off by more than (1 - beta1) / sqrt(1 - beta2) = 3.16,
+    the size of the direction itself at step 1 (measured: 1.4); a v flushed to 0 under a nonzero m would
+    be off by orders of magnitude more (m / eps)."""
 
     def update_mse(expand):
         errors = []
@@ -267,7 +289,7 @@ def test_expansion_reduces_update_error(moments, step, v_fmt):
     plain_mse, _ = update_mse(False)
     expanded_mse, expanded_max = update_mse(True)
     assert expanded_mse * 2 < plain_mse, f"expanded {expanded_mse:.3g} vs plain {plain_mse:.3g}"
-    assert expanded_max < 2.0, "no element's update direction may be off by more than its own size"
+    assert expanded_max < 0.1 / math.sqrt(0.001)
 
 
 # ----------------------------------------------------------------------------------------- the step
@@ -279,8 +301,7 @@ class Optimizer:
 
     def __init__(self, params, m_fmt, v_fmt, group_size, hyper, expand=(True, True), device="cpu"):
         self.params = [p.clone() for p in params]
-        self.m_fmt, self.v_fmt, self.group_size, self.hyper, self.expand, self.device = (
-            m_fmt, v_fmt, group_size, hyper, expand, device)
+        self.group_size, self.hyper, self.expand, self.device = group_size, hyper, expand, device
         zeros = [torch.zeros(p.shape) for p in params]
         self.m = [list(coat.ops.quantize_expanded(z, group_size, m_fmt)) for z in zeros]
         self.v = [list(coat.ops.quantize_expanded(z, group_size, v_fmt)) for z in zeros]
@@ -332,6 +353,26 @@ def fp32_moments(m, v, g, hyper):
             f32(hyper.beta2) * v + f32(1 - hyper.beta2) * g * g)
 
 
+def assert_param_matches_oracle(param, before, grad, m_old, v_old, hyper, step, where=None) -> int:
+    """The kernel's new parameter against the oracle's float64 update of the same inputs (the kernel's own
+    dequantized m and v). fp32: the kernel rounds p * decay and p - update (2^-24 of |p| each) and the
+    update's chain (m, v, sqrt, two divisions: ~2^-21 of |update|, plus 2^-23 of the terms beta1 * m and
+    (1 - beta1) * g, which may cancel): within 1e-6 of |p| + step_size * (|m| + |g|) / denom (measured:
+    2e-7). bf16: rounded once, so within one bf16 ulp of the oracle rounded to bf16, and equal but where the
+    fp32 result lies that close to a bf16 midpoint: returns the number of such elements."""
+    where = torch.ones(param.shape, dtype=torch.bool) if where is None else where
+    expected, _, v_new = ref.adamw_update(before, grad, m_old.double(), v_old.double(), hyper, step)
+    if param.dtype == torch.bfloat16:
+        ulps = bf16_ulps(param.abs(), expected.abs().to(torch.bfloat16))[where]
+        assert torch.all(ulps <= 1) and torch.equal(param.sign()[where], expected.sign().to(torch.bfloat16)[where])
+        return int((ulps > 0).sum())
+    _, step_size, bias_correction2_sqrt = hyper.scalars(step)
+    denom = v_new.sqrt() / bias_correction2_sqrt + hyper.eps
+    bound = 1e-6 * (before.abs() + step_size * (m_old.double().abs() + grad.double().abs()) / denom)
+    assert torch.all(((param.double() - expected).abs() <= bound)[where]), f"step {step}"
+    return 0
+
+
 STEP_SHAPES = [(1,), (127,), (129,), (1000,), (3, 200), (5, 7), (2, 3, 130)]
 
 STEP_CASES = [
@@ -348,37 +389,25 @@ STEP_CASES = [
 @pytest.mark.parametrize("param_dtype,grad_dtype,m_fmt,v_fmt,group_size,expand,weight_decay", STEP_CASES)
 def test_step_teacher_forced(param_dtype, grad_dtype, m_fmt, v_fmt, group_size, expand, weight_decay, device, rng):
     """20 steps; before each, the oracle gets the kernel's own dequantized m and v and the same gradients.
-
-    Parameter: the oracle's float64 update of the same inputs. The kernel's fp32 arithmetic rounds p * decay
-    and p - update (2^-24 of |p| each) and the update's chain (m, v, sqrt, two divisions: ~2^-21 of
-    |update| plus 2^-23 of the terms beta1 * m and (1 - beta1) * g that may cancel): within 1e-6 of
-    |p| + step_size * (|m| + |g|) / denom. A bf16 parameter is rounded once: within one bf16 ulp of the
-    oracle's rounding, and equal but where the fp32 result lies that close to a bf16 midpoint.
+    Parameters: see assert_param_matches_oracle (bf16 rounding flips in at most 1% of the elements).
     States: the kernel's new codes and meta against the oracle's quantizer (see Disagreements)."""
     hyper = Hyper(lr=1e-2, weight_decay=weight_decay)
     params = [torch.randn(shape, generator=rng).to(param_dtype) for shape in STEP_SHAPES]
     opt = Optimizer(params, m_fmt, v_fmt, group_size, hyper, expand, device)
     tally = Disagreements()
+    param_flips = 0
     for step in range(1, 21):
         grads = [heavy_tailed(p.shape, rng).to(grad_dtype) for p in params]
         before = [p.double() for p in opt.params]
         m_old, v_old = opt.dequantized()
         opt.step(grads)
         for i in range(len(params)):
-            p_new, m_new, v_new = ref.adamw_update(before[i], grads[i], m_old[i].double(), v_old[i].double(), hyper, step)
-            _, step_size, bias_correction2_sqrt = hyper.scalars(step)
-            denom = v_new.sqrt() / bias_correction2_sqrt + hyper.eps
-            if param_dtype == torch.float32:
-                bound = 1e-6 * (before[i].abs() + step_size * (m_old[i].double().abs() + grads[i].double().abs()) / denom)
-                assert torch.all((opt.params[i].double() - p_new).abs() <= bound), f"step {step}, param {i}"
-            else:
-                ulps = bf16_ulps(opt.params[i].abs(), p_new.abs().to(torch.bfloat16))
-                assert ulps.max() <= 1 and torch.equal(opt.params[i].sign(), p_new.sign().to(torch.bfloat16))
-                assert (ulps > 0).float().mean() <= 0.01
+            param_flips += assert_param_matches_oracle(opt.params[i], before[i], grads[i], m_old[i], v_old[i], hyper, step)
             m32, v32 = fp32_moments(m_old[i], v_old[i], grads[i], hyper)
             tally.check(m32, opt.m[i][0], opt.m[i][1], group_size, m_fmt, expand[0])
             tally.check(v32, opt.v[i][0], opt.v[i][1], group_size, v_fmt, expand[1])
     tally.assert_rare()
+    assert param_flips <= 0.01 * 20 * sum(p.numel() for p in params)
 
 
 @pytest.mark.parametrize("v_fmt", ["e4m3", "e5m2"])
@@ -386,12 +415,13 @@ def test_step_free_running(v_fmt, device, rng):
     """20 steps of the kernel and of the oracle, each on its own quantized states, from the same parameters
     and gradients, next to unquantized float64 AdamW.
 
-    The two FP8 runs quantize nearly the same values with nearly the same meta; they part only where a code
-    or a bf16 meta value lands on the other side of a rounding boundary (rare, see Disagreements),
-    and then by one FP8 step in that element's m or v: its update moves by at most ~2 * 2^-3 of itself (E4M3
-    m, E5M2 v at k >= 1), i.e. a few % of lr. Bound: 0.1 * lr per step for every element, and a median 100x
-    below. Against unquantized AdamW both are off by the quantization error itself, which the test bounds
-    by 0.3 * lr per step, a generous multiple of the format's precision on the update direction."""
+    The two FP8 runs quantize the same values up to fp32-vs-float64 rounding and with the same meta, except
+    where a code or a bf16 meta value lands on the other side of a rounding boundary (rare, see
+    Disagreements); that element's m or v then differs by one FP8 step, which moves its update by a few %
+    (an E4M3 step is <= 2^-3, divided by k). Bounds, in lr per step: 0.1 for every element (measured 0.04)
+    and 1e-5 for the median (measured 1e-6: most elements never see a flip). Against unquantized AdamW both
+    runs carry the quantization error of the update direction, a few % per step: bound 0.15 (measured
+    0.08), while the parameters move by up to 0.8, so an update off by a fifth fails."""
     hyper = Hyper(lr=1e-2, weight_decay=0.1)
     params = [torch.randn(shape, generator=rng) for shape in STEP_SHAPES]
     opt = Optimizer(params, "e4m3", v_fmt, 128, hyper, device=device)
@@ -416,9 +446,9 @@ def test_step_free_running(v_fmt, device, rng):
     oracle_p = torch.cat([s[0].flatten() for s in oracle])
     exact_p = torch.cat([s[0].flatten() for s in exact])
     assert (kernel - oracle_p).abs().max() <= 0.1 * steps_lr
-    assert (kernel - oracle_p).abs().median() <= 1e-3 * steps_lr
-    assert (kernel - exact_p).abs().max() <= 0.3 * steps_lr
-    assert (oracle_p - exact_p).abs().max() <= 0.3 * steps_lr
+    assert (kernel - oracle_p).abs().median() <= 1e-5 * steps_lr
+    assert (kernel - exact_p).abs().max() <= 0.15 * steps_lr
+    assert (oracle_p - exact_p).abs().max() <= 0.15 * steps_lr
 
 
 def test_step_non_finite_gradients(device, rng):
@@ -449,8 +479,7 @@ def test_step_non_finite_gradients(device, rng):
         m32, v32 = fp32_moments(m_old[0], v_old[0], g, hyper)
         check_against_oracle(m32, *opt.m[0], 16, "e4m3", True)
         check_against_oracle(v32, *opt.v[0], 16, "e5m2", True)
-        p_new, _, _ = ref.adamw_update(before, g, m_old[0].double(), v_old[0].double(), hyper, step)
-        assert torch.allclose(opt.params[0][~bad].double(), p_new[~bad], rtol=1e-6, atol=1e-7)
+        assert_param_matches_oracle(opt.params[0], before, g, m_old[0], v_old[0], hyper, step, where=~bad)
         assert torch.all(torch.isfinite(opt.params[0][~bad]))
 
 
