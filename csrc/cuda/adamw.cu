@@ -5,9 +5,9 @@
 // Since 128 is a multiple of every group size, a group of G columns is G/4 adjacent lanes of one warp, and
 // its statistics (amax, amin) are a butterfly of __shfl_xor_sync over log2(G/4) steps: no shared memory, no
 // __syncthreads, the same code for G = 16..128. Appendix G.4 instead gives each group a 128-thread block
-// with one element per thread; a warp per group keeps 4 independent elements per thread in flight (memory-
-// level parallelism, which a bandwidth-bound kernel needs), reduces in 5 shuffles instead of shuffles plus a
-// shared-memory stage, and handles short rows (cols < 128) without idle blocks.
+// with one element per thread; a warp per 128 columns keeps 4 independent elements per thread in flight
+// (memory-level parallelism), reduces in at most 5 shuffles instead of shuffles plus a shared-memory stage
+// and a barrier, and leaves no block idle on short rows (cols < 128) beyond the unused lanes of one warp.
 #include "coat/adamw.h"
 
 #include <cuda_runtime.h>
@@ -33,8 +33,7 @@ struct StepLaunch {
   int count;
 };
 // 4 KiB is the parameter limit of every CUDA version and architecture.
-static_assert(sizeof(StepLaunch) <= 4096,
-              "step launch parameters exceed 4 KiB");
+static_assert(sizeof(StepLaunch) <= 4096, "step launch parameters exceed 4 KiB");
 
 // Where a lane's (up to) 4 elements lie in a rows x cols matrix cut into 128-column tiles.
 struct LaneSpan {

@@ -33,12 +33,14 @@
  * k = 1 and C = 1 (no expansion: y = x, plain per-group quantization) when expansion is off, when the group
  * has no nonzero finite element (all zero: codes 0, scale 2^-126, exact zeros back), and when C would not be
  * a normal bf16 number (groups whose geometric mean is below 2^-126 or above ~3.39e38). When k == 1 the
- * power is skipped in both directions (y = x / C, x' = C * t), so plain quantization is exact arithmetic.
+ * power is skipped in both directions (y = x / C, x' = C * t), so with C = 1 plain quantization rounds only
+ * in y / scale and in the FP8 code, like the quantizers of coat/quantize.h.
  *
  * No flush to zero. The smallest elements of v matter most (the update divides by sqrt(v)). A nonzero v
  * flushed to 0 under a nonzero m turns that element's update into m / eps: with E4M3 v on gradients that
- * span 1e7 within a group, 5e4 times the largest correct update. Rounded up to the format's floor instead,
- * v only shrinks that element's step; for m the absolute error stays below the floor, as with flushing.
+ * span 1e7 within a group, m / sqrt(v) came out 5e4 where its true values are at most ~3. Rounded up to the
+ * format's floor instead, v only shrinks that element's step; for m the absolute error stays below the
+ * floor, as with flushing.
  *
  * The clamp of k to [1/2, 64]:
  *   - k >= 1/2. Groups wider than the format (amax/amin > R_fmt) get k < 1: they are compressed instead of

@@ -16,6 +16,7 @@
 #include "coat/adamw.h"
 #include "coat/detail/quantize_math.h"
 
+/* The clamp of k; coat/adamw.h says why these bounds. */
 #define COAT_EXPANSION_K_MIN 0.5f
 #define COAT_EXPANSION_K_MAX 64.0f
 /* log2(FP8_MAX / FP8_MIN_SUBNORMAL): log2(448 * 2^9) and log2(57344 * 2^16) */
