@@ -11,12 +11,13 @@ the last one possibly short. Per group, over its finite elements:
     R_fmt = FP8_MAX / FP8_MIN_SUBNORMAL     E4M3: 448 * 2^9, E5M2: 57344 * 2^16
     y = sign(x) * (|x| / C)^k               with the stored C and k
     scale = max(max|y| / FP8_MAX, 2^-126)   stored rounded up to bf16
-    code = fp8(y / scale)                   round to nearest even, saturating
+    code = fp8(y / scale)                   round to nearest even, saturating; a nonzero x whose code would
+                                            be +-0 gets the smallest subnormal code of its sign instead
     x' = sign(code) * C * (|fp8(code)| * scale)^(1/k)
 
 k = 1 and C = 1 (no expansion, y = x) when expansion is off, when the group has no nonzero finite element,
 and when C is not a normal bf16 number. Non-finite elements take no part in the statistics and encode as
-NaN. Everything here is float64; the kernels compute in fp32, so results agree to rounding, not bit for bit.
+the positive NaN code. Everything here is float64; the kernels compute in fp32, so results agree to rounding, not bit for bit.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ E4M3 = Format(torch.float8_e4m3fn, 448.0, 2.0**-9, 3, -6)
 E5M2 = Format(torch.float8_e5m2, 57344.0, 2.0**-16, 2, -14)
 FORMATS = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
 
+NAN_CODE = 0x7F  # positive NaN in both formats
 K_MIN = 0.5
 K_MAX = 64.0
 MIN_SCALE = 2.0**-126
@@ -59,12 +61,14 @@ def round_bf16(x: torch.Tensor, up: bool = False) -> torch.Tensor:
 
 
 def round_fp8(v: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """float64 -> the nearest value of the FP8 grid (ties to even), saturating at +-FP8_MAX."""
+    """float64 -> the nearest value of the FP8 grid (ties to even), saturating at +-FP8_MAX; nonzero values
+    that round to 0 go to +-FP8_MIN_SUBNORMAL instead."""
     a = v.abs()
     _, exponent = torch.frexp(a)  # a = m * 2^exponent, m in [0.5, 1): leading bit 2^(exponent - 1)
     quantum_exponent = torch.clamp(exponent - 1, min=fmt.min_normal_exponent) - fmt.mantissa_bits
     quantum = torch.ldexp(torch.ones_like(a), quantum_exponent)
     r = torch.clamp(torch.round(a / quantum) * quantum, max=fmt.max)
+    r = torch.where((r == 0) & (a > 0), torch.full_like(r, fmt.min_subnormal), r)
     return torch.copysign(r, v)
 
 
@@ -111,9 +115,10 @@ def quantize_with_meta(x: torch.Tensor, meta: torch.Tensor, group_size: int, fmt
     scale, k, c = m[..., 0], m[..., 1], m[..., 2]
     finite = torch.isfinite(g)
     y = torch.copysign((torch.where(finite, g.abs(), torch.zeros_like(g)) / c) ** k, g)
-    q = round_fp8(y / scale, fmt)
-    q = torch.where(finite, q, torch.full_like(q, math.nan))
-    return _ungrouped(q, x.shape).to(torch.float32).to(fmt.dtype)
+    q = torch.where(finite, round_fp8(y / scale, fmt), torch.zeros_like(y))
+    codes = _ungrouped(q, x.shape).to(torch.float32).to(fmt.dtype).view(torch.uint8)
+    nan_code = torch.tensor(NAN_CODE, dtype=torch.uint8)
+    return torch.where(_ungrouped(finite, x.shape), codes, nan_code).view(fmt.dtype)
 
 
 def quantize(x: torch.Tensor, group_size: int, fmt: Format, expand: bool) -> tuple[torch.Tensor, torch.Tensor]:

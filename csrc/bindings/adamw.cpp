@@ -95,7 +95,9 @@ void fp8_adamw_step(at::TensorList params, at::TensorList grads, at::TensorList 
                                    fp8_format(exp_avg_sqs[i].scalar_type(), op, "exp_avg_sqs")};
   }
   const coat_adamw_options options{static_cast<float>(beta1),
+                                   static_cast<float>(1.0 - beta1),
                                    static_cast<float>(beta2),
+                                   static_cast<float>(1.0 - beta2),
                                    static_cast<float>(eps),
                                    static_cast<float>(decay_factor),
                                    static_cast<float>(step_size),
@@ -141,15 +143,17 @@ at::Tensor dequantize_expanded(const at::Tensor& codes, const at::Tensor& meta, 
 
 }  // namespace
 
+// The step is registered for every backend at once: with an empty parameter list there is no tensor to
+// dispatch on, and the kernel chooses the CPU or CUDA core from its tensors' device anyway.
+TORCH_LIBRARY_IMPL(coat, CompositeExplicitAutograd, m) { m.impl("fp8_adamw_step", &fp8_adamw_step); }
+
 TORCH_LIBRARY_IMPL(coat, CPU, m) {
-  m.impl("fp8_adamw_step", &fp8_adamw_step);
   m.impl("quantize_expanded", &quantize_expanded);
   m.impl("dequantize_expanded", &dequantize_expanded);
 }
 
 #ifdef COAT_WITH_CUDA
 TORCH_LIBRARY_IMPL(coat, CUDA, m) {
-  m.impl("fp8_adamw_step", &fp8_adamw_step);
   m.impl("quantize_expanded", &quantize_expanded);
   m.impl("dequantize_expanded", &dequantize_expanded);
 }

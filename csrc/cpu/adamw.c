@@ -6,6 +6,10 @@
 /* The largest group: a group's new m and v wait here between the update and their quantization. */
 #define COAT_MAX_GROUP_SIZE 128
 
+/* Below this many elements (a few ms of work on one core) a loop runs on one thread: waking the OpenMP team
+ * would cost more than it saves, and an optimizer step meets many small tensors (biases, norms). */
+#define COAT_PARALLEL_MIN_ELEMENTS 16384
+
 /* Elements of the group that starts at column `begin`: G, or fewer for the last group of a row. */
 static int64_t coat_group_length(int64_t begin, int64_t group_size, int64_t cols) {
   return cols - begin < group_size ? cols - begin : group_size;
@@ -20,7 +24,7 @@ static void coat_encode_group(const float* values, int64_t count, coat_range ran
 
 /* One group of one tensor: dequantize m and v, update p, m and v, quantize m and v with fresh meta. */
 static void coat_adamw_group(const coat_adamw_tensor* t, int64_t row, int64_t group,
-                             const coat_adamw_options* options, const coat_adamw_coefficients* coefficients) {
+                             const coat_adamw_options* options) {
   const int64_t group_size = options->group_size;
   const int64_t ngroups = coat_ceil_div(t->cols, group_size);
   const int64_t begin = group * group_size;
@@ -40,7 +44,7 @@ static void coat_adamw_group(const coat_adamw_tensor* t, int64_t row, int64_t gr
     m[i] = coat_expanded_decode(t->exp_avg[index], &m_old, t->exp_avg_format);
     v[i] = coat_expanded_decode(t->exp_avg_sq[index], &v_old, t->exp_avg_sq_format);
     const float p = coat_adamw_update(coat_load_f32(t->param, t->param_dtype, index),
-                                      coat_load_f32(t->grad, t->grad_dtype, index), &m[i], &v[i], coefficients);
+                                      coat_load_f32(t->grad, t->grad_dtype, index), &m[i], &v[i], options);
     coat_store_param(t->param, t->param_dtype, index, p);
     m_range = coat_range_add(m_range, m[i]);
     v_range = coat_range_add(v_range, v[i]);
@@ -53,14 +57,13 @@ static void coat_adamw_group(const coat_adamw_tensor* t, int64_t row, int64_t gr
 coat_status coat_fp8_adamw_step_cpu(const coat_adamw_tensor* tensors, int64_t count,
                                     const coat_adamw_options* options) {
   if (!coat_adamw_call_is_valid(tensors, count, options)) return COAT_ERROR_INVALID_ARGUMENT;
-  const coat_adamw_coefficients coefficients = coat_adamw_coefficients_of(options);
   for (int64_t i = 0; i < count; ++i) {
     const coat_adamw_tensor* t = &tensors[i];
     const int64_t ngroups = coat_ceil_div(t->cols, options->group_size);
     const int64_t total = t->rows * ngroups;
     /* groups, not rows: a 1-D parameter is a single row */
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < total; ++g) coat_adamw_group(t, g / ngroups, g % ngroups, options, &coefficients);
+#pragma omp parallel for schedule(static) if (t->rows * t->cols >= COAT_PARALLEL_MIN_ELEMENTS)
+    for (int64_t g = 0; g < total; ++g) coat_adamw_group(t, g / ngroups, g % ngroups, options);
   }
   return COAT_SUCCESS;
 }
@@ -73,7 +76,7 @@ coat_status coat_quantize_expanded_cpu(const float* x, int64_t rows, int64_t col
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t ngroups = coat_ceil_div(cols, group_size);
   const int64_t total = rows * ngroups;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= COAT_PARALLEL_MIN_ELEMENTS)
   for (int64_t g = 0; g < total; ++g) {
     const int64_t row = g / ngroups;
     const int64_t begin = (g % ngroups) * group_size;
@@ -93,7 +96,7 @@ coat_status coat_dequantize_expanded_cpu(const uint8_t* codes, coat_fp8_format f
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t ngroups = coat_ceil_div(cols, group_size);
   const int64_t total = rows * ngroups;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= COAT_PARALLEL_MIN_ELEMENTS)
   for (int64_t g = 0; g < total; ++g) {
     const int64_t begin = (g % ngroups) * group_size;
     const int64_t first = (g / ngroups) * cols + begin;

@@ -24,24 +24,33 @@
  *          after expansion the group's range (amax/amin)^k spans the format's whole range
  *   y_i  = sign(x_i) * (|x_i| / C)^k              the expand function f of section 4.2, normalised by C
  *   scale = bf16_up(max(max|y| / FP8_MAX, 2^-126)) rounded UP, so max|y| / scale <= FP8_MAX
- *   code_i = fp8(y_i / scale)                     round to nearest even, saturating (coat/fp8.h)
+ *   code_i = fp8(y_i / scale)                     round to nearest even, saturating (coat/fp8.h), except that a
+ *            nonzero x_i never gets a zero code: where y_i / scale rounds to +-0 it takes the smallest
+ *            subnormal code of its sign (+-FP8_MIN_SUBNORMAL) instead
  * bf16(.) rounds to nearest even. Each of C, k and scale is rounded to bf16 before it is used, so the stored
  * values are exactly the ones quantization used and dequantization inverts:
  *   x'_i = sign(code_i) * C * (|fp8_decode(code_i)| * scale)^(1/k)
  * k = 1 and C = 1 (no expansion: y = x, plain per-group quantization) when expansion is off, when the group
  * has no nonzero finite element (all zero: codes 0, scale 2^-126, exact zeros back), and when C would not be
  * a normal bf16 number (groups whose geometric mean is below 2^-126 or above ~3.39e38). When k == 1 the
- * power is skipped in both directions (y = x / C, x' = C * t), so plain quantization is exact arithmetic.
+ * power is skipped in both directions (y = x / C, x' = C * t), so with C = 1 plain quantization rounds only
+ * in y / scale and in the FP8 code, like the quantizers of coat/quantize.h.
+ *
+ * No flush to zero. The smallest elements of v matter most (the update divides by sqrt(v)). A nonzero v
+ * flushed to 0 under a nonzero m turns that element's update into m / eps: with E4M3 v on gradients that
+ * span 1e7 within a group, m / sqrt(v) came out 5e4 where its true values are at most ~3. Rounded up to the
+ * format's floor instead, v only shrinks that element's step; for m the absolute error stays below the
+ * floor, as with flushing.
  *
  * The clamp of k to [1/2, 64]:
  *   - k >= 1/2. Groups wider than the format (amax/amin > R_fmt) get k < 1: they are compressed instead of
- *     having their smallest elements flushed to zero. That matters for v at the first step, v = (1-beta2)g^2,
- *     whose range is the square of the gradient's: with E4M3 v and k >= 1, small v would flush to 0 while m
- *     does not, and m / (sqrt(v) + eps) would blow up to ~m / eps (seen on a small transformer: max error 83
- *     vs 1 in m/sqrt(v)). The price of k < 1 is the precision of the largest elements, whose relative error
- *     grows like delta / k; at k = 1/2 it is at most twice the format's. 1/2 also bounds every expanded
- *     value: |log2 y| <= k * log2(amax / amin) / 2 <= 277 / 4 < 70 (fp32 spans 2^-149..2^128), so y, scale
- *     and y / scale stay finite for all finite inputs, 1e-45 and 3e38 in one group included.
+ *     having their smallest elements pushed to the format's floor. That matters for v at the first step,
+ *     v = (1-beta2)g^2, whose range is the square of the gradient's: on a small transformer, E4M3 v at step
+ *     1 gives a mean squared error of m / sqrt(v) of 5.4e-4 with k >= 1/2 against 5.0e-3 with k >= 1 (and
+ *     0.55 with k >= 1 and flushing). The price of k < 1 is the precision of the largest elements, whose
+ *     relative error grows like delta / k; at k = 1/2 it is at most twice the format's. 1/2 also bounds every
+ *     expanded value: |log2 y| <= k * log2(amax / amin) / 2 <= 277 / 4 < 70 (fp32 spans 2^-149..2^128), so
+ *     y, scale and y / scale stay finite for all finite inputs, 1e-45 and 3e38 in one group included.
  *   - k <= 64. k grows without bound as amax / amin -> 1 (v late in training), and C's bf16 rounding
  *     (relative error <= 2^-9) shifts log2 |y| by up to k * 0.0028: at 64, by 0.18, so |log2 y| stays below
  *     16.1. Beyond 64 nothing is gained: the dequantization error, ~2^-4 / k relative for E4M3, is already
@@ -50,9 +59,10 @@
  * integer bit operations, +, *, / and fmaf), never by libm or CUDA powf / logf, which differ from each other
  * in the last bits: this is what makes the CPU and CUDA results identical bit for bit.
  *
- * Non-finite values. A NaN or +-Inf element takes no part in amax / amin and encodes as the NaN code (both
- * formats), so the rest of its group is quantized exactly as if it were absent: a NaN or Inf gradient
- * poisons its own element, never its neighbours with finite wrong values.
+ * Non-finite values. A NaN or +-Inf element takes no part in amax / amin and encodes as the positive NaN code
+ * 0x7F (both formats; no sign, because the sign of an arithmetic NaN differs between CPU and CUDA), so the
+ * rest of its group is quantized exactly as if it were absent: a NaN or Inf gradient poisons its own
+ * element, never its neighbours with finite wrong values.
  *
  * The CPU (C) and CUDA implementations compute the same values element for element, bit for bit. CUDA entry
  * points enqueue work on `stream` and return without synchronising.
@@ -85,14 +95,18 @@ typedef struct {
   coat_fp8_format exp_avg_sq_format;
 } coat_adamw_tensor;
 
-/** Hyperparameters of one step, the same for every tensor of a call. The host derives the last three from
- *  lr, weight_decay and the step number t in float64, as torch.optim.AdamW does, and rounds them to float:
+/** Hyperparameters of one step, the same for every tensor of a call. The host computes every value in
+ *  float64 and rounds it to float, as torch.optim.AdamW does, from lr, weight_decay and the step number t:
+ *    one_minus_beta1 = 1 - beta1, one_minus_beta2 = 1 - beta2   (not 1 - float(beta): 1 - float(0.999) is
+ *                                                                 1.3e-5 away from 0.001)
  *    decay_factor = 1 - lr * weight_decay
  *    step_size = lr / (1 - beta1^t)
  *    bias_correction2_sqrt = sqrt(1 - beta2^t) */
 typedef struct {
   float beta1;
+  float one_minus_beta1;
   float beta2;
+  float one_minus_beta2;
   float eps;
   float decay_factor;
   float step_size;
@@ -103,10 +117,10 @@ typedef struct {
 } coat_adamw_options;
 
 /** One AdamW step on `count` parameters, fused: per element, in fp32, in torch.optim.AdamW's order
- *  (single-tensor implementation), with b1 = 1 - beta1 and b2 = 1 - beta2 computed in fp32 (exact):
+ *  (single-tensor implementation), with the options' floats:
  *    m = dequantize(exp_avg), v = dequantize(exp_avg_sq)      (formula at the top of this file)
- *    m = beta1 * m + b1 * g
- *    v = beta2 * v + b2 * g * g
+ *    m = beta1 * m + one_minus_beta1 * g
+ *    v = beta2 * v + one_minus_beta2 * g * g
  *    p = p * decay_factor
  *    denom = sqrt(v) / bias_correction2_sqrt + eps
  *    p = p - step_size * m / denom                             ((step_size * m) / denom)

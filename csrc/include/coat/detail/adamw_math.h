@@ -16,6 +16,7 @@
 #include "coat/adamw.h"
 #include "coat/detail/quantize_math.h"
 
+/* The clamp of k; coat/adamw.h says why these bounds. */
 #define COAT_EXPANSION_K_MIN 0.5f
 #define COAT_EXPANSION_K_MAX 64.0f
 /* log2(FP8_MAX / FP8_MIN_SUBNORMAL): log2(448 * 2^9) and log2(57344 * 2^16) */
@@ -219,12 +220,16 @@ COAT_INLINE coat_expansion coat_expansion_of_range(coat_range r, coat_fp8_format
   return e;
 }
 
-/* code = fp8(sign(x) * (|x| / C)^k / scale); non-finite x gives the NaN code with x's sign. */
+/* code = fp8(sign(x) * (|x| / C)^k / scale), where a nonzero x that rounds to +-0 gets the smallest subnormal
+ * code of its sign instead (adamw.h says why). Non-finite x gives the positive NaN code 0x7F whatever its sign:
+ * the sign of a NaN that arithmetic produces is the platform's (x86 keeps or sets it, CUDA clears it), and a
+ * signed NaN code would let CPU and CUDA drift apart one step later. */
 COAT_INLINE uint8_t coat_expanded_encode(float x, const coat_expansion* e, coat_fp8_format format) {
-  if (!coat_is_finite(x)) return (uint8_t)(((coat_f32_to_bits(x) >> 24) & 0x80u) | 0x7Fu);
+  if (!coat_is_finite(x)) return 0x7Fu;
   const float a = fabsf(x);
-  const float y = a > 0.0f ? coat_expanded_magnitude(a, e) : 0.0f;
-  return coat_f32_to_fp8(copysignf(y, x) / e->scale, format);
+  if (!(a > 0.0f)) return coat_f32_to_fp8(x, format);
+  const uint8_t code = coat_f32_to_fp8(copysignf(coat_expanded_magnitude(a, e), x) / e->scale, format);
+  return (code & 0x7Fu) ? code : (uint8_t)(code | 1u);
 }
 
 /* x' = sign * C * (|decode(code)| * scale)^(1/k), the power as exp2(log2(C) + log2(t) / k) with log2(C)'s
@@ -240,38 +245,13 @@ COAT_INLINE float coat_expanded_decode(uint8_t code, const coat_expansion* e, co
 
 /* ------------------------------------------------------------------------------------------- the step */
 
-/* The per-call constants of the update, with 1 - beta computed once in fp32 (exact for beta in [1/2, 1]). */
-typedef struct {
-  float beta1;
-  float one_minus_beta1;
-  float beta2;
-  float one_minus_beta2;
-  float eps;
-  float decay_factor;
-  float step_size;
-  float bias_correction2_sqrt;
-} coat_adamw_coefficients;
-
-COAT_INLINE coat_adamw_coefficients coat_adamw_coefficients_of(const coat_adamw_options* o) {
-  coat_adamw_coefficients k;
-  k.beta1 = o->beta1;
-  k.one_minus_beta1 = 1.0f - o->beta1;
-  k.beta2 = o->beta2;
-  k.one_minus_beta2 = 1.0f - o->beta2;
-  k.eps = o->eps;
-  k.decay_factor = o->decay_factor;
-  k.step_size = o->step_size;
-  k.bias_correction2_sqrt = o->bias_correction2_sqrt;
-  return k;
-}
-
 /* One element of the step, in torch.optim.AdamW's order of operations; m and v are the dequantized states. */
-COAT_INLINE float coat_adamw_update(float p, float g, float* m, float* v, const coat_adamw_coefficients* k) {
-  *m = k->beta1 * *m + k->one_minus_beta1 * g;
-  *v = k->beta2 * *v + k->one_minus_beta2 * g * g;
-  p = p * k->decay_factor;
-  const float denom = sqrtf(*v) / k->bias_correction2_sqrt + k->eps;
-  return p - k->step_size * *m / denom;
+COAT_INLINE float coat_adamw_update(float p, float g, float* m, float* v, const coat_adamw_options* o) {
+  *m = o->beta1 * *m + o->one_minus_beta1 * g;
+  *v = o->beta2 * *v + o->one_minus_beta2 * g * g;
+  p = p * o->decay_factor;
+  const float denom = sqrtf(*v) / o->bias_correction2_sqrt + o->eps;
+  return p - o->step_size * *m / denom;
 }
 
 /* A parameter is float32 or bfloat16; bf16 rounds to nearest even. */
