@@ -215,7 +215,7 @@ class AdamW(torch.optim.Optimizer):
         params = _params_by_index(self.param_groups)
         for index, state in list(state_dict["state"].items()):
             param, group = params[index]
-            if param.dim() <= 1:
+            if param.dim() <= 1 and state:
                 state = dict(state)
                 for _, meta_key, _, _ in _MOMENTS:
                     state[meta_key] = _per_element_meta(param, state[meta_key], group["group_size"])
@@ -249,7 +249,9 @@ class AdamW(torch.optim.Optimizer):
         state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
         for key, value in state_dict["state"].items():
             if key in id_map:
-                state[id_map[key]] = _state_from_checkpoint(id_map[key], value, saved_group_of[key], key)
+                param = id_map[key]
+                # a parameter never stepped has an empty state, kept empty as in torch
+                state[param] = _state_from_checkpoint(param, value, saved_group_of[key], key) if value else {}
             else:
                 state[key] = value  # state not tied to a parameter is kept as is, as torch does
 
@@ -314,7 +316,7 @@ class AdamW(torch.optim.Optimizer):
             new_group = {
                 key: value
                 for key, value in saved_group.items()
-                if key not in ("params", "decoupled_weight_decay", *_COAT_OPTIONS, *_UNSUPPORTED_FEATURES)
+                if key not in ("params", "param_names", "decoupled_weight_decay", *_COAT_OPTIONS, *_UNSUPPORTED_FEATURES)
             }
             new_group.update({key: group[key] for key in (*_COAT_OPTIONS, *_UNSUPPORTED_FEATURES)})
             new_group["params"] = group["params"]
