@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullOptimStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import coat
 from coat import ops
@@ -137,12 +137,22 @@ def fsdp2_matches_single_process(rank: int, world_size: int, device: torch.devic
             is_dtensor = isinstance(state[key], DTensor)
             if is_dtensor != should_be_dtensor or (is_dtensor and state[key].placements != param.placements):
                 layout_errors.append(f"{name}/{key}")
+    # Sharding a matrix's last dimension (tensor parallelism's RowwiseParallel) would split its groups.
+    mesh = init_device_mesh(device.type, (world_size,))
+    row_split = torch.nn.Parameter(distribute_tensor(torch.randn(4, 64, device=device), mesh, [Shard(1)]))
+    row_split.grad = distribute_tensor(torch.randn(4, 64, device=device), mesh, [Shard(1)])
+    try:
+        AdamW([row_split]).step()
+        refusal = ""
+    except RuntimeError as error:
+        refusal = str(error)
     torch.save(
         {
             "losses": losses,
             "reference_losses": reference_losses,
             "compared": {k: (a.cpu(), b.cpu()) for k, (a, b) in compared.items()},
             "layout_errors": layout_errors,
+            "last_dimension_refusal": refusal,
         },
         out / f"rank{rank}.pt",
     )
@@ -326,6 +336,7 @@ def assert_all_equal(compared: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> 
 def test_fsdp2_matches_single_process_bit_for_bit(results):
     for result in results["fsdp2_matches_single_process"]:
         assert result["layout_errors"] == []
+        assert "sharded on its last dimension" in result["last_dimension_refusal"]
         assert result["losses"] == result["reference_losses"]
         assert result["losses"][-1] < result["losses"][0]
         assert_all_equal(result["compared"])
