@@ -126,7 +126,8 @@ def fsdp2_matches_single_process(rank: int, world_size: int, device: torch.devic
             expected_state = {key: reference_opt.state[views[id(reference_param)]][key][rank] for key in STATE_KEYS}
         else:
             expected = reference_param.detach().chunk(world_size, dim=0)[rank]
-            expected_state = {key: reference_opt.state[reference_param][key].chunk(world_size, dim=0)[rank] for key in STATE_KEYS}
+            reference_state = reference_opt.state[reference_param]
+            expected_state = {key: reference_state[key].chunk(world_size, dim=0)[rank] for key in STATE_KEYS}
         compared[name] = (local(param).detach(), expected)
         for key in STATE_KEYS:
             compared[f"{name}/{key}"] = (local(state[key]), expected_state[key])
@@ -367,9 +368,8 @@ def test_dcp_checkpoint_resumes_on_two_ranks_and_loads_on_one(results):
             if param.dim() >= 2:
                 codes, meta = saved[f"{name}/{codes_key}"], saved[f"{name}/{meta_key}"]
             else:
-                exact = torch.cat(
-                    [ops.dequantize_expanded(r["saved"][f"{name}/{codes_key}"], r["saved"][f"{name}/{meta_key}"], 128) for r in ranks]
-                )
+                shards = [(r["saved"][f"{name}/{codes_key}"], r["saved"][f"{name}/{meta_key}"]) for r in ranks]
+                exact = torch.cat([ops.dequantize_expanded(codes, meta, 128) for codes, meta in shards])
                 codes, meta = ops.quantize_expanded(exact, 128, "e4m3")
             compared[f"{name}/{codes_key}"] = (opt.state[param][codes_key], codes)
             compared[f"{name}/{meta_key}"] = (opt.state[param][meta_key], meta)
