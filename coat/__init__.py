@@ -1,11 +1,13 @@
 """coat: memory-efficient FP8 training for PyTorch (COAT, ICLR 2025).
 
-coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization, and the fused
-RMSNorm and SiLU*mul layers with FP8 outputs and FP8-saved inputs.
+coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization, the fused RMSNorm
+and SiLU*mul layers with FP8 outputs and FP8-saved inputs, and the fused FP8 AdamW step with dynamic range
+expansion.
 coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear, RMSNorm, SwiGLUMLP), and
 coat.convert(model) converts a transformers Llama, Mistral or Qwen2 model to the FP8 precision flow.
+coat.optim.AdamW is a drop-in for torch.optim.AdamW that keeps both moments in FP8.
 """
-from coat import nn, ops
+from coat import nn, ops, optim
 from coat._native import BUILT_WITH_CUDA
 from coat.conversion import convert
 
@@ -17,4 +19,4 @@ def built_with_cuda() -> bool:
     return BUILT_WITH_CUDA
 
 
-__all__ = ["convert", "nn", "ops", "built_with_cuda", "__version__"]
+__all__ = ["convert", "nn", "ops", "optim", "built_with_cuda", "__version__"]

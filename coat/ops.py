@@ -16,6 +16,14 @@ never silently clipped; a NaN element stays NaN and leaves its group unchanged.
 Inputs are float32, bfloat16 or float16 tensors of any shape with a contiguous last dimension whose leading
 dimensions collapse into evenly strided rows (contiguous tensors and slices like ``x[..., :k]``). A last
 dimension that is not a multiple of G ends in a short group. Outputs are contiguous.
+
+FP8 optimizer states (csrc/include/coat/adamw.h has the full statement): a state is FP8 codes of its
+parameter's shape plus bf16 meta of shape ``(*shape[:-1], ceil(shape[-1] / G), 3)``, one (scale, k, C) per
+1 x G group of the last dimension (G = 128 by default: 2 + 12/G bytes per parameter for m and v). Dynamic
+range expansion quantizes ``y = sign(x) * (|x| / C)**k`` with C the geometric mean of the group's smallest
+and largest nonzero magnitudes and k, clamped to [1/2, 64], chosen so that the group's range fills the
+format's; :func:`fp8_adamw_step` dequantizes, runs one AdamW step and re-quantizes, fused, over a list of
+parameters; :func:`quantize_expanded` / :func:`dequantize_expanded` convert states to and from float32.
 """
 from __future__ import annotations
 
@@ -93,6 +101,76 @@ def dequantize(
     with the one-element scale of :func:`quantize_tensor`."""
     check_device_supported(q, "coat.ops.dequantize")
     return torch.ops.coat.dequantize(q, scale, group_size, dtype)
+
+
+def adamw_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, float, float]:
+    """``(decay_factor, step_size, bias_correction2_sqrt)`` of AdamW step ``step`` (1-based), computed in
+    float64 as torch.optim.AdamW does: ``1 - lr * weight_decay``, ``lr / (1 - beta1**step)`` and
+    ``sqrt(1 - beta2**step)``; :func:`fp8_adamw_step` takes them."""
+    return 1.0 - lr * weight_decay, lr / (1.0 - beta1**step), (1.0 - beta2**step) ** 0.5
+
+
+def fp8_adamw_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_metas: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    exp_avg_sq_metas: list[torch.Tensor],
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    decay_factor: float,
+    step_size: float,
+    bias_correction2_sqrt: float,
+    group_size: int = 128,
+    expand_exp_avg: bool = True,
+    expand_exp_avg_sq: bool = True,
+) -> None:
+    """One fused AdamW step, in place, on every parameter of the lists (one kernel launch per 32 tensors on
+    CUDA). Per element, in fp32, in torch.optim.AdamW's order::
+
+        m, v = dequantize(exp_avg), dequantize(exp_avg_sq)
+        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
+        p = p * decay_factor
+        p = p - step_size * m / (sqrt(v) / bias_correction2_sqrt + eps)
+
+    then m and v are quantized again with fresh per-group meta (with expansion unless ``expand_exp_avg`` /
+    ``expand_exp_avg_sq`` is False). Take the three scalars from :func:`adamw_scalars`.
+
+    params: contiguous float32 or bfloat16 tensors with at least one dimension (a bf16 parameter is updated
+    in fp32 and rounded once: no master weights). grads: float32, bfloat16 or float16, each of its parameter's
+    shape. exp_avgs / exp_avg_sqs: FP8 codes of the parameter's shape, torch.float8_e4m3fn or
+    torch.float8_e5m2 (the dtype picks the format, e.g. E4M3 m and E5M2 v); exp_avg_metas / exp_avg_sq_metas:
+    their bf16 meta as :func:`quantize_expanded` makes it. A NaN or Inf gradient makes its parameter NaN, as in
+    torch.optim.AdamW, and never changes the rest of its group.
+    """
+    if params:
+        check_device_supported(params[0], "coat.ops.fp8_adamw_step")
+    torch.ops.coat.fp8_adamw_step(
+        params, grads, exp_avgs, exp_avg_metas, exp_avg_sqs, exp_avg_sq_metas, beta1, beta2, eps,
+        decay_factor, step_size, bias_correction2_sqrt, group_size, expand_exp_avg, expand_exp_avg_sq,
+    )
+
+
+def quantize_expanded(
+    x: torch.Tensor, group_size: int = 128, format: torch.dtype | str = "e4m3", *, expand: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes float32 ``x`` to an FP8 optimizer state: returns ``(codes, meta)``, codes of x's shape in the
+    FP8 dtype, meta bf16 of shape ``(*x.shape[:-1], ceil(x.shape[-1] / group_size), 3)`` holding each
+    group's (scale, k, C). With ``expand=False``, k = C = 1: plain per-group quantization. Use it to turn a
+    torch.optim.AdamW state (``exp_avg.float()``) into the state :func:`fp8_adamw_step` takes; zeros give a
+    fresh state."""
+    check_device_supported(x, "coat.ops.quantize_expanded")
+    return torch.ops.coat.quantize_expanded(x, group_size, fp8_dtype(format), expand)
+
+
+def dequantize_expanded(codes: torch.Tensor, meta: torch.Tensor, group_size: int = 128) -> torch.Tensor:
+    """Inverse of :func:`quantize_expanded`: float32 ``sign * C * (|float(code)| * scale)**(1/k)`` of codes'
+    shape."""
+    check_device_supported(codes, "coat.ops.dequantize_expanded")
+    return torch.ops.coat.dequantize_expanded(codes, meta, group_size)
 
 
 def _check_group_size(group_size: int, op: str) -> None:
@@ -310,3 +388,25 @@ def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_
 def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size):
     _check_named_group_size(save_group_size, "save_group_size", "coat.silu_mul_backward")
     return dy.new_empty(dy.shape), dy.new_empty(dy.shape)
+
+
+def _expanded_meta(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], -(-x.shape[-1] // group_size), 3), dtype=torch.bfloat16)
+
+
+@torch.library.register_fake("coat::fp8_adamw_step")
+def _fp8_adamw_step_fake(params, grads, exp_avgs, exp_avg_metas, exp_avg_sqs, exp_avg_sq_metas, beta1, beta2,
+                         eps, decay_factor, step_size, bias_correction2_sqrt, group_size, expand_m, expand_v):
+    _check_group_size(group_size, "coat.fp8_adamw_step")
+
+
+@torch.library.register_fake("coat::quantize_expanded")
+def _quantize_expanded_fake(x, group_size, fp8_dtype, expand):
+    _check_group_size(group_size, "coat.quantize_expanded")
+    return x.new_empty(x.shape, dtype=fp8_dtype), _expanded_meta(x, group_size)
+
+
+@torch.library.register_fake("coat::dequantize_expanded")
+def _dequantize_expanded_fake(codes, meta, group_size):
+    _check_group_size(group_size, "coat.dequantize_expanded")
+    return codes.new_empty(codes.shape, dtype=torch.float32)

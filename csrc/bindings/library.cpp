@@ -1,5 +1,5 @@
 // The coat operator library: every schema in one place, and the Python module that loads it.
-// Kernels are registered per family (quantize.cpp, ...); fake implementations live in coat/ops.py.
+// Kernels are registered per family (quantize.cpp, adamw.cpp, ...); fake implementations live in coat/ops.py.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -21,6 +21,12 @@ TORCH_LIBRARY(coat, m) {
         " Tensor up_scales)");
   m.def("silu_mul_backward(Tensor dy, Tensor gate_saved, Tensor gate_scales, Tensor up_saved, Tensor up_scales,"
         " Tensor? smooth_scale, int save_group_size) -> (Tensor dgate, Tensor dup)");
+  m.def("fp8_adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_metas,"
+        " Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_sq_metas, float beta1, float beta2, float eps,"
+        " float decay_factor, float step_size, float bias_correction2_sqrt, int group_size, bool expand_m,"
+        " bool expand_v) -> ()");
+  m.def("quantize_expanded(Tensor x, int group_size, ScalarType fp8_dtype, bool expand) -> (Tensor codes, Tensor meta)");
+  m.def("dequantize_expanded(Tensor codes, Tensor meta, int group_size) -> Tensor");
 }
 
 static PyObject* coat_built_with_cuda(PyObject*, PyObject*) {

@@ -1,0 +1,689 @@
+"""coat.optim.AdamW: a drop-in for torch.optim.AdamW that keeps both Adam moments in FP8 (COAT, section 4).
+
+The update, per element, in float32 inside one fused kernel (coat.ops.fp8_adamw_step, one call per parameter
+group and device), with decoupled weight decay as in torch.optim.AdamW:
+
+    m, v = dequantize(exp_avg), dequantize(exp_avg_sq)
+    m    = beta1 * m + (1 - beta1) * g
+    v    = beta2 * v + (1 - beta2) * g^2
+    p    = p * (1 - lr * weight_decay)
+    p    = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    exp_avg, exp_avg_sq = quantize(m), quantize(v)    fresh scale, k and C per group (dynamic range expansion)
+
+State of a parameter p (``opt.state[p]``):
+
+    step             0-d float32 CPU tensor, as torch keeps it: the bias corrections are computed on the host
+                     from it, so step() never waits for the GPU
+    exp_avg          FP8 codes of m: p's shape, dtype float8_e4m3fn or float8_e5m2 (m_format)
+    exp_avg_meta     bfloat16 (scale, k, C) of each group of m: shape (*p.shape[:-1], ceil(p.shape[-1] / G), 3)
+    exp_avg_sq       FP8 codes of v (v_format)
+    exp_avg_sq_meta  bfloat16 (scale, k, C) of each group of v
+
+A group is a run of G (group_size) elements along the last dimension; each row ends in a short group when G
+does not divide it. That is 2 + 12 / G bytes per parameter (2.09 at G = 128) against torch's 8.
+
+Distributed parameters (DTensor, from FSDP2's fully_shard). The step runs on the local shards; ``exp_avg`` and
+``exp_avg_sq`` are DTensors placed like the parameter. For a parameter with two or more dimensions the meta is a
+DTensor placed like the parameter too: FSDP2 shards dim 0, which cuts between rows, so every rank holds whole
+groups and the result is the same as on one process. A 1-D parameter (norm weight, bias) is a single row that
+dim-0 sharding cuts anywhere: its groups are G-element runs from the start of each rank's shard, and its meta
+is a plain tensor holding the groups of the local shard. Sharding the last dimension of a parameter with two
+or more dimensions would split groups and is refused.
+
+FSDP1 (use_orig_params=True) hands the optimizer 1-D views of each rank's flat shard (empty on ranks that hold
+none of a parameter): their groups are G-element runs of that view, in the flattened order of the parameter.
+
+Checkpoints. ``state_dict()`` returns the state above, except that the meta of a 1-D (or 0-d) parameter is
+saved per element, shape (*p.shape, 3), placed like the parameter, so that any sharding can load it;
+torch.distributed.checkpoint saves and reshards it like any DTensor. ``load_state_dict()`` re-forms the groups
+of the loading layout: a group whose elements all carry the same saved meta keeps its codes and meta, so a
+checkpoint loaded on the layout that saved it continues bit for bit; a group that mixes elements of different
+saved groups (a shard boundary moved) is dequantized exactly, element by element, and quantized again, one
+more FP8 rounding of those elements. Parameters with two or more dimensions keep their row-wise groups under
+any dim-0 sharding, so their states load exactly on any number of ranks.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from copy import deepcopy
+from itertools import chain
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from coat import ops
+
+# Options that fix how the states are stored: a checkpoint must have been saved with the same ones.
+_STORAGE_OPTIONS = ("group_size", "m_format", "v_format")
+_COAT_OPTIONS = (*_STORAGE_OPTIONS, "expand")
+# torch.optim.AdamW features coat does not implement, with the only value accepted for each.
+_UNSUPPORTED_FEATURES = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "fused": None,
+    "capturable": False,
+    "differentiable": False,
+}
+_SUPPORTED_FEATURES_TEXT = ", ".join(f"{name}={value}" for name, value in _UNSUPPORTED_FEATURES.items())
+# (codes key, meta key, format option, index of its flag in the expand pair)
+_MOMENTS = (("exp_avg", "exp_avg_meta", "m_format", 0), ("exp_avg_sq", "exp_avg_sq_meta", "v_format", 1))
+_PARAM_DTYPES = (torch.float32, torch.bfloat16)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FORMAT_NAMES = {dtype: name for name, dtype in ops.FP8_DTYPES.items()}
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW whose first and second moments are stored in FP8 with per-group dynamic range expansion.
+
+    Takes the arguments of torch.optim.AdamW, and:
+
+    Args:
+        group_size: elements per quantization group along the last dimension: 16, 32, 64 or 128.
+        m_format, v_format: FP8 format of the first and second moment: "e4m3" or "e5m2", or the dtypes
+            torch.float8_e4m3fn / torch.float8_e5m2.
+        expand: dynamic range expansion on (True) or off (False), or a (m, v) pair of bools.
+
+    All of these, like lr, betas, eps and weight_decay, can be set per parameter group. Parameters are
+    float32 (master weights; gradients float32, bfloat16 or float16) or bfloat16; a bfloat16 parameter has no
+    master copy, so each update is rounded to bfloat16. amsgrad, maximize, foreach, fused, capturable and
+    differentiable are accepted only at their defaults (False or None), and raise otherwise.
+
+    Beyond torch.optim.Optimizer: :meth:`torch_state_dict` and :meth:`load_torch_state_dict` convert to and
+    from the state of torch.optim.AdamW, to switch optimizers in the middle of a run.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        group_size: int = 128,
+        m_format: str | torch.dtype = "e4m3",
+        v_format: str | torch.dtype = "e4m3",
+        expand: bool | tuple[bool, bool] = True,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            group_size=group_size,
+            m_format=m_format,
+            v_format=v_format,
+            expand=expand,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            capturable=capturable,
+            differentiable=differentiable,
+        )
+        _normalize_options(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _normalize_options(group)
+            for param in group["params"]:
+                _check_param_dtype(param)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Performs one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        states = []
+        for param in params:
+            _check_for_step(param)
+            state = self.state[param]
+            if not state:
+                _init_state(param, group, state)
+            states.append(state)
+        torch._foreach_add_([state["step"] for state in states], 1.0)
+
+        # One kernel call per device and step count. A group's parameters normally share one count; one added
+        # later, or one without a gradient on some steps, has its own, hence its own bias corrections.
+        batches: dict[tuple[torch.device, float], list[list[torch.Tensor]]] = {}
+        for param, state in zip(params, states):
+            local_param = _local(param)
+            if local_param.numel() == 0:  # an FSDP rank holding none of this parameter
+                continue
+            step = state["step"].item()  # a CPU tensor: reading it does not synchronize the GPU
+            batch = batches.setdefault((local_param.device, step), [[] for _ in range(6)])
+            tensors = (
+                local_param,
+                _local(param.grad).contiguous(),
+                _local(state["exp_avg"]),
+                _local(state["exp_avg_meta"]),
+                _local(state["exp_avg_sq"]),
+                _local(state["exp_avg_sq_meta"]),
+            )
+            for tensor_list, tensor in zip(batch, tensors):
+                tensor_list.append(_as_rows(tensor))
+
+        beta1, beta2 = group["betas"]
+        lr = _host_lr(group["lr"])
+        expand_m, expand_v = group["expand"]
+        for (_, step), batch in batches.items():
+            # float64 on the host from the step count, exactly as torch.optim.AdamW computes them.
+            decay_factor, step_size, bias_correction2_sqrt = ops.adamw_scalars(
+                lr, beta1, beta2, group["weight_decay"], step
+            )
+            ops.fp8_adamw_step(
+                *batch,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                decay_factor=decay_factor,
+                step_size=step_size,
+                bias_correction2_sqrt=bias_correction2_sqrt,
+                group_size=group["group_size"],
+                expand_exp_avg=expand_m,
+                expand_exp_avg_sq=expand_v,
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state, with the meta of 1-D and 0-d parameters saved per element (see the module docstring).
+        Tensors are shared with the optimizer, as in torch: copy the result to keep a snapshot in memory."""
+        state_dict = super().state_dict()
+        params = _params_by_index(self.param_groups)
+        for index, state in list(state_dict["state"].items()):
+            param, group = params[index]
+            if param.dim() <= 1 and state:
+                state = dict(state)
+                for _, meta_key, _, _ in _MOMENTS:
+                    state[meta_key] = _per_element_meta(param, state[meta_key], group["group_size"])
+                state_dict["state"][index] = state
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a :meth:`state_dict` of a coat.optim.AdamW (also through torch.distributed.checkpoint, on any
+        number of ranks). Like torch, it restores lr, betas, eps, weight_decay and expand from the checkpoint;
+        group_size, m_format and v_format must equal this optimizer's, since the states are stored in them.
+        FP8 codes and bfloat16 meta keep their dtypes (torch.optim.Optimizer.load_state_dict would cast every
+        state tensor to the parameter's dtype)."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hook_result = pre_hook(self, state_dict)
+            if hook_result is not None:
+                state_dict = hook_result
+
+        groups = self.param_groups
+        saved_groups = deepcopy(state_dict["param_groups"])
+        _check_group_counts(groups, saved_groups)
+        for index, (group, saved_group) in enumerate(zip(groups, saved_groups)):
+            _check_storage_options(index, group, saved_group)
+
+        id_map = {}
+        saved_group_of = {}
+        for group, saved_group in zip(groups, saved_groups):
+            for key, param in zip(saved_group["params"], group["params"]):
+                id_map[key] = param
+                saved_group_of[key] = saved_group
+        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        for key, value in state_dict["state"].items():
+            if key in id_map:
+                param = id_map[key]
+                # a parameter never stepped has an empty state, kept empty as in torch
+                state[param] = _state_from_checkpoint(param, value, saved_group_of[key], key) if value else {}
+            else:
+                state[key] = value  # state not tied to a parameter is kept as is, as torch does
+
+        param_groups = []
+        for group, saved_group in zip(groups, saved_groups):
+            saved_group["params"] = group["params"]
+            if "param_names" in group and "param_names" not in saved_group:
+                saved_group["param_names"] = group["param_names"]
+            _normalize_options(saved_group)
+            param_groups.append(saved_group)
+        self.__setstate__({"state": state, "param_groups": param_groups})
+
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The state as torch.optim.AdamW holds it, for ``torch.optim.AdamW.load_state_dict``: float32
+        ``exp_avg`` and ``exp_avg_sq`` (the dequantized moments, DTensors placed like their parameters for
+        FSDP2), the same ``step``, and param groups without coat's options. Also the form to checkpoint with
+        under FSDP1: ``FSDP.optim_state_dict(model, opt, optim_state_dict=opt.torch_state_dict())``."""
+        state = {}
+        param_groups = []
+        index_of = _param_indices(self.param_groups)
+        for group in self.param_groups:
+            packed = {key: value for key, value in group.items() if key not in ("params", *_COAT_OPTIONS)}
+            packed["params"] = [index_of[id(p)] for p in group["params"]]
+            param_groups.append(packed)
+            for param in group["params"]:
+                param_state = self.state.get(param)
+                if param_state:
+                    state[index_of[id(param)]] = {
+                        "step": param_state["step"].clone(),
+                        "exp_avg": _dequantized(param, param_state["exp_avg"], param_state["exp_avg_meta"], group),
+                        "exp_avg_sq": _dequantized(
+                            param, param_state["exp_avg_sq"], param_state["exp_avg_sq_meta"], group
+                        ),
+                    }
+        return {"state": state, "param_groups": param_groups}
+
+    def load_torch_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads the state of a torch.optim.AdamW (its ``state_dict()``): quantizes exp_avg and exp_avg_sq
+        with this optimizer's group_size, formats and expand (coat.ops.quantize_expanded), keeps 'step', and
+        takes lr, betas, eps and weight_decay (and scheduler keys such as initial_lr) from it. Under FSDP1, pass
+        ``FSDP.optim_state_dict_to_load(model, opt, full_torch_state_dict)``."""
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        _check_group_counts(groups, saved_groups)
+        param_groups = []
+        id_map = {}
+        for index, (group, saved_group) in enumerate(zip(groups, saved_groups)):
+            for feature in ("amsgrad", "maximize"):
+                if saved_group.get(feature, False):
+                    raise ValueError(
+                        f"param group {index} of the torch state dict uses {feature}=True, which coat.optim.AdamW "
+                        "does not implement"
+                    )
+            if not saved_group.get("decoupled_weight_decay", True) and saved_group.get("weight_decay", 0) != 0:
+                raise ValueError(
+                    f"param group {index} of the torch state dict comes from torch.optim.Adam with L2 weight decay "
+                    "(decoupled_weight_decay=False); coat.optim.AdamW decays weights like torch.optim.AdamW"
+                )
+            new_group = {
+                key: value
+                for key, value in saved_group.items()
+                if key not in ("params", "param_names", "decoupled_weight_decay", *_COAT_OPTIONS, *_UNSUPPORTED_FEATURES)
+            }
+            new_group.update({key: group[key] for key in (*_COAT_OPTIONS, *_UNSUPPORTED_FEATURES)})
+            new_group["params"] = group["params"]
+            if "param_names" in group:
+                new_group["param_names"] = group["param_names"]
+            _normalize_options(new_group)
+            param_groups.append(new_group)
+            for key, param in zip(saved_group["params"], group["params"]):
+                id_map[key] = (param, new_group)
+
+        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        for key, value in state_dict["state"].items():
+            if key not in id_map:
+                raise ValueError(f"the torch state dict has state for {key!r}, which is no parameter of its groups")
+            param, group = id_map[key]
+            missing = [name for name in ("step", "exp_avg", "exp_avg_sq") if name not in value]
+            if missing:
+                raise ValueError(f"the torch state of parameter {key!r} lacks {missing}")
+            param_state = {"step": _host_step(value["step"])}
+            for codes_key, meta_key, format_key, expand_index in _MOMENTS:
+                codes, meta = _quantized(param, value[codes_key], group, format_key, expand_index, key)
+                param_state[codes_key] = codes
+                param_state[meta_key] = meta
+            state[param] = param_state
+        self.__setstate__({"state": state, "param_groups": param_groups})
+
+
+def _normalize_options(group: dict[str, Any]) -> None:
+    """Checks a param group's options and stores them in canonical form: formats as "e4m3"/"e5m2", expand as
+    an (m, v) pair, betas as floats. Raises ValueError with what is supported."""
+    for feature, supported in _UNSUPPORTED_FEATURES.items():
+        if group.get(feature, supported) != supported:
+            raise ValueError(
+                f"coat.optim.AdamW does not support {feature}={group[feature]!r}. It runs one fused FP8 kernel per "
+                f"parameter group and supports {_SUPPORTED_FEATURES_TEXT}."
+            )
+        group[feature] = supported
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or lr.device.type != "cpu":
+            raise ValueError(
+                "a Tensor lr must be a 1-element CPU tensor: step() reads it on the host, and reading a GPU "
+                "tensor there would synchronize"
+            )
+        lr = lr.item()
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= group["eps"]:
+        raise ValueError(f"Invalid epsilon value: {group['eps']}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+    betas = group["betas"]
+    if len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    beta1, beta2 = (float(beta) for beta in betas)
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {beta2}")
+    group["betas"] = (beta1, beta2)
+    if group["group_size"] not in ops.GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {ops.GROUP_SIZES}, got {group['group_size']!r}")
+    group["m_format"] = _format_name(group["m_format"])
+    group["v_format"] = _format_name(group["v_format"])
+    group["expand"] = _expand_pair(group["expand"])
+
+
+def _format_name(format: str | torch.dtype) -> str:
+    return _FORMAT_NAMES[ops.fp8_dtype(format)]
+
+
+def _expand_pair(expand: Any) -> tuple[bool, bool]:
+    if isinstance(expand, bool):
+        return expand, expand
+    if isinstance(expand, (tuple, list)) and len(expand) == 2 and all(isinstance(e, bool) for e in expand):
+        return expand[0], expand[1]
+    raise ValueError(f"expand must be a bool or a (m, v) pair of bools, got {expand!r}")
+
+
+def _check_param_dtype(param: torch.Tensor) -> None:
+    if param.is_complex():
+        raise ValueError("coat.optim.AdamW does not support complex parameters (view them as real with torch.view_as_real)")
+    if param.dtype not in _PARAM_DTYPES:
+        raise ValueError(
+            f"coat.optim.AdamW updates float32 parameters (master weights) and bfloat16 parameters, got a "
+            f"{param.dtype} parameter of shape {tuple(param.shape)}"
+        )
+
+
+def _check_for_step(param: torch.Tensor) -> None:
+    """Refuses what the kernel cannot update in place: the parameter's dtype may have changed since it was
+    added, and gradients come from outside."""
+    _check_param_dtype(param)
+    grad = param.grad
+    if grad.is_sparse:
+        raise RuntimeError("coat.optim.AdamW does not support sparse gradients; use torch.optim.SparseAdam for those")
+    if grad.dtype not in _GRAD_DTYPES:
+        raise RuntimeError(f"coat.optim.AdamW takes float32, bfloat16 or float16 gradients, got {grad.dtype}")
+    if grad.shape != param.shape:
+        raise RuntimeError(f"gradient of shape {tuple(grad.shape)} for a parameter of shape {tuple(param.shape)}")
+    if isinstance(param, DTensor):
+        _check_placements(param)
+        if not isinstance(grad, DTensor) or grad.placements != param.placements:
+            raise RuntimeError(
+                f"the gradient of a DTensor parameter placed as {param.placements} must be a DTensor placed the "
+                f"same way, got {grad.placements if isinstance(grad, DTensor) else 'a plain tensor'}"
+            )
+    if not _local(param).is_contiguous():
+        raise RuntimeError(
+            f"coat.optim.AdamW updates contiguous parameters in place; a parameter of shape {tuple(param.shape)} "
+            "is not contiguous"
+        )
+
+
+def _check_placements(param: DTensor) -> None:
+    for placement in param.placements:
+        if placement.is_replicate():
+            continue
+        dim = getattr(placement, "dim", None)  # Shard and FSDP2+TP's _StridedShard
+        if dim is None:
+            raise RuntimeError(f"coat.optim.AdamW supports Shard and Replicate placements of parameters, got {placement}")
+        if param.dim() >= 2 and dim % param.dim() == param.dim() - 1:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} is sharded on its last dimension ({placement}), which "
+                "splits quantization groups; shard it on another dimension (FSDP2 shards dim 0)"
+            )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """The kernel views tensors as rows x cols; a 0-d parameter is one row of one element."""
+    return tensor.view(1) if tensor.dim() == 0 else tensor
+
+
+def _meta_shape(shape: tuple[int, ...], group_size: int) -> tuple[int, ...]:
+    if len(shape) == 0:
+        return (1, 3)
+    return (*shape[:-1], -(-shape[-1] // group_size), 3)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _like_param(local: torch.Tensor, param: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``local`` as a DTensor of global ``shape`` on the parameter's mesh and placements, or as is for a plain
+    parameter."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous_strides(tuple(shape)),
+    )
+
+
+def _meta_state(param: torch.Tensor, local_meta: torch.Tensor, group_size: int) -> torch.Tensor:
+    """How the meta is held in memory: a plain tensor of the local shard's groups for a 1-D (or 0-d) parameter,
+    whose groups sharding forms per shard, else placed like the parameter."""
+    if param.dim() <= 1:
+        return local_meta
+    return _like_param(local_meta, param, _meta_shape(tuple(param.shape), group_size))
+
+
+def _init_state(param: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+    """Zero moments: FP8 zeros and the meta that coat.ops.quantize_expanded gives all-zero groups."""
+    local = _local(param)
+    group_size = group["group_size"]
+    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    for codes_key, meta_key, format_key, expand_index in _MOMENTS:
+        fp8_dtype = ops.fp8_dtype(group[format_key])
+        if local.numel() == 0:
+            codes = torch.empty(local.shape, dtype=fp8_dtype, device=local.device)
+            meta = torch.empty(_meta_shape(tuple(local.shape), group_size), dtype=torch.bfloat16, device=local.device)
+        else:
+            zeros = torch.zeros(_as_rows(local).shape, dtype=torch.float32, device=local.device)
+            codes, meta = ops.quantize_expanded(zeros, group_size, fp8_dtype, expand=group["expand"][expand_index])
+            codes = codes.view(local.shape)
+        state[codes_key] = _like_param(codes, param, tuple(param.shape))
+        state[meta_key] = _meta_state(param, meta, group_size)
+
+
+def _param_indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
+    """id(param) -> its index in state dicts, numbered as torch.optim.Optimizer.state_dict numbers them."""
+    index_of: dict[int, int] = {}
+    start = 0
+    for group in param_groups:
+        for index, param in enumerate(group["params"], start):
+            index_of.setdefault(id(param), index)
+        start += len(group["params"])
+    return index_of
+
+
+def _params_by_index(param_groups: list[dict[str, Any]]) -> dict[int, tuple[torch.Tensor, dict[str, Any]]]:
+    index_of = _param_indices(param_groups)
+    return {index_of[id(p)]: (p, group) for group in param_groups for p in group["params"]}
+
+
+def _per_element_meta(param: torch.Tensor, meta: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The (scale, k, C) of each element's group, shape (*param.shape, 3), placed like the parameter."""
+    local_param = _local(param)
+    per_element = meta.repeat_interleave(group_size, dim=0)[: local_param.numel()]
+    return _like_param(per_element.reshape(*local_param.shape, 3), param, (*param.shape, 3))
+
+
+def _check_group_counts(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
+    if len(groups) != len(saved_groups):
+        raise ValueError(
+            f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has {len(groups)}"
+        )
+    for index, (group, saved_group) in enumerate(zip(groups, saved_groups)):
+        if len(group["params"]) != len(saved_group["params"]):
+            raise ValueError(
+                f"parameter group {index} of the loaded state dict has {len(saved_group['params'])} parameters, "
+                f"this optimizer's has {len(group['params'])}"
+            )
+
+
+def _check_storage_options(index: int, group: dict[str, Any], saved_group: dict[str, Any]) -> None:
+    missing = [key for key in _STORAGE_OPTIONS if key not in saved_group]
+    if missing:
+        raise ValueError(
+            f"parameter group {index} of the loaded state dict has no {', '.join(missing)}: it is not the state of a "
+            "coat.optim.AdamW. Load a torch.optim.AdamW state dict with load_torch_state_dict()."
+        )
+    saved = {
+        "group_size": saved_group["group_size"],
+        "m_format": _format_name(saved_group["m_format"]),
+        "v_format": _format_name(saved_group["v_format"]),
+    }
+    current = {key: group[key] for key in _STORAGE_OPTIONS}
+    if saved != current:
+        raise ValueError(
+            f"parameter group {index}: the loaded states are stored with {saved}, this optimizer uses {current}. "
+            "Build coat.optim.AdamW with the checkpoint's options, or convert the state through "
+            "torch_state_dict() and load_torch_state_dict(), which quantizes again."
+        )
+
+
+def _host_step(step: torch.Tensor | float) -> torch.Tensor:
+    return torch.tensor(float(step), dtype=torch.float32)
+
+
+def _host_lr(lr: float | torch.Tensor) -> float:
+    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+        raise RuntimeError("coat.optim.AdamW: a Tensor lr must stay on the CPU; reading a GPU lr would synchronize")
+    return float(lr)
+
+
+def _checked_state_tensor(
+    param: torch.Tensor, value: Any, dtype: torch.dtype, shape: tuple[int, ...], where: str
+) -> torch.Tensor:
+    """``value`` checked against what the optimizer expects, moved to the parameter's device."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where} must be a tensor, got {type(value).__name__}")
+    if value.dtype != dtype:
+        raise ValueError(
+            f"{where} has dtype {value.dtype}, expected {dtype}; a state dict of torch.optim.AdamW loads with "
+            "load_torch_state_dict()"
+        )
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{where} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+    device = _local(param).device
+    if isinstance(param, DTensor):
+        if not isinstance(value, DTensor) or value.placements != param.placements or value.device_mesh != param.device_mesh:
+            raise ValueError(
+                f"{where} must be a DTensor placed like its parameter ({param.placements}); load FSDP2 checkpoints "
+                "with torch.distributed.checkpoint (get_optimizer_state_dict / set_optimizer_state_dict)"
+            )
+        return value if value.to_local().device == device else _like_param(value.to_local().to(device), param, shape)
+    if isinstance(value, DTensor):
+        raise ValueError(f"{where} is a DTensor but its parameter is not")
+    return value.to(device)
+
+
+def _state_from_checkpoint(param: torch.Tensor, saved: dict[str, Any], group: dict[str, Any], key: Any) -> dict[str, Any]:
+    where = f"the state of parameter {key!r}"
+    missing = [name for name in ("step", "exp_avg", "exp_avg_meta", "exp_avg_sq", "exp_avg_sq_meta") if name not in saved]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}; a torch.optim.AdamW state dict loads with load_torch_state_dict()")
+    group_size = group["group_size"]
+    expand = _expand_pair(group["expand"])
+    state = {"step": _host_step(saved["step"])}
+    for codes_key, meta_key, format_key, expand_index in _MOMENTS:
+        fp8_dtype = ops.fp8_dtype(group[format_key])
+        codes = _checked_state_tensor(param, saved[codes_key], fp8_dtype, tuple(param.shape), f"{where}['{codes_key}']")
+        if param.dim() <= 1:
+            meta_shape = (*param.shape, 3)
+        else:
+            meta_shape = _meta_shape(tuple(param.shape), group_size)
+        meta = _checked_state_tensor(param, saved[meta_key], torch.bfloat16, meta_shape, f"{where}['{meta_key}']")
+        if param.dim() <= 1:
+            local_codes, meta = _regroup_vector(
+                _local(codes), _local(meta), group_size, fp8_dtype, expand[expand_index]
+            )
+            codes = _like_param(local_codes, param, tuple(param.shape))
+        state[codes_key] = codes
+        state[meta_key] = meta
+    return state
+
+
+def _regroup_vector(
+    codes: torch.Tensor, per_element_meta: torch.Tensor, group_size: int, fp8_dtype: torch.dtype, expand: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and per-group meta of a 1-D (or 0-d) parameter's local shard from its per-element checkpoint form.
+
+    A group of this layout whose elements all carry the same saved meta keeps it (exact). The others mix
+    elements of different saved groups: every element is dequantized with its own meta (as a one-element
+    group) and the groups are quantized again."""
+    count = codes.numel()
+    per_element_meta = per_element_meta.reshape(count, 3)
+    ngroups = -(-count // group_size)
+    if count == 0:
+        return codes, per_element_meta.new_empty((0, 3))
+    first_meta = per_element_meta[::group_size]
+    # Compare bit patterns so that a NaN meta matches itself.
+    bits = per_element_meta.view(torch.int16)
+    same_as_first = (bits == first_meta.view(torch.int16).repeat_interleave(group_size, dim=0)[:count]).all(dim=1)
+    padded = torch.ones(ngroups * group_size, dtype=torch.bool, device=codes.device)
+    padded[:count] = same_as_first
+    uniform = padded.view(ngroups, group_size).all(dim=1)
+    if bool(uniform.all()):
+        return codes, first_meta.contiguous()
+    values = ops.dequantize_expanded(_as_rows(codes).reshape(count, 1), per_element_meta.reshape(count, 1, 3), group_size)
+    new_codes, new_meta = ops.quantize_expanded(values.reshape(count), group_size, fp8_dtype, expand=expand)
+    keep = uniform.repeat_interleave(group_size)[:count]
+    merged_codes = torch.where(keep, _as_rows(codes).view(torch.uint8), new_codes.view(torch.uint8))
+    merged_meta = torch.where(uniform[:, None], first_meta, new_meta)
+    return merged_codes.view(fp8_dtype).view(codes.shape), merged_meta
+
+
+def _dequantized(param: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    local_codes = _local(codes)
+    if local_codes.numel() == 0:
+        local = torch.zeros(local_codes.shape, dtype=torch.float32, device=local_codes.device)
+    else:
+        local = ops.dequantize_expanded(_as_rows(local_codes), _local(meta), group["group_size"]).view(local_codes.shape)
+    return _like_param(local, param, tuple(param.shape))
+
+
+def _quantized(
+    param: torch.Tensor, moment: Any, group: dict[str, Any], format_key: str, expand_index: int, key: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    where = f"the torch state of parameter {key!r}"
+    if not isinstance(moment, torch.Tensor) or moment.shape != param.shape:
+        shape = tuple(moment.shape) if isinstance(moment, torch.Tensor) else type(moment).__name__
+        raise ValueError(f"{where}: a moment must be a tensor of the parameter's shape {tuple(param.shape)}, got {shape}")
+    if isinstance(moment, DTensor) != isinstance(param, DTensor):
+        raise ValueError(f"{where}: a moment must be a DTensor exactly when its parameter is one")
+    local_param = _local(param)
+    local = _local(moment).to(device=local_param.device, dtype=torch.float32).contiguous()
+    fp8_dtype = ops.fp8_dtype(group[format_key])
+    group_size = group["group_size"]
+    if local.numel() == 0:
+        codes = torch.empty(local.shape, dtype=fp8_dtype, device=local.device)
+        meta = torch.empty(_meta_shape(tuple(local.shape), group_size), dtype=torch.bfloat16, device=local.device)
+    else:
+        codes, meta = ops.quantize_expanded(_as_rows(local), group_size, fp8_dtype, expand=group["expand"][expand_index])
+        codes = codes.view(local.shape)
+    return _like_param(codes, param, tuple(param.shape)), _meta_state(param, meta, group_size)

@@ -1,0 +1,163 @@
+/*
+ * coat core: FP8 AdamW with dynamic range expansion (COAT, section 4 and appendices A, F, G.4).
+ *
+ * Optimizer state layout. A state tensor (the first moment m = exp_avg, the second moment v = exp_avg_sq)
+ * has its parameter's shape, viewed as a row-major rows x cols matrix: leading dimensions collapse into
+ * rows, cols is the last dimension, a 1-D tensor of n elements is 1 x n. Each row is cut into 1 x G groups,
+ * group j of row r holding columns [j*G, min((j+1)*G, cols)), so a row has ngroups = ceil(cols / G) groups
+ * and the last one may be short. G is 16, 32, 64 or 128 (128 by default).
+ *   Why rows: FSDP2 shards parameters, and with them the states, along dim 0, so a row never straddles two
+ *   ranks. Every group stays local to one shard, the statistics need no communication, and a checkpoint can
+ *   be resharded onto any number of ranks with every group intact. (Groups of the flattened tensor would
+ *   cross shard boundaries whenever cols is not a multiple of G.)
+ * A state is stored as
+ *   codes: rows*cols FP8 bytes (E4M3 or E5M2, chosen per state: e.g. E4M3 for m, E5M2 for v);
+ *   meta:  rows*ngroups*3 bf16 values, (scale, k, C) of group j of row r at meta[(r*ngroups + j)*3 + 0..2],
+ *          i.e. a contiguous (rows, ngroups, 3) tensor,
+ * so a state costs 1 + 6/G bytes per parameter and the pair m, v 2 + 12/G (2.094 at G = 128).
+ *
+ * Quantization of one group x_1..x_n (fp32), format F with FP8_MAX = 448 (E4M3) or 57344 (E5M2):
+ *   amax = max |x_i|, amin = min |x_i| over x_i != 0, both over the finite elements only
+ *   C    = bf16(sqrt(amin) * sqrt(amax))          geometric mean of the extremes (appendix G.4)
+ *   k    = bf16(clamp(log2(R_fmt) / log2(amax / amin), 1/2, 64)), or k = 1 when amax == amin
+ *          R_fmt = FP8_MAX / FP8_MIN_SUBNORMAL: E4M3 448 * 2^9, E5M2 57344 * 2^16 (section 4.1), so that
+ *          after expansion the group's range (amax/amin)^k spans the format's whole range
+ *   y_i  = sign(x_i) * (|x_i| / C)^k              the expand function f of section 4.2, normalised by C
+ *   scale = bf16_up(max(max|y| / FP8_MAX, 2^-126)) rounded UP, so max|y| / scale <= FP8_MAX
+ *   code_i = fp8(y_i / scale)                     round to nearest even, saturating (coat/fp8.h), except that a
+ *            nonzero x_i never gets a zero code: where y_i / scale rounds to +-0 it takes the smallest
+ *            subnormal code of its sign (+-FP8_MIN_SUBNORMAL) instead
+ * bf16(.) rounds to nearest even. Each of C, k and scale is rounded to bf16 before it is used, so the stored
+ * values are exactly the ones quantization used and dequantization inverts:
+ *   x'_i = sign(code_i) * C * (|fp8_decode(code_i)| * scale)^(1/k)
+ * k = 1 and C = 1 (no expansion: y = x, plain per-group quantization) when expansion is off, when the group
+ * has no nonzero finite element (all zero: codes 0, scale 2^-126, exact zeros back), and when C would not be
+ * a normal bf16 number (groups whose geometric mean is below 2^-126 or above ~3.39e38). When k == 1 the
+ * power is skipped in both directions (y = x / C, x' = C * t), so with C = 1 plain quantization rounds only
+ * in y / scale and in the FP8 code, like the quantizers of coat/quantize.h.
+ *
+ * No flush to zero. The smallest elements of v matter most (the update divides by sqrt(v)). A nonzero v
+ * flushed to 0 under a nonzero m turns that element's update into m / eps: with E4M3 v on gradients that
+ * span 1e7 within a group, m / sqrt(v) came out 5e4 where its true values are at most ~3. Rounded up to the
+ * format's floor instead, v only shrinks that element's step; for m the absolute error stays below the
+ * floor, as with flushing.
+ *
+ * The clamp of k to [1/2, 64]:
+ *   - k >= 1/2. Groups wider than the format (amax/amin > R_fmt) get k < 1: they are compressed instead of
+ *     having their smallest elements pushed to the format's floor. That matters for v at the first step,
+ *     v = (1-beta2)g^2, whose range is the square of the gradient's: on a small transformer, E4M3 v at step
+ *     1 gives a mean squared error of m / sqrt(v) of 5.4e-4 with k >= 1/2 against 5.0e-3 with k >= 1 (and
+ *     0.55 with k >= 1 and flushing). The price of k < 1 is the precision of the largest elements, whose
+ *     relative error grows like delta / k; at k = 1/2 it is at most twice the format's. 1/2 also bounds every
+ *     expanded value: |log2 y| <= k * log2(amax / amin) / 2 <= 277 / 4 < 70 (fp32 spans 2^-149..2^128), so
+ *     y, scale and y / scale stay finite for all finite inputs, 1e-45 and 3e38 in one group included.
+ *   - k <= 64. k grows without bound as amax / amin -> 1 (v late in training), and C's bf16 rounding
+ *     (relative error <= 2^-9) shifts log2 |y| by up to k * 0.0028: at 64, by 0.18, so |log2 y| stays below
+ *     16.1. Beyond 64 nothing is gained: the dequantization error, ~2^-4 / k relative for E4M3, is already
+ *     ~0.1%.
+ * Powers and logarithms are computed as exp2(k * log2(t)) by coat's own log2 / exp2 (a few ulp, built from
+ * integer bit operations, +, *, / and fmaf), never by libm or CUDA powf / logf, which differ from each other
+ * in the last bits: this is what makes the CPU and CUDA results identical bit for bit.
+ *
+ * Non-finite values. A NaN or +-Inf element takes no part in amax / amin and encodes as the positive NaN code
+ * 0x7F (both formats; no sign, because the sign of an arithmetic NaN differs between CPU and CUDA), so the
+ * rest of its group is quantized exactly as if it were absent: a NaN or Inf gradient poisons its own
+ * element, never its neighbours with finite wrong values.
+ *
+ * The CPU (C) and CUDA implementations compute the same values element for element, bit for bit. CUDA entry
+ * points enqueue work on `stream` and return without synchronising.
+ */
+#ifndef COAT_ADAMW_H
+#define COAT_ADAMW_H
+
+#include "coat/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** One parameter of an fp8_adamw_step call and its two FP8 states, all contiguous, rows x cols elements.
+ *  param: COAT_FLOAT32 or COAT_BFLOAT16; grad: COAT_FLOAT32, COAT_BFLOAT16 or COAT_FLOAT16 (same shape);
+ *  exp_avg / exp_avg_sq: rows*cols FP8 codes in their own format; exp_avg_meta / exp_avg_sq_meta: bf16 bit
+ *  patterns, rows*ceil(cols/G)*3, laid out as described at the top of this file. */
+typedef struct {
+  void* param;
+  const void* grad;
+  uint8_t* exp_avg;
+  uint16_t* exp_avg_meta;
+  uint8_t* exp_avg_sq;
+  uint16_t* exp_avg_sq_meta;
+  int64_t rows;
+  int64_t cols;
+  coat_dtype param_dtype;
+  coat_dtype grad_dtype;
+  coat_fp8_format exp_avg_format;
+  coat_fp8_format exp_avg_sq_format;
+} coat_adamw_tensor;
+
+/** Hyperparameters of one step, the same for every tensor of a call. The host computes every value in
+ *  float64 and rounds it to float, as torch.optim.AdamW does, from lr, weight_decay and the step number t:
+ *    one_minus_beta1 = 1 - beta1, one_minus_beta2 = 1 - beta2   (not 1 - float(beta): 1 - float(0.999) is
+ *                                                                 1.3e-5 away from 0.001)
+ *    decay_factor = 1 - lr * weight_decay
+ *    step_size = lr / (1 - beta1^t)
+ *    bias_correction2_sqrt = sqrt(1 - beta2^t) */
+typedef struct {
+  float beta1;
+  float one_minus_beta1;
+  float beta2;
+  float one_minus_beta2;
+  float eps;
+  float decay_factor;
+  float step_size;
+  float bias_correction2_sqrt;
+  int64_t group_size;
+  int expand_exp_avg;    /**< nonzero: dynamic range expansion for m; zero: plain per-group quantization */
+  int expand_exp_avg_sq; /**< the same for v */
+} coat_adamw_options;
+
+/** One AdamW step on `count` parameters, fused: per element, in fp32, in torch.optim.AdamW's order
+ *  (single-tensor implementation), with the options' floats:
+ *    m = dequantize(exp_avg), v = dequantize(exp_avg_sq)      (formula at the top of this file)
+ *    m = beta1 * m + one_minus_beta1 * g
+ *    v = beta2 * v + one_minus_beta2 * g * g
+ *    p = p * decay_factor
+ *    denom = sqrt(v) / bias_correction2_sqrt + eps
+ *    p = p - step_size * m / denom                             ((step_size * m) / denom)
+ *  then m and v are quantized again, each group with fresh (scale, k, C) from its new values, written over
+ *  the old codes and meta. A bf16 parameter is widened to fp32, updated and rounded once to bf16 (nearest
+ *  even): there is no fp32 master copy, so updates smaller than half a bf16 ulp of p are lost, as they are
+ *  with torch.optim.AdamW on bf16 parameters. A NaN or +-Inf gradient element makes its parameter NaN, as in
+ *  torch (Inf / Inf in the update), and its m and v NaN codes; the rest of its groups is unaffected.
+ *  The CUDA entry point launches once per 32 tensors (their pointers and sizes travel by value in the
+ *  kernel's arguments: no device allocation, no copy, no synchronisation) and skips empty tensors. */
+coat_status coat_fp8_adamw_step_cpu(const coat_adamw_tensor* tensors, int64_t count,
+                                    const coat_adamw_options* options);
+coat_status coat_fp8_adamw_step_cuda(const coat_adamw_tensor* tensors, int64_t count,
+                                     const coat_adamw_options* options, coat_cuda_stream stream);
+
+/** Quantization with dynamic range expansion (formula at the top of this file), e.g. to convert a
+ *  torch.optim.AdamW state: x is fp32, rows x cols with rows starting row_stride >= cols elements apart;
+ *  codes are rows*cols contiguous bytes in `format`; meta is rows*ceil(cols/G)*3 bf16 bit patterns.
+ *  expand == 0 gives plain per-group quantization (k = 1, C = 1). */
+coat_status coat_quantize_expanded_cpu(const float* x, int64_t rows, int64_t cols, int64_t row_stride,
+                                       int64_t group_size, coat_fp8_format format, int expand,
+                                       uint8_t* codes, uint16_t* meta);
+coat_status coat_quantize_expanded_cuda(const float* x, int64_t rows, int64_t cols, int64_t row_stride,
+                                        int64_t group_size, coat_fp8_format format, int expand,
+                                        uint8_t* codes, uint16_t* meta, coat_cuda_stream stream);
+
+/** Dequantization: out[r*cols + c] = sign * C * (|fp8_decode(code)| * scale)^(1/k) in fp32, with the
+ *  (scale, k, C) of the element's group; codes and out are contiguous rows x cols. Zero codes give +-0,
+ *  NaN codes NaN (and E5M2 Inf codes +-Inf). */
+coat_status coat_dequantize_expanded_cpu(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta,
+                                         int64_t rows, int64_t cols, int64_t group_size, float* out);
+coat_status coat_dequantize_expanded_cuda(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta,
+                                          int64_t rows, int64_t cols, int64_t group_size, float* out,
+                                          coat_cuda_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COAT_ADAMW_H */
