@@ -38,7 +38,9 @@ for stage in "${stages[@]}"; do
     tests | tests:*)
       echo "== tests ${stage#tests} =="
       filter=(); [ "$stage" = tests ] || filter=(-k "${stage#tests:}")
-      python3 -m pytest tests -q -rs "${filter[@]}" 2>&1 | tee "$out/logs/tests.log" | grep -v "^SKIPPED" | tail -n 30
+      # pytest-xdist, where installed, runs files in parallel and reports a crashing test instead of dying
+      parallel=(); python3 -c "import xdist" 2>/dev/null && parallel=(-n 8 --dist loadfile)
+      python3 -m pytest tests -q -rs "${parallel[@]}" "${filter[@]}" 2>&1 | tee "$out/logs/tests.log" | grep -v "^SKIPPED" | tail -n 30
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench)
       for script in benchmarks/[a-z]*.py; do run_bench "$(basename "$script" .py)"; done ;;
