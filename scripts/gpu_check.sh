@@ -15,9 +15,13 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out/logs" "$out/results"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+# The GPU image's Python is configured with a GCC (/opt/gcc) that links libstdc++ statically into
+# extensions; two libstdc++ copies in one process crash when an error message formats a number. The
+# system compiler links it dynamically, like torch.
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 status=0
 
-{ nvidia-smi; nvcc --version; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \
+{ nvidia-smi; nvcc --version; "${CXX:-g++}" --version | head -n 1; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \
   > "$out/logs/env.txt" 2>&1
 
 run_bench() {
@@ -34,7 +38,8 @@ for stage in "${stages[@]}"; do
       if ! python3 setup.py build_ext --inplace > "$out/logs/build.log" 2>&1; then
         tail -n 40 "$out/logs/build.log"; echo "BUILD FAILED"; exit 1
       fi
-      python3 -c "import coat; assert coat.built_with_cuda(), 'extension built without CUDA'" || exit 1 ;;
+      python3 -c "import coat; assert coat.built_with_cuda(), 'extension built without CUDA'" || exit 1
+      ldd coat/_C*.so | grep -q libstdc++ || echo "WARNING: coat/_C links libstdc++ statically" ;;
     tests | tests:*)
       echo "== tests ${stage#tests} =="
       filter=(); [ "$stage" = tests ] || filter=(-k "${stage#tests:}")

@@ -8,8 +8,8 @@ import reference
 
 def quantize_per_tensor_dequantized(x: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
     """Per-tensor FP8 quantization (paper section 3) and back, in float64, by the bit-exact oracle."""
-    q, scale = reference.quantize_tensor(x.detach(), fp8)
-    return reference.decode(q, fp8) * scale.double()
+    q, scale = reference.quantize_tensor(x.detach().cpu(), fp8)
+    return (reference.decode(q, fp8) * scale.double()).to(x.device)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -21,9 +21,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def quantize_group_dequantized(x: torch.Tensor, group_size: int, fp8: torch.dtype = torch.float8_e4m3fn):
     """Per-group FP8 quantization with 1 x G groups along the last dimension (paper section 5.2; the last
     group of a row may be short) and back, in float64, by the bit-exact oracle."""
-    q, scales = reference.quantize_group(x.detach(), group_size, fp8)
+    q, scales = reference.quantize_group(x.detach().cpu(), group_size, fp8)
     cols = x.shape[-1]
-    return reference.decode(q, fp8) * reference.expand_group_scales(scales, cols, group_size).double()
+    return (reference.decode(q, fp8) * reference.expand_group_scales(scales, cols, group_size).double()).to(x.device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -169,7 +169,8 @@ def test_fallback_without_fp8_gemm_matches_scaled_mm(device, monkeypatch):
     monkeypatch.setattr(coat_functional, "_device_has_fp8_gemm", lambda device: False)
     without_gemm = run_layer(layer, x, grad_y)
     for a, b in zip(with_gemm, without_gemm):
-        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-5)
+        # Summation-order differences are relative to the terms' magnitudes, not to a result that cancels.
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-8 * b.abs().max().item())
 
 
 def test_from_linear_keeps_parameters_and_state_dict():
