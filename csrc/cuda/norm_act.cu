@@ -144,18 +144,19 @@ __device__ __forceinline__ void store_codes(uint8_t* dst, Codes codes, int count
 // Encodes v / scale; elements past count encode 0 (their codes are never stored, but a tile holds them).
 __device__ __forceinline__ Codes encode_chunk(const float v[kChunk], int count, float scale, coat_fp8_format format) {
   Codes codes{0u, 0u};
+  const float reciprocal = 1.0f / scale;
   // One branch per chunk on the format, so that the per-element encoder is the straight-line one.
   if (format == COAT_E4M3) {
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
-      const uint32_t code = e < count ? coat_quantize_value(v[e], scale, COAT_E4M3) : 0u;
+      const uint32_t code = e < count ? coat_quantize_scaled(v[e], scale, reciprocal, COAT_E4M3) : 0u;
       if (e < 4) codes.lo |= code << (8 * e);
       else codes.hi |= code << (8 * (e - 4));
     }
   } else {
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
-      const uint32_t code = e < count ? coat_quantize_value(v[e], scale, COAT_E5M2) : 0u;
+      const uint32_t code = e < count ? coat_quantize_scaled(v[e], scale, reciprocal, COAT_E5M2) : 0u;
       if (e < 4) codes.lo |= code << (8 * e);
       else codes.hi |= code << (8 * (e - 4));
     }

@@ -299,9 +299,10 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
           }
 
           if constexpr (kMode != QuantizeMode::kAmaxOnly) {
+            const float reciprocal = 1.0f / scale;
             Chunk<uint8_t, kQuantizeChunk> codes;
 #pragma unroll
-            for (int i = 0; i < kQuantizeChunk; ++i) codes.e[i] = coat_quantize_value(values[i], scale, kFormat);
+            for (int i = 0; i < kQuantizeChunk; ++i) codes.e[i] = coat_quantize_scaled(values[i], scale, reciprocal, kFormat);
             store_chunk<kVector>(codes, p.q, row * p.cols, col, p.cols, row_valid);
             if constexpr (kTranspose) {
               // Staged unconditionally: the transpose phase skips rows and columns out of range.

@@ -16,6 +16,11 @@
 #include "coat/common.h"
 #include "coat/float_bits.h"
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#include <cuda_fp8.h>
+#define COAT_HARDWARE_FP8_CONVERT 1
+#endif
+
 #define COAT_E4M3_MAX 448.0f
 #define COAT_E5M2_MAX 57344.0f
 
@@ -23,12 +28,20 @@ COAT_INLINE float coat_fp8_max(coat_fp8_format format) {
   return format == COAT_E4M3 ? COAT_E4M3_MAX : COAT_E5M2_MAX;
 }
 
-/* Both encoders compute the subnormal and the normal code and select, instead of branching: on a GPU
- * the selects cost a few instructions where divergent branches cost most of a memory-bound kernel's
- * budget. The selections are ordered so that the special cases (saturation, Inf, NaN) win. */
+/* On GPUs with FP8 conversion instructions (sm_89+) the encoders use them and fix up the two cases where
+ * the hardware's saturation differs from these rules (NaN sign, E5M2 Inf); elsewhere (the C core,
+ * older GPUs) they compute the subnormal and the normal code and select, instead of branching, in an
+ * order that lets the special cases (saturation, Inf, NaN) win. The CUDA tests compare the two paths bit
+ * for bit. */
 COAT_INLINE uint8_t coat_f32_to_e4m3(float f) {
   const uint32_t bits = coat_f32_to_bits(f) & 0x7FFFFFFFu;
   const uint32_t sign = (coat_f32_to_bits(f) >> 24) & 0x80u;
+#ifdef COAT_HARDWARE_FP8_CONVERT
+  /* sm_89+: one cvt.rn.satfinite does the rounding and the saturation (Inf included); the NaN code keeps
+   * the input's sign, as below. */
+  const uint32_t converted = __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
+  return (uint8_t)(bits > 0x7F800000u ? (sign | 0x7Fu) : converted);
+#else
   /* below 2^-6, the smallest normal: subnormal steps of 2^-9. Adding 2^14 (whose ulp is 2^-9) lets the
    * fp32 adder round to nearest even; the low mantissa bits are then the code (8 = 2^-6). */
   const uint32_t subnormal =
@@ -39,11 +52,17 @@ COAT_INLINE uint8_t coat_f32_to_e4m3(float f) {
   code = bits >= 0x43E00000u ? 0x7Eu : code; /* >= 448, Inf included: saturate */
   code = bits > 0x7F800000u ? 0x7Fu : code;  /* NaN */
   return (uint8_t)(sign | code);
+#endif
 }
 
 COAT_INLINE uint8_t coat_f32_to_e5m2(float f) {
   const uint32_t bits = coat_f32_to_bits(f) & 0x7FFFFFFFu;
   const uint32_t sign = (coat_f32_to_bits(f) >> 24) & 0x80u;
+#ifdef COAT_HARDWARE_FP8_CONVERT
+  /* sm_89+: cvt.rn.satfinite saturates Inf too; E5M2 keeps it, and the NaN code keeps its sign. */
+  const uint32_t converted = __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E5M2);
+  return (uint8_t)(bits > 0x7F800000u ? (sign | 0x7Fu) : bits == 0x7F800000u ? (sign | 0x7Cu) : converted);
+#else
   /* below 2^-14: subnormal steps of 2^-16; 2^7 has ulp 2^-16 */
   const uint32_t subnormal =
       coat_f32_to_bits(coat_fadd_rn(coat_f32_from_bits(bits), coat_f32_from_bits(134u << 23))) - (134u << 23);
@@ -53,6 +72,7 @@ COAT_INLINE uint8_t coat_f32_to_e5m2(float f) {
   code = bits == 0x7F800000u ? 0x7Cu : code;  /* Inf */
   code = bits > 0x7F800000u ? 0x7Fu : code;   /* NaN */
   return (uint8_t)(sign | code);
+#endif
 }
 
 COAT_INLINE float coat_e4m3_to_f32(uint8_t q) {

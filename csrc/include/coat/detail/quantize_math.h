@@ -30,11 +30,32 @@ COAT_INLINE float coat_scale_from_amax(float amax, coat_fp8_format format) {
   return fmaxf(amax / coat_fp8_max(format), COAT_MIN_SCALE);
 }
 
-/* The sign of a NaN quotient (NaN / s, Inf / Inf) is platform-defined (x86 makes Inf / Inf negative, CUDA
- * makes every NaN positive), so it is taken from x: CPU and CUDA then agree on the code's sign bit. For
- * every other quotient the sign is already x's, the scale being positive. */
+/* x / scale rounded to nearest even, given reciprocal = 1 / scale (rounded to nearest, once per group).
+ * C divides. CUDA runs the fast path of its own IEEE division without the slow-path check and branch:
+ * q = RN(x * reciprocal) corrected once with the exact residual x - q * scale (one FMA), which is the
+ * correctly rounded quotient whenever it is a normal number (Markstein). A quotient below 2^-126 encodes
+ * to FP8 zero however it rounds. Where x or scale is not finite the residual is NaN and the product is
+ * what the division gives (+-Inf, +-0, or NaN). */
+COAT_INLINE float coat_divide_by_scale(float x, float scale, float reciprocal) {
+#ifdef __CUDA_ARCH__
+  const float q = __fmul_rn(x, reciprocal);
+  const float corrected = __fmaf_rn(__fmaf_rn(-q, scale, x), reciprocal, q);
+  return isfinite(corrected) ? corrected : q;
+#else
+  (void)reciprocal;
+  return x / scale;
+#endif
+}
+
+/* The code of x / scale. The sign of a NaN quotient (NaN / s, Inf / Inf) is platform-defined (x86 makes
+ * Inf / Inf negative, CUDA makes every NaN positive), so it is taken from x: CPU and CUDA then agree on the
+ * code's sign bit. For every other quotient the sign is already x's, the scale being positive. */
+COAT_INLINE uint8_t coat_quantize_scaled(float x, float scale, float reciprocal, coat_fp8_format format) {
+  return coat_f32_to_fp8(copysignf(coat_divide_by_scale(x, scale, reciprocal), x), format);
+}
+
 COAT_INLINE uint8_t coat_quantize_value(float x, float scale, coat_fp8_format format) {
-  return coat_f32_to_fp8(copysignf(x / scale, x), format);
+  return coat_quantize_scaled(x, scale, 1.0f / scale, format);
 }
 
 /* decode(q) * scale; a NaN result (a NaN code, or 0 * Inf) is the canonical NaN. */
