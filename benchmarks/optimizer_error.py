@@ -19,13 +19,12 @@ unit; compare the ratios.
 from __future__ import annotations
 
 import argparse
-import os
-import sysconfig
 
 import torch
 
 import coat
 from coat import ops
+from coat.data import stdlib_tokens
 
 from _common import RESULTS_DIR, print_table, write_results
 
@@ -43,17 +42,6 @@ PAPER_TABLE_1 = {  # first-order row -> second-order columns E4M3, E4M3+Expand, 
     "E5M2": (37.02, 35.96, 40.30, 36.00),
     "E5M2+Expand": (17.79, 15.48, 23.84, 15.57),
 }
-
-
-def stdlib_tokens(max_bytes: int) -> torch.Tensor:
-    root = sysconfig.get_paths()["stdlib"]
-    chunks, total = [], 0
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py") and total < max_bytes:
-            with open(os.path.join(root, name), "rb") as f:
-                chunks.append(f.read())
-            total += len(chunks[-1])
-    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
 
 
 def train_and_capture(steps: int, device: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sysconfig
 
 import torch
 import torch.nn as nn
@@ -21,21 +19,10 @@ from tqdm import tqdm
 
 import coat
 from coat import ops
+from coat.data import stdlib_tokens
 
 GROUP_SIZES = (16, 32, 64, 128)
 FORMATS = ("e4m3", "e5m2")
-
-
-def stdlib_text(max_bytes: int) -> bytes:
-    """Concatenated sources of the standard library, read from this Python's installation."""
-    root = sysconfig.get_paths()["stdlib"]
-    chunks, total = [], 0
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py") and total < max_bytes:
-            with open(os.path.join(root, name), "rb") as f:
-                chunks.append(f.read())
-            total += len(chunks[-1])
-    return b"".join(chunks)[:max_bytes]
 
 
 class TinyCharModel(nn.Module):
@@ -55,7 +42,7 @@ class TinyCharModel(nn.Module):
 
 def train_and_capture(steps: int, device: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    data = torch.frombuffer(bytearray(stdlib_text(2_000_000)), dtype=torch.uint8).long()
+    data = stdlib_tokens(2_000_000)
     model = TinyCharModel().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     mlp = model.blocks.layers[-1].linear1

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from coat.data import stdlib_tokens
 from coat.optim import AdamW
-from optim_helpers import stdlib_tokens, text_batches, tiny_llama
+from optim_helpers import text_batches, tiny_llama
 
 STEPS, BATCH, CONTEXT = 200, 16, 64
 

@@ -37,7 +37,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import coat
 from coat import ops
 from coat.optim import AdamW
-from optim_helpers import stdlib_tokens, text_batches, tiny_llama
+from coat.data import stdlib_tokens
+from optim_helpers import text_batches, tiny_llama
 
 WORLD_SIZE = 2
 TIMEOUT_S = 240  # a worker stuck in a collective fails the test instead of blocking CI

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from copy import deepcopy
-from itertools import chain
 from typing import Any, Callable, Iterable
 
 import torch
