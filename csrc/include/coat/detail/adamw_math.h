@@ -43,45 +43,95 @@ COAT_INLINE float coat_round_bf16_up(float x) {
   return coat_f32_from_bits(u);
 }
 
-/* ------------------------------------------------------------------------------------------ log2, exp2 */
+/* --------------------------------------------------------------------------------- log2, exp2, tables */
 
-/* log2 x = exponent + fraction with an integer exponent and fraction in [-1/2, 1/2]. Keeping the integer part
- * apart lets callers subtract two logarithms without the cancellation of subtracting two large floats. */
+/* log2 and exp2 are built from integer bit operations, +, -, * and fmaf on fp32 (no division), so that C and
+ * CUDA evaluate them identically:
+ *   log2 x = e + log2 m, x = 2^e * m with m in [1, 2). The top 5 bits of m's fraction pick c = 1 + i/32 from
+ *     a 32-entry table holding 1/c rounded to fp32 (call it inv) and -log2(inv) correctly rounded; then
+ *     r = m * inv - 1 is in [0, 1/32] (one rounding: fmaf) and log2 m = -log2(inv) + r * q(r), q a degree-2
+ *     minimax fit of log2(1 + r) / r on [0, 1/32]: absolute error below 2^-27 (2^-28 fit).
+ *   2^w = 2^n * 2^f with n = rint(w) (by adding and subtracting 1.5 * 2^23, which also leaves n in the low bits
+ *     of the sum) and f = w - n in [-1/2, 1/2] (exact); 2^f = 1 + f * p(f), p a degree-4 minimax fit:
+ *     relative error below 1.5e-7 (1.3 ulp) evaluated in fp32. */
+
+/* c = 1 + i/32, i = 0..31: {1/c rounded to fp32, -log2 of that fp32 value rounded to fp32} */
+#define COAT_LOG2_REDUCTION_TABLE \
+  { \
+    {0x1p+0f, 0x0p+0f}, {0x1.f07c2p-1f, 0x1.6bad2p-5f}, \
+    {0x1.e1e1e2p-1f, 0x1.663f6ep-4f}, {0x1.d41d42p-1f, 0x1.08c588p-3f}, \
+    {0x1.c71c72p-1f, 0x1.5c01a2p-3f}, {0x1.bacf92p-1f, 0x1.acf5dep-3f}, \
+    {0x1.af286cp-1f, 0x1.fbc16ap-3f}, {0x1.a41a42p-1f, 0x1.24407ap-2f}, \
+    {0x1.99999ap-1f, 0x1.49a784p-2f}, {0x1.8f9c18p-1f, 0x1.6e222p-2f}, \
+    {0x1.861862p-1f, 0x1.91bba6p-2f}, {0x1.7d05f4p-1f, 0x1.b47ecp-2f}, \
+    {0x1.745d18p-1f, 0x1.d6753cp-2f}, {0x1.6c16c2p-1f, 0x1.f7a854p-2f}, \
+    {0x1.642c86p-1f, 0x1.0c105p-1f}, {0x1.5c9882p-1f, 0x1.1bf314p-1f}, \
+    {0x1.555556p-1f, 0x1.2b8034p-1f}, {0x1.4e5e0ap-1f, 0x1.3abb4p-1f}, \
+    {0x1.47ae14p-1f, 0x1.49a786p-1f}, {0x1.414142p-1f, 0x1.58482p-1f}, \
+    {0x1.3b13b2p-1f, 0x1.66a008p-1f}, {0x1.3521dp-1f, 0x1.74b1fcp-1f}, \
+    {0x1.2f684cp-1f, 0x1.82809cp-1f}, {0x1.29e412p-1f, 0x1.900e62p-1f}, \
+    {0x1.24924ap-1f, 0x1.9d5d9ep-1f}, {0x1.1f7048p-1f, 0x1.aa708ep-1f}, \
+    {0x1.1a7b96p-1f, 0x1.b7494ap-1f}, {0x1.15b1e6p-1f, 0x1.c3e9cap-1f}, \
+    {0x1.111112p-1f, 0x1.d053f4p-1f}, {0x1.0c9714p-1f, 0x1.dc899ep-1f}, \
+    {0x1.08421p-1f, 0x1.e88c6cp-1f}, {0x1.041042p-1f, 0x1.f45e06p-1f} \
+  }
+
+#define COAT_LOG2_Q0 0x1.715456p+0f
+#define COAT_LOG2_Q1 -0x1.71236ap-1f
+#define COAT_LOG2_Q2 0x1.d705aep-2f
+
+#define COAT_EXP2_P0 0x1.62e42ap-1f
+#define COAT_EXP2_P1 0x1.ebf9bcp-3f
+#define COAT_EXP2_P2 0x1.c6b752p-5f
+#define COAT_EXP2_P3 0x1.3cea88p-7f
+#define COAT_EXP2_P4 0x1.5bba14p-10f
+
+/* 1.5 * 2^23: w + it - it rounds w to an integer (ties to even) for |w| < 2^22, and the low 23 bits of w + it
+ * are 2^22 + rint(w), so (bits(w + it) << 23) is rint(w) << 23 modulo 2^32. */
+#define COAT_ROUND_MAGIC 12582912.0f
+
+typedef struct {
+  float inverse; /* 1/c rounded */
+  float log2;    /* -log2(inverse) */
+} coat_log2_entry;
+
+/* What the element functions look up. The CPU builds it per call, each CUDA block in shared memory; both with
+ * coat_adamw_tables_fill_fp8's arithmetic, so the entries are the same bits. */
+typedef struct {
+  coat_log2_entry reduction[32];
+  float fp8_log2[2][128];      /* [format][code & 0x7F]: log2 |decode(code)|; -Inf for 0, +Inf for Inf, NaN */
+  float fp8_magnitude[2][128]; /* [format][code & 0x7F]: |decode(code)| */
+} coat_adamw_tables;
+
+COAT_INLINE float coat_log2_q(float r) { return fmaf(fmaf(COAT_LOG2_Q2, r, COAT_LOG2_Q1), r, COAT_LOG2_Q0); }
+
+/* 2^f for f in [-1/2, 1/2]. */
+COAT_INLINE float coat_exp2_reduced(float f) {
+  const float p =
+      fmaf(fmaf(fmaf(fmaf(COAT_EXP2_P4, f, COAT_EXP2_P3), f, COAT_EXP2_P2), f, COAT_EXP2_P1), f, COAT_EXP2_P0);
+  return fmaf(f, p, 1.0f);
+}
+
+/* log2 x = exponent + fraction, fraction in [0, 1) up to ~2^-27, for a finite x > 0 (subnormals included). The
+ * integer part is kept apart so that callers can subtract two logarithms without cancellation. */
 typedef struct {
   int exponent;
   float fraction;
 } coat_log2_parts;
 
-/* log2 of a finite x > 0, subnormals included, to ~2 ulp of the fraction. x = 2^e * m with m in
- * [sqrt(1/2), sqrt(2)], and log2 m = (2 / ln 2) * atanh(s) = (2 / ln 2) * (s + s^3/3 + ... + s^9/9) with
- * s = (m - 1) / (m + 1), |s| <= 0.1716: the first omitted term is below 2^-27 relative. m - 1 is exact, so
- * the fraction is accurate relative to itself even next to m = 1 (and exactly 0 there). */
-COAT_INLINE coat_log2_parts coat_log2_split(float x) {
+COAT_INLINE coat_log2_parts coat_log2_split(float x, const coat_adamw_tables* t) {
   coat_log2_parts result;
-  uint32_t u = coat_f32_to_bits(x);
+  uint32_t a = coat_f32_to_bits(x) & 0x7FFFFFFFu;
   result.exponent = -127;
-  if (u < 0x00800000u) { /* subnormal: scale by 2^24, exact */
-    u = coat_f32_to_bits(x * 16777216.0f);
+  if (a < 0x00800000u) { /* subnormal: scale by 2^24, exact */
+    a = coat_f32_to_bits(coat_f32_from_bits(a) * 16777216.0f);
     result.exponent -= 24;
   }
-  result.exponent += (int)(u >> 23);
-  u = (u & 0x007FFFFFu) | 0x3F800000u; /* m in [1, 2) */
-  if (u > 0x3FB504F3u) {               /* m > sqrt(2): use m / 2 */
-    u -= 0x00800000u;
-    result.exponent += 1;
-  }
-  const float m = coat_f32_from_bits(u);
-  const float s = (m - 1.0f) / (m + 1.0f);
-  const float z = s * s;
-  const float series = fmaf(fmaf(fmaf(fmaf(0.3205989f, z, 0.412198573f), z, 0.577078044f), z, 0.961796701f), z,
-                            2.88539004f);
-  result.fraction = s * series;
+  result.exponent += (int)(a >> 23);
+  const coat_log2_entry e = t->reduction[(a >> 18) & 31u];
+  const float r = fmaf(coat_f32_from_bits((a & 0x007FFFFFu) | 0x3F800000u), e.inverse, -1.0f);
+  result.fraction = fmaf(r, coat_log2_q(r), e.log2);
   return result;
-}
-
-COAT_INLINE float coat_log2(float x) {
-  const coat_log2_parts l = coat_log2_split(x);
-  return (float)l.exponent + l.fraction;
 }
 
 /* x * 2^n for a normal x, rounded once (musl's scalbnf steps: an intermediate never leaves the normal range
@@ -109,21 +159,28 @@ COAT_INLINE float coat_scale_by_power_of_2(float x, int n) {
   return x * coat_f32_from_bits((uint32_t)(127 + n) << 23);
 }
 
-/* 2^(exponent + w) to ~2 ulp, overflowing to Inf and underflowing through the subnormals to 0 only where
- * the exact value does. w = r + f with r the nearest integer and |f| <= 1/2, and 2^f = e^(f ln 2) by its
- * Taylor series to degree 7 (the first omitted term is below 2^-27). */
+/* 2^(exponent + w) for a finite |w| < 2^22, rounded once from 2^exponent * 2^f * 2^rint(w). */
 COAT_INLINE float coat_exp2_split(int exponent, float w) {
-  if (!(w > -1024.0f)) return w != w ? w : 0.0f; /* NaN stays NaN; everything past -1024 is 0 */
-  if (w > 1024.0f) return coat_positive_infinity();
-  const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, ties to even */
-  const float r = (w + round_magic) - round_magic;
-  const float f = w - r; /* exact */
-  const float series =
-      fmaf(fmaf(fmaf(fmaf(fmaf(fmaf(1.52527336e-05f, f, 0.000154035297f), f, 0.00133335579f), f, 0.00961812865f),
-                     f, 0.0555041097f),
-                f, 0.240226507f),
-           f, 0.693147182f);
-  return coat_scale_by_power_of_2(fmaf(series, f, 1.0f), exponent + (int)r);
+  const float rounded = (w + COAT_ROUND_MAGIC) - COAT_ROUND_MAGIC;
+  return coat_scale_by_power_of_2(coat_exp2_reduced(w - rounded), exponent + (int)rounded);
+}
+
+/* log2 |decode(code)| for the 128 magnitudes of each format (needs t->reduction). */
+COAT_INLINE float coat_fp8_log2_entry(uint8_t magnitude, coat_fp8_format format, const coat_adamw_tables* t) {
+  const float d = coat_fp8_to_f32(magnitude, format);
+  if (d != d) return d;
+  if (d == 0.0f) return -coat_positive_infinity();
+  if (!(d < coat_positive_infinity())) return d;
+  const coat_log2_parts l = coat_log2_split(d, t);
+  return (float)l.exponent + l.fraction;
+}
+
+/* Entry i of the FP8 tables, i in [0, 256): format i / 128, magnitude i % 128 (needs t->reduction). */
+COAT_INLINE void coat_adamw_tables_fill_fp8(coat_adamw_tables* t, int i) {
+  const coat_fp8_format format = (coat_fp8_format)(i >> 7);
+  const uint8_t magnitude = (uint8_t)(i & 127);
+  t->fp8_log2[format][magnitude] = coat_fp8_log2_entry(magnitude, format, t);
+  t->fp8_magnitude[format][magnitude] = coat_fp8_to_f32(magnitude, format);
 }
 
 /* ------------------------------------------------------------------------------- group range, expansion */
@@ -156,91 +213,219 @@ COAT_INLINE coat_range coat_range_merge(coat_range a, coat_range b) {
   return a;
 }
 
-/* A group's stored meta (values on the bf16 grid), plus what its codec derives from it once per group. */
+/* A group's stored meta, values on the bf16 grid. */
 typedef struct {
   float scale;
   float k;
   float c;
-  float inverse_k;
-  coat_log2_parts log2_c;
-} coat_expansion;
+} coat_meta;
 
-COAT_INLINE coat_expansion coat_expansion_make(float scale, float k, float c) {
-  coat_expansion e;
-  e.scale = scale;
-  e.k = k;
-  e.c = c;
-  e.inverse_k = 1.0f / k;
-  e.log2_c = coat_log2_split(c);
-  return e;
+COAT_INLINE coat_meta coat_meta_load(const uint16_t* meta) {
+  coat_meta m;
+  m.scale = coat_bf16_to_f32(meta[0]);
+  m.k = coat_bf16_to_f32(meta[1]);
+  m.c = coat_bf16_to_f32(meta[2]);
+  return m;
 }
 
-COAT_INLINE coat_expansion coat_expansion_load(const uint16_t* meta) {
-  return coat_expansion_make(coat_bf16_to_f32(meta[0]), coat_bf16_to_f32(meta[1]), coat_bf16_to_f32(meta[2]));
-}
-
-COAT_INLINE void coat_expansion_store(const coat_expansion* e, uint16_t* meta) {
-  meta[0] = coat_f32_to_bf16(e->scale);
-  meta[1] = coat_f32_to_bf16(e->k);
-  meta[2] = coat_f32_to_bf16(e->c);
-}
-
-/* |y| = (a / C)^k for a finite a > 0, as exp2(k * log2(a / C)) with log2(a / C) taken from the split
- * logarithms: exact integer difference plus a difference of two fractions in [-1/2, 1/2]. */
-COAT_INLINE float coat_expanded_magnitude(float a, const coat_expansion* e) {
-  if (e->k == 1.0f) return a / e->c;
-  const coat_log2_parts l = coat_log2_split(a);
-  const float log2_ratio = (float)(l.exponent - e->log2_c.exponent) + (l.fraction - e->log2_c.fraction);
-  return coat_exp2_split(0, e->k * log2_ratio);
+COAT_INLINE void coat_meta_store(coat_meta m, uint16_t* meta) {
+  meta[0] = coat_f32_to_bf16(m.scale);
+  meta[1] = coat_f32_to_bf16(m.k);
+  meta[2] = coat_f32_to_bf16(m.c);
 }
 
 COAT_INLINE float coat_log2_range(coat_fp8_format format) {
   return format == COAT_E4M3 ? COAT_E4M3_LOG2_RANGE : COAT_E5M2_LOG2_RANGE;
 }
 
-/* (scale, k, C) of a group with the given range, each rounded to bf16 before the next is derived from it. */
-COAT_INLINE coat_expansion coat_expansion_of_range(coat_range r, coat_fp8_format format, int expand) {
-  float k = 1.0f;
-  float c = 1.0f;
+/* What quantization derives from a group's meta, once per group. With k != 1, an element x is encoded from
+ *   z = k * log2(|x| / C) - log2(scale) = fmaf(k, d, -log2(scale)),
+ *   d = (e - e_C) + (log2(m) - frac_C)     (log2 |x| = e + log2 m, log2 C = e_C + frac_C)
+ * so that the integer parts cancel exactly before the fractions are rounded. */
+typedef struct {
+  int linear;          /* k == 1: y = x / C and code = fp8(y / scale), in the linear domain */
+  float scale;
+  float k;
+  float c;
+  float exponent_bias; /* 2^23 + 127 + e_C: bits 0x4B000000 | biased exponent of x, as a float, minus this is e - e_C */
+  float fraction_c;    /* frac_C */
+  float minus_log2_scale;
+} coat_encoder;
+
+COAT_INLINE coat_encoder coat_encoder_make(coat_meta m, const coat_adamw_tables* t) {
+  coat_encoder e;
+  e.linear = m.k == 1.0f;
+  e.scale = m.scale;
+  e.k = m.k;
+  e.c = m.c;
+  const coat_log2_parts lc = coat_log2_split(m.c, t);
+  const coat_log2_parts ls = coat_log2_split(m.scale, t);
+  e.exponent_bias = 8388608.0f + (float)(127 + lc.exponent);
+  e.fraction_c = lc.fraction;
+  e.minus_log2_scale = -((float)ls.exponent + ls.fraction);
+  return e;
+}
+
+/* d = log2(|x| / C) (see coat_encoder) from a = |x|'s bits, a normal number; exponent_bias as in coat_encoder
+ * (plus 24 when a was scaled up from a subnormal by 2^24). */
+COAT_INLINE float coat_log2_ratio(uint32_t a, float exponent_bias, float fraction_c, const coat_adamw_tables* t) {
+  const float e = coat_f32_from_bits(0x4B000000u | (a >> 23)) - exponent_bias; /* exact */
+  const coat_log2_entry entry = t->reduction[(a >> 18) & 31u];
+  const float r = fmaf(coat_f32_from_bits((a & 0x007FFFFFu) | 0x3F800000u), entry.inverse, -1.0f);
+  return fmaf(r, coat_log2_q(r), e + (entry.log2 - fraction_c));
+}
+
+/* coat_log2_ratio for any finite nonzero a (subnormals scaled up by 2^24 first, exactly). */
+COAT_INLINE float coat_log2_ratio_any(uint32_t a, float exponent_bias, float fraction_c, const coat_adamw_tables* t) {
+  if (a < 0x00800000u) {
+    a = coat_f32_to_bits(coat_f32_from_bits(a) * 16777216.0f);
+    exponent_bias += 24.0f;
+  }
+  return coat_log2_ratio(a, exponent_bias, fraction_c, t);
+}
+
+/* The FP8 code magnitude of 2^z, z in [z_min, z_max] (coat_fp8_log_format), by round to nearest even:
+ * y = 2^z is built as an fp32 (2^f * 2^rint(z), normal), then rounded to the FP8 quantum of its binade by
+ * adding 1.5 * 2^23 quanta (the sum's ulp is the quantum), which counts quanta exactly. */
+typedef struct {
+  float z_min;            /* log2 FP8_MIN_SUBNORMAL: smaller values get the smallest code (no flush to zero) */
+  float z_max;            /* below log2 of the midpoint between FP8_MAX and the next power: larger values saturate */
+  uint32_t min_exponent;  /* biased fp32 exponent of FP8_MIN_NORMAL */
+  uint32_t mantissa_bits;
+} coat_fp8_log_format;
+
+COAT_INLINE coat_fp8_log_format coat_fp8_log_format_of(coat_fp8_format format) {
+  coat_fp8_log_format f;
+  if (format == COAT_E4M3) {
+    f.z_min = -9.0f;
+    f.z_max = 8.85f; /* 2^8.85 = 461.4: 448 is the nearest code up to 464 */
+    f.min_exponent = 127u - 6u;
+    f.mantissa_bits = 3u;
+  } else {
+    f.z_min = -16.0f;
+    f.z_max = 15.85f; /* 2^15.85 = 59222: 57344 is the nearest code up to 59392 */
+    f.min_exponent = 127u - 14u;
+    f.mantissa_bits = 2u;
+  }
+  return f;
+}
+
+COAT_INLINE uint32_t coat_fp8_magnitude_of_log2(float z, const coat_fp8_log_format* f) {
+  const float shifted = z + COAT_ROUND_MAGIC;
+  const float rounded = shifted - COAT_ROUND_MAGIC;
+  const uint32_t y = coat_f32_to_bits(coat_exp2_reduced(z - rounded)) + (coat_f32_to_bits(shifted) << 23);
+  const uint32_t exponent = y >> 23;
+  const uint32_t binade = exponent > f->min_exponent ? exponent : f->min_exponent;
+  const uint32_t magic = (binade + 23u - f->mantissa_bits) << 23; /* its ulp is the FP8 quantum of y */
+  const uint32_t sum = coat_f32_to_bits(coat_f32_from_bits(y) + coat_f32_from_bits(magic));
+  return sum - magic + ((binade - f->min_exponent) << f->mantissa_bits);
+}
+
+/* The fresh meta of a group with the given range (coat/adamw.h), each value rounded to bf16 before the next
+ * is derived from it. */
+COAT_INLINE coat_meta coat_meta_of_range(coat_range r, coat_fp8_format format, int expand,
+                                         const coat_adamw_tables* t) {
+  coat_meta m;
+  m.k = 1.0f;
+  m.c = 1.0f;
+  m.scale = 1.0f;
   if (expand && r.amax > 0.0f) {
     const float mean = coat_round_bf16(sqrtf(r.amin) * sqrtf(r.amax));
     if (mean >= COAT_MIN_SCALE && mean <= coat_bf16_max()) {
-      const coat_log2_parts high = coat_log2_split(r.amax);
-      const coat_log2_parts low = coat_log2_split(r.amin);
+      const coat_log2_parts high = coat_log2_split(r.amax, t);
+      const coat_log2_parts low = coat_log2_split(r.amin, t);
       const float log2_range = (float)(high.exponent - low.exponent) + (high.fraction - low.fraction);
-      c = mean;
+      m.c = mean;
       if (log2_range > 0.0f)
-        k = coat_round_bf16(
+        m.k = coat_round_bf16(
             fminf(fmaxf(coat_log2_range(format) / log2_range, COAT_EXPANSION_K_MIN), COAT_EXPANSION_K_MAX));
     }
   }
-  coat_expansion e = coat_expansion_make(1.0f, k, c);
-  const float ymax = r.amax > 0.0f ? coat_expanded_magnitude(r.amax, &e) : 0.0f;
-  e.scale = coat_round_bf16_up(fmaxf(ymax / coat_fp8_max(format), COAT_MIN_SCALE));
-  return e;
+  float ymax;
+  if (m.k == 1.0f) {
+    ymax = r.amax / m.c;
+  } else {
+    const coat_encoder e = coat_encoder_make(m, t);
+    ymax = coat_exp2_split(0, m.k * coat_log2_ratio_any(coat_f32_to_bits(r.amax), e.exponent_bias, e.fraction_c, t));
+  }
+  m.scale = coat_round_bf16_up(fmaxf(ymax / coat_fp8_max(format), COAT_MIN_SCALE));
+  return m;
 }
 
 /* code = fp8(sign(x) * (|x| / C)^k / scale), where a nonzero x that rounds to +-0 gets the smallest subnormal
  * code of its sign instead (adamw.h says why). Non-finite x gives the positive NaN code 0x7F whatever its sign:
  * the sign of a NaN that arithmetic produces is the platform's (x86 keeps or sets it, CUDA clears it), and a
- * signed NaN code would let CPU and CUDA drift apart one step later. */
-COAT_INLINE uint8_t coat_expanded_encode(float x, const coat_expansion* e, coat_fp8_format format) {
-  if (!coat_is_finite(x)) return 0x7Fu;
-  const float a = fabsf(x);
-  if (!(a > 0.0f)) return coat_f32_to_fp8(x, format);
-  const uint8_t code = coat_f32_to_fp8(copysignf(coat_expanded_magnitude(a, e), x) / e->scale, format);
+ * signed NaN code would let CPU and CUDA drift apart one step later.
+ * k != 1: z = fmaf(k, d, -log2 scale) clamped to [z_min, z_max], then coat_fp8_magnitude_of_log2: the division
+ * by the stored scale happens in the log domain. k == 1: fp8((x / C) / scale) in the linear domain. */
+COAT_INLINE uint8_t coat_encode_linear(float x, const coat_encoder* e, coat_fp8_format format) {
+  const uint8_t code = coat_f32_to_fp8(copysignf(fabsf(x) / e->c, x) / e->scale, format);
   return (code & 0x7Fu) ? code : (uint8_t)(code | 1u);
 }
 
-/* x' = sign * C * (|decode(code)| * scale)^(1/k), the power as exp2(log2(C) + log2(t) / k) with log2(C)'s
- * integer part kept exact. Zero, NaN and Inf codes decode to themselves. */
-COAT_INLINE float coat_expanded_decode(uint8_t code, const coat_expansion* e, coat_fp8_format format) {
-  const float d = coat_fp8_to_f32(code, format);
-  const float t = fabsf(d) * e->scale;
-  if (!(t > 0.0f) || !coat_is_finite(d)) return d;
-  if (e->k == 1.0f) return copysignf(e->c * t, d);
-  const float w = e->log2_c.fraction + coat_log2(t) * e->inverse_k;
-  return copysignf(coat_exp2_split(e->log2_c.exponent, w), d);
+COAT_INLINE uint8_t coat_encode(float x, const coat_encoder* e, const coat_fp8_log_format* f, coat_fp8_format format,
+                                const coat_adamw_tables* t) {
+  const uint32_t bits = coat_f32_to_bits(x);
+  uint32_t a = bits & 0x7FFFFFFFu;
+  if (a >= 0x7F800000u) return 0x7Fu;
+  const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+  if (a == 0u) return sign;
+  if (e->linear) return coat_encode_linear(x, e, format);
+  const float z = fmaf(e->k, coat_log2_ratio_any(a, e->exponent_bias, e->fraction_c, t), e->minus_log2_scale);
+  return (uint8_t)(sign | coat_fp8_magnitude_of_log2(fminf(fmaxf(z, f->z_min), f->z_max), f));
+}
+
+/* What dequantization derives from a group's meta, once per group. With k != 1,
+ *   x' = sign * C * (|decode(code)| * scale)^(1/k) = sign * 2^(exponent + fmaf(L, inverse_k, fraction))
+ * with L = log2 |decode(code)| from the table, inverse_k = 1/k, and exponent + fraction = log2 C +
+ * log2(scale) / k split so that the fraction stays small (|fraction| < 4) and the sum is rounded only once
+ * per element, in fmaf. */
+typedef struct {
+  int linear; /* k == 1: x' = C * (|decode(code)| * scale) */
+  float scale;
+  float c;
+  float inverse_k;
+  float fraction;
+  int exponent;
+  int fast_scaling; /* every finite nonzero code's result 2^n * 2^f has n in [-125, 127] (CUDA's fast path) */
+} coat_decoder;
+
+COAT_INLINE coat_decoder coat_decoder_make(coat_meta m, coat_fp8_format format, const coat_adamw_tables* t) {
+  coat_decoder d;
+  d.linear = m.k == 1.0f;
+  d.scale = m.scale;
+  d.c = m.c;
+  d.inverse_k = 1.0f / m.k;
+  const coat_log2_parts lc = coat_log2_split(m.c, t);
+  const coat_log2_parts ls = coat_log2_split(m.scale, t);
+  /* log2(scale) / k = (e_s + f_s) * inverse_k: e_s * inverse_k exactly as hi + lo (fmaf), its integer part
+   * moved to the exponent */
+  const float es = (float)ls.exponent;
+  const float hi = es * d.inverse_k;
+  const float lo = fmaf(es, d.inverse_k, -hi);
+  const float hi_int = (hi + COAT_ROUND_MAGIC) - COAT_ROUND_MAGIC;
+  d.fraction = (hi - hi_int) + (lo + fmaf(ls.fraction, d.inverse_k, lc.fraction));
+  d.exponent = lc.exponent + (int)hi_int;
+  /* the smallest and largest finite nonzero codes bound n = exponent + rint(w) (fmaf and rint are monotone) */
+  const uint8_t largest = format == COAT_E4M3 ? 0x7Eu : 0x7Bu;
+  const float w_low = fmaf(t->fp8_log2[format][1], d.inverse_k, d.fraction);
+  const float w_high = fmaf(t->fp8_log2[format][largest], d.inverse_k, d.fraction);
+  const int n_low = d.exponent + (int)((w_low + COAT_ROUND_MAGIC) - COAT_ROUND_MAGIC);
+  const int n_high = d.exponent + (int)((w_high + COAT_ROUND_MAGIC) - COAT_ROUND_MAGIC);
+  d.fast_scaling = !d.linear && n_low >= -125 && n_high <= 127;
+  return d;
+}
+
+/* x' = sign * C * (|decode(code)| * scale)^(1/k) (see coat_decoder). Zero codes decode to +-0, NaN codes to NaN,
+ * Inf codes (E5M2) to +-Inf. */
+COAT_INLINE float coat_decode(uint8_t code, const coat_decoder* d, coat_fp8_format format,
+                              const coat_adamw_tables* t) {
+  const uint32_t sign = (uint32_t)(code & 0x80u) << 24;
+  if (d->linear) return coat_f32_from_bits(coat_f32_to_bits(d->c * (t->fp8_magnitude[format][code & 0x7Fu] * d->scale)) | sign);
+  const float l = t->fp8_log2[format][code & 0x7Fu];
+  if (l != l) return l;
+  if (!(fabsf(l) < coat_positive_infinity())) return coat_f32_from_bits(coat_f32_to_bits(fmaxf(l, 0.0f)) | sign);
+  return coat_f32_from_bits(coat_f32_to_bits(coat_exp2_split(d->exponent, fmaf(l, d->inverse_k, d->fraction))) | sign);
 }
 
 /* ------------------------------------------------------------------------------------------- the step */
