@@ -17,7 +17,9 @@ static int64_t coat_group_length(int64_t begin, int64_t group_size, int64_t cols
 
 static void coat_tables_init(coat_adamw_tables* t) {
   static const coat_log2_entry reduction[32] = COAT_LOG2_REDUCTION_TABLE;
+  static const float bf16_log2[128] = COAT_LOG2_BF16_TABLE;
   for (int i = 0; i < 32; ++i) t->reduction[i] = reduction[i];
+  for (int i = 0; i < 128; ++i) t->bf16_log2[i] = bf16_log2[i];
   for (int i = 0; i < 256; ++i) coat_adamw_tables_fill_fp8(t, i);
 }
 
@@ -40,6 +42,7 @@ static void coat_adamw_group(const coat_adamw_tensor* t, int64_t row, int64_t gr
   const int64_t first = row * t->cols + begin;
   uint16_t* m_meta = t->exp_avg_meta + (row * ngroups + group) * COAT_META_VALUES;
   uint16_t* v_meta = t->exp_avg_sq_meta + (row * ngroups + group) * COAT_META_VALUES;
+  const coat_divisor divisor = coat_divisor_make(options->bias_correction2_sqrt);
   const coat_decoder m_old = coat_decoder_make(coat_meta_load(m_meta), t->exp_avg_format, tables);
   const coat_decoder v_old = coat_decoder_make(coat_meta_load(v_meta), t->exp_avg_sq_format, tables);
 
@@ -52,7 +55,7 @@ static void coat_adamw_group(const coat_adamw_tensor* t, int64_t row, int64_t gr
     m[i] = coat_decode(t->exp_avg[index], &m_old, t->exp_avg_format, tables);
     v[i] = coat_decode(t->exp_avg_sq[index], &v_old, t->exp_avg_sq_format, tables);
     const float p = coat_adamw_update(coat_load_f32(t->param, t->param_dtype, index),
-                                      coat_load_f32(t->grad, t->grad_dtype, index), &m[i], &v[i], options);
+                                      coat_load_f32(t->grad, t->grad_dtype, index), &m[i], &v[i], options, &divisor);
     coat_store_param(t->param, t->param_dtype, index, p);
     m_range = coat_range_add(m_range, m[i]);
     v_range = coat_range_add(v_range, v[i]);

@@ -1,24 +1,27 @@
 // CUDA implementation of coat/adamw.h. Every value comes from the element-level steps of
 // coat/detail/adamw_math.h, as in the C core, so both agree bit for bit.
 //
-// Work split: a warp takes a tile of 256 consecutive columns of one row, 8 consecutive elements per lane (one
-// 16-byte load per 4 fp32 values, one 8-byte load per 8 codes). 256 is a multiple of every group size, so a
-// group of G columns is G/8 (2 to 16) adjacent lanes of one warp, and its statistics (amax, amin) are a
-// butterfly of __shfl_xor_sync over log2(G/8) steps: no shared memory for them, no barrier.
+// Work split: a warp takes a tile of 512 consecutive columns of one row, 16 consecutive elements per lane:
+// 16-byte loads and stores throughout (4 per fp32 array, 2 per 16-bit array, 1 per FP8 state) when the tensor
+// allows them (cols % 16 == 0 and aligned pointers), element by element otherwise. 512 is a multiple of every
+// group size, so a group of G columns is G/16 (1 to 8) adjacent lanes of one warp, and its statistics (amax,
+// amin) are a butterfly of __shfl_xor_sync: no shared memory for them, no barrier.
 //
-// Per-group work is split between the two states: the even lane of each lane pair derives m's quantities
-// from m's meta, the odd lane v's, and they swap them with one __shfl_xor_sync per value. A lane pair lies in
-// one group (G >= 16), so every lane ends up with both states' quantities for its group at half the cost.
+// Per-group work (the quantities decode and encode derive from a group's meta, and the new meta) is split
+// between the two states when a group spans two lanes or more (G >= 32): the even lane of each lane pair does
+// m's, the odd lane v's, and every lane reads both from the pair with __shfl_sync. With G = 16 each lane is a
+// group and does both. Amortised over 16 elements per lane, this is what keeps the per-group work (two
+// IEEE divisions, two square roots, a log2 and an exp2 per state) a small part of the per-element cost.
 //
 // The step kernel is persistent: a grid of about as many blocks as fit on the GPU, each warp walking every
-// tensor of the launch by a stride of the grid's warps. Each block first builds coat_adamw_tables (the log2
-// reduction table and the per-code FP8 tables) in shared memory with the same arithmetic as the C core.
+// tensor of the launch by a stride of the grid's warps. Each block first builds coat_adamw_tables (log2
+// tables and the per-code FP8 tables) in shared memory with the same arithmetic as the C core.
 //
-// Fast paths (the same values as the C core's general code, which the comments justify):
+// Fast paths (the same values as the C core's general code; the comments say why):
 //   decode: when every finite nonzero code of the group gives 2^n * 2^f with n in [-125, 127]
-//           (coat_decoder.fast_scaling), 2^n is built from the bits of the rounding sum, one multiply;
-//   encode: when the group holds no subnormal (amin >= 2^-126), zero and non-finite elements are replaced
-//           by selects instead of branches.
+//           (coat_decoder.fast_scaling), 2^n is built from the bits of the rounding sum: one multiply;
+//   encode: when the group holds no subnormal (amin >= 2^-126), the log-domain path without the subnormal
+//           rescaling, and the lane's zero and non-finite elements (if any) patched afterwards.
 #include "coat/adamw.h"
 
 #include <cuda_runtime.h>
@@ -28,7 +31,7 @@
 namespace {
 
 constexpr int kWarpSize = 32;
-constexpr int kValuesPerLane = 8;
+constexpr int kValuesPerLane = 16;
 constexpr int64_t kTileColumns = kWarpSize * kValuesPerLane;
 constexpr int kWarpsPerBlock = 8;
 constexpr int kThreadsPerBlock = kWarpSize * kWarpsPerBlock;
@@ -36,6 +39,11 @@ constexpr int kTensorsPerLaunch = 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
 __constant__ coat_log2_entry kLog2Reduction[32] = COAT_LOG2_REDUCTION_TABLE;
+__constant__ float kLog2Bf16[128] = COAT_LOG2_BF16_TABLE;
+
+// The step kernel's tables. The hot loops read them by name, not through a pointer, so that their shared-memory
+// address is an immediate of the load instruction and an index needs no add.
+__shared__ coat_adamw_tables step_tables;
 
 // Where a tensor's tiles go: rows x tiles_per_row tiles, tile -> row by a multiply-high (the divisor is fixed
 // per tensor; Granlund-Montgomery with n < 2^31), and the first tile a warp takes.
@@ -45,7 +53,7 @@ struct TensorPlan {
   uint32_t magic;  // row = (umulhi(tile, magic) + tile) >> shift
   uint32_t shift;
   uint32_t phase;  // (tiles of the launch's earlier tensors) % (warps of the grid): tile t goes to warp (phase + t) % warps
-  uint32_t vector; // 16-byte aligned param and grad, 8-byte aligned codes, cols % 8 == 0: whole lanes load by vectors
+  uint32_t vector; // 16-byte aligned param, grad and codes, cols % 16 == 0: whole lanes load and store by vectors
 };
 
 // The tensors of one step launch. They travel by value in the kernel's parameter space (__grid_constant__:
@@ -64,17 +72,19 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x % kWarpSize; }
 // Every block builds the tables; the caller may read them after this returns.
 __device__ __forceinline__ void build_tables(coat_adamw_tables* t) {
   if (threadIdx.x < 32) t->reduction[threadIdx.x] = kLog2Reduction[threadIdx.x];
+  if (threadIdx.x < 128) t->bf16_log2[threadIdx.x] = kLog2Bf16[threadIdx.x];
   __syncthreads();
   for (int i = threadIdx.x; i < 256; i += blockDim.x) coat_adamw_tables_fill_fp8(t, i);
   __syncthreads();
 }
 
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(kFullMask, v, mask); }
-__device__ __forceinline__ int shfl_xor(int v, int mask) { return __shfl_xor_sync(kFullMask, v, mask); }
+__device__ __forceinline__ float shfl(float v, int lane) { return __shfl_sync(kFullMask, v, lane); }
+__device__ __forceinline__ int shfl(int v, int lane) { return __shfl_sync(kFullMask, v, lane); }
 
 // ------------------------------------------------------------------------------------------ lane data
 
-// A lane's 8 elements: row, first column, how many exist (0..8), and whether they load by vectors.
+// A lane's 16 elements: row, first column, index of the first element, how many exist (0..16).
 struct LaneSpan {
   int64_t row;
   int64_t column;
@@ -93,28 +103,33 @@ __device__ __forceinline__ LaneSpan lane_span(uint32_t tile, const TensorPlan& p
   return span;
 }
 
-__device__ __forceinline__ float bf16_bits_to_f32(uint32_t h) { return __uint_as_float(h << 16); }
-
-// 8 consecutive values of a float32 / bfloat16 / float16 array as fp32: vector loads when whole, else scalar.
+// 16 consecutive values of a float32 / bfloat16 / float16 array as fp32: 16-byte loads when the lane is whole
+// and the tensor aligned, else element by element (missing elements are 0).
 __device__ __forceinline__ void load_values(const void* data, coat_dtype dtype, int64_t first, int count, bool vector,
                                             float (&out)[kValuesPerLane]) {
   if (vector && count == kValuesPerLane) {
     if (dtype == COAT_FLOAT32) {
       const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(data) + first);
-      const float4 a = p[0], b = p[1];
-      out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-      out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-    } else {
-      const uint4 q = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) + first);
-      const uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (dtype == COAT_BFLOAT16) {
-          out[2 * i] = bf16_bits_to_f32(w[i] & 0xFFFFu);
-          out[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-        } else {
-          out[2 * i] = coat_f16_to_f32(static_cast<uint16_t>(w[i] & 0xFFFFu));
-          out[2 * i + 1] = coat_f16_to_f32(static_cast<uint16_t>(w[i] >> 16));
+      for (int q = 0; q < kValuesPerLane / 4; ++q) {
+        const float4 a = p[q];
+        out[4 * q] = a.x; out[4 * q + 1] = a.y; out[4 * q + 2] = a.z; out[4 * q + 3] = a.w;
+      }
+    } else {
+      const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) + first);
+#pragma unroll
+      for (int q = 0; q < kValuesPerLane / 8; ++q) {
+        const uint4 a = p[q];
+        const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (dtype == COAT_BFLOAT16) {
+            out[8 * q + 2 * i] = __uint_as_float(w[i] << 16);
+            out[8 * q + 2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+          } else {
+            out[8 * q + 2 * i] = coat_f16_to_f32(static_cast<uint16_t>(w[i] & 0xFFFFu));
+            out[8 * q + 2 * i + 1] = coat_f16_to_f32(static_cast<uint16_t>(w[i] >> 16));
+          }
         }
       }
     }
@@ -129,14 +144,19 @@ __device__ __forceinline__ void store_params(void* data, coat_dtype dtype, int64
   if (vector && count == kValuesPerLane) {
     if (dtype == COAT_FLOAT32) {
       float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first);
-      out[0] = make_float4(p[0], p[1], p[2], p[3]);
-      out[1] = make_float4(p[4], p[5], p[6], p[7]);
-    } else {
-      uint32_t w[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        w[i] = static_cast<uint32_t>(coat_f32_to_bf16(p[2 * i])) | (static_cast<uint32_t>(coat_f32_to_bf16(p[2 * i + 1])) << 16);
-      *reinterpret_cast<uint4*>(static_cast<uint16_t*>(data) + first) = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int q = 0; q < kValuesPerLane / 4; ++q) out[q] = make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
+    } else {
+      uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(data) + first);
+#pragma unroll
+      for (int q = 0; q < kValuesPerLane / 8; ++q) {
+        uint32_t w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          w[i] = static_cast<uint32_t>(coat_f32_to_bf16(p[8 * q + 2 * i])) |
+                 (static_cast<uint32_t>(coat_f32_to_bf16(p[8 * q + 2 * i + 1])) << 16);
+        out[q] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
     }
     return;
   }
@@ -145,33 +165,49 @@ __device__ __forceinline__ void store_params(void* data, coat_dtype dtype, int64
     if (i < count) coat_store_param(data, dtype, first + i, p[i]);
 }
 
-// 8 codes as two words (code i in byte i % 4 of word i / 4); missing codes are 0.
-__device__ __forceinline__ uint2 load_codes(const uint8_t* codes, int64_t first, int count, bool vector) {
-  if (vector && count == kValuesPerLane) return *reinterpret_cast<const uint2*>(codes + first);
-  uint32_t w[2] = {0u, 0u};
+// 16 codes as four words (code i in byte i % 4 of word i / 4); missing codes are 0.
+struct Codes {
+  uint32_t w[kValuesPerLane / 4];
+};
+
+__device__ __forceinline__ Codes load_codes(const uint8_t* codes, int64_t first, int count, bool vector) {
+  Codes c;
+  if (vector && count == kValuesPerLane) {
+    const uint4 q = *reinterpret_cast<const uint4*>(codes + first);
+    c.w[0] = q.x; c.w[1] = q.y; c.w[2] = q.z; c.w[3] = q.w;
+    return c;
+  }
+#pragma unroll
+  for (int i = 0; i < kValuesPerLane / 4; ++i) c.w[i] = 0u;
 #pragma unroll
   for (int i = 0; i < kValuesPerLane; ++i)
-    if (i < count) w[i / 4] |= static_cast<uint32_t>(codes[first + i]) << (8 * (i % 4));
-  return make_uint2(w[0], w[1]);
+    if (i < count) c.w[i / 4] |= static_cast<uint32_t>(codes[first + i]) << (8 * (i % 4));
+  return c;
 }
 
-__device__ __forceinline__ void store_codes(uint8_t* codes, int64_t first, int count, bool vector, uint2 c) {
+__device__ __forceinline__ void store_codes(uint8_t* codes, int64_t first, int count, bool vector, const Codes& c) {
   if (vector && count == kValuesPerLane) {
-    *reinterpret_cast<uint2*>(codes + first) = c;
+    *reinterpret_cast<uint4*>(codes + first) = make_uint4(c.w[0], c.w[1], c.w[2], c.w[3]);
     return;
   }
-  const uint32_t w[2] = {c.x, c.y};
 #pragma unroll
   for (int i = 0; i < kValuesPerLane; ++i)
-    if (i < count) codes[first + i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+    if (i < count) codes[first + i] = static_cast<uint8_t>(c.w[i / 4] >> (8 * (i % 4)));
 }
 
-__device__ __forceinline__ uint32_t code_at(uint2 c, int i) { return ((i < 4 ? c.x : c.y) >> (8 * (i % 4))) & 0xFFu; }
+__device__ __forceinline__ uint32_t code_at(const Codes& c, int i) { return (c.w[i / 4] >> (8 * (i % 4))) & 0xFFu; }
 
 // ------------------------------------------------------------------------------------- decode, encode
 
-// coat_decode for a lane's 8 codes, with coat_decoder.fast_scaling's shortcut.
-__device__ __forceinline__ void decode_lane(uint2 codes, const coat_decoder& d, coat_fp8_format format,
+// x, which the compiler then holds in a register instead of folding it into the instructions that use it
+// (so that (bits & 0x7FFFFF) | 0x3F800000 is one LOP3 with a register operand, not two with immediates).
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm("" : "+r"(x));
+  return x;
+}
+
+// coat_decode for a lane's 16 codes, with coat_decoder.fast_scaling's shortcut.
+__device__ __forceinline__ void decode_lane(const Codes& codes, const coat_decoder& d, coat_fp8_format format,
                                             const coat_adamw_tables* t, float (&out)[kValuesPerLane]) {
   if (d.linear) {
 #pragma unroll
@@ -183,11 +219,12 @@ __device__ __forceinline__ void decode_lane(uint2 codes, const coat_decoder& d, 
   } else if (d.fast_scaling) {
     // n = exponent + rint(w) is in [-125, 127], so 2^n is a normal number whose bits are (n + 127) << 23, and
     // (bits(w + 1.5 * 2^23) << 23) is rint(w) << 23: coat_scale_by_power_of_2's single multiply, bit for bit.
-    const uint32_t exponent_bits = static_cast<uint32_t>(d.exponent + 127) << 23;
+    const uint32_t exponent_bits = opaque(static_cast<uint32_t>(d.exponent + 127) << 23);  // one LEA below
+    const uint32_t format_bits = static_cast<uint32_t>(format) << 7;
 #pragma unroll
     for (int i = 0; i < kValuesPerLane; ++i) {
       const uint32_t code = code_at(codes, i);
-      const float l = t->fp8_log2[format][code & 0x7Fu];
+      const float l = (&step_tables.fp8_log2[0][0])[(code & 0x7Fu) | format_bits];  // fp8_log2[format][code & 0x7F]
       const float w = fmaf(l, d.inverse_k, d.fraction);
       const float shifted = w + COAT_ROUND_MAGIC;
       const float rounded = shifted - COAT_ROUND_MAGIC;
@@ -202,185 +239,258 @@ __device__ __forceinline__ void decode_lane(uint2 codes, const coat_decoder& d, 
   }
 }
 
-// coat_encode for a lane's 8 values; `subnormals`: the group may hold subnormal values (amin < 2^-126).
-__device__ __forceinline__ uint2 encode_lane(const float (&x)[kValuesPerLane], const coat_encoder& e,
-                                             const coat_fp8_log_format& f, coat_fp8_format format, bool subnormals,
+// A state's encoder as a lane holds it: coat_encoder plus what selects the path.
+struct LaneEncoder {
+  coat_encoder e;
+  int subnormals;  // the group may hold subnormal values (amin < 2^-126): coat_encode's general path
+};
+
+// Four bytes, each the low byte of a word, as one word (byte i from word i).
+__device__ __forceinline__ uint32_t pack_bytes(uint32_t b0, uint32_t b1, uint32_t b2, uint32_t b3) {
+  return __byte_perm(__byte_perm(b0, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
+}
+
+// The sign bytes (byte 3) of four words as one word.
+__device__ __forceinline__ uint32_t pack_top_bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  return __byte_perm(__byte_perm(w0, w1, 0x0073u), __byte_perm(w2, w3, 0x0073u), 0x5410u);
+}
+
+// coat_encode for a lane's 16 values; `specials`: some of them are zero or non-finite.
+__device__ __forceinline__ Codes encode_lane(const float (&x)[kValuesPerLane], const LaneEncoder& le,
+                                             const coat_fp8_log_format& f, coat_fp8_format format, bool specials,
                                              const coat_adamw_tables* t) {
-  uint32_t w[2] = {0u, 0u};
-  if (e.linear || subnormals) {
+  const coat_encoder& e = le.e;
+  Codes c;
+  if (e.linear || le.subnormals) {
+#pragma unroll
+    for (int i = 0; i < kValuesPerLane / 4; ++i) c.w[i] = 0u;
 #pragma unroll
     for (int i = 0; i < kValuesPerLane; ++i)
-      w[i / 4] |= static_cast<uint32_t>(coat_encode(x[i], &e, &f, format, t)) << (8 * (i % 4));
-  } else {
-    // No subnormals: coat_encode's log-domain path for every finite nonzero element; zero and non-finite
-    // elements take the results of its early returns by selects.
+      c.w[i / 4] |= static_cast<uint32_t>(coat_encode(x[i], &e, &f, format, t)) << (8 * (i % 4));
+    return c;
+  }
+  // No subnormal: coat_encode's log-domain path for every finite nonzero element, its coat_log2_ratio spelt
+  // out with the same operations in the same order.
+  const uint32_t one = __float_as_uint(step_tables.reduction[0].inverse);  // 1.0f from memory: a register operand
+  uint32_t magnitude[kValuesPerLane];
+#pragma unroll
+  for (int i = 0; i < kValuesPerLane; ++i) {
+    const uint32_t bits = __float_as_uint(x[i]);
+    const float exponent = __uint_as_float(0x4B000000u | ((bits & 0x7FFFFFFFu) >> 23)) - e.exponent_bias;
+    const coat_log2_entry entry = step_tables.reduction[(bits >> 18) & 31u];
+    const float r = fmaf(__uint_as_float((bits & 0x007FFFFFu) | one), entry.inverse, -1.0f);
+    const float d = fmaf(r, coat_log2_q(r), exponent + (entry.log2 - e.fraction_c));
+    const float z = fmaf(e.k, d, e.minus_log2_scale);
+    magnitude[i] = coat_fp8_magnitude_of_log2(fminf(fmaxf(z, f.z_min), f.z_max), &f);
+  }
+  // sign | magnitude, four codes to a word
+#pragma unroll
+  for (int q = 0; q < kValuesPerLane / 4; ++q)
+    c.w[q] = pack_bytes(magnitude[4 * q], magnitude[4 * q + 1], magnitude[4 * q + 2], magnitude[4 * q + 3]) |
+             (pack_top_bytes(__float_as_uint(x[4 * q]), __float_as_uint(x[4 * q + 1]), __float_as_uint(x[4 * q + 2]),
+                             __float_as_uint(x[4 * q + 3])) &
+              0x80808080u);
+  if (specials) {  // coat_encode's early returns: zero keeps its sign, non-finite is 0x7F
 #pragma unroll
     for (int i = 0; i < kValuesPerLane; ++i) {
       const uint32_t bits = __float_as_uint(x[i]);
       const uint32_t a = bits & 0x7FFFFFFFu;
-      const uint32_t sign = (bits >> 24) & 0x80u;
-      const float z = fmaf(e.k, coat_log2_ratio(a, e.exponent_bias, e.fraction_c, t), e.minus_log2_scale);
-      uint32_t code = sign | coat_fp8_magnitude_of_log2(fminf(fmaxf(z, f.z_min), f.z_max), &f);
-      if (a - 1u >= 0x7F7FFFFFu) code = a == 0u ? sign : 0x7Fu;  // zero (a - 1 wraps) or non-finite
-      w[i / 4] |= code << (8 * (i % 4));
+      if (a - 1u >= 0x7F7FFFFFu) {
+        const uint32_t code = a == 0u ? (bits >> 24) & 0x80u : 0x7Fu;
+        c.w[i / 4] = (c.w[i / 4] & ~(0xFFu << (8 * (i % 4)))) | (code << (8 * (i % 4)));
+      }
     }
   }
-  return make_uint2(w[0], w[1]);
+  return c;
 }
 
 // ------------------------------------------------------------------------------ per-group quantities
 
-// The lane pair's exchange: each lane computed its state's (even: m, odd: v) struct, and gets the other's.
-__device__ __forceinline__ coat_decoder swap_decoder(const coat_decoder& d) {
-  coat_decoder o;
-  o.linear = shfl_xor(d.linear, 1);
-  o.scale = shfl_xor(d.scale, 1);
-  o.c = shfl_xor(d.c, 1);
-  o.inverse_k = shfl_xor(d.inverse_k, 1);
-  o.fraction = shfl_xor(d.fraction, 1);
-  o.exponent = shfl_xor(d.exponent, 1);
-  o.fast_scaling = shfl_xor(d.fast_scaling, 1);
-  return o;
-}
+// A lane's part of its group's range: amax over finite |x|, amin over finite nonzero |x| (+Inf if none), the
+// same values as coat_range_add over the elements in any order; and whether some element is zero or
+// non-finite. Keys 2 * bits(x) - 2 (unsigned): zero wraps to the top, Inf and NaN lie above every finite
+// value, the sign drops out.
+struct LaneRange {
+  coat_range range;
+  bool specials;
+};
 
-__device__ __forceinline__ coat_decoder select_decoder(bool first, const coat_decoder& a, const coat_decoder& b) {
-  coat_decoder d;
-  d.linear = first ? a.linear : b.linear;
-  d.scale = first ? a.scale : b.scale;
-  d.c = first ? a.c : b.c;
-  d.inverse_k = first ? a.inverse_k : b.inverse_k;
-  d.fraction = first ? a.fraction : b.fraction;
-  d.exponent = first ? a.exponent : b.exponent;
-  d.fast_scaling = first ? a.fast_scaling : b.fast_scaling;
-  return d;
-}
-
-__device__ __forceinline__ coat_encoder select_encoder(bool first, const coat_encoder& a, const coat_encoder& b) {
-  coat_encoder e;
-  e.linear = first ? a.linear : b.linear;
-  e.scale = first ? a.scale : b.scale;
-  e.k = first ? a.k : b.k;
-  e.c = first ? a.c : b.c;
-  e.exponent_bias = first ? a.exponent_bias : b.exponent_bias;
-  e.fraction_c = first ? a.fraction_c : b.fraction_c;
-  e.minus_log2_scale = first ? a.minus_log2_scale : b.minus_log2_scale;
-  return e;
-}
-
-__device__ __forceinline__ coat_encoder swap_encoder(const coat_encoder& e) {
-  coat_encoder o;
-  o.linear = shfl_xor(e.linear, 1);
-  o.scale = shfl_xor(e.scale, 1);
-  o.k = shfl_xor(e.k, 1);
-  o.c = shfl_xor(e.c, 1);
-  o.exponent_bias = shfl_xor(e.exponent_bias, 1);
-  o.fraction_c = shfl_xor(e.fraction_c, 1);
-  o.minus_log2_scale = shfl_xor(e.minus_log2_scale, 1);
-  return o;
-}
-
-// A lane's part of its group's range: amax over finite |x|, amin over finite nonzero |x| (+Inf if none),
-// the same values as coat_range_add over the elements in any order.
-__device__ __forceinline__ coat_range lane_range(const float (&x)[kValuesPerLane]) {
-  float amax = 0.0f;
-  uint32_t amin_minus_1 = 0xFFFFFFFFu;
+__device__ __forceinline__ LaneRange lane_range(const float (&x)[kValuesPerLane]) {
+  uint32_t low_key = 0xFFFFFFFFu, high_key = 0u;
 #pragma unroll
   for (int i = 0; i < kValuesPerLane; ++i) {
-    amax = fmaxf(amax, fabsf(x[i]));  // ignores NaN, takes Inf: fixed below
-    amin_minus_1 = min(amin_minus_1, (__float_as_uint(x[i]) & 0x7FFFFFFFu) - 1u);  // 0 wraps; Inf, NaN are larger than finite
+    const uint32_t key = __float_as_uint(x[i]) * 2u - 2u;
+    low_key = min(low_key, key);
+    high_key = max(high_key, key);
   }
-  if (amax == coat_positive_infinity()) {
-    amax = 0.0f;
+  LaneRange r;
+  r.specials = high_key >= 0xFEFFFFFEu;
+  r.range.amin = low_key < 0xFEFFFFFEu ? __uint_as_float((low_key + 2u) >> 1) : coat_positive_infinity();
+  if (!r.specials) {
+    r.range.amax = __uint_as_float((high_key + 2u) >> 1);  // every element finite and nonzero
+  } else {
+    r.range.amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < kValuesPerLane; ++i)
-      if (coat_is_finite(x[i])) amax = fmaxf(amax, fabsf(x[i]));
+      if (coat_is_finite(x[i])) r.range.amax = fmaxf(r.range.amax, fabsf(x[i]));
   }
-  coat_range r;
-  r.amax = amax;
-  r.amin = amin_minus_1 < 0x7F7FFFFFu ? __uint_as_float(amin_minus_1 + 1u) : coat_positive_infinity();
   return r;
 }
 
-// The range merged over the G/8 lanes of each group (aligned runs of lanes); every lane gets its group's.
-__device__ __forceinline__ coat_range group_range(coat_range r, int lanes_per_group) {
-  for (int offset = lanes_per_group / 2; offset > 0; offset /= 2) {
-    coat_range other;
-    other.amax = shfl_xor(r.amax, offset);
-    other.amin = shfl_xor(r.amin, offset);
-    r = coat_range_merge(r, other);
-  }
-  return r;
+__device__ __forceinline__ coat_range merge_from(coat_range r, int mask) {
+  coat_range other;
+  other.amax = shfl_xor(r.amax, mask);
+  other.amin = shfl_xor(r.amin, mask);
+  return coat_range_merge(r, other);
+}
+
+// The group's range of one state: from lanes_per_group (2..8) lanes, where the even lane of each pair reduces
+// m and the odd lane v. First each lane takes its partner's part of its own state, then a butterfly over the
+// lanes of the same parity.
+__device__ __forceinline__ coat_range group_range_split(const coat_range& m, const coat_range& v, bool odd,
+                                                         int lanes_per_group) {
+  coat_range mine = odd ? v : m;
+  coat_range theirs;  // what the partner reduces: it sends us our state's part
+  const coat_range give = odd ? m : v;
+  theirs.amax = shfl_xor(give.amax, 1);
+  theirs.amin = shfl_xor(give.amin, 1);
+  mine = coat_range_merge(mine, theirs);
+#pragma unroll
+  for (int offset = 2; offset < 128 / kValuesPerLane; offset *= 2)
+    if (offset < lanes_per_group) mine = merge_from(mine, offset);
+  return mine;
+}
+
+__device__ __forceinline__ coat_decoder decoder_from_lane(const coat_decoder& d, int lane) {
+  coat_decoder o;
+  o.linear = shfl(d.linear, lane);
+  o.scale = shfl(d.scale, lane);
+  o.c = shfl(d.c, lane);
+  o.inverse_k = shfl(d.inverse_k, lane);
+  o.fraction = shfl(d.fraction, lane);
+  o.exponent = shfl(d.exponent, lane);
+  o.fast_scaling = shfl(d.fast_scaling, lane);
+  return o;
+}
+
+__device__ __forceinline__ LaneEncoder encoder_from_lane(const LaneEncoder& le, int lane) {
+  LaneEncoder o;
+  o.e.linear = shfl(le.e.linear, lane);
+  o.e.scale = shfl(le.e.scale, lane);
+  o.e.k = shfl(le.e.k, lane);
+  o.e.c = shfl(le.e.c, lane);
+  o.e.exponent_bias = shfl(le.e.exponent_bias, lane);
+  o.e.fraction_c = shfl(le.e.fraction_c, lane);
+  o.e.minus_log2_scale = shfl(le.e.minus_log2_scale, lane);
+  o.subnormals = shfl(le.subnormals, lane);
+  return o;
+}
+
+__device__ __forceinline__ coat_meta load_meta(const uint16_t* meta, bool valid) {
+  coat_meta m;
+  m.scale = m.k = m.c = 1.0f;
+  if (valid) m = coat_meta_load(meta);
+  return m;
+}
+
+// A group's new meta: stored by the lane that made it, returned as the lane's encoder.
+__device__ __forceinline__ LaneEncoder new_encoder(coat_range r, coat_fp8_format format, int expand, uint16_t* meta,
+                                                   bool store, const coat_adamw_tables* t) {
+  const coat_meta m = coat_meta_of_range(r, format, expand, t);
+  if (store) coat_meta_store(m, meta);
+  LaneEncoder le;
+  le.e = coat_encoder_make(m, t);
+  le.subnormals = r.amin < COAT_MIN_SCALE;
+  return le;
 }
 
 // ------------------------------------------------------------------------------------------ the step
 
 __device__ __forceinline__ void step_tile(const coat_adamw_tensor& t, const TensorPlan& plan,
-                                          const coat_adamw_options& o, uint32_t tile, int group_shift,
-                                          const coat_adamw_tables* tables) {
+                                          const coat_adamw_options& o, const coat_divisor& divisor, uint32_t tile,
+                                          int group_shift, const coat_adamw_tables* tables) {
   const LaneSpan span = lane_span(tile, plan, t.cols);
   const bool vector = plan.vector != 0;
-  const bool odd = lane_id() & 1;
-  const int lanes_per_group = (1 << group_shift) / kValuesPerLane;
-  // The lane pair's group exists when the even lane has elements (the pair lies in one group).
-  const bool pair_valid = span.column - (odd ? kValuesPerLane : 0) < t.cols;
+  const int lane = lane_id();
+  const bool odd = lane & 1;
+  const int lanes_per_group = (1 << group_shift) / kValuesPerLane;  // 1 (G = 16) to 8
+  const bool split = lanes_per_group >= 2;
+  // With split, the lane pair lies in one group, which exists when the even lane has elements.
+  const bool group_valid = split ? span.column - (odd ? kValuesPerLane : 0) < t.cols : span.count > 0;
   const int64_t groups_per_row = (t.cols + (int64_t{1} << group_shift) - 1) >> group_shift;
   const int64_t meta_offset = (span.row * groups_per_row + (span.column >> group_shift)) * COAT_META_VALUES;
-  const coat_fp8_format my_format = odd ? t.exp_avg_sq_format : t.exp_avg_format;
-  uint16_t* const my_meta = (odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset;
 
   // Loads first, so that they are in flight while the old meta is decoded.
   float p[kValuesPerLane], g[kValuesPerLane];
   load_values(t.param, t.param_dtype, span.first, span.count, vector, p);
   load_values(t.grad, t.grad_dtype, span.first, span.count, vector, g);
-  const uint2 m_codes = load_codes(t.exp_avg, span.first, span.count, vector);
-  const uint2 v_codes = load_codes(t.exp_avg_sq, span.first, span.count, vector);
+  const Codes m_codes = load_codes(t.exp_avg, span.first, span.count, vector);
+  const Codes v_codes = load_codes(t.exp_avg_sq, span.first, span.count, vector);
 
-  coat_meta old_meta;
-  old_meta.scale = old_meta.k = old_meta.c = 1.0f;
-  if (pair_valid) old_meta = coat_meta_load(my_meta);
-  const coat_decoder mine = coat_decoder_make(old_meta, my_format, tables);
-  const coat_decoder other = swap_decoder(mine);
-  const coat_decoder m_dec = select_decoder(odd, other, mine);
-  const coat_decoder v_dec = select_decoder(odd, mine, other);
+  // The group's old meta, as decoders. Only the lanes that read a meta store its successor below.
+  coat_decoder m_dec, v_dec;
+  if (split) {
+    const coat_decoder mine =
+        coat_decoder_make(load_meta((odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset, group_valid),
+                          odd ? t.exp_avg_sq_format : t.exp_avg_format, tables);
+    m_dec = decoder_from_lane(mine, lane & ~1);
+    v_dec = decoder_from_lane(mine, lane | 1);
+  } else {
+    m_dec = coat_decoder_make(load_meta(t.exp_avg_meta + meta_offset, group_valid), t.exp_avg_format, tables);
+    v_dec = coat_decoder_make(load_meta(t.exp_avg_sq_meta + meta_offset, group_valid), t.exp_avg_sq_format, tables);
+  }
 
   float m[kValuesPerLane], v[kValuesPerLane];
   decode_lane(m_codes, m_dec, t.exp_avg_format, tables, m);
   decode_lane(v_codes, v_dec, t.exp_avg_sq_format, tables, v);
+  if (divisor.exact_by_inverse) {  // always, in practice: bias_correction2_sqrt is in (0, 1]
 #pragma unroll
-  for (int i = 0; i < kValuesPerLane; ++i) p[i] = coat_adamw_update(p[i], g[i], &m[i], &v[i], &o);
+    for (int i = 0; i < kValuesPerLane; ++i) p[i] = coat_adamw_update_by_inverse(p[i], g[i], &m[i], &v[i], &o, &divisor);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kValuesPerLane; ++i) p[i] = coat_adamw_update(p[i], g[i], &m[i], &v[i], &o, &divisor);
+  }
   store_params(t.param, t.param_dtype, span.first, span.count, vector, p);
-  // Elements past the end of the row computed from zeros: m = v = 0, outside every range.
+  // Elements past the end of the row were computed from zeros: m = v = 0, outside every range.
 
-  const coat_range m_range = group_range(lane_range(m), lanes_per_group);
-  const coat_range v_range = group_range(lane_range(v), lanes_per_group);
-  const coat_meta new_meta = coat_meta_of_range(odd ? v_range : m_range, my_format,
-                                                odd ? o.expand_exp_avg_sq : o.expand_exp_avg, tables);
-  // The old meta was read by this same lane (above), the only one that reads it.
-  if (pair_valid && lane_id() % lanes_per_group < 2) coat_meta_store(new_meta, my_meta);
-  const coat_encoder mine_e = coat_encoder_make(new_meta, tables);
-  const coat_encoder other_e = swap_encoder(mine_e);
-  const coat_encoder m_enc = select_encoder(odd, other_e, mine_e);
-  const coat_encoder v_enc = select_encoder(odd, mine_e, other_e);
+  const LaneRange m_lane = lane_range(m), v_lane = lane_range(v);
+  LaneEncoder m_enc, v_enc;
+  if (split) {
+    const coat_range r = group_range_split(m_lane.range, v_lane.range, odd, lanes_per_group);
+    const LaneEncoder mine =
+        new_encoder(r, odd ? t.exp_avg_sq_format : t.exp_avg_format, odd ? o.expand_exp_avg_sq : o.expand_exp_avg,
+                    (odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset,
+                    group_valid && (lane & (lanes_per_group - 1)) < 2, tables);
+    m_enc = encoder_from_lane(mine, lane & ~1);
+    v_enc = encoder_from_lane(mine, lane | 1);
+  } else {
+    m_enc = new_encoder(m_lane.range, t.exp_avg_format, o.expand_exp_avg, t.exp_avg_meta + meta_offset, group_valid,
+                        tables);
+    v_enc = new_encoder(v_lane.range, t.exp_avg_sq_format, o.expand_exp_avg_sq, t.exp_avg_sq_meta + meta_offset,
+                        group_valid, tables);
+  }
 
-  const uint2 m_out = encode_lane(m, m_enc, coat_fp8_log_format_of(t.exp_avg_format), t.exp_avg_format,
-                                  m_range.amin < COAT_MIN_SCALE, tables);
-  const uint2 v_out = encode_lane(v, v_enc, coat_fp8_log_format_of(t.exp_avg_sq_format), t.exp_avg_sq_format,
-                                  v_range.amin < COAT_MIN_SCALE, tables);
+  const Codes m_out = encode_lane(m, m_enc, coat_fp8_log_format_of(t.exp_avg_format), t.exp_avg_format,
+                                  m_lane.specials, tables);
+  const Codes v_out = encode_lane(v, v_enc, coat_fp8_log_format_of(t.exp_avg_sq_format), t.exp_avg_sq_format,
+                                  v_lane.specials, tables);
   store_codes(t.exp_avg, span.first, span.count, vector, m_out);
   store_codes(t.exp_avg_sq, span.first, span.count, vector, v_out);
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock)
     fp8_adamw_step_kernel(const __grid_constant__ StepLaunch launch) {
-  __shared__ coat_adamw_tables tables;
+  coat_adamw_tables& tables = step_tables;
   build_tables(&tables);
   const uint32_t warps = gridDim.x * kWarpsPerBlock;
   const uint32_t warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
   const int group_shift = __ffsll(launch.options.group_size) - 1;
+  const coat_divisor divisor = coat_divisor_make(launch.options.bias_correction2_sqrt);
   for (int i = 0; i < launch.count; ++i) {
     const TensorPlan& plan = launch.plans[i];
     uint32_t tile = warp >= plan.phase ? warp - plan.phase : warp + warps - plan.phase;
-    for (; tile < plan.tiles; tile += warps) step_tile(launch.tensors[i], plan, launch.options, tile, group_shift, &tables);
+    for (; tile < plan.tiles; tile += warps)
+      step_tile(launch.tensors[i], plan, launch.options, divisor, tile, group_shift, &tables);
   }
 }
 
@@ -399,11 +509,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   float values[kValuesPerLane];
 #pragma unroll
   for (int i = 0; i < kValuesPerLane; ++i) values[i] = i < span.count ? x[span.row * row_stride + span.column + i] : 0.0f;
-  const coat_range range = group_range(lane_range(values), (1 << group_shift) / kValuesPerLane);
+  coat_range range = lane_range(values).range;
+#pragma unroll
+  for (int offset = 1; offset < 128 / kValuesPerLane; offset *= 2)
+    if (offset < (1 << group_shift) / kValuesPerLane) range = merge_from(range, offset);
   if (span.count == 0) return;
   const coat_meta m = coat_meta_of_range(range, format, expand, &tables);
   const int64_t groups_per_row = (cols + (int64_t{1} << group_shift) - 1) >> group_shift;
-  if (lane_id() % ((1 << group_shift) / kValuesPerLane) == 0)
+  if ((lane_id() & ((1 << group_shift) / kValuesPerLane - 1)) == 0)
     coat_meta_store(m, meta + (span.row * groups_per_row + (span.column >> group_shift)) * COAT_META_VALUES);
   const coat_encoder e = coat_encoder_make(m, &tables);
   const coat_fp8_log_format f = coat_fp8_log_format_of(format);
@@ -510,7 +623,7 @@ extern "C" coat_status coat_fp8_adamw_step_cuda(const coat_adamw_tensor* tensors
     if (!make_plan(t.rows, t.cols, &plan)) return COAT_ERROR_INVALID_ARGUMENT;
     if (plan.tiles == 0) continue;
     plan.vector = t.cols % kValuesPerLane == 0 && aligned(t.param, 16) && aligned(t.grad, 16) &&
-                  aligned(t.exp_avg, 8) && aligned(t.exp_avg_sq, 8);
+                  aligned(t.exp_avg, 16) && aligned(t.exp_avg_sq, 16);
     launch.tensors[launch.count] = t;
     launch.plans[launch.count] = plan;
     total_tiles += plan.tiles;

@@ -76,6 +76,33 @@ COAT_INLINE float coat_round_bf16_up(float x) {
     {0x1.08421p-1f, 0x1.e88c6cp-1f}, {0x1.041042p-1f, 0x1.f45e06p-1f} \
   }
 
+/* log2(1 + i/128), i = 0..127, correctly rounded to fp32: the fraction of log2 of a bf16 value. */
+#define COAT_LOG2_BF16_TABLE \
+  { \
+    0x0p+0f, 0x1.6fe50cp-7f, 0x1.6e7968p-6f, 0x1.11cd1ep-5f, 0x1.6bad38p-5f, 0x1.c4dfacp-5f, \
+    0x1.0eb38ap-4f, 0x1.3aa2fep-4f, 0x1.663f7p-4f, 0x1.918a16p-4f, 0x1.bc8424p-4f, 0x1.e72ec2p-4f, \
+    0x1.08c588p-3f, 0x1.1dcd1ap-3f, 0x1.32ae9ep-3f, 0x1.476aap-3f, 0x1.5c01a4p-3f, 0x1.70742ep-3f, \
+    0x1.84c2bep-3f, 0x1.98eddp-3f, 0x1.acf5e2p-3f, 0x1.c0db6cp-3f, 0x1.d49ee4p-3f, 0x1.e840bep-3f, \
+    0x1.fbc16cp-3f, 0x1.0790aep-2f, 0x1.11307ep-2f, 0x1.1ac05cp-2f, 0x1.24407ap-2f, 0x1.2db11p-2f, \
+    0x1.37124cp-2f, 0x1.406464p-2f, 0x1.49a784p-2f, 0x1.52dbep-2f, 0x1.5c01a4p-2f, 0x1.6518fep-2f, \
+    0x1.6e221cp-2f, 0x1.771d2cp-2f, 0x1.800a56p-2f, 0x1.88e9c8p-2f, 0x1.91bba8p-2f, 0x1.9a8024p-2f, \
+    0x1.a3376p-2f, 0x1.abe188p-2f, 0x1.b47ecp-2f, 0x1.bd0f2ep-2f, 0x1.c592fap-2f, 0x1.ce0a4ap-2f, \
+    0x1.d6753ep-2f, 0x1.ded3fep-2f, 0x1.e726aap-2f, 0x1.ef6d68p-2f, 0x1.f7a856p-2f, 0x1.ffd79ap-2f, \
+    0x1.03fda8p-1f, 0x1.0809dp-1f, 0x1.0c105p-1f, 0x1.10113cp-1f, 0x1.140cap-1f, 0x1.18028cp-1f, \
+    0x1.1bf312p-1f, 0x1.1fde3ep-1f, 0x1.23c41ep-1f, 0x1.27a4cp-1f, 0x1.2b8034p-1f, 0x1.2f5688p-1f, \
+    0x1.3327c6p-1f, 0x1.36f4p-1f, 0x1.3abb4p-1f, 0x1.3e7d94p-1f, 0x1.423b08p-1f, 0x1.45f3aap-1f, \
+    0x1.49a784p-1f, 0x1.4d56a6p-1f, 0x1.510118p-1f, 0x1.54a6e8p-1f, 0x1.584822p-1f, 0x1.5be4dp-1f, \
+    0x1.5f7dp-1f, 0x1.6310b8p-1f, 0x1.66a008p-1f, 0x1.6a2afap-1f, 0x1.6db196p-1f, 0x1.7133eap-1f, \
+    0x1.74b1fep-1f, 0x1.782bdcp-1f, 0x1.7ba19p-1f, 0x1.7f1322p-1f, 0x1.82809ep-1f, 0x1.85ea0cp-1f, \
+    0x1.894f74p-1f, 0x1.8cb0e4p-1f, 0x1.900e62p-1f, 0x1.9367f6p-1f, 0x1.96bdaep-1f, 0x1.9a0f8ep-1f, \
+    0x1.9d5dap-1f, 0x1.a0a7eep-1f, 0x1.a3ee8p-1f, 0x1.a7315ep-1f, 0x1.aa709p-1f, 0x1.adac1ep-1f, \
+    0x1.b0e412p-1f, 0x1.b41874p-1f, 0x1.b74948p-1f, 0x1.ba769cp-1f, 0x1.bda072p-1f, 0x1.c0c6d4p-1f, \
+    0x1.c3e9cap-1f, 0x1.c7095ap-1f, 0x1.ca258ep-1f, 0x1.cd3e6ap-1f, 0x1.d053f6p-1f, 0x1.d3663cp-1f, \
+    0x1.d6753ep-1f, 0x1.d98106p-1f, 0x1.dc899ap-1f, 0x1.df8f02p-1f, 0x1.e29142p-1f, 0x1.e59064p-1f, \
+    0x1.e88c6cp-1f, 0x1.eb856p-1f, 0x1.ee7b48p-1f, 0x1.f16e28p-1f, 0x1.f45e08p-1f, 0x1.f74afp-1f, \
+    0x1.fa34e2p-1f, 0x1.fd1be4p-1f \
+  }
+
 #define COAT_LOG2_Q0 0x1.715456p+0f
 #define COAT_LOG2_Q1 -0x1.71236ap-1f
 #define COAT_LOG2_Q2 0x1.d705aep-2f
@@ -99,6 +126,7 @@ typedef struct {
  * coat_adamw_tables_fill_fp8's arithmetic, so the entries are the same bits. */
 typedef struct {
   coat_log2_entry reduction[32];
+  float bf16_log2[128];        /* log2(1 + i/128) */
   float fp8_log2[2][128];      /* [format][code & 0x7F]: log2 |decode(code)|; -Inf for 0, +Inf for Inf, NaN */
   float fp8_magnitude[2][128]; /* [format][code & 0x7F]: |decode(code)| */
 } coat_adamw_tables;
@@ -122,15 +150,22 @@ typedef struct {
 COAT_INLINE coat_log2_parts coat_log2_split(float x, const coat_adamw_tables* t) {
   coat_log2_parts result;
   uint32_t a = coat_f32_to_bits(x) & 0x7FFFFFFFu;
-  result.exponent = -127;
-  if (a < 0x00800000u) { /* subnormal: scale by 2^24, exact */
-    a = coat_f32_to_bits(coat_f32_from_bits(a) * 16777216.0f);
-    result.exponent -= 24;
-  }
-  result.exponent += (int)(a >> 23);
+  const int subnormal = a < 0x00800000u; /* then scale by 2^24, exact */
+  a = subnormal ? coat_f32_to_bits(coat_f32_from_bits(a) * 16777216.0f) : a;
+  result.exponent = (int)(a >> 23) - (subnormal ? 127 + 24 : 127);
   const coat_log2_entry e = t->reduction[(a >> 18) & 31u];
   const float r = fmaf(coat_f32_from_bits((a & 0x007FFFFFu) | 0x3F800000u), e.inverse, -1.0f);
   result.fraction = fmaf(r, coat_log2_q(r), e.log2);
+  return result;
+}
+
+/* log2 of a positive normal bf16 value v (on the bf16 grid), split: its exponent and log2(1 + m/128) from the
+ * table, correctly rounded. */
+COAT_INLINE coat_log2_parts coat_log2_bf16(float v, const coat_adamw_tables* t) {
+  const uint32_t bits = coat_f32_to_bits(v);
+  coat_log2_parts result;
+  result.exponent = (int)(bits >> 23) - 127;
+  result.fraction = t->bf16_log2[(bits >> 16) & 127u];
   return result;
 }
 
@@ -163,6 +198,14 @@ COAT_INLINE float coat_scale_by_power_of_2(float x, int n) {
 COAT_INLINE float coat_exp2_split(int exponent, float w) {
   const float rounded = (w + COAT_ROUND_MAGIC) - COAT_ROUND_MAGIC;
   return coat_scale_by_power_of_2(coat_exp2_reduced(w - rounded), exponent + (int)rounded);
+}
+
+/* 2^w for |w| <= 125: 2^f * 2^rint(w) with 2^rint(w) put in the exponent field (the result is normal), the same
+ * value as coat_exp2_split(0, w). */
+COAT_INLINE float coat_exp2_normal(float w) {
+  const float shifted = w + COAT_ROUND_MAGIC;
+  const float rounded = shifted - COAT_ROUND_MAGIC;
+  return coat_f32_from_bits(coat_f32_to_bits(coat_exp2_reduced(w - rounded)) + (coat_f32_to_bits(shifted) << 23));
 }
 
 /* log2 |decode(code)| for the 128 magnitudes of each format (needs t->reduction). */
@@ -258,8 +301,8 @@ COAT_INLINE coat_encoder coat_encoder_make(coat_meta m, const coat_adamw_tables*
   e.scale = m.scale;
   e.k = m.k;
   e.c = m.c;
-  const coat_log2_parts lc = coat_log2_split(m.c, t);
-  const coat_log2_parts ls = coat_log2_split(m.scale, t);
+  const coat_log2_parts lc = coat_log2_bf16(m.c, t);
+  const coat_log2_parts ls = coat_log2_bf16(m.scale, t);
   e.exponent_bias = 8388608.0f + (float)(127 + lc.exponent);
   e.fraction_c = lc.fraction;
   e.minus_log2_scale = -((float)ls.exponent + ls.fraction);
@@ -288,25 +331,31 @@ COAT_INLINE float coat_log2_ratio_any(uint32_t a, float exponent_bias, float fra
  * y = 2^z is built as an fp32 (2^f * 2^rint(z), normal), then rounded to the FP8 quantum of its binade by
  * adding 1.5 * 2^23 quanta (the sum's ulp is the quantum), which counts quanta exactly. */
 typedef struct {
-  float z_min;            /* log2 FP8_MIN_SUBNORMAL: smaller values get the smallest code (no flush to zero) */
-  float z_max;            /* below log2 of the midpoint between FP8_MAX and the next power: larger values saturate */
-  uint32_t min_exponent;  /* biased fp32 exponent of FP8_MIN_NORMAL */
-  uint32_t mantissa_bits;
+  float z_min;              /* log2 FP8_MIN_SUBNORMAL: smaller values get the smallest code (no flush to zero) */
+  float z_max;              /* below log2 of the midpoint between FP8_MAX and the next code: larger values saturate */
+  uint32_t min_exponent;    /* biased fp32 exponent of FP8_MIN_NORMAL */
+  uint32_t magic_offset;    /* (23 - mantissa_bits) << 23 */
+  uint32_t code_multiplier; /* 2^mantissa_bits - 2^23 (mod 2^32) */
+  uint32_t code_offset;     /* -((23 - mantissa_bits) << 23) - (min_exponent << mantissa_bits) (mod 2^32) */
 } coat_fp8_log_format;
 
 COAT_INLINE coat_fp8_log_format coat_fp8_log_format_of(coat_fp8_format format) {
   coat_fp8_log_format f;
+  uint32_t mantissa_bits;
   if (format == COAT_E4M3) {
     f.z_min = -9.0f;
     f.z_max = 8.85f; /* 2^8.85 = 461.4: 448 is the nearest code up to 464 */
     f.min_exponent = 127u - 6u;
-    f.mantissa_bits = 3u;
+    mantissa_bits = 3u;
   } else {
     f.z_min = -16.0f;
     f.z_max = 15.85f; /* 2^15.85 = 59222: 57344 is the nearest code up to 59392 */
     f.min_exponent = 127u - 14u;
-    f.mantissa_bits = 2u;
+    mantissa_bits = 2u;
   }
+  f.magic_offset = (23u - mantissa_bits) << 23;
+  f.code_multiplier = (1u << mantissa_bits) - (1u << 23);
+  f.code_offset = 0u - f.magic_offset - (f.min_exponent << mantissa_bits);
   return f;
 }
 
@@ -316,9 +365,11 @@ COAT_INLINE uint32_t coat_fp8_magnitude_of_log2(float z, const coat_fp8_log_form
   const uint32_t y = coat_f32_to_bits(coat_exp2_reduced(z - rounded)) + (coat_f32_to_bits(shifted) << 23);
   const uint32_t exponent = y >> 23;
   const uint32_t binade = exponent > f->min_exponent ? exponent : f->min_exponent;
-  const uint32_t magic = (binade + 23u - f->mantissa_bits) << 23; /* its ulp is the FP8 quantum of y */
+  /* magic = 2^(binade - 127 + 23 - mantissa_bits): its ulp is the FP8 quantum of y's binade */
+  const uint32_t magic = (binade << 23) + f->magic_offset;
   const uint32_t sum = coat_f32_to_bits(coat_f32_from_bits(y) + coat_f32_from_bits(magic));
-  return sum - magic + ((binade - f->min_exponent) << f->mantissa_bits);
+  /* code = (sum - magic) + ((binade - min_exponent) << mantissa_bits), as one multiply-add */
+  return binade * f->code_multiplier + f->code_offset + sum;
 }
 
 /* The fresh meta of a group with the given range (coat/adamw.h), each value rounded to bf16 before the next
@@ -346,7 +397,8 @@ COAT_INLINE coat_meta coat_meta_of_range(coat_range r, coat_fp8_format format, i
     ymax = r.amax / m.c;
   } else {
     const coat_encoder e = coat_encoder_make(m, t);
-    ymax = coat_exp2_split(0, m.k * coat_log2_ratio_any(coat_f32_to_bits(r.amax), e.exponent_bias, e.fraction_c, t));
+    /* |k * log2(amax / C)| < 70 (coat/adamw.h, the clamp of k) */
+    ymax = coat_exp2_normal(m.k * coat_log2_ratio_any(coat_f32_to_bits(r.amax), e.exponent_bias, e.fraction_c, t));
   }
   m.scale = coat_round_bf16_up(fmaxf(ymax / coat_fp8_max(format), COAT_MIN_SCALE));
   return m;
@@ -396,8 +448,8 @@ COAT_INLINE coat_decoder coat_decoder_make(coat_meta m, coat_fp8_format format, 
   d.scale = m.scale;
   d.c = m.c;
   d.inverse_k = 1.0f / m.k;
-  const coat_log2_parts lc = coat_log2_split(m.c, t);
-  const coat_log2_parts ls = coat_log2_split(m.scale, t);
+  const coat_log2_parts lc = coat_log2_bf16(m.c, t);
+  const coat_log2_parts ls = coat_log2_bf16(m.scale, t);
   /* log2(scale) / k = (e_s + f_s) * inverse_k: e_s * inverse_k exactly as hi + lo (fmaf), its integer part
    * moved to the exponent */
   const float es = (float)ls.exponent;
@@ -430,12 +482,55 @@ COAT_INLINE float coat_decode(uint8_t code, const coat_decoder* d, coat_fp8_form
 
 /* ------------------------------------------------------------------------------------------- the step */
 
-/* One element of the step, in torch.optim.AdamW's order of operations; m and v are the dequantized states. */
-COAT_INLINE float coat_adamw_update(float p, float g, float* m, float* v, const coat_adamw_options* o) {
+/* a / b for a fixed divisor b (bias_correction2_sqrt), rounded as IEEE division rounds it, without a division
+ * per element when b is in [2^-60, 1]: with y = 1/b correctly rounded, q0 = a * y is within an ulp of a / b,
+ * r = a - q0 * b is exact (fmaf), and q0 + r * y (fmaf) is the correctly rounded quotient (Markstein's
+ * theorem; there the quotient of a >= 0 by b neither overflows nor, with a = sqrt(v) >= 2^-75 or 0, leaves the
+ * normal range; checked exhaustively on the CPU for every fp32 a in [2^-75, 2^66) and 11 divisors). +Inf
+ * gives +Inf, NaN gives NaN, like the division; -0 gives +0, which the caller's + eps cannot tell apart. */
+typedef struct {
+  float b;
+  float inverse;
+  int exact_by_inverse; /* b in [2^-60, 1] */
+} coat_divisor;
+
+COAT_INLINE coat_divisor coat_divisor_make(float b) {
+  coat_divisor d;
+  d.b = b;
+  d.inverse = 1.0f / b;
+  d.exact_by_inverse = b >= 0x1p-60f && b <= 1.0f;
+  return d;
+}
+
+/* coat_divide when d->exact_by_inverse. */
+COAT_INLINE float coat_divide_by_inverse(float a, const coat_divisor* d) {
+  const float q0 = a * d->inverse;
+  const float q = fmaf(fmaf(-q0, d->b, a), d->inverse, q0);
+  return a == coat_positive_infinity() ? a : q;
+}
+
+COAT_INLINE float coat_divide(float a, const coat_divisor* d) {
+  return d->exact_by_inverse ? coat_divide_by_inverse(a, d) : a / d->b;
+}
+
+/* One element of the step, in torch.optim.AdamW's order of operations; m and v are the dequantized states.
+ * sqrt(v) / bias_correction2_sqrt by coat_divide: the same value as the division. */
+COAT_INLINE float coat_adamw_update(float p, float g, float* m, float* v, const coat_adamw_options* o,
+                                    const coat_divisor* bias_correction2_sqrt) {
   *m = o->beta1 * *m + o->one_minus_beta1 * g;
   *v = o->beta2 * *v + o->one_minus_beta2 * g * g;
   p = p * o->decay_factor;
-  const float denom = sqrtf(*v) / o->bias_correction2_sqrt + o->eps;
+  const float denom = coat_divide(sqrtf(*v), bias_correction2_sqrt) + o->eps;
+  return p - o->step_size * *m / denom;
+}
+
+/* coat_adamw_update when bias_correction2_sqrt->exact_by_inverse (the same value). */
+COAT_INLINE float coat_adamw_update_by_inverse(float p, float g, float* m, float* v, const coat_adamw_options* o,
+                                               const coat_divisor* bias_correction2_sqrt) {
+  *m = o->beta1 * *m + o->one_minus_beta1 * g;
+  *v = o->beta2 * *v + o->one_minus_beta2 * g * g;
+  p = p * o->decay_factor;
+  const float denom = coat_divide_by_inverse(sqrtf(*v), bias_correction2_sqrt) + o->eps;
   return p - o->step_size * *m / denom;
 }
 
