@@ -281,6 +281,11 @@ COAT_INLINE float coat_log2_range(coat_fp8_format format) {
   return format == COAT_E4M3 ? COAT_E4M3_LOG2_RANGE : COAT_E5M2_LOG2_RANGE;
 }
 
+/* log2 FP8_MAX: log2(448) and log2(57344), rounded to fp32 */
+COAT_INLINE float coat_log2_fp8_max(coat_fp8_format format) {
+  return format == COAT_E4M3 ? 8.80735492f : 15.8073549f;
+}
+
 /* What quantization derives from a group's meta, once per group. With k != 1, an element x is encoded from
  *   z = k * log2(|x| / C) - log2(scale) = fmaf(k, d, -log2(scale)),
  *   d = (e - e_C) + (log2(m) - frac_C)     (log2 |x| = e + log2 m, log2 C = e_C + frac_C)
@@ -392,15 +397,17 @@ COAT_INLINE coat_meta coat_meta_of_range(coat_range r, coat_fp8_format format, i
             fminf(fmaxf(coat_log2_range(format) / log2_range, COAT_EXPANSION_K_MIN), COAT_EXPANSION_K_MAX));
     }
   }
-  float ymax;
+  float scale;
   if (m.k == 1.0f) {
-    ymax = r.amax / m.c;
+    scale = r.amax / m.c / coat_fp8_max(format);
   } else {
+    /* max|y| / FP8_MAX = 2^(k * log2(amax / C) - log2 FP8_MAX), the exponent rounded once (fmaf), as an
+     * element's z; |k * log2(amax / C)| < 70 (coat/adamw.h, the clamp of k) */
     const coat_encoder e = coat_encoder_make(m, t);
-    /* |k * log2(amax / C)| < 70 (coat/adamw.h, the clamp of k) */
-    ymax = coat_exp2_normal(m.k * coat_log2_ratio_any(coat_f32_to_bits(r.amax), e.exponent_bias, e.fraction_c, t));
+    scale = coat_exp2_normal(fmaf(m.k, coat_log2_ratio_any(coat_f32_to_bits(r.amax), e.exponent_bias, e.fraction_c, t),
+                                  -coat_log2_fp8_max(format)));
   }
-  m.scale = coat_round_bf16_up(fmaxf(ymax / coat_fp8_max(format), COAT_MIN_SCALE));
+  m.scale = coat_round_bf16_up(fmaxf(scale, COAT_MIN_SCALE));
   return m;
 }
 
