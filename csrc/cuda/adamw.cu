@@ -103,63 +103,67 @@ __device__ __forceinline__ LaneSpan lane_span(uint32_t tile, const TensorPlan& p
   return span;
 }
 
-// 16 consecutive values of a float32 / bfloat16 / float16 array as fp32: 16-byte loads when the lane is whole
-// and the tensor aligned, else element by element (missing elements are 0).
-__device__ __forceinline__ void load_values(const void* data, coat_dtype dtype, int64_t first, int count, bool vector,
-                                            float (&out)[kValuesPerLane]) {
-  if (vector && count == kValuesPerLane) {
-    if (dtype == COAT_FLOAT32) {
-      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(data) + first);
+// A lane's 16 consecutive values of a float32 / bfloat16 / float16 array as fp32, by 16-byte loads (the lane is
+// whole and the tensor aligned: TensorPlan.vector).
+__device__ __forceinline__ void load_values_vector(const void* data, coat_dtype dtype, int64_t first,
+                                                   float (&out)[kValuesPerLane]) {
+  if (dtype == COAT_FLOAT32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(data) + first);
 #pragma unroll
-      for (int q = 0; q < kValuesPerLane / 4; ++q) {
-        const float4 a = p[q];
-        out[4 * q] = a.x; out[4 * q + 1] = a.y; out[4 * q + 2] = a.z; out[4 * q + 3] = a.w;
-      }
-    } else {
-      const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) + first);
-#pragma unroll
-      for (int q = 0; q < kValuesPerLane / 8; ++q) {
-        const uint4 a = p[q];
-        const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          if (dtype == COAT_BFLOAT16) {
-            out[8 * q + 2 * i] = __uint_as_float(w[i] << 16);
-            out[8 * q + 2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-          } else {
-            out[8 * q + 2 * i] = coat_f16_to_f32(static_cast<uint16_t>(w[i] & 0xFFFFu));
-            out[8 * q + 2 * i + 1] = coat_f16_to_f32(static_cast<uint16_t>(w[i] >> 16));
-          }
-        }
-      }
+    for (int q = 0; q < kValuesPerLane / 4; ++q) {
+      const float4 a = p[q];
+      out[4 * q] = a.x; out[4 * q + 1] = a.y; out[4 * q + 2] = a.z; out[4 * q + 3] = a.w;
     }
     return;
   }
+  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) + first);
+#pragma unroll
+  for (int q = 0; q < kValuesPerLane / 8; ++q) {
+    const uint4 a = p[q];
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (dtype == COAT_BFLOAT16) {
+        out[8 * q + 2 * i] = __uint_as_float(w[i] << 16);
+        out[8 * q + 2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+      } else {
+        out[8 * q + 2 * i] = coat_f16_to_f32(static_cast<uint16_t>(w[i] & 0xFFFFu));
+        out[8 * q + 2 * i + 1] = coat_f16_to_f32(static_cast<uint16_t>(w[i] >> 16));
+      }
+    }
+  }
+}
+
+// The same element by element, for lanes that are not whole or tensors that are not aligned; missing
+// elements are 0.
+__device__ __forceinline__ void load_values_scalar(const void* data, coat_dtype dtype, int64_t first, int count,
+                                                   float (&out)[kValuesPerLane]) {
 #pragma unroll
   for (int i = 0; i < kValuesPerLane; ++i) out[i] = i < count ? coat_load_f32(data, dtype, first + i) : 0.0f;
 }
 
-__device__ __forceinline__ void store_params(void* data, coat_dtype dtype, int64_t first, int count, bool vector,
-                                             const float (&p)[kValuesPerLane]) {
-  if (vector && count == kValuesPerLane) {
-    if (dtype == COAT_FLOAT32) {
-      float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first);
+__device__ __forceinline__ void store_params_vector(void* data, coat_dtype dtype, int64_t first,
+                                                    const float (&p)[kValuesPerLane]) {
+  if (dtype == COAT_FLOAT32) {
+    float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first);
 #pragma unroll
-      for (int q = 0; q < kValuesPerLane / 4; ++q) out[q] = make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
-    } else {
-      uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(data) + first);
-#pragma unroll
-      for (int q = 0; q < kValuesPerLane / 8; ++q) {
-        uint32_t w[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          w[i] = static_cast<uint32_t>(coat_f32_to_bf16(p[8 * q + 2 * i])) |
-                 (static_cast<uint32_t>(coat_f32_to_bf16(p[8 * q + 2 * i + 1])) << 16);
-        out[q] = make_uint4(w[0], w[1], w[2], w[3]);
-      }
-    }
+    for (int q = 0; q < kValuesPerLane / 4; ++q) out[q] = make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
     return;
   }
+  uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(data) + first);
+#pragma unroll
+  for (int q = 0; q < kValuesPerLane / 8; ++q) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] = static_cast<uint32_t>(coat_f32_to_bf16(p[8 * q + 2 * i])) |
+             (static_cast<uint32_t>(coat_f32_to_bf16(p[8 * q + 2 * i + 1])) << 16);
+    out[q] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+__device__ __forceinline__ void store_params_scalar(void* data, coat_dtype dtype, int64_t first, int count,
+                                                    const float (&p)[kValuesPerLane]) {
 #pragma unroll
   for (int i = 0; i < kValuesPerLane; ++i)
     if (i < count) coat_store_param(data, dtype, first + i, p[i]);
@@ -170,13 +174,15 @@ struct Codes {
   uint32_t w[kValuesPerLane / 4];
 };
 
-__device__ __forceinline__ Codes load_codes(const uint8_t* codes, int64_t first, int count, bool vector) {
+__device__ __forceinline__ Codes load_codes_vector(const uint8_t* codes, int64_t first) {
+  const uint4 q = *reinterpret_cast<const uint4*>(codes + first);
   Codes c;
-  if (vector && count == kValuesPerLane) {
-    const uint4 q = *reinterpret_cast<const uint4*>(codes + first);
-    c.w[0] = q.x; c.w[1] = q.y; c.w[2] = q.z; c.w[3] = q.w;
-    return c;
-  }
+  c.w[0] = q.x; c.w[1] = q.y; c.w[2] = q.z; c.w[3] = q.w;
+  return c;
+}
+
+__device__ __forceinline__ Codes load_codes_scalar(const uint8_t* codes, int64_t first, int count) {
+  Codes c;
 #pragma unroll
   for (int i = 0; i < kValuesPerLane / 4; ++i) c.w[i] = 0u;
 #pragma unroll
@@ -185,11 +191,11 @@ __device__ __forceinline__ Codes load_codes(const uint8_t* codes, int64_t first,
   return c;
 }
 
-__device__ __forceinline__ void store_codes(uint8_t* codes, int64_t first, int count, bool vector, const Codes& c) {
-  if (vector && count == kValuesPerLane) {
-    *reinterpret_cast<uint4*>(codes + first) = make_uint4(c.w[0], c.w[1], c.w[2], c.w[3]);
-    return;
-  }
+__device__ __forceinline__ void store_codes_vector(uint8_t* codes, int64_t first, const Codes& c) {
+  *reinterpret_cast<uint4*>(codes + first) = make_uint4(c.w[0], c.w[1], c.w[2], c.w[3]);
+}
+
+__device__ __forceinline__ void store_codes_scalar(uint8_t* codes, int64_t first, int count, const Codes& c) {
 #pragma unroll
   for (int i = 0; i < kValuesPerLane; ++i)
     if (i < count) codes[first + i] = static_cast<uint8_t>(c.w[i / 4] >> (8 * (i % 4)));
@@ -410,7 +416,8 @@ __device__ __forceinline__ void step_tile(const coat_adamw_tensor& t, const Tens
                                           const coat_adamw_options& o, const coat_divisor& divisor, uint32_t tile,
                                           int group_shift, const coat_adamw_tables* tables) {
   const LaneSpan span = lane_span(tile, plan, t.cols);
-  const bool vector = plan.vector != 0;
+  // Whole lanes of aligned tensors move their 16 elements by 16-byte accesses.
+  const bool whole = plan.vector != 0 && span.count == kValuesPerLane;
   const int lane = lane_id();
   const bool odd = lane & 1;
   const int lanes_per_group = (1 << group_shift) / kValuesPerLane;  // 1 (G = 16) to 8
@@ -422,10 +429,18 @@ __device__ __forceinline__ void step_tile(const coat_adamw_tensor& t, const Tens
 
   // Loads first, so that they are in flight while the old meta is decoded.
   float p[kValuesPerLane], g[kValuesPerLane];
-  load_values(t.param, t.param_dtype, span.first, span.count, vector, p);
-  load_values(t.grad, t.grad_dtype, span.first, span.count, vector, g);
-  const Codes m_codes = load_codes(t.exp_avg, span.first, span.count, vector);
-  const Codes v_codes = load_codes(t.exp_avg_sq, span.first, span.count, vector);
+  Codes m_codes, v_codes;
+  if (whole) {
+    load_values_vector(t.param, t.param_dtype, span.first, p);
+    load_values_vector(t.grad, t.grad_dtype, span.first, g);
+    m_codes = load_codes_vector(t.exp_avg, span.first);
+    v_codes = load_codes_vector(t.exp_avg_sq, span.first);
+  } else {
+    load_values_scalar(t.param, t.param_dtype, span.first, span.count, p);
+    load_values_scalar(t.grad, t.grad_dtype, span.first, span.count, g);
+    m_codes = load_codes_scalar(t.exp_avg, span.first, span.count);
+    v_codes = load_codes_scalar(t.exp_avg_sq, span.first, span.count);
+  }
 
   // The group's old meta, as decoders. Only the lanes that read a meta store its successor below.
   coat_decoder m_dec, v_dec;
@@ -450,7 +465,10 @@ __device__ __forceinline__ void step_tile(const coat_adamw_tensor& t, const Tens
 #pragma unroll
     for (int i = 0; i < kValuesPerLane; ++i) p[i] = coat_adamw_update(p[i], g[i], &m[i], &v[i], &o, &divisor);
   }
-  store_params(t.param, t.param_dtype, span.first, span.count, vector, p);
+  if (whole)
+    store_params_vector(t.param, t.param_dtype, span.first, p);
+  else
+    store_params_scalar(t.param, t.param_dtype, span.first, span.count, p);
   // Elements past the end of the row were computed from zeros: m = v = 0, outside every range.
 
   const LaneRange m_lane = lane_range(m), v_lane = lane_range(v);
@@ -474,8 +492,13 @@ __device__ __forceinline__ void step_tile(const coat_adamw_tensor& t, const Tens
                                   m_lane.specials, tables);
   const Codes v_out = encode_lane(v, v_enc, coat_fp8_log_format_of(t.exp_avg_sq_format), t.exp_avg_sq_format,
                                   v_lane.specials, tables);
-  store_codes(t.exp_avg, span.first, span.count, vector, m_out);
-  store_codes(t.exp_avg_sq, span.first, span.count, vector, v_out);
+  if (whole) {
+    store_codes_vector(t.exp_avg, span.first, m_out);
+    store_codes_vector(t.exp_avg_sq, span.first, v_out);
+  } else {
+    store_codes_scalar(t.exp_avg, span.first, span.count, m_out);
+    store_codes_scalar(t.exp_avg_sq, span.first, span.count, v_out);
+  }
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock)
