@@ -20,7 +20,7 @@ static void coat_tables_init(coat_adamw_tables* t) {
   static const float bf16_log2[128] = COAT_LOG2_BF16_TABLE;
   for (int i = 0; i < 32; ++i) t->reduction[i] = reduction[i];
   for (int i = 0; i < 128; ++i) t->bf16_log2[i] = bf16_log2[i];
-  for (int i = 0; i < 256; ++i) coat_adamw_tables_fill_fp8(t, i);
+  for (int i = 0; i < 512; ++i) coat_adamw_tables_fill_fp8(t, i);
 }
 
 static void coat_encode_group(const float* values, int64_t count, coat_range range, coat_fp8_format format,

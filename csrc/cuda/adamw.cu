@@ -74,7 +74,7 @@ __device__ __forceinline__ void build_tables(coat_adamw_tables* t) {
   if (threadIdx.x < 32) t->reduction[threadIdx.x] = kLog2Reduction[threadIdx.x];
   if (threadIdx.x < 128) t->bf16_log2[threadIdx.x] = kLog2Bf16[threadIdx.x];
   __syncthreads();
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) coat_adamw_tables_fill_fp8(t, i);
+  for (int i = threadIdx.x; i < 512; i += blockDim.x) coat_adamw_tables_fill_fp8(t, i);
   __syncthreads();
 }
 
@@ -217,27 +217,22 @@ __device__ __forceinline__ void decode_lane(const Codes& codes, const coat_decod
                                             const coat_adamw_tables* t, float (&out)[kValuesPerLane]) {
   if (d.linear) {
 #pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i) {
-      const uint32_t code = code_at(codes, i);
-      out[i] = __uint_as_float(__float_as_uint(d.c * (t->fp8_magnitude[format][code & 0x7Fu] * d.scale)) |
-                               ((code & 0x80u) << 24));
-    }
+    for (int i = 0; i < kValuesPerLane; ++i) out[i] = d.c * (t->fp8_value[format][code_at(codes, i)] * d.scale);
   } else if (d.fast_scaling) {
     // n = exponent + rint(w) is in [-125, 127], so 2^n is a normal number whose bits are (n + 127) << 23, and
     // (bits(w + 1.5 * 2^23) << 23) is rint(w) << 23: coat_scale_by_power_of_2's single multiply, bit for bit.
+    // The entry's factor then gives the sign, and the results of zero, Inf and NaN codes (their log2 is 0,
+    // and 2^n is finite).
     const uint32_t exponent_bits = opaque(static_cast<uint32_t>(d.exponent + 127) << 23);  // one LEA below
-    const uint32_t format_bits = static_cast<uint32_t>(format) << 7;
+    const uint32_t format_bits = static_cast<uint32_t>(format) << 8;
 #pragma unroll
     for (int i = 0; i < kValuesPerLane; ++i) {
-      const uint32_t code = code_at(codes, i);
-      const float l = (&step_tables.fp8_log2[0][0])[(code & 0x7Fu) | format_bits];  // fp8_log2[format][code & 0x7F]
-      const float w = fmaf(l, d.inverse_k, d.fraction);
+      const coat_fp8_entry e = (&step_tables.fp8[0][0])[code_at(codes, i) | format_bits];  // fp8[format][code]
+      const float w = fmaf(e.log2, d.inverse_k, d.fraction);
       const float shifted = w + COAT_ROUND_MAGIC;
       const float rounded = shifted - COAT_ROUND_MAGIC;
-      float x = coat_exp2_reduced(w - rounded) * __uint_as_float((__float_as_uint(shifted) << 23) + exponent_bits);
-      // zero and Inf codes (l = -Inf, +Inf): 0 and Inf; NaN codes stay NaN through the arithmetic
-      x = fabsf(l) != coat_positive_infinity() ? x : fmaxf(l, 0.0f);
-      out[i] = __uint_as_float(__float_as_uint(x) | ((code & 0x80u) << 24));
+      out[i] = coat_exp2_reduced(w - rounded) * __uint_as_float((__float_as_uint(shifted) << 23) + exponent_bits) *
+               e.factor;
     }
   } else {
 #pragma unroll

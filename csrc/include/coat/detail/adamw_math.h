@@ -124,11 +124,19 @@ typedef struct {
 
 /* What the element functions look up. The CPU builds it per call, each CUDA block in shared memory; both with
  * coat_adamw_tables_fill_fp8's arithmetic, so the entries are the same bits. */
+/* An FP8 code for dequantization: decode(code) = factor * 2^log2 for finite nonzero codes (factor = +-1, the
+ * code's sign); log2 = 0 and factor = decode(code) itself (+-0, +-Inf, NaN) for the others, so that
+ * factor * 2^(anything finite) is decode(code)'s result in every case. */
 typedef struct {
+  float log2;
+  float factor;
+} coat_fp8_entry;
+
+typedef struct {
+  coat_fp8_entry fp8[2][256]; /* [format][code] */
+  float fp8_value[2][256];    /* [format][code]: decode(code) */
   coat_log2_entry reduction[32];
-  float bf16_log2[128];        /* log2(1 + i/128) */
-  float fp8_log2[2][128];      /* [format][code & 0x7F]: log2 |decode(code)|; -Inf for 0, +Inf for Inf, NaN */
-  float fp8_magnitude[2][128]; /* [format][code & 0x7F]: |decode(code)| */
+  float bf16_log2[128]; /* log2(1 + i/128) */
 } coat_adamw_tables;
 
 COAT_INLINE float coat_log2_q(float r) { return fmaf(fmaf(COAT_LOG2_Q2, r, COAT_LOG2_Q1), r, COAT_LOG2_Q0); }
@@ -208,22 +216,21 @@ COAT_INLINE float coat_exp2_normal(float w) {
   return coat_f32_from_bits(coat_f32_to_bits(coat_exp2_reduced(w - rounded)) + (coat_f32_to_bits(shifted) << 23));
 }
 
-/* log2 |decode(code)| for the 128 magnitudes of each format (needs t->reduction). */
-COAT_INLINE float coat_fp8_log2_entry(uint8_t magnitude, coat_fp8_format format, const coat_adamw_tables* t) {
-  const float d = coat_fp8_to_f32(magnitude, format);
-  if (d != d) return d;
-  if (d == 0.0f) return -coat_positive_infinity();
-  if (!(d < coat_positive_infinity())) return d;
-  const coat_log2_parts l = coat_log2_split(d, t);
-  return (float)l.exponent + l.fraction;
-}
-
-/* Entry i of the FP8 tables, i in [0, 256): format i / 128, magnitude i % 128 (needs t->reduction). */
+/* Entry i of the FP8 tables, i in [0, 512): format i / 256, code i % 256 (needs t->reduction). */
 COAT_INLINE void coat_adamw_tables_fill_fp8(coat_adamw_tables* t, int i) {
-  const coat_fp8_format format = (coat_fp8_format)(i >> 7);
-  const uint8_t magnitude = (uint8_t)(i & 127);
-  t->fp8_log2[format][magnitude] = coat_fp8_log2_entry(magnitude, format, t);
-  t->fp8_magnitude[format][magnitude] = coat_fp8_to_f32(magnitude, format);
+  const coat_fp8_format format = (coat_fp8_format)(i >> 8);
+  const uint8_t code = (uint8_t)(i & 255);
+  const float d = coat_fp8_to_f32(code, format);
+  coat_fp8_entry e;
+  e.log2 = 0.0f;
+  e.factor = d;
+  if (d == d && d != 0.0f && fabsf(d) < coat_positive_infinity()) {
+    const coat_log2_parts l = coat_log2_split(d, t);
+    e.log2 = (float)l.exponent + l.fraction;
+    e.factor = copysignf(1.0f, d);
+  }
+  t->fp8[format][code] = e;
+  t->fp8_value[format][code] = d;
 }
 
 /* ------------------------------------------------------------------------------- group range, expansion */
@@ -467,24 +474,23 @@ COAT_INLINE coat_decoder coat_decoder_make(coat_meta m, coat_fp8_format format, 
   d.exponent = lc.exponent + (int)hi_int;
   /* the smallest and largest finite nonzero codes bound n = exponent + rint(w) (fmaf and rint are monotone) */
   const uint8_t largest = format == COAT_E4M3 ? 0x7Eu : 0x7Bu;
-  const float w_low = fmaf(t->fp8_log2[format][1], d.inverse_k, d.fraction);
-  const float w_high = fmaf(t->fp8_log2[format][largest], d.inverse_k, d.fraction);
+  const float w_low = fmaf(t->fp8[format][1].log2, d.inverse_k, d.fraction);
+  const float w_high = fmaf(t->fp8[format][largest].log2, d.inverse_k, d.fraction);
   const int n_low = d.exponent + (int)((w_low + COAT_ROUND_MAGIC) - COAT_ROUND_MAGIC);
   const int n_high = d.exponent + (int)((w_high + COAT_ROUND_MAGIC) - COAT_ROUND_MAGIC);
   d.fast_scaling = !d.linear && n_low >= -125 && n_high <= 127;
   return d;
 }
 
-/* x' = sign * C * (|decode(code)| * scale)^(1/k) (see coat_decoder). Zero codes decode to +-0, NaN codes to NaN,
- * Inf codes (E5M2) to +-Inf. */
+/* x' = sign * C * (|decode(code)| * scale)^(1/k) (see coat_decoder), as factor * 2^(exponent + fmaf(log2,
+ * inverse_k, fraction)) with the code's coat_fp8_entry. Zero codes decode to +-0, NaN codes to NaN, Inf codes
+ * (E5M2) to +-Inf. */
 COAT_INLINE float coat_decode(uint8_t code, const coat_decoder* d, coat_fp8_format format,
                               const coat_adamw_tables* t) {
-  const uint32_t sign = (uint32_t)(code & 0x80u) << 24;
-  if (d->linear) return coat_f32_from_bits(coat_f32_to_bits(d->c * (t->fp8_magnitude[format][code & 0x7Fu] * d->scale)) | sign);
-  const float l = t->fp8_log2[format][code & 0x7Fu];
-  if (l != l) return l;
-  if (!(fabsf(l) < coat_positive_infinity())) return coat_f32_from_bits(coat_f32_to_bits(fmaxf(l, 0.0f)) | sign);
-  return coat_f32_from_bits(coat_f32_to_bits(coat_exp2_split(d->exponent, fmaf(l, d->inverse_k, d->fraction))) | sign);
+  if (d->linear) return d->c * (t->fp8_value[format][code] * d->scale); /* the sign of the product is the code's */
+  const coat_fp8_entry e = t->fp8[format][code];
+  if (fabsf(e.factor) != 1.0f) return e.factor; /* zero, Inf, NaN */
+  return coat_exp2_split(d->exponent, fmaf(e.log2, d->inverse_k, d->fraction)) * e.factor;
 }
 
 /* ------------------------------------------------------------------------------------------- the step */
