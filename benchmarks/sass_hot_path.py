@@ -131,7 +131,7 @@ def rules_for(cu: Source, h: Source, dtypes: str, group_size: int):
         cold_lines("coat_decoder_make(load_meta((odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset", 4)
         cold_lines("const coat_range r = group_range_split(", 7)
 
-    meta = h.find("COAT_INLINE coat_meta coat_meta_of_range")
+    meta = h.find("COAT_INLINE coat_encoder coat_encoder_of_range")
     second_split = cu.find("if (split) {", cu.find("const LaneRange m_lane = lane_range(m)"))
     rules = {
         cu.key("if (divisor.exact_by_inverse) {"): "to:" + cu.key("p[i] = coat_adamw_update_by_inverse("),
@@ -145,7 +145,7 @@ def rules_for(cu: Source, h: Source, dtypes: str, group_size: int):
         h.key("if (expand && r.amax > 0.0f) {", meta): "fallthrough",
         h.key("if (mean >= COAT_MIN_SCALE && mean <= coat_bf16_max()) {", meta): "fallthrough",
         h.key("if (log2_range > 0.0f)", meta): "fallthrough",
-        h.key("if (m.k == 1.0f) {", meta): "to:" + h.key("scale = coat_exp2_normal", meta),
+        h.key("if (m.k == 1.0f) {", meta): "to:" + h.key("const float log2_ratio = (float)(high.exponent - lc.exponent)", meta),
     }
     if split:
         rules[f"{cu.name}:{second_split}"] = "to:" + cu.key("const coat_range r = group_range_split(")
@@ -276,11 +276,12 @@ def main():
     path = walk(ins, cu, cold, rules)
 
     step_tile = cu.find("__device__ __forceinline__ void step_tile(")
+    kernel = cu.find("fp8_adamw_step_kernel(const __grid_constant__")
     by_line = collections.Counter()
-    for i in path:
+    for i in path:  # the outermost line of the chain inside step_tile (else the kernel's)
         lines = [l for f, l in i["chain"] if f == cu.name]
-        outer = [l for l in lines if l > step_tile] or lines
-        by_line[outer[-1] if outer else 0] += 1
+        inside = [l for l in lines if step_tile < l < kernel] or lines
+        by_line[inside[-1] if inside else 0] += 1
     ops = collections.Counter(opcode(i["text"]).split(".")[0] for i in path)
     if args.by_line:
         for line, n in sorted(by_line.items()):

@@ -25,9 +25,9 @@ static void coat_tables_init(coat_adamw_tables* t) {
 
 static void coat_encode_group(const float* values, int64_t count, coat_range range, coat_fp8_format format,
                               int expand, uint8_t* codes, uint16_t* meta, const coat_adamw_tables* t) {
-  const coat_meta m = coat_meta_of_range(range, format, expand, t);
+  coat_meta m;
+  const coat_encoder e = coat_encoder_of_range(range, format, expand, t, &m);
   coat_meta_store(m, meta);
-  const coat_encoder e = coat_encoder_make(m, t);
   const coat_fp8_log_format f = coat_fp8_log_format_of(format);
   for (int64_t i = 0; i < count; ++i) codes[i] = coat_encode(values[i], &e, &f, format, t);
 }

@@ -397,10 +397,11 @@ __device__ __forceinline__ coat_meta load_meta(const uint16_t* meta, bool valid)
 // A group's new meta: stored by the lane that made it, returned as the lane's encoder.
 __device__ __forceinline__ LaneEncoder new_encoder(coat_range r, coat_fp8_format format, int expand, uint16_t* meta,
                                                    bool store, const coat_adamw_tables* t) {
-  const coat_meta m = coat_meta_of_range(r, format, expand, t);
+  coat_meta m;
+  const coat_encoder e = coat_encoder_of_range(r, format, expand, t, &m);
   if (store) coat_meta_store(m, meta);
   LaneEncoder le;
-  le.e = coat_encoder_make(m, t);
+  le.e = e;
   le.subnormals = r.amin < COAT_MIN_SCALE;
   return le;
 }
@@ -532,11 +533,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   for (int offset = 1; offset < 128 / kValuesPerLane; offset *= 2)
     if (offset < (1 << group_shift) / kValuesPerLane) range = merge_from(range, offset);
   if (span.count == 0) return;
-  const coat_meta m = coat_meta_of_range(range, format, expand, &tables);
+  coat_meta m;
+  const coat_encoder e = coat_encoder_of_range(range, format, expand, &tables, &m);
   const int64_t groups_per_row = (cols + (int64_t{1} << group_shift) - 1) >> group_shift;
   if ((lane_id() & ((1 << group_shift) / kValuesPerLane - 1)) == 0)
     coat_meta_store(m, meta + (span.row * groups_per_row + (span.column >> group_shift)) * COAT_META_VALUES);
-  const coat_encoder e = coat_encoder_make(m, &tables);
   const coat_fp8_log_format f = coat_fp8_log_format_of(format);
 #pragma unroll
   for (int i = 0; i < kValuesPerLane; ++i)

@@ -278,10 +278,11 @@ COAT_INLINE coat_meta coat_meta_load(const uint16_t* meta) {
   return m;
 }
 
+/* The values are on the bf16 grid (finite, rounded before use): their bf16 bits are their top 16 bits. */
 COAT_INLINE void coat_meta_store(coat_meta m, uint16_t* meta) {
-  meta[0] = coat_f32_to_bf16(m.scale);
-  meta[1] = coat_f32_to_bf16(m.k);
-  meta[2] = coat_f32_to_bf16(m.c);
+  meta[0] = (uint16_t)(coat_f32_to_bits(m.scale) >> 16);
+  meta[1] = (uint16_t)(coat_f32_to_bits(m.k) >> 16);
+  meta[2] = (uint16_t)(coat_f32_to_bits(m.c) >> 16);
 }
 
 COAT_INLINE float coat_log2_range(coat_fp8_format format) {
@@ -307,13 +308,13 @@ typedef struct {
   float minus_log2_scale;
 } coat_encoder;
 
-COAT_INLINE coat_encoder coat_encoder_make(coat_meta m, const coat_adamw_tables* t) {
+/* The encoder of meta m, given log2 C (split, coat_log2_bf16(m.c)). */
+COAT_INLINE coat_encoder coat_encoder_of(coat_meta m, coat_log2_parts lc, const coat_adamw_tables* t) {
   coat_encoder e;
   e.linear = m.k == 1.0f;
   e.scale = m.scale;
   e.k = m.k;
   e.c = m.c;
-  const coat_log2_parts lc = coat_log2_bf16(m.c, t);
   const coat_log2_parts ls = coat_log2_bf16(m.scale, t);
   e.exponent_bias = 8388608.0f + (float)(127 + lc.exponent);
   e.fraction_c = lc.fraction;
@@ -385,18 +386,20 @@ COAT_INLINE uint32_t coat_fp8_magnitude_of_log2(float z, const coat_fp8_log_form
 }
 
 /* The fresh meta of a group with the given range (coat/adamw.h), each value rounded to bf16 before the next
- * is derived from it. */
-COAT_INLINE coat_meta coat_meta_of_range(coat_range r, coat_fp8_format format, int expand,
-                                         const coat_adamw_tables* t) {
+ * is derived from it, and its encoder. */
+COAT_INLINE coat_encoder coat_encoder_of_range(coat_range r, coat_fp8_format format, int expand,
+                                               const coat_adamw_tables* t, coat_meta* meta) {
   coat_meta m;
   m.k = 1.0f;
   m.c = 1.0f;
-  m.scale = 1.0f;
+  coat_log2_parts high;
+  high.exponent = 0;
+  high.fraction = 0.0f;
   if (expand && r.amax > 0.0f) {
     const float mean = coat_round_bf16(sqrtf(r.amin) * sqrtf(r.amax));
     if (mean >= COAT_MIN_SCALE && mean <= coat_bf16_max()) {
-      const coat_log2_parts high = coat_log2_split(r.amax, t);
       const coat_log2_parts low = coat_log2_split(r.amin, t);
+      high = coat_log2_split(r.amax, t);
       const float log2_range = (float)(high.exponent - low.exponent) + (high.fraction - low.fraction);
       m.c = mean;
       if (log2_range > 0.0f)
@@ -404,18 +407,19 @@ COAT_INLINE coat_meta coat_meta_of_range(coat_range r, coat_fp8_format format, i
             fminf(fmaxf(coat_log2_range(format) / log2_range, COAT_EXPANSION_K_MIN), COAT_EXPANSION_K_MAX));
     }
   }
+  const coat_log2_parts lc = coat_log2_bf16(m.c, t);
   float scale;
   if (m.k == 1.0f) {
     scale = r.amax / m.c / coat_fp8_max(format);
   } else {
-    /* max|y| / FP8_MAX = 2^(k * log2(amax / C) - log2 FP8_MAX), the exponent rounded once (fmaf), as an
-     * element's z; |k * log2(amax / C)| < 70 (coat/adamw.h, the clamp of k) */
-    const coat_encoder e = coat_encoder_make(m, t);
-    scale = coat_exp2_normal(fmaf(m.k, coat_log2_ratio_any(coat_f32_to_bits(r.amax), e.exponent_bias, e.fraction_c, t),
-                                  -coat_log2_fp8_max(format)));
+    /* max|y| / FP8_MAX = 2^(k * log2(amax / C) - log2 FP8_MAX), the exponent rounded once (fmaf);
+     * |k * log2(amax / C)| < 70 (coat/adamw.h, the clamp of k) */
+    const float log2_ratio = (float)(high.exponent - lc.exponent) + (high.fraction - lc.fraction);
+    scale = coat_exp2_normal(fmaf(m.k, log2_ratio, -coat_log2_fp8_max(format)));
   }
   m.scale = coat_round_bf16_up(fmaxf(scale, COAT_MIN_SCALE));
-  return m;
+  *meta = m;
+  return coat_encoder_of(m, lc, t);
 }
 
 /* code = fp8(sign(x) * (|x| / C)^k / scale), where a nonzero x that rounds to +-0 gets the smallest subnormal
