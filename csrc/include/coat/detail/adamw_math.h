@@ -475,14 +475,14 @@ COAT_INLINE coat_decoder coat_decoder_make(coat_meta m, coat_fp8_format format, 
   const float lo = fmaf(es, d.inverse_k, -hi);
   const float hi_int = (hi + COAT_ROUND_MAGIC) - COAT_ROUND_MAGIC;
   d.fraction = (hi - hi_int) + (lo + fmaf(ls.fraction, d.inverse_k, lc.fraction));
-  d.exponent = lc.exponent + (int)hi_int;
-  /* the smallest and largest finite nonzero codes bound n = exponent + rint(w) (fmaf and rint are monotone) */
+  const float exponent = (float)lc.exponent + hi_int; /* exact */
+  d.exponent = (int)exponent;
+  /* n = exponent + rint(w) for w = fmaf(log2, inverse_k, fraction), monotone in log2: the smallest and largest
+   * finite nonzero codes bound it (the other codes have log2 = 0, in between), and rint(w) >= m for w >= m */
   const uint8_t largest = format == COAT_E4M3 ? 0x7Eu : 0x7Bu;
   const float w_low = fmaf(t->fp8[format][1].log2, d.inverse_k, d.fraction);
   const float w_high = fmaf(t->fp8[format][largest].log2, d.inverse_k, d.fraction);
-  const int n_low = d.exponent + (int)((w_low + COAT_ROUND_MAGIC) - COAT_ROUND_MAGIC);
-  const int n_high = d.exponent + (int)((w_high + COAT_ROUND_MAGIC) - COAT_ROUND_MAGIC);
-  d.fast_scaling = !d.linear && n_low >= -125 && n_high <= 127;
+  d.fast_scaling = !d.linear && w_low >= -125.0f - exponent && w_high <= 127.0f - exponent;
   return d;
 }
 
