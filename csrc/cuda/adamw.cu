@@ -10,8 +10,8 @@
 // Per-group work (the quantities decode and encode derive from a group's meta, and the new meta) is split
 // between the two states when a group spans two lanes or more (G >= 32): the even lane of each lane pair does
 // m's, the odd lane v's, and every lane reads both from the pair with __shfl_sync. With G = 16 each lane is a
-// group and does both. Amortised over 16 elements per lane, this is what keeps the per-group work (two
-// IEEE divisions, two square roots, a log2 and an exp2 per state) a small part of the per-element cost.
+// group and does both. Amortised over 16 elements per lane, this keeps the per-group work (per state two IEEE
+// divisions, two square roots, two log2 and an exp2) at about a tenth of the per-element cost.
 //
 // The step kernel is persistent: a grid of about as many blocks as fit on the GPU, each warp walking every
 // tensor of the launch by a stride of the grid's warps. Each block first builds coat_adamw_tables (log2
@@ -19,7 +19,8 @@
 //
 // Fast paths (the same values as the C core's general code; the comments say why):
 //   decode: when every finite nonzero code of the group gives 2^n * 2^f with n in [-125, 127]
-//           (coat_decoder.fast_scaling), 2^n is built from the bits of the rounding sum: one multiply;
+//           (coat_decoder.fast_scaling), 2^n is built from the bits of the rounding sum (one multiply) and the
+//           code's table factor gives the sign and the results of zero / Inf / NaN codes (another);
 //   encode: when the group holds no subnormal (amin >= 2^-126), the log-domain path without the subnormal
 //           rescaling, and the lane's zero and non-finite elements (if any) patched afterwards.
 #include "coat/adamw.h"
@@ -438,7 +439,8 @@ __device__ __forceinline__ void step_tile(const coat_adamw_tensor& t, const Tens
     v_codes = load_codes_scalar(t.exp_avg_sq, span.first, span.count);
   }
 
-  // The group's old meta, as decoders. Only the lanes that read a meta store its successor below.
+  // The group's old meta, as decoders: each lane reads its state's (split) or both. The group's first lane pair
+  // stores the new meta below, after warp-wide shuffles that every lane reaches only with its reads consumed.
   coat_decoder m_dec, v_dec;
   if (split) {
     const coat_decoder mine =
@@ -565,7 +567,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 // ---------------------------------------------------------------------------------------------- host
 
 // The plan of a rows x cols tensor, or false when its tiles do not fit the 32-bit tile arithmetic (2^31
-// tiles of 256 columns: more elements than any GPU holds).
+// tiles of 512 columns, 1.1e12 elements: more than any GPU holds).
 bool make_plan(int64_t rows, int64_t cols, TensorPlan* plan) {
   const int64_t tiles_per_row = coat_ceil_div(cols, kTileColumns);
   const int64_t tiles = rows * tiles_per_row;
