@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import Trainer, TrainingArguments, get_linear_schedule_with_warmup
 
+from coat.data import stdlib_tokens
 from coat.optim import AdamW
-from optim_helpers import stdlib_tokens, text_batches, tiny_llama
+from optim_helpers import text_batches, tiny_llama
 
 STEPS = 30
 

@@ -15,16 +15,26 @@ static int64_t coat_group_length(int64_t begin, int64_t group_size, int64_t cols
   return cols - begin < group_size ? cols - begin : group_size;
 }
 
+static void coat_tables_init(coat_adamw_tables* t) {
+  static const coat_log2_entry reduction[32] = COAT_LOG2_REDUCTION_TABLE;
+  static const float bf16_log2[128] = COAT_LOG2_BF16_TABLE;
+  for (int i = 0; i < 32; ++i) t->reduction[i] = reduction[i];
+  for (int i = 0; i < 128; ++i) t->bf16_log2[i] = bf16_log2[i];
+  for (int i = 0; i < 512; ++i) coat_adamw_tables_fill_fp8(t, i);
+}
+
 static void coat_encode_group(const float* values, int64_t count, coat_range range, coat_fp8_format format,
-                              int expand, uint8_t* codes, uint16_t* meta) {
-  const coat_expansion e = coat_expansion_of_range(range, format, expand);
-  coat_expansion_store(&e, meta);
-  for (int64_t i = 0; i < count; ++i) codes[i] = coat_expanded_encode(values[i], &e, format);
+                              int expand, uint8_t* codes, uint16_t* meta, const coat_adamw_tables* t) {
+  coat_meta m;
+  const coat_encoder e = coat_encoder_of_range(range, format, expand, t, &m);
+  coat_meta_store(m, meta);
+  const coat_fp8_log_format f = coat_fp8_log_format_of(format);
+  for (int64_t i = 0; i < count; ++i) codes[i] = coat_encode(values[i], &e, &f, format, t);
 }
 
 /* One group of one tensor: dequantize m and v, update p, m and v, quantize m and v with fresh meta. */
 static void coat_adamw_group(const coat_adamw_tensor* t, int64_t row, int64_t group,
-                             const coat_adamw_options* options) {
+                             const coat_adamw_options* options, const coat_adamw_tables* tables) {
   const int64_t group_size = options->group_size;
   const int64_t ngroups = coat_ceil_div(t->cols, group_size);
   const int64_t begin = group * group_size;
@@ -32,8 +42,9 @@ static void coat_adamw_group(const coat_adamw_tensor* t, int64_t row, int64_t gr
   const int64_t first = row * t->cols + begin;
   uint16_t* m_meta = t->exp_avg_meta + (row * ngroups + group) * COAT_META_VALUES;
   uint16_t* v_meta = t->exp_avg_sq_meta + (row * ngroups + group) * COAT_META_VALUES;
-  const coat_expansion m_old = coat_expansion_load(m_meta);
-  const coat_expansion v_old = coat_expansion_load(v_meta);
+  const coat_divisor divisor = coat_divisor_make(options->bias_correction2_sqrt);
+  const coat_decoder m_old = coat_decoder_make(coat_meta_load(m_meta), t->exp_avg_format, tables);
+  const coat_decoder v_old = coat_decoder_make(coat_meta_load(v_meta), t->exp_avg_sq_format, tables);
 
   float m[COAT_MAX_GROUP_SIZE];
   float v[COAT_MAX_GROUP_SIZE];
@@ -41,29 +52,32 @@ static void coat_adamw_group(const coat_adamw_tensor* t, int64_t row, int64_t gr
   coat_range v_range = coat_range_empty();
   for (int64_t i = 0; i < count; ++i) {
     const int64_t index = first + i;
-    m[i] = coat_expanded_decode(t->exp_avg[index], &m_old, t->exp_avg_format);
-    v[i] = coat_expanded_decode(t->exp_avg_sq[index], &v_old, t->exp_avg_sq_format);
+    m[i] = coat_decode(t->exp_avg[index], &m_old, t->exp_avg_format, tables);
+    v[i] = coat_decode(t->exp_avg_sq[index], &v_old, t->exp_avg_sq_format, tables);
     const float p = coat_adamw_update(coat_load_f32(t->param, t->param_dtype, index),
-                                      coat_load_f32(t->grad, t->grad_dtype, index), &m[i], &v[i], options);
+                                      coat_load_f32(t->grad, t->grad_dtype, index), &m[i], &v[i], options, &divisor);
     coat_store_param(t->param, t->param_dtype, index, p);
     m_range = coat_range_add(m_range, m[i]);
     v_range = coat_range_add(v_range, v[i]);
   }
-  coat_encode_group(m, count, m_range, t->exp_avg_format, options->expand_exp_avg, t->exp_avg + first, m_meta);
+  coat_encode_group(m, count, m_range, t->exp_avg_format, options->expand_exp_avg, t->exp_avg + first, m_meta,
+                    tables);
   coat_encode_group(v, count, v_range, t->exp_avg_sq_format, options->expand_exp_avg_sq, t->exp_avg_sq + first,
-                    v_meta);
+                    v_meta, tables);
 }
 
 coat_status coat_fp8_adamw_step_cpu(const coat_adamw_tensor* tensors, int64_t count,
                                     const coat_adamw_options* options) {
   if (!coat_adamw_call_is_valid(tensors, count, options)) return COAT_ERROR_INVALID_ARGUMENT;
+  coat_adamw_tables tables;
+  coat_tables_init(&tables);
   for (int64_t i = 0; i < count; ++i) {
     const coat_adamw_tensor* t = &tensors[i];
     const int64_t ngroups = coat_ceil_div(t->cols, options->group_size);
     const int64_t total = t->rows * ngroups;
     /* groups, not rows: a 1-D parameter is a single row */
 #pragma omp parallel for schedule(static) if (t->rows * t->cols >= COAT_PARALLEL_MIN_ELEMENTS)
-    for (int64_t g = 0; g < total; ++g) coat_adamw_group(t, g / ngroups, g % ngroups, options);
+    for (int64_t g = 0; g < total; ++g) coat_adamw_group(t, g / ngroups, g % ngroups, options, &tables);
   }
   return COAT_SUCCESS;
 }
@@ -74,6 +88,8 @@ coat_status coat_quantize_expanded_cpu(const float* x, int64_t rows, int64_t col
   if (rows < 0 || cols < 0 || row_stride < cols || !coat_is_valid_group_size(group_size) ||
       !coat_is_valid_format(format) || (rows * cols > 0 && (x == NULL || codes == NULL || meta == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
+  coat_adamw_tables tables;
+  coat_tables_init(&tables);
   const int64_t ngroups = coat_ceil_div(cols, group_size);
   const int64_t total = rows * ngroups;
 #pragma omp parallel for schedule(static) if (rows * cols >= COAT_PARALLEL_MIN_ELEMENTS)
@@ -84,7 +100,8 @@ coat_status coat_quantize_expanded_cpu(const float* x, int64_t rows, int64_t col
     const float* values = x + row * row_stride + begin;
     coat_range range = coat_range_empty();
     for (int64_t i = 0; i < count; ++i) range = coat_range_add(range, values[i]);
-    coat_encode_group(values, count, range, format, expand, codes + row * cols + begin, meta + g * COAT_META_VALUES);
+    coat_encode_group(values, count, range, format, expand, codes + row * cols + begin, meta + g * COAT_META_VALUES,
+                      &tables);
   }
   return COAT_SUCCESS;
 }
@@ -94,6 +111,8 @@ coat_status coat_dequantize_expanded_cpu(const uint8_t* codes, coat_fp8_format f
   if (rows < 0 || cols < 0 || !coat_is_valid_group_size(group_size) || !coat_is_valid_format(format) ||
       (rows * cols > 0 && (codes == NULL || meta == NULL || out == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
+  coat_adamw_tables tables;
+  coat_tables_init(&tables);
   const int64_t ngroups = coat_ceil_div(cols, group_size);
   const int64_t total = rows * ngroups;
 #pragma omp parallel for schedule(static) if (rows * cols >= COAT_PARALLEL_MIN_ELEMENTS)
@@ -101,8 +120,8 @@ coat_status coat_dequantize_expanded_cpu(const uint8_t* codes, coat_fp8_format f
     const int64_t begin = (g % ngroups) * group_size;
     const int64_t first = (g / ngroups) * cols + begin;
     const int64_t count = coat_group_length(begin, group_size, cols);
-    const coat_expansion e = coat_expansion_load(meta + g * COAT_META_VALUES);
-    for (int64_t i = 0; i < count; ++i) out[first + i] = coat_expanded_decode(codes[first + i], &e, format);
+    const coat_decoder d = coat_decoder_make(coat_meta_load(meta + g * COAT_META_VALUES), format, &tables);
+    for (int64_t i = 0; i < count; ++i) out[first + i] = coat_decode(codes[first + i], &d, format, &tables);
   }
   return COAT_SUCCESS;
 }

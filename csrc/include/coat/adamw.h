@@ -55,9 +55,25 @@
  *     (relative error <= 2^-9) shifts log2 |y| by up to k * 0.0028: at 64, by 0.18, so |log2 y| stays below
  *     16.1. Beyond 64 nothing is gained: the dequantization error, ~2^-4 / k relative for E4M3, is already
  *     ~0.1%.
- * Powers and logarithms are computed as exp2(k * log2(t)) by coat's own log2 / exp2 (a few ulp, built from
- * integer bit operations, +, *, / and fmaf), never by libm or CUDA powf / logf, which differ from each other
- * in the last bits: this is what makes the CPU and CUDA results identical bit for bit.
+ * How the powers are computed: in the log domain, with coat's own log2 / exp2 (coat/detail/adamw_math.h: table
+ * lookups, integer bit operations, +, * and fmaf, no division; log2 to ~2^-27 absolute, exp2 to 1.3 ulp), never
+ * by libm or CUDA powf / logf / ex2.approx, which differ from each other in the last bits: this is what makes
+ * the CPU and CUDA results identical bit for bit. With k != 1, per group, from the stored bf16 values:
+ *   quantization:   z_i = k * log2(|x_i| / C) - log2(scale)       one log2 per element (log2 C and log2 scale
+ *                   code_i = sign(x_i) | fp8(2^z_i)               once per group, integer parts kept exact), one
+ *                                                                 exp2, no division: the division by the stored
+ *                                                                 scale happens in the log domain; z_i is clamped
+ *                                                                 to [log2 FP8_MIN_SUBNORMAL, just below the
+ *                                                                 rounding boundary above FP8_MAX], which is the
+ *                                                                 saturation and the no-flush rule above
+ *                   scale = bf16_up(max(2^(k * log2(amax / C) - log2 FP8_MAX), 2^-126)), the same value as
+ *                   max|y| / FP8_MAX in exact arithmetic
+ *   dequantization: x'_i = sign(code_i) * 2^(log2 C + (log2|fp8_decode(code_i)| + log2 scale) / k)
+ *                                                                 log2 of the 256 FP8 values from a table; one
+ *                                                                 exp2 and one fmaf per element
+ * These are the formulas above in exact arithmetic; in fp32 they agree with the float64 reference to a few
+ * ulp of the codes' arguments (tests/test_adamw_ops.py says how often a code or a bf16 meta value may land on
+ * the other side of a rounding boundary).
  *
  * Non-finite values. A NaN or +-Inf element takes no part in amax / amin and encodes as the positive NaN code
  * 0x7F (both formats; no sign, because the sign of an arithmetic NaN differs between CPU and CUDA), so the

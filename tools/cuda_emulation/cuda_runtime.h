@@ -1,0 +1,119 @@
+// CPU emulation of the CUDA features csrc/cuda/adamw.cu uses, for tools/cuda_emulation/run.sh: one std::thread
+// per CUDA thread, blocks one after another, barriers for __syncthreads and warp shuffles (which abort on a
+// divergent shuffle), __shared__ as a static shared by the block's threads, inline asm as a no-op (the kernels
+// use it only as an optimisation barrier). emu_sms and emu_blocks_per_sm set what the occupancy queries
+// answer, and so the persistent grid's size.
+#pragma once
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#include <assert.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <barrier>
+#include <thread>
+#include <vector>
+#include <memory>
+
+struct dim3 { unsigned x, y, z; dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+typedef struct CUstream_st* cudaStream_t;
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+
+inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 gridDim, blockDim;
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __grid_constant__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __restrict__
+#define asm(...) ((void)0)
+
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+
+struct EmuBlock {
+  std::unique_ptr<std::barrier<>> block;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  uint32_t slots[64][32];
+  int masks[64][32];
+};
+inline EmuBlock* emu_block = nullptr;
+inline cudaError_t emu_error = cudaSuccess;
+inline long emu_launches = 0;
+int emu_sms = 2, emu_blocks_per_sm = 1;  // one translation unit includes this header
+inline long emu_shuffles = 0;
+
+inline void __syncthreads() { emu_block->block->arrive_and_wait(); }
+inline uint32_t emu_shfl(uint32_t v, int lane_mask) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  emu_block->slots[w][lane] = v;
+  emu_block->masks[w][lane] = lane_mask;
+  emu_block->warps[w]->arrive_and_wait();
+  for (int l = 0; l < 32; ++l) if (emu_block->masks[w][l] != lane_mask) { fprintf(stderr, "divergent shuffle\n"); abort(); }
+  const uint32_t r = emu_block->slots[w][lane ^ lane_mask];
+  emu_block->warps[w]->arrive_and_wait();
+  return r;
+}
+inline uint32_t emu_shfl_idx(uint32_t v, int src) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  emu_block->slots[w][lane] = v;
+  emu_block->masks[w][lane] = -1000;  // idx mode marker
+  emu_block->warps[w]->arrive_and_wait();
+  for (int l = 0; l < 32; ++l) if (emu_block->masks[w][l] != -1000) { fprintf(stderr, "divergent shuffle\n"); abort(); }
+  const uint32_t r = emu_block->slots[w][src & 31];
+  emu_block->warps[w]->arrive_and_wait();
+  return r;
+}
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) { assert(mask == 0xFFFFFFFFu); return __uint_as_float(emu_shfl(__float_as_uint(v), lane_mask)); }
+inline int __shfl_xor_sync(unsigned mask, int v, int lane_mask) { assert(mask == 0xFFFFFFFFu); return (int)emu_shfl((uint32_t)v, lane_mask); }
+inline float __shfl_sync(unsigned mask, float v, int src) { assert(mask == 0xFFFFFFFFu); return __uint_as_float(emu_shfl_idx(__float_as_uint(v), src)); }
+inline int __shfl_sync(unsigned mask, int v, int src) { assert(mask == 0xFFFFFFFFu); return (int)emu_shfl_idx((uint32_t)v, src); }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned sel) {
+  const uint64_t v = (uint64_t)y << 32 | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((sel >> (4 * n)) & 7))) & 0xFF) << (8 * n);
+  return r;
+}
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline cudaError_t cudaPeekAtLastError() { return emu_error; }
+inline cudaError_t cudaGetDevice(int* d) { *d = emu_sms; return cudaSuccess; }  // a "device" per SM count: the launcher caches per device
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) { *v = emu_sms; return cudaSuccess; }
+template <class K> cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, K, int, size_t) { *n = emu_blocks_per_sm; return cudaSuccess; }
+
+template <class F>
+void emu_launch(dim3 grid, dim3 block, F&& body) {
+  ++emu_launches;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 2147483647u || grid.y > 65535 || block.x > 1024) {
+    fprintf(stderr, "bad launch config %u %u %u\n", grid.x, grid.y, grid.z);
+    emu_error = cudaErrorInvalidConfiguration;
+    return;
+  }
+  gridDim = grid; blockDim = block;
+  for (unsigned bx = 0; bx < grid.x; ++bx) {
+    EmuBlock ctx;
+    ctx.block = std::make_unique<std::barrier<>>(block.x);
+    for (unsigned w = 0; w < (block.x + 31) / 32; ++w) ctx.warps.push_back(std::make_unique<std::barrier<>>(32));
+    emu_block = &ctx;
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < block.x; ++t)
+      threads.emplace_back([&, t, bx] { threadIdx = dim3(t); blockIdx = dim3(bx); body(); });
+    for (auto& th : threads) th.join();
+    emu_block = nullptr;
+  }
+}
