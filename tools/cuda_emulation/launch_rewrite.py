@@ -1,23 +1,48 @@
-# Rewrites kernel<<<grid, block, smem, stream>>>(args); into emu_launch(grid, block, [&] { kernel(args); });
-import re, sys
-src = open(sys.argv[1]).read()
-out = []; pos = 0
-while True:
-    i = src.find('<<<', pos)
-    if i < 0: out.append(src[pos:]); break
-    j = max(src.rfind(';', 0, i), src.rfind('{', 0, i), src.rfind('}', 0, i)) + 1
-    k = src.index('>>>', i)
-    cfg = [c.strip() for c in src[i+3:k].split(',')]
-    m = k + 3; assert src[m] == '('
-    depth = 0; e = m
-    while True:
-        if src[e] == '(': depth += 1
-        elif src[e] == ')':
+"""Rewrites every CUDA launch `kernel<<<grid, block, smem, stream>>>(args);` of a .cu file into
+`emu_launch(grid, block, [&]() { kernel(args); });`, which cuda_runtime.h here runs on CPU threads.
+
+    python3 launch_rewrite.py IN.cu OUT.cpp
+"""
+import re
+import sys
+
+
+def matching_parenthesis(source: str, open_index: int) -> int:
+    """Index of the ')' that closes the '(' at open_index."""
+    depth = 0
+    for index in range(open_index, len(source)):
+        if source[index] == "(":
+            depth += 1
+        elif source[index] == ")":
             depth -= 1
-            if depth == 0: break
-        e += 1
-    args = src[m+1:e]; assert src[e+1] == ';'
-    kernel = src[j:i]; lead = re.match(r'\s*', kernel).group(0)
-    out.append(src[pos:j] + f'{lead}emu_launch({cfg[0]}, {cfg[1]}, [&]() {{ {kernel.strip()}({args}); }});')
-    pos = e + 2
-open(sys.argv[2], 'w').write(''.join(out))
+            if depth == 0:
+                return index
+    raise ValueError(f"unbalanced parentheses after offset {open_index}")
+
+
+def rewrite_launches(source: str) -> str:
+    pieces, position = [], 0
+    while (chevrons := source.find("<<<", position)) >= 0:
+        # The kernel name starts after the statement boundary before the launch.
+        statement_start = max(source.rfind(c, 0, chevrons) for c in ";{}") + 1
+        config_end = source.index(">>>", chevrons)
+        grid, block = (part.strip() for part in source[chevrons + 3 : config_end].split(",")[:2])
+        arguments_open = config_end + 3
+        assert source[arguments_open] == "(", "a launch's arguments follow >>> directly"
+        arguments_close = matching_parenthesis(source, arguments_open)
+        assert source[arguments_close + 1] == ";", "a launch is a statement of its own"
+        kernel = source[statement_start:chevrons]
+        indent = re.match(r"\s*", kernel).group(0)
+        arguments = source[arguments_open + 1 : arguments_close]
+        pieces.append(source[position:statement_start])
+        pieces.append(f"{indent}emu_launch({grid}, {block}, [&]() {{ {kernel.strip()}({arguments}); }});")
+        position = arguments_close + 2
+    pieces.append(source[position:])
+    return "".join(pieces)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as source_file:
+        rewritten = rewrite_launches(source_file.read())
+    with open(sys.argv[2], "w") as output_file:
+        output_file.write(rewritten)
