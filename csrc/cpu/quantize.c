@@ -89,13 +89,6 @@ coat_status coat_quantize_tensor_cpu(const void* x, coat_dtype dtype, int64_t ro
   return COAT_SUCCESS;
 }
 
-static void coat_store(void* out, coat_dtype dtype, int64_t i, float value) {
-  if (dtype == COAT_BFLOAT16)
-    ((uint16_t*)out)[i] = coat_f32_to_bf16(value);
-  else
-    ((float*)out)[i] = value;
-}
-
 coat_status coat_dequantize_cpu(const uint8_t* q, coat_fp8_format format, int64_t rows, int64_t cols,
                                 const float* scales, int64_t group_size, void* out, coat_dtype out_dtype) {
   if (!coat_valid_matrix(q, rows, cols, cols) || (scales == NULL && rows * cols > 0) ||
@@ -107,7 +100,7 @@ coat_status coat_dequantize_cpu(const uint8_t* q, coat_fp8_format format, int64_
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const float scale = group_size ? scales[r * ngroups + c / group_size] : scales[0];
-      coat_store(out, out_dtype, r * cols + c, coat_dequantize_value(coat_fp8_to_f32(q[r * cols + c], format), scale));
+      coat_store_as(out, out_dtype, r * cols + c, coat_dequantize_value(coat_fp8_to_f32(q[r * cols + c], format), scale));
     }
   }
   return COAT_SUCCESS;

@@ -167,7 +167,7 @@ __device__ __forceinline__ void store_params_scalar(void* data, coat_dtype dtype
                                                     const float (&p)[kValuesPerLane]) {
 #pragma unroll
   for (int i = 0; i < kValuesPerLane; ++i)
-    if (i < count) coat_store_param(data, dtype, first + i, p[i]);
+    if (i < count) coat_store_as(data, dtype, first + i, p[i]);
 }
 
 // 16 codes as four words (code i in byte i % 4 of word i / 4); missing codes are 0.

@@ -131,7 +131,7 @@ struct Input<COAT_FLOAT16> {
   __device__ static float to_f32(uint16_t bits) { return coat_f16_to_f32(bits); }
 };
 
-/** Storage and rounding of a dequantizer output dtype (coat_store's cases). */
+/** Storage and rounding of a dequantizer output dtype (coat_store_as's cases). */
 template <coat_dtype kDtype>
 struct Output {
   using Storage = float;

@@ -552,13 +552,6 @@ COAT_INLINE float coat_adamw_update_by_inverse(float p, float g, float* m, float
 }
 
 /* A parameter is float32 or bfloat16; bf16 rounds to nearest even. */
-COAT_INLINE void coat_store_param(void* param, coat_dtype dtype, int64_t i, float value) {
-  if (dtype == COAT_BFLOAT16)
-    ((uint16_t*)param)[i] = coat_f32_to_bf16(value);
-  else
-    ((float*)param)[i] = value;
-}
-
 COAT_INLINE int coat_is_valid_format(coat_fp8_format format) { return format == COAT_E4M3 || format == COAT_E5M2; }
 
 /* The cheap invariants of one tensor of a step call (sizes, pointers, dtypes). */

@@ -171,17 +171,4 @@ COAT_INLINE void coat_silu_mul_grads(float dy, float gate, float up, float smoot
   *dgate = (dy_s * up) * (s * (1.0f + gate * (1.0f - s)));
 }
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Stores                                                                                             */
-
-/** Stores v as element i of `out` in `dtype`; NaN is stored canonically (0x7FC00000, 0x7FC0, 0x7E00). */
-COAT_INLINE void coat_store_as(void* out, coat_dtype dtype, int64_t i, float v) {
-  switch (dtype) {
-    case COAT_BFLOAT16: ((uint16_t*)out)[i] = coat_f32_to_bf16(v); break;
-    case COAT_FLOAT16: ((uint16_t*)out)[i] = coat_f32_to_f16(v); break;
-    default: ((float*)out)[i] = coat_canonical_nan(v); break;
-  }
-}
-
-
 #endif /* COAT_DETAIL_NORM_ACT_MATH_H */

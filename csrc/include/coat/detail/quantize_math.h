@@ -19,6 +19,15 @@ COAT_INLINE float coat_load_f32(const void* data, coat_dtype dtype, int64_t i) {
   }
 }
 
+/** Stores v as element i of `out` in `dtype`; NaN is stored canonically (0x7FC00000, 0x7FC0, 0x7E00). */
+COAT_INLINE void coat_store_as(void* out, coat_dtype dtype, int64_t i, float v) {
+  switch (dtype) {
+    case COAT_BFLOAT16: ((uint16_t*)out)[i] = coat_f32_to_bf16(v); break;
+    case COAT_FLOAT16: ((uint16_t*)out)[i] = coat_f32_to_f16(v); break;
+    default: ((float*)out)[i] = coat_canonical_nan(v); break;
+  }
+}
+
 /* max(a, |x|) with NaN x ignored. Not fmaxf: glibc's returns NaN for a signalling NaN operand. */
 COAT_INLINE float coat_amax_step(float a, float x) {
   const float magnitude = fabsf(x);
