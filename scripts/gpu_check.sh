@@ -4,7 +4,10 @@
 # and are packed into OUTDIR/gpu_check.tgz; the tail of each stage is printed.
 #
 #   usage: scripts/gpu_check.sh OUTDIR [STAGE...]
-#   stages: build, tests, tests:PATTERN (pytest -k), bench (every benchmarks/*.py), bench:NAME (one script)
+#   stages: build, tests, tests:PATTERN (pytest -k), bench (every benchmarks/*.py), bench:NAME (one script),
+#           torchrun:NAME (benchmarks/NAME.py on every visible GPU under torchrun),
+#           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side on one
+#           GPU, extra ARGS comma-separated; CSVs, summaries and the plot in OUTDIR/results/convergence-PRESET)
 #   default: build tests bench
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE...]}
@@ -13,6 +16,7 @@ stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(build tests bench)
 cd "$(dirname "$0")/.."
 mkdir -p "$out/logs" "$out/results"
+out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" MAX_JOBS=${MAX_JOBS:-16}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 # The GPU image's Python is configured with a GCC (/opt/gcc) that links libstdc++ statically into
@@ -57,6 +61,26 @@ for stage in "${stages[@]}"; do
       for script in benchmarks/[a-z]*.py; do run_bench "$(basename "$script" .py)"; done ;;
     bench:*)
       run_bench "${stage#bench:}" ;;
+    torchrun:*)
+      name=${stage#torchrun:}
+      echo "== benchmark $name, torchrun on $(nvidia-smi -L | wc -l) GPUs =="
+      torchrun --standalone --nproc_per_node "$(nvidia-smi -L | wc -l)" "benchmarks/$name.py" --results-dir "$out/results" \
+        2>&1 | tee "$out/logs/torchrun_$name.log" | grep -v "step/s" | tail -n 40
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    convergence:*)
+      IFS=: read -r _ preset extra <<< "$stage"
+      IFS=, read -r -a extra_args <<< "$extra"
+      runs="$out/results/convergence-$preset"
+      echo "== convergence $preset: BF16 and coat side by side on one GPU =="
+      # Two processes share the GPU, so their tokens/s are not speed figures (benchmarks/e2e.py measures speed).
+      python3 examples/train_llama.py --preset "$preset" --out "$runs" "${extra_args[@]}" > "$out/logs/convergence-$preset-bf16.log" 2>&1 &
+      bf16=$!
+      python3 examples/train_llama.py --preset "$preset" --out "$runs" --coat "${extra_args[@]}" > "$out/logs/convergence-$preset-coat.log" 2>&1
+      coat_status=$?
+      wait $bf16 && [ $coat_status -eq 0 ] || status=1
+      for variant in bf16 coat; do tail -n 3 "$out/logs/convergence-$preset-$variant.log" | tr '\r' '\n' | tail -n 3; done
+      (cd examples && python3 -c "import sys, training_common as t; t.try_plot(sys.argv[1:3], sys.argv[3])" \
+        "$runs/$preset-bf16.csv" "$runs/$preset-coat.csv" "$runs/$preset.png") ;;
     *)
       echo "unknown stage $stage"; exit 2 ;;
   esac

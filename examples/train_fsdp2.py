@@ -1,0 +1,203 @@
+"""Pretrain a HuggingFace Llama with FSDP2 (fully_shard), in BF16 or, with --coat, in FP8 with coat, and save
+and resume it with torch.distributed.checkpoint. Run it with torchrun:
+
+    torchrun --nproc_per_node 2 examples/train_fsdp2.py --preset 100m --coat --checkpoint-dir ckpt --save-every 500
+    torchrun --nproc_per_node 2 examples/train_fsdp2.py --preset 100m --coat --checkpoint-dir ckpt --resume
+
+NCCL on GPUs, gloo on CPUs (the same script runs on two CPU processes). With coat, the order is: convert,
+then shard, then build the optimizer on the sharded parameters:
+
+    coat.convert(model)
+    for layer in model.model.layers: fully_shard(layer, mp_policy=...)
+    fully_shard(model, mp_policy=...)
+    optimizer = coat.optim.AdamW(model.parameters(), ...)
+
+Each process trains on its own batches (--batch sequences each; the global batch is --batch x processes).
+A checkpoint (CHECKPOINT_DIR/step_N) holds the sharded model, the optimizer's FP8 states, the schedule and
+the step; data order is a function of (seed, step, rank), so --resume continues the loss curve exactly
+where an uninterrupted run would be. The options shared with train_llama.py are described there.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import coat
+from training_common import (
+    TrainingLog,
+    add_training_arguments,
+    build_model,
+    build_optimizer,
+    cosine_schedule,
+    load_text,
+    parameter_count,
+    resolve,
+    try_plot,
+)
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_training_arguments(parser)
+    parser.add_argument("--checkpoint-dir", help="where checkpoints go (CHECKPOINT_DIR/step_N) and come from")
+    parser.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    parser.add_argument("--stop-after", type=int, help="leave after this many steps (the schedule still spans --steps)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda: one GPU per process, NCCL; cpu: gloo")
+    args = resolve(parser.parse_args())
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        raise SystemExit("--resume and --save-every need --checkpoint-dir")
+    if "RANK" not in os.environ:
+        raise SystemExit("run this script with torchrun, e.g. torchrun --nproc_per_node 2 examples/train_fsdp2.py")
+    if args.device == "cuda" and torch.cuda.device_count() < int(os.environ["LOCAL_WORLD_SIZE"]):
+        raise SystemExit(f"{os.environ['LOCAL_WORLD_SIZE']} processes per node need as many GPUs, this node has "
+                         f"{torch.cuda.device_count()}: lower --nproc_per_node or pass --device cpu")
+    return args
+
+
+def setup_distributed(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
+def shard(model: torch.nn.Module, device: torch.device) -> None:
+    """One FSDP2 unit per decoder layer plus the root (embedding, final norm, LM head). On GPUs the
+    parameters are gathered in bf16 and gradients reduced in float32: the float32 shards stay the master
+    weights. Gloo has no bf16 reduce-scatter, so CPU processes gather float32 and compute under autocast."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    model.to(device)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def autocast(device: torch.device):
+    # On GPUs FSDP2's policy already computes in bf16; on CPUs autocast gives the same bf16 compute.
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cpu")
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+@torch.no_grad()
+def validation_loss(model, batches: list[torch.Tensor], device: torch.device) -> float:
+    model.eval()
+    total = torch.zeros((), device=device)
+    for batch in batches:
+        batch = batch.to(device)
+        with autocast(device):
+            total += model(input_ids=batch, labels=batch).loss.float()
+    model.train()
+    return mean_over_ranks(total / len(batches))
+
+
+def newest_checkpoint(directory: str) -> tuple[str, int]:
+    steps = [int(m.group(1)) for name in os.listdir(directory) if (m := re.fullmatch(r"step_(\d+)", name))]
+    if not steps:
+        raise SystemExit(f"--resume: no step_N checkpoint in {directory}")
+    return os.path.join(directory, f"step_{max(steps)}"), max(steps)
+
+
+def checkpoint_state(model, optimizer, scheduler, step: int) -> dict:
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+        "train": {"step": step, "scheduler": scheduler.state_dict()},
+    }
+
+
+def save_checkpoint(directory: str, model, optimizer, scheduler, step: int) -> None:
+    dcp.save(checkpoint_state(model, optimizer, scheduler, step), checkpoint_id=os.path.join(directory, f"step_{step}"))
+
+
+def load_checkpoint(directory: str, model, optimizer, scheduler) -> int:
+    path, step = newest_checkpoint(directory)
+    state = checkpoint_state(model, optimizer, scheduler, step)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    scheduler.load_state_dict(state["train"]["scheduler"])
+    if state["train"]["step"] != step:
+        raise SystemExit(f"{path} holds step {state['train']['step']}, its name says {step}: the directory is damaged")
+    return step
+
+
+def main() -> None:
+    args = parse_arguments()
+    device = setup_distributed(args.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, tokenizer = build_model(args, "cpu")  # the same float32 weights on every rank, from --seed
+    parameters = parameter_count(model)
+    if args.coat:
+        coat.convert(model)
+    shard(model, device)
+    optimizer = build_optimizer(args, model)
+    scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
+    first_step = load_checkpoint(args.checkpoint_dir, model, optimizer, scheduler) if args.resume else 0
+    last_step = min(args.steps, args.stop_after or args.steps)
+    data = load_text(args, tokenizer)
+    validation = data.validation_batches(args.eval_batches, args.batch, rank)
+    if rank == 0:
+        print(f"{args.name}: {parameters / 1e6:.1f}M parameters, {'coat FP8' if args.coat else 'BF16'}, FSDP2 on "
+              f"{world} x {device.type}, steps {first_step}..{last_step} of {args.steps}, global batch "
+              f"{world} x {args.batch} x {args.seq} tokens")
+
+    log = TrainingLog(args, first_step, world * args.batch * args.seq, device, enabled=rank == 0)
+    interval_loss = torch.zeros((), device=device)
+    model.train()
+    for step in range(first_step, last_step):
+        batch = data.train_batch(step, args.batch, rank).to(device, non_blocking=True)
+        with autocast(device):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        interval_loss += loss.detach().float()
+        log.step_done()
+        done = step + 1
+        if done % args.log_every == 0 or done == last_step:
+            intervals = done - max(first_step, (done - 1) // args.log_every * args.log_every)
+            train_loss = mean_over_ranks(interval_loss / intervals)
+            interval_loss.zero_()
+            evaluate = done % args.eval_every == 0 or done == args.steps
+            log.record(done, train_loss, scheduler.get_last_lr()[0],
+                       (lambda: validation_loss(model, validation, device)) if evaluate else None)
+        if args.checkpoint_dir and ((args.save_every and done % args.save_every == 0) or done == last_step):
+            save_checkpoint(args.checkpoint_dir, model, optimizer, scheduler, done)
+
+    summary = log.finish({"coat": args.coat, "preset": None if args.model else args.preset, "parameters": parameters,
+                          "world_size": world, "batch_per_rank": args.batch, "seq": args.seq})
+    if rank == 0 and summary.get("final_train_loss_last_10pct") is not None:
+        print(f"{args.name}: training loss (last 10%) {summary['final_train_loss_last_10pct']:.4f}"
+              + (f", held-out {summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else "")
+              + f", {summary['median_tokens_per_s']:,.0f} tokens/s over {world} processes")
+        try_plot([path for path in args.compare if path != log.csv_path] + [log.csv_path], log.csv_path[:-4] + ".png")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

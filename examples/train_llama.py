@@ -1,0 +1,116 @@
+"""Pretrain a HuggingFace Llama on real text, in BF16 or, with --coat, in FP8 with coat.
+
+The script is the kind users already have: a transformers LlamaForCausalLM built from a config (or loaded
+from a local directory with --model), float32 master weights, bf16 autocast, AdamW with warm-up and cosine
+decay, gradient clipping. --coat changes two lines of it:
+
+    coat.convert(model)                       # decoder layers compute and save activations in FP8
+    optimizer = coat.optim.AdamW(...)         # FP8 moments with dynamic range expansion
+
+The text is the Python standard library's sources, as bytes (see training_common.py). A progress bar shows
+the loss and tokens/s; every --log-every steps a row goes to OUT/NAME.csv; at the end OUT/NAME.json holds
+the summary, and OUT/NAME.png plots the loss of this run and of every --compare CSV.
+
+    python examples/train_llama.py                                   # tiny preset, BF16, a few minutes on a CPU
+    python examples/train_llama.py --coat --compare runs/tiny-bf16.csv
+    python examples/train_llama.py --preset 100m [--coat]            # ~100M parameters, 2000 steps, one GPU
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+import coat
+from training_common import (
+    TrainingLog,
+    add_training_arguments,
+    build_model,
+    build_optimizer,
+    cosine_schedule,
+    load_text,
+    parameter_count,
+    resolve,
+    try_plot,
+)
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_training_arguments(parser)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = resolve(parser.parse_args())
+    if args.coat and torch.device(args.device).type == "cuda" and not coat.built_with_cuda():
+        raise SystemExit("--coat on a GPU needs coat built with CUDA: pip install --no-build-isolation -e . "
+                         "with nvcc on the PATH (coat.built_with_cuda() is False)")
+    return args
+
+
+def autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+def validation_loss(model, batches: list[torch.Tensor], device: torch.device) -> float:
+    model.eval()
+    total = torch.zeros((), device=device)
+    for batch in batches:
+        batch = batch.to(device)
+        with autocast(device):
+            total += model(input_ids=batch, labels=batch).loss.float()
+    model.train()
+    return total.item() / len(batches)
+
+
+def main() -> None:
+    args = parse_arguments()
+    device = torch.device(args.device)
+    model, tokenizer = build_model(args, device)
+    if args.coat:
+        coat.convert(model)
+    optimizer = build_optimizer(args, model)
+    scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
+    data = load_text(args, tokenizer)
+    validation = data.validation_batches(args.eval_batches, args.batch)
+    print(f"{args.name}: {parameter_count(model) / 1e6:.1f}M parameters, {'coat FP8' if args.coat else 'BF16'}, "
+          f"{data.train.numel() / 1e6:.1f}M training tokens, {args.steps} steps of {args.batch} x {args.seq} "
+          f"tokens on {device}")
+
+    log = TrainingLog(args, first_step=0, tokens_per_step=args.batch * args.seq, device=device)
+    interval_loss = torch.zeros((), device=device)
+    model.train()
+    for step in range(args.steps):
+        batch = data.train_batch(step, args.batch).to(device, non_blocking=True)
+        with autocast(device):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        interval_loss += loss.detach().float()
+        log.step_done()
+        done = step + 1
+        if done % args.log_every == 0 or done == args.steps:
+            intervals = done % args.log_every or args.log_every
+            train_loss = interval_loss.item() / intervals  # .item() waits for the device: the timing is true
+            interval_loss.zero_()
+            evaluate = done % args.eval_every == 0 or done == args.steps
+            log.record(done, train_loss, scheduler.get_last_lr()[0],
+                       (lambda: validation_loss(model, validation, device)) if evaluate else None)
+
+    summary = log.finish({"coat": args.coat, "preset": None if args.model else args.preset,
+                          "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq})
+    print(f"{args.name}: held-out loss {summary['final_val_loss']:.4f}, training loss (last 10%) "
+          f"{summary['final_train_loss_last_10pct']:.4f}, {summary['median_tokens_per_s']:,.0f} tokens/s"
+          + (f", peak memory {summary['peak_memory_gib']:.2f} GiB" if summary["peak_memory_gib"] else ""))
+    print(f"log: {log.csv_path}, summary: {log.summary_path}")
+    with contextlib.suppress(ValueError):
+        args.compare.remove(log.csv_path)
+    try_plot(args.compare + [log.csv_path], log.csv_path[: -len(".csv")] + ".png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""What examples/train_llama.py and examples/train_fsdp2.py share: model presets, the text data, the learning
+rate schedule, the CSV log with its progress bar, and the loss plot.
+
+The text is the Python standard library's own sources (``coat.data.stdlib_tokens``), about 30 MB that ship
+with every Python, read as bytes: a 256-token vocabulary that needs no tokenizer download. A model loaded
+from a local path brings its own tokenizer when the directory has one.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from coat.data import stdlib_tokens
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    seq: int
+    batch: int
+    steps: int
+    lr: float
+    warmup: int
+
+
+# Byte vocabulary (256); head size 64 except in the CPU-sized "tiny".
+PRESETS = {
+    "tiny": Preset(hidden=128, intermediate=384, layers=4, heads=4, kv_heads=4, seq=128, batch=16, steps=300, lr=3e-3, warmup=30),
+    "100m": Preset(hidden=768, intermediate=2048, layers=14, heads=12, kv_heads=12, seq=1024, batch=16, steps=2000, lr=1e-3, warmup=200),
+    "1b": Preset(hidden=2048, intermediate=5504, layers=18, heads=32, kv_heads=32, seq=2048, batch=8, steps=5000, lr=4e-4, warmup=500),
+}
+PRESET_HELP = "model size and run length: " + "; ".join(
+    f"{name}: hidden {p.hidden}, {p.layers} layers, seq {p.seq}, batch {p.batch}, {p.steps} steps"
+    for name, p in PRESETS.items()
+)
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options both training scripts take; None means "the preset's value"."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help=PRESET_HELP)
+    parser.add_argument("--model", metavar="PATH", help="a local transformers Llama directory to train from "
+                        "(its config and weights; its tokenizer if it has one, else bytes) instead of a preset model")
+    parser.add_argument("--coat", action="store_true", help="train with coat.convert and coat.optim.AdamW (FP8)")
+    parser.add_argument("--steps", type=int, help="optimizer steps")
+    parser.add_argument("--batch", type=int, help="sequences per step (per process under torchrun)")
+    parser.add_argument("--seq", type=int, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, help="peak learning rate (linear warm-up, cosine decay to 10%%)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (0: off)")
+    parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
+    parser.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
+                        help="attention kernel; eager gives bit-reproducible runs on GPUs")
+    parser.add_argument("--log-every", type=int, default=10, help="steps per CSV row and progress-bar update")
+    parser.add_argument("--eval-every", type=int, help="steps between validation losses (default: steps / 10)")
+    parser.add_argument("--eval-batches", type=int, default=8, help="batches of held-out text per validation")
+    parser.add_argument("--data-bytes", type=int, help="read at most this many bytes of text (default: all)")
+    parser.add_argument("--out", default="runs", help="directory for the CSV log, the summary JSON and the plot")
+    parser.add_argument("--name", help="run name, the file names in --out (default: PRESET-bf16 or PRESET-coat)")
+    parser.add_argument("--compare", nargs="*", default=[], metavar="CSV",
+                        help="CSV logs of other runs to draw in the same plot")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fills the options left at None from the preset and checks them; errors say which option to change."""
+    preset = PRESETS[args.preset]
+    for field in ("steps", "batch", "seq", "lr", "warmup"):
+        if getattr(args, field) is None:
+            setattr(args, field, getattr(preset, field))
+    if args.eval_every is None:
+        args.eval_every = max(args.log_every, args.steps // 10 // args.log_every * args.log_every)
+    if args.name is None:
+        args.name = f"{os.path.basename(os.path.normpath(args.model)) if args.model else args.preset}-{'coat' if args.coat else 'bf16'}"
+    for field in ("steps", "batch", "seq", "log_every", "eval_every", "eval_batches"):
+        if getattr(args, field) < 1:
+            raise SystemExit(f"--{field.replace('_', '-')} must be at least 1, got {getattr(args, field)}")
+    if args.eval_every % args.log_every:
+        raise SystemExit(f"--eval-every ({args.eval_every}) must be a multiple of --log-every ({args.log_every})")
+    for path in args.compare:
+        if not os.path.isfile(path):
+            raise SystemExit(f"--compare: no CSV log at {path}; run that configuration first")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+def build_model(args: argparse.Namespace, device: torch.device | str):
+    """A float32 LlamaForCausalLM (master weights; compute runs in bf16 under autocast or FSDP2's mixed
+    precision) and the tokenizer that goes with it (None: bytes). The initialisation depends only on
+    --seed, so a BF16 and a coat run start from the same weights."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    if args.model:
+        model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=args.attention)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        except (OSError, ValueError):
+            tokenizer = None
+        if tokenizer is None and model.config.vocab_size < 256:
+            raise SystemExit(f"{args.model} has no tokenizer and a vocabulary of {model.config.vocab_size} < 256 "
+                             "tokens, too small for byte tokens; add a tokenizer to the directory")
+        return model.to(device), tokenizer
+    preset = PRESETS[args.preset]
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=preset.hidden,
+        intermediate_size=preset.intermediate,
+        num_hidden_layers=preset.layers,
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.kv_heads,
+        max_position_embeddings=max(args.seq, 2048),
+        tie_word_embeddings=False,
+        attn_implementation=args.attention,
+    )
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model, None
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+class TextData:
+    """The token stream cut in two, 98% to train on and the last 2% held out. Batch ``step`` of process
+    ``rank`` is a pure function of (seed, step, rank): a resumed run sees the batches an uninterrupted one
+    would, with no data-loader state to checkpoint."""
+
+    def __init__(self, tokens: torch.Tensor, seq: int, seed: int):
+        held_out = max(tokens.numel() // 50, 4 * (seq + 1))
+        if tokens.numel() < held_out + 4 * (seq + 1):
+            raise SystemExit(f"{tokens.numel()} tokens of text are too few for sequences of {seq}; lower --seq")
+        self.train, self.validation = tokens[:-held_out], tokens[-held_out:]
+        self.seq, self.seed = seq, seed
+        self.offsets = torch.arange(seq + 1)
+
+    def _windows(self, tokens: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+        starts = torch.randint(0, tokens.numel() - self.seq, (count, 1), generator=generator)
+        return tokens[starts + self.offsets][:, : self.seq]
+
+    def _generator(self, stream: int, rank: int) -> torch.Generator:
+        return torch.Generator().manual_seed(((self.seed * 65_537 + rank) * 1_000_000_007 + stream) % 2**63)
+
+    def train_batch(self, step: int, batch: int, rank: int = 0) -> torch.Tensor:
+        return self._windows(self.train, batch, self._generator(step, rank))
+
+    def validation_batches(self, count: int, batch: int, rank: int = 0) -> list[torch.Tensor]:
+        generator = self._generator(-1, rank)
+        return [self._windows(self.validation, batch, generator) for _ in range(count)]
+
+
+def load_text(args: argparse.Namespace, tokenizer) -> TextData:
+    tokens = stdlib_tokens(args.data_bytes)
+    if tokenizer is not None:
+        text = bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+        tokens = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    return TextData(tokens, args.seq, args.seed)
+
+
+# ------------------------------------------------------------------------------------ optimizer, schedule
+
+
+def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norms, biases); coat's FP8 one with --coat."""
+    import coat
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if args.coat:
+        return coat.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    fused = all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused or None)
+
+
+def cosine_schedule(optimizer: torch.optim.Optimizer, warmup: int, steps: int, floor: float = 0.1):
+    """Linear warm-up to the peak rate, then a cosine decay to ``floor`` times it at the last step."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(steps - warmup, 1)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ----------------------------------------------------------------------------------------- logging, plot
+
+
+CSV_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s", "peak_memory_gib"]
+
+
+def run_metadata() -> dict:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+    }
+
+
+class TrainingLog:
+    """The CSV log (one row every --log-every steps, appended to on resume), the progress bar with loss and
+    tokens/s, and the summary JSON written at the end. Only rank 0 writes."""
+
+    def __init__(self, args: argparse.Namespace, first_step: int, tokens_per_step: int, device: torch.device,
+                 enabled: bool = True):
+        self.args, self.tokens_per_step, self.device, self.enabled = args, tokens_per_step, device, enabled
+        self.csv_path = os.path.join(args.out, f"{args.name}.csv")
+        self.summary_path = os.path.join(args.out, f"{args.name}.json")
+        self.rows: list[dict] = []
+        self.elapsed_before = 0.0
+        if enabled:
+            os.makedirs(args.out, exist_ok=True)
+            if first_step > 0:
+                self.rows = [row for row in read_log(self.csv_path) if row["step"] <= first_step]
+                self.elapsed_before = self.rows[-1]["elapsed_s"] if self.rows else 0.0
+            with open(self.csv_path, "w", newline="") as f:
+                writer = csv.DictWriter(f, CSV_COLUMNS)
+                writer.writeheader()
+                writer.writerows(self.rows)
+        self.bar = tqdm(total=args.steps, initial=first_step, desc=args.name, unit="step", disable=not enabled,
+                        dynamic_ncols=True)
+        self.start = self.interval_start = time.perf_counter()
+        self.interval_steps = 0
+
+    def step_done(self) -> None:
+        self.bar.update(1)
+        self.interval_steps += 1
+
+    def record(self, step: int, train_loss: float, lr: float, evaluate=None) -> None:
+        """Row for ``step`` (the number of steps done); the caller has synchronised the device. ``evaluate()``,
+        if given, returns the held-out loss; its time is left out of tokens/s."""
+        now = time.perf_counter()
+        tokens_per_s = self.interval_steps * self.tokens_per_step / max(now - self.interval_start, 1e-9)
+        val_loss = evaluate() if evaluate is not None else None
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        row = {
+            "step": step,
+            "tokens": step * self.tokens_per_step,
+            "train_loss": train_loss,
+            "val_loss": val_loss,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "elapsed_s": self.elapsed_before + now - self.start,
+            "peak_memory_gib": peak,
+        }
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        with open(self.csv_path, "a", newline="") as f:
+            csv.DictWriter(f, CSV_COLUMNS).writerow(row)
+        postfix = {"loss": f"{train_loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}"}
+        if val_loss is not None:
+            postfix["val"] = f"{val_loss:.4f}"
+        if peak is not None:
+            postfix["mem"] = f"{peak:.1f}G"
+        self.bar.set_postfix(postfix, refresh=False)
+
+    def finish(self, extra: dict) -> dict:
+        """Writes and returns the summary: final losses, median tokens/s (the first interval, which holds
+        the warm-up, left out), peak memory."""
+        self.bar.close()
+        if not self.enabled:
+            return {}
+        speeds = [row["tokens_per_s"] for row in self.rows[1:]] or [row["tokens_per_s"] for row in self.rows]
+        validations = [row for row in self.rows if row["val_loss"] is not None]
+        tail = [row["train_loss"] for row in self.rows[-max(len(self.rows) // 10, 1):]]
+        peaks = [row["peak_memory_gib"] for row in self.rows if row["peak_memory_gib"] is not None]
+        summary = {
+            "name": self.args.name,
+            **run_metadata(),
+            **extra,
+            "steps": self.rows[-1]["step"] if self.rows else 0,
+            "final_val_loss": validations[-1]["val_loss"] if validations else None,
+            "final_train_loss_last_10pct": sum(tail) / len(tail) if self.rows else None,
+            "median_tokens_per_s": statistics.median(speeds) if speeds else None,
+            "peak_memory_gib": max(peaks) if peaks else None,
+            "csv": os.path.basename(self.csv_path),
+        }
+        with open(self.summary_path, "w") as f:
+            json.dump(summary, f, indent=2)
+        return summary
+
+
+def read_log(path: str) -> list[dict]:
+    def number(value: str):
+        return None if value == "" else int(value) if value.lstrip("-").isdigit() else float(value)
+
+    with open(path, newline="") as f:
+        return [{key: number(value) for key, value in row.items()} for row in csv.DictReader(f)]
+
+
+def plot_runs(csv_paths: list[str], png_path: str) -> None:
+    """Training loss (lines) and held-out loss (dots) against step for every run, over the whole run and over
+    its second half, where runs that converge alike should lie on each other."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for path in csv_paths:
+        rows = read_log(path)
+        name = os.path.splitext(os.path.basename(path))[0]
+        steps = [row["step"] for row in rows]
+        validation = [(row["step"], row["val_loss"]) for row in rows if row["val_loss"] is not None]
+        final = f", held-out {validation[-1][1]:.4f}" if validation else ""
+        for ax, start in ((axes[0], 0), (axes[1], steps[-1] // 2)):
+            kept = [(s, row["train_loss"]) for s, row in zip(steps, rows) if s >= start]
+            (line,) = ax.plot(*zip(*kept), linewidth=1.2, label=f"{name} (train{final})")
+            points = [(s, v) for s, v in validation if s >= start]
+            if points:
+                ax.plot(*zip(*points), "o--", color=line.get_color(), markersize=4, linewidth=0.8)
+    axes[0].set_title("loss (lines: training, dots: held-out text)")
+    axes[1].set_title("second half")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats per token)" if ax is axes[0] else "")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=120)
+    plt.close(figure)
+
+
+def try_plot(csv_paths: list[str], png_path: str) -> None:
+    try:
+        plot_runs(csv_paths, png_path)
+    except ImportError:
+        print(f"matplotlib is not installed, so no plot was drawn: pip install matplotlib, then rerun with "
+              f"the same --out to redraw it from {', '.join(csv_paths)}")
+        return
+    print(f"plot: {png_path}")

@@ -1,0 +1,125 @@
+"""The training examples on CPU: train_llama.py (BF16 and coat, its CSV, summary and plot), train_fsdp2.py on
+two gloo processes (a resumed run continues the loss curve bit for bit) and train_with_trainer.py (Trainer's
+checkpoint of a converted model resumes exactly)."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+# Small enough for a 2-core CPU; every option the scripts share goes through this path.
+QUICK = ["--steps", "6", "--batch", "4", "--seq", "64", "--log-every", "1", "--eval-every", "3", "--eval-batches", "1",
+         "--data-bytes", "300000"]
+
+
+def run(arguments: list[str], cwd, expect_success: bool = True) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    completed = subprocess.run([sys.executable, *arguments], cwd=cwd, env=environment, capture_output=True, text=True,
+                               timeout=600)
+    if expect_success:
+        assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
+    return completed
+
+
+def torchrun(script: str, arguments: list[str], cwd) -> subprocess.CompletedProcess:
+    return run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", os.path.join(EXAMPLES, script), *arguments], cwd)
+
+
+def read_csv(path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_train_llama_bf16_and_coat_logs_and_plot(tmp_path):
+    script = os.path.join(EXAMPLES, "train_llama.py")
+    run([script, *QUICK, "--out", "runs"], tmp_path)
+    completed = run([script, *QUICK, "--out", "runs", "--coat", "--compare", "runs/tiny-bf16.csv"], tmp_path)
+    assert "held-out loss" in completed.stdout
+    runs = tmp_path / "runs"
+    bf16, fp8 = read_csv(runs / "tiny-bf16.csv"), read_csv(runs / "tiny-coat.csv")
+    assert [row["step"] for row in fp8] == [str(step) for step in range(1, 7)]
+    for rows in (bf16, fp8):
+        assert all(math.isfinite(float(row["train_loss"])) and float(row["tokens_per_s"]) > 0 for row in rows)
+        assert [row["step"] for row in rows if row["val_loss"]] == ["3", "6"]
+        assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+    # Same initial weights and data: the first losses differ only by FP8 rounding.
+    assert float(fp8[0]["train_loss"]) == pytest.approx(float(bf16[0]["train_loss"]), rel=0.01)
+    summary = json.loads((runs / "tiny-coat.json").read_text())
+    assert summary["coat"] and summary["steps"] == 6 and summary["final_val_loss"] == float(fp8[-1]["val_loss"])
+    assert {"device", "torch", "date", "command"} <= summary.keys()
+    assert (runs / "tiny-coat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_llama_from_a_local_model_directory(tmp_path):
+    from optim_helpers import tiny_llama
+
+    tiny_llama(seed=0).save_pretrained(tmp_path / "model")  # no tokenizer in it: byte tokens
+    completed = run([os.path.join(EXAMPLES, "train_llama.py"), *QUICK, "--model", "model", "--coat", "--out", "runs"],
+                    tmp_path)
+    assert "model-coat: 0.1M parameters" in completed.stdout
+    assert len(read_csv(tmp_path / "runs" / "model-coat.csv")) == 6
+
+
+@pytest.mark.parametrize("error, arguments", [
+    ("--eval-every (4) must be a multiple of --log-every (3)", ["--eval-every", "4", "--log-every", "3"]),
+    ("--compare: no CSV log at missing.csv", ["--compare", "missing.csv"]),
+])
+def test_train_llama_explains_bad_options(tmp_path, error, arguments):
+    completed = run([os.path.join(EXAMPLES, "train_llama.py"), *arguments], tmp_path, expect_success=False)
+    assert completed.returncode != 0 and error in completed.stderr
+
+
+def test_train_fsdp2_needs_torchrun(tmp_path):
+    completed = run([os.path.join(EXAMPLES, "train_fsdp2.py")], tmp_path, expect_success=False)
+    assert completed.returncode != 0 and "run this script with torchrun" in completed.stderr
+
+
+def fsdp2_devices() -> list:
+    """gloo on CPU everywhere; NCCL where two GPUs are visible, with eager attention (FlashAttention's backward
+    accumulates with atomics, so two SDPA runs are not bit-identical)."""
+    import torch
+
+    two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    gpu = pytest.mark.skipif(not two_gpus, reason="needs two CUDA GPUs")
+    return [pytest.param(["--device", "cpu"], id="cpu"), pytest.param(["--device", "cuda", "--attention", "eager"], marks=gpu, id="cuda")]
+
+
+@pytest.mark.parametrize("device", fsdp2_devices())
+@pytest.mark.parametrize("variant", [[], ["--coat"]], ids=["bf16", "coat"])
+def test_train_fsdp2_resume_continues_the_loss_curve_exactly(tmp_path, variant, device):
+    arguments = [*QUICK, *variant, *device]
+    torchrun("train_fsdp2.py", [*arguments, "--out", "straight"], tmp_path)
+    torchrun("train_fsdp2.py", [*arguments, "--out", "resumed", "--checkpoint-dir", "ckpt", "--stop-after", "3"],
+             tmp_path)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_3"]
+    completed = torchrun("train_fsdp2.py", [*arguments, "--out", "resumed", "--checkpoint-dir", "ckpt", "--resume"],
+                         tmp_path)
+    assert "steps 3..6 of 6" in completed.stdout
+    name = "tiny-coat.csv" if variant else "tiny-bf16.csv"
+    straight, resumed = read_csv(tmp_path / "straight" / name), read_csv(tmp_path / "resumed" / name)
+    columns = ["step", "tokens", "train_loss", "val_loss", "lr"]
+    assert [[row[c] for c in columns] for row in resumed] == [[row[c] for c in columns] for row in straight]
+    assert len(straight) == 6
+
+
+def test_trainer_example_resumes_its_checkpoint_exactly(tmp_path):
+    script = os.path.join(EXAMPLES, "train_with_trainer.py")
+    arguments = [script, "--steps", "20", "--save-steps", "10", "--batch", "8", "--output-dir", "out"]
+    completed = run(arguments, tmp_path)
+    assert "coat + Trainer: 20 steps" in completed.stdout
+    final_state = tmp_path / "out" / "checkpoint-20" / "trainer_state.json"
+    straight = json.loads(final_state.read_text())["log_history"]
+    shutil.rmtree(tmp_path / "out" / "checkpoint-20")
+    run([*arguments, "--resume"], tmp_path)
+    resumed = json.loads(final_state.read_text())["log_history"]
+    losses = [(entry["step"], entry["loss"]) for entry in straight if "loss" in entry]
+    assert losses[-1][1] < losses[0][1]
+    assert [(entry["step"], entry["loss"]) for entry in resumed if "loss" in entry] == losses
