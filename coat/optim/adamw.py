@@ -501,9 +501,13 @@ def _init_state(param: torch.Tensor, group: dict[str, Any], state: dict[str, Any
             codes = torch.empty(local.shape, dtype=fp8_dtype, device=local.device)
             meta = torch.empty(_meta_shape(tuple(local.shape), group_size), dtype=torch.bfloat16, device=local.device)
         else:
-            zeros = torch.zeros(_as_rows(local).shape, dtype=torch.float32, device=local.device)
-            codes, meta = ops.quantize_expanded(zeros, group_size, fp8_dtype, expand=group["expand"][expand_index])
-            codes = codes.view(local.shape)
+            # Every row of zeros quantizes alike: quantize one and repeat it, so that the first step does not
+            # hold a float32 copy of the parameter (its peak memory would include it).
+            rows = _as_rows(local)
+            zero_row = torch.zeros(rows.shape[-1], dtype=torch.float32, device=local.device)
+            row_codes, row_meta = ops.quantize_expanded(zero_row, group_size, fp8_dtype, expand=group["expand"][expand_index])
+            codes = row_codes.expand(rows.shape).contiguous().view(local.shape)
+            meta = row_meta.expand(*rows.shape[:-1], *row_meta.shape).contiguous()
         state[codes_key] = _like_param(codes, param, tuple(param.shape))
         state[meta_key] = _meta_state(param, meta, group_size)
 
