@@ -6,8 +6,9 @@
 #   usage: scripts/gpu_check.sh OUTDIR [STAGE...]
 #   stages: build, tests, tests:PATTERN (pytest -k), bench (every benchmarks/*.py), bench:NAME (one script),
 #           torchrun:NAME (benchmarks/NAME.py on every visible GPU under torchrun),
-#           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side on one
-#           GPU, extra ARGS comma-separated; CSVs, summaries and the plot in OUTDIR/results/convergence-PRESET)
+#           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side: on
+#           GPUs 0 and 1 when there are two, else sharing one; extra ARGS comma-separated; CSVs, summaries and
+#           the plot in OUTDIR/results/convergence-PRESET)
 #   default: build tests bench
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE...]}
@@ -71,11 +72,14 @@ for stage in "${stages[@]}"; do
       IFS=: read -r _ preset extra <<< "$stage"
       IFS=, read -r -a extra_args <<< "$extra"
       runs="$out/results/convergence-$preset"
-      echo "== convergence $preset: BF16 and coat side by side on one GPU =="
-      # Two processes share the GPU, so their tokens/s are not speed figures (benchmarks/e2e.py measures speed).
-      python3 examples/train_llama.py --preset "$preset" --out "$runs" "${extra_args[@]}" > "$out/logs/convergence-$preset-bf16.log" 2>&1 &
+      # On one shared GPU the two runs' tokens/s are not speed figures (benchmarks/e2e.py measures speed).
+      gpus=(0 1); [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || gpus=(0 0)
+      echo "== convergence $preset: BF16 on GPU ${gpus[0]}, coat on GPU ${gpus[1]}, at the same time =="
+      CUDA_VISIBLE_DEVICES=${gpus[0]} python3 examples/train_llama.py --preset "$preset" --out "$runs" "${extra_args[@]}" \
+        > "$out/logs/convergence-$preset-bf16.log" 2>&1 &
       bf16=$!
-      python3 examples/train_llama.py --preset "$preset" --out "$runs" --coat "${extra_args[@]}" > "$out/logs/convergence-$preset-coat.log" 2>&1
+      CUDA_VISIBLE_DEVICES=${gpus[1]} python3 examples/train_llama.py --preset "$preset" --out "$runs" --coat "${extra_args[@]}" \
+        > "$out/logs/convergence-$preset-coat.log" 2>&1
       coat_status=$?
       wait $bf16 && [ $coat_status -eq 0 ] || status=1
       for variant in bf16 coat; do tail -n 3 "$out/logs/convergence-$preset-$variant.log" | tr '\r' '\n' | tail -n 3; done

@@ -1,29 +1,78 @@
 """The GPU benchmarks' CPU smoke modes: the scripts run end to end and write their JSON."""
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
 
 
-@pytest.mark.parametrize("script", ["linear", "layer"])
-def test_benchmark_smoke_mode(script, tmp_path):
+def run_smoke(launcher: list[str], script: str, results_dir) -> dict:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     completed = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", f"{script}.py"), "--smoke", "--results-dir", str(tmp_path)],
+        [*launcher, os.path.join(BENCHMARKS, f"{script}.py"), "--smoke", "--results-dir", str(results_dir)],
         capture_output=True,
         text=True,
         env=environment,
         timeout=600,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    (result_file,) = tmp_path.iterdir()
-    result = json.loads(result_file.read_text())
+    (result_file,) = results_dir.iterdir()
+    return json.loads(result_file.read_text())
+
+
+def check_e2e(result: dict, world_size: int) -> None:
+    assert result["summary"]["world_size"] == world_size
+    assert [row["variant"] for row in result["rows"]] == ["bf16", "coat"]
+    for row in result["rows"]:
+        assert row["world size"] == world_size
+        assert len(row["losses"]) == 2 and all(math.isfinite(loss) for loss in row["losses"])
+
+
+@pytest.mark.parametrize("script", ["linear", "layer", "e2e"])
+def test_benchmark_smoke_mode(script, tmp_path):
+    result = run_smoke([sys.executable], script, tmp_path)
     assert result["summary"]["smoke"] and result["rows"]
     assert {"device", "torch", "date", "command"} <= result.keys()
     if script == "layer":
         # The saved bytes do not depend on the device, so the memory target can be checked here too.
         assert result["summary"]["min_memory_ratio"] >= result["summary"]["memory_target"]
+    if script == "e2e":
+        check_e2e(result, world_size=1)
+
+
+def test_e2e_smoke_mode_fsdp2(tmp_path):
+    """benchmarks/e2e.py under torchrun: FSDP2 on two CPU processes (gloo), meta-device build included."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = run_smoke(torchrun, "e2e", tmp_path)
+    assert result["rows"][0]["measured"] == "smoke"
+    check_e2e(result, world_size=2)
+
+
+def test_e2e_largest_batch_search_recovers_from_out_of_memory(monkeypatch):
+    """The GPU-only search, on the CPU with out-of-memory errors simulated above batch 5: doubling, then
+    bisection, and the model rebuilt after each failure still trains."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e
+
+    training = e2e.Training("bf16", e2e.llama_config(2, smoke=True), torch.device("cpu"), mesh=None, rank=0)
+    training.build()
+    step = training.step
+
+    def step_out_of_memory_above_5(ids):
+        if ids.shape[0] > 5:
+            raise torch.OutOfMemoryError("simulated")
+        return step(ids)
+
+    training.step = step_out_of_memory_above_5
+    known = {}
+    assert e2e.largest_batch(training, seq=8, warmup=2, cap=64, known=known) == 5
+    assert known == {1: True, 2: True, 4: True, 8: False, 6: False, 5: True}
+    assert e2e.largest_batch(training, seq=8, warmup=2, cap=3, known={}) == 3
+    result = e2e.trial(training, 5, seq=8, warmup=2, steps=2)
+    assert all(math.isfinite(loss) for loss in result["losses"])

@@ -1,0 +1,360 @@
+"""End-to-end training of a Llama-2-7B-shaped model (random weights, sequence 2048, every parameter trained),
+BF16 mixed precision against coat, both in this run, one after the other:
+
+    bf16   float32 master weights; forward and backward under torch.autocast(bfloat16) on one GPU, or FSDP2's
+           MixedPrecisionPolicy (bfloat16 parameters, float32 gradient reduction) under torchrun;
+           torch.optim.AdamW(fused=True)
+    coat   the same model after coat.convert (FP8 decoder layers, activations saved in FP8), the same master
+           weights and autocast / policy, coat.optim.AdamW (FP8 moments)
+
+A step is zero_grad, forward with the loss over the batch's own tokens, backward, optimizer step; no gradient
+checkpointing. Under torchrun every decoder layer and the root are fully_shard'ed (FSDP2), and each rank trains
+on its own micro-batch. For each variant:
+
+  - peak GPU memory (torch.cuda.max_memory_allocated, and reserved) at the equal micro-batches of
+    --memory-batches, each on a fresh model, over --warmup steps (the first allocates the optimizer state)
+    and --steps timed ones; "steady GiB" leaves the first step out; the maximum over ranks under torchrun;
+  - the largest micro-batch that trains: doubling from 1, then bisection, each trial --warmup full steps, up
+    to --max-batch; a batch that runs out of memory on any rank does not fit;
+  - tokens/s per GPU at that batch: batch * seq / median step time (CUDA events) of --steps steps after
+    --warmup steps; the slowest rank's under torchrun.
+
+Every step of a measurement trains on the same random micro-batch: the data do not change the time, and the
+falling loss (the model memorises the batch) shows that training works.
+
+Targets: peak memory at least 1.6x lower than BF16's at equal batch (paper: 1.54x), tokens/s at the largest
+batch at least 1.5x BF16's (paper: 1.45x on 4 GPUs). Weights, gradients and Adam states take 16 bytes per
+parameter in BF16 (108 GB at 7B) and 10.09 in coat (the same float32 weights and gradients, 2.09 bytes of FP8
+Adam state), so at small batches the memory ratio tends to 1.59. A BF16 run that fits no batch (7B on one
+80 GB GPU, as in the paper's Table 8) is reported as OOM, and the ratios it would take part in are null.
+
+    python benchmarks/e2e.py                                   (one GPU)
+    torchrun --nproc_per_node 2 benchmarks/e2e.py              (FSDP2, two GPUs)
+    python benchmarks/e2e.py --smoke                           (CPU: checks that the script runs)
+"""
+import datetime
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import coat
+
+from _common import parser, print_table, write_results
+
+VARIANTS = ("bf16", "coat")
+MEMORY_TARGET, SPEED_TARGET = 1.6, 1.5
+LR = 1e-5
+SMOKE_BATCH, SMOKE_SEQ, SMOKE_LAYERS = 2, 32, 2
+GIB = 2**30
+
+
+def llama_config(layers: int, smoke: bool) -> LlamaConfig:
+    if smoke:
+        shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    else:
+        shape = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_attention_heads=32)
+    return LlamaConfig(
+        **shape,
+        num_key_value_heads=shape["num_attention_heads"],
+        num_hidden_layers=layers,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+        tie_word_embeddings=False,
+        use_cache=False,  # training: no KV cache
+    )
+
+
+@torch.no_grad()
+def initialise(model: LlamaForCausalLM, config: LlamaConfig) -> None:
+    """LlamaForCausalLM's own init (normal matrices, unit RMSNorm weights) on this rank's shards, and the
+    rotary frequencies, which to_empty left uninitialised."""
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if param.dim() == 1:
+            local.fill_(1.0)
+        else:
+            local.normal_(0.0, config.initializer_range)
+    rotary = model.model.rotary_emb
+    for name, buffer in type(rotary)(config).named_buffers():
+        rotary.get_buffer(name).copy_(buffer)
+
+
+def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tuple:
+    """The model and its optimizer. Under FSDP2 the model is built on the meta device and sharded before it
+    gets memory, so that the whole model never sits on one GPU."""
+    with torch.device("meta" if mesh is not None else device):
+        model = LlamaForCausalLM(config)
+    if variant == "coat":
+        coat.convert(model)  # before fully_shard, which then shards the converted modules' parameters
+    if mesh is not None:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        model.to_empty(device=device)
+        initialise(model, config)
+    params = list(model.parameters())
+    if variant == "bf16":
+        optimizer = torch.optim.AdamW(params, lr=LR, fused=device.type == "cuda")
+    else:
+        optimizer = coat.optim.AdamW(params, lr=LR)
+    return model.train(), optimizer
+
+
+class Training:
+    """One variant's model and optimizer on this rank, and its training step."""
+
+    def __init__(self, variant: str, config: LlamaConfig, device: torch.device, mesh, rank: int):
+        self.variant, self.config, self.device, self.mesh = variant, config, device, mesh
+        self.autocast = mesh is None  # under FSDP2 the MixedPrecisionPolicy casts instead
+        self.generator = torch.Generator().manual_seed(rank)  # each rank its own micro-batches
+        self.model = self.optimizer = None
+
+    def tokens(self, batch: int, seq: int) -> torch.Tensor:
+        return torch.randint(self.config.vocab_size, (batch, seq), generator=self.generator).to(self.device)
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def free(self) -> None:
+        self.model = self.optimizer = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def build(self) -> None:
+        """A fresh model and optimizer, in place of the current ones."""
+        self.free()
+        self.model, self.optimizer = build(self.variant, self.config, self.device, self.mesh)
+
+
+def all_ranks(values: list[float], op, device: torch.device) -> list[float]:
+    if not dist.is_initialized():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def timed_steps(training: Training, ids: torch.Tensor, count: int) -> tuple[list[float], list[torch.Tensor]]:
+    """Milliseconds and losses of `count` steps: CUDA events on a GPU, time.perf_counter on the CPU."""
+    times, losses = [], []
+    for _ in range(count):
+        if training.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            losses.append(training.step(ids))
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            losses.append(training.step(ids))
+            times.append((time.perf_counter() - start) * 1e3)
+    return times, losses
+
+
+def peak_gib(cuda: bool) -> list[float]:
+    """Peak allocated and reserved GiB since the last call."""
+    if not cuda:
+        return [0.0, 0.0]
+    peak = [torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB]
+    torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+def trial(training: Training, batch: int, seq: int, warmup: int, steps: int) -> dict | None:
+    """warmup + steps training steps at `batch`: peak memory over all of them and over all but the first,
+    median ms of the last `steps` and their losses; None when any rank ran out of memory."""
+    cuda = training.device.type == "cuda"
+    ids = training.tokens(batch, seq)
+    peak_gib(cuda)
+    try:
+        first_steps = min(warmup, 1)
+        timed_steps(training, ids, first_steps)
+        first = peak_gib(cuda)
+        timed_steps(training, ids, warmup - first_steps)
+        times, losses = timed_steps(training, ids, steps)
+        ok = 1.0
+    except torch.OutOfMemoryError:
+        ok = 0.0
+    # Out of the except clause: the error's traceback, which held the failed step's tensors, is released.
+    del ids
+    (ok,) = all_ranks([ok], dist.ReduceOp.MIN, training.device)
+    if not ok:
+        training.build()  # a step cut short can leave FSDP2's or the optimizer's state half-updated
+        return None
+    steady = peak_gib(cuda)
+    median_ms = statistics.median(times) if times else 0.0
+    measured = [max(first[0], steady[0]), steady[0], max(first[1], steady[1]), median_ms]
+    peak, steady_peak, reserved, median_ms = all_ranks(measured, dist.ReduceOp.MAX, training.device)
+    result = {"peak GiB": peak, "steady GiB": steady_peak, "reserved GiB": reserved} if cuda else {}
+    if times:
+        result.update({"step ms": median_ms, "tokens/s/GPU": batch * seq / median_ms * 1e3})
+        result["losses"] = [loss.item() for loss in losses]
+    return result
+
+
+def largest_batch(training: Training, seq: int, warmup: int, cap: int, known: dict[int, bool]) -> int:
+    """The largest batch <= cap that trains: doubling from 1 until one fails, then bisection."""
+
+    def fits(batch: int) -> bool:
+        if batch not in known:
+            known[batch] = trial(training, batch, seq, warmup, 0) is not None
+            log(f"{training.variant}: batch {batch} {'fits' if known[batch] else 'OOM'}")
+        return known[batch]
+
+    good, bad = 0, None
+    while bad is None and good < cap:
+        batch = min(2 * good, cap) if good else 1
+        if fits(batch):
+            good = batch
+        else:
+            bad = batch
+    while bad is not None and bad - good > 1:
+        middle = (good + bad) // 2
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return good
+
+
+def measure(variant: str, args, config: LlamaConfig, device: torch.device, mesh, rank: int, world: int) -> list[dict]:
+    training = Training(variant, config, device, mesh, rank)
+    base = {"variant": variant, "world size": world}
+
+    def row(measured: str, batch: int, result: dict | None) -> dict:
+        out = {**base, "measured": measured, "batch": batch, **(result or {"peak GiB": "OOM"})}
+        log(f"{variant}, {measured} {batch}: {result or 'OOM'}")
+        return out
+
+    if args.smoke:
+        training.build()
+        rows = [row("smoke", SMOKE_BATCH, trial(training, SMOKE_BATCH, args.seq, 0, 2))]
+    else:
+        rows, known = [], {}
+        for batch in args.memory_batches:
+            training.build()  # fresh: every peak includes the first step, which allocates the optimizer state
+            result = trial(training, batch, args.seq, args.warmup, args.steps)
+            known[batch] = result is not None
+            rows.append(row("equal batch", batch, result))
+        if training.model is None:
+            training.build()
+        batch = largest_batch(training, args.seq, args.warmup, args.max_batch, known)
+        if batch:
+            rows.append(row("largest batch", batch, trial(training, batch, args.seq, args.warmup, args.steps)))
+    training.free()
+    return rows
+
+
+def summarize(rows: list[dict], args, world: int) -> dict:
+    def peak(variant, batch, key="peak GiB"):
+        found = [r[key] for r in rows if r["variant"] == variant and r["measured"] == "equal batch"
+                 and r["batch"] == batch and r["peak GiB"] != "OOM"]
+        return found[0] if found else None
+
+    def ratio(a, b):
+        return a / b if a is not None and b is not None else None
+
+    largest = {v: next((r for r in rows if r["variant"] == v and r["measured"] == "largest batch"), None)
+               for v in VARIANTS}
+    batches = [] if args.smoke else args.memory_batches
+    memory_ratios = {str(b): ratio(peak("bf16", b), peak("coat", b)) for b in batches}
+    steady_ratios = {str(b): ratio(peak("bf16", b, "steady GiB"), peak("coat", b, "steady GiB")) for b in batches}
+    speed = {v: r.get("tokens/s/GPU") if r else None for v, r in largest.items()}
+    speed_ratio = ratio(speed["coat"], speed["bf16"])
+    measured_memory = [r for r in memory_ratios.values() if r is not None]
+    notes = [f"bf16 does not fit batch {b}: no memory ratio there" for b in batches if peak("bf16", b) is None]
+    if not args.smoke and speed["bf16"] is None:
+        notes.append("bf16 fits no batch: no speed ratio")
+    return {
+        "smoke": args.smoke,
+        "layers": args.layers,
+        "seq": args.seq,
+        "world_size": world,
+        "memory_ratio_bf16_over_coat": memory_ratios,  # by equal batch; null where either does not fit
+        "steady_memory_ratio_bf16_over_coat": steady_ratios,  # the same without the first step
+        "max_batch": {v: r["batch"] if r else 0 for v, r in largest.items()},
+        "tokens_per_s_per_gpu_at_max_batch": speed,
+        "speed_ratio_coat_over_bf16": speed_ratio,
+        "memory_target": MEMORY_TARGET,
+        "speed_target": SPEED_TARGET,
+        "memory_target_met": min(measured_memory) >= MEMORY_TARGET if measured_memory else None,
+        "speed_target_met": speed_ratio >= SPEED_TARGET if speed_ratio is not None else None,
+        "notes": notes,
+    }
+
+
+def log(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def main():
+    p = parser(__doc__)
+    p.set_defaults(warmup=2, repeat=5)
+    p.add_argument("--steps", dest="repeat", type=int, help="timed steps per measurement (same as --repeat)")
+    p.add_argument("--smoke", action="store_true", help="a tiny Llama on the CPU, two steps of each variant")
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-2-7B: 32)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length")
+    p.add_argument("--memory-batches", default="1,2", help="comma-separated micro-batches for equal-batch memory")
+    p.add_argument("--max-batch", type=int, default=64, help="the largest micro-batch the search tries")
+    args = p.parse_args()
+    args.steps, args.memory_batches = args.repeat, [int(b) for b in args.memory_batches.split(",")]
+    if args.warmup < 2:
+        p.error("--warmup must be at least 2: the second step is the first with optimizer state and gradients")
+    if args.smoke:
+        args.layers, args.seq = SMOKE_LAYERS, SMOKE_SEQ
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available() or not coat.built_with_cuda():
+        sys.exit("benchmarks/e2e.py needs a CUDA GPU and coat built with CUDA (or --smoke)")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    mesh = None
+    if world > 1:
+        # A rank stuck in a collective (one rank out of memory, the other not) fails after 3 minutes.
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=180))
+        mesh = init_device_mesh(device.type, (world,))
+    torch.manual_seed(rank)
+    config = llama_config(args.layers, args.smoke)
+
+    rows = []
+    for variant in VARIANTS:
+        rows += measure(variant, args, config, device, mesh, rank, world)  # frees its model before the next
+
+    if rank == 0:
+        columns = ["variant", "world size", "measured", "batch", "peak GiB", "steady GiB", "reserved GiB", "step ms",
+                   "tokens/s/GPU"]
+        print_table(rows, columns)
+        summary = summarize(rows, args, world)
+        print({k: v for k, v in summary.items() if k not in ("smoke", "layers", "seq")})
+        name = "e2e-1gpu" if world == 1 else f"e2e-fsdp2-{world}gpu"
+        if args.smoke:
+            name = "e2e-smoke" if world == 1 else "e2e-fsdp2-smoke"
+        print(f"wrote {write_results(args.results_dir, name, rows, summary)}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
