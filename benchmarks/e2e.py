@@ -15,7 +15,8 @@ on its own micro-batch. For each variant:
     --memory-batches, each on a fresh model, over --warmup steps (the first allocates the optimizer state)
     and --steps timed ones; "steady GiB" leaves the first step out; the maximum over ranks under torchrun;
   - the largest micro-batch that trains: doubling from 1, then bisection, each trial --warmup full steps, up
-    to --max-batch; a batch that runs out of memory on any rank does not fit;
+    to --max-batch; a batch that runs out of memory on any rank does not fit (under torchrun the allocator
+    may use --memory-cap = 95% of each GPU, so that every rank runs out at the same allocation);
   - tokens/s per GPU at that batch: batch * seq / median step time (CUDA events) of --steps steps after
     --warmup steps; the slowest rank's under torchrun.
 
@@ -184,6 +185,7 @@ def trial(training: Training, batch: int, seq: int, warmup: int, steps: int) -> 
     cuda = training.device.type == "cuda"
     ids = training.tokens(batch, seq)
     peak_gib(cuda)
+    times, losses = [], []
     try:
         first_steps = min(warmup, 1)
         timed_steps(training, ids, first_steps)
@@ -315,6 +317,8 @@ def main():
     p.add_argument("--seq", type=int, default=2048, help="sequence length")
     p.add_argument("--memory-batches", default="1,2", help="comma-separated micro-batches for equal-batch memory")
     p.add_argument("--max-batch", type=int, default=64, help="the largest micro-batch the search tries")
+    p.add_argument("--memory-cap", type=float, default=0.95,
+                   help="under torchrun: the fraction of each GPU's memory the allocator may use, on every rank")
     args = p.parse_args()
     args.steps, args.memory_batches = args.repeat, [int(b) for b in args.memory_batches.split(",")]
     if args.warmup < 2:
@@ -331,9 +335,14 @@ def main():
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     mesh = None
     if world > 1:
-        # A rank stuck in a collective (one rank out of memory, the other not) fails after 3 minutes.
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=180))
+        # A rank stuck in a collective (one rank out of memory, the other not) fails after 90 s, not 10 min.
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=90))
+        if device.type == "cuda":
+            # Ranks differ in memory PyTorch does not allocate (NCCL, CUDA context), so near the limit one rank
+            # could run out of memory in a step the other finishes, and wait forever in the next collective.
+            # Under the same allocator cap on every rank, the same allocation fails everywhere.
+            torch.cuda.set_per_process_memory_fraction(args.memory_cap, device)
         mesh = init_device_mesh(device.type, (world,))
     torch.manual_seed(rank)
     config = llama_config(args.layers, args.smoke)
