@@ -32,6 +32,7 @@ Adam state), so at small batches the memory ratio tends to 1.59. A BF16 run that
     python benchmarks/e2e.py                                   (one GPU)
     torchrun --nproc_per_node 2 benchmarks/e2e.py              (FSDP2, two GPUs)
     python benchmarks/e2e.py --smoke                           (CPU: checks that the script runs)
+    python benchmarks/e2e.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
 """
 import datetime
 import gc
@@ -49,9 +50,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import coat
 
-from _common import parser, print_table, write_results
+from _common import RESULTS_DIR, parser, print_table, write_results
 
 VARIANTS = ("bf16", "coat")
+VARIANT_COLORS = {"bf16": "tab:blue", "coat": "tab:orange"}
 MEMORY_TARGET, SPEED_TARGET = 1.6, 1.5
 LR = 1e-5
 SMOKE_BATCH, SMOKE_SEQ, SMOKE_LAYERS = 2, 32, 2
@@ -303,6 +305,56 @@ def summarize(rows: list[dict], args, world: int) -> dict:
     }
 
 
+def plot(result_paths: list[str], png_path: str) -> None:
+    """Bars of the result files: peak memory at each equal batch, and tokens/s per GPU at each variant's
+    largest batch, BF16 beside coat, one group per file (one GPU, FSDP2 on N GPUs)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [json.load(open(path)) for path in result_paths]
+    figure, (memory_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.38
+    memory_labels, speed_labels = [], []
+    for result in results:
+        world = result["summary"]["world_size"]
+        setup = "1 GPU" if world == 1 else f"FSDP2, {world} GPUs"
+        rows = result["rows"]
+        for batch in sorted({r["batch"] for r in rows if r["measured"] == "equal batch"}):
+            memory_labels.append(f"{setup}\nbatch {batch}")
+            for offset, variant in ((-width / 2, "bf16"), (width / 2, "coat")):
+                row = next(r for r in rows if r["variant"] == variant and r["measured"] == "equal batch" and r["batch"] == batch)
+                fits = row["peak GiB"] != "OOM"
+                bar = memory_ax.bar(len(memory_labels) - 1 + offset, row["peak GiB"] if fits else 0, width,
+                                    color=VARIANT_COLORS[variant], label=variant if len(memory_labels) == 1 else None)
+                memory_ax.bar_label(bar, labels=[f"{row['peak GiB']:.1f}" if fits else "OOM"], fontsize=8)
+        speed_labels.append(setup)
+        for offset, variant in ((-width / 2, "bf16"), (width / 2, "coat")):
+            row = next((r for r in rows if r["variant"] == variant and r["measured"] == "largest batch"), None)
+            bar = speed_ax.bar(len(speed_labels) - 1 + offset, row["tokens/s/GPU"] if row else 0, width,
+                               color=VARIANT_COLORS[variant], label=variant if len(speed_labels) == 1 else None)
+            speed_ax.bar_label(bar, labels=[f"{row['tokens/s/GPU']:,.0f}\nbatch {row['batch']}" if row else "OOM"],
+                               fontsize=8)
+    memory_ax.set_xticks(range(len(memory_labels)), memory_labels)
+    memory_ax.set_ylabel("peak GiB per GPU")
+    memory_ax.set_title("peak memory at equal micro-batch (lower is better)")
+    speed_ax.set_xticks(range(len(speed_labels)), speed_labels)
+    speed_ax.set_ylabel("tokens/s per GPU")
+    speed_ax.set_title("tokens/s at each one's largest micro-batch")
+    for ax in (memory_ax, speed_ax):
+        ax.legend()
+        ax.margins(y=0.15)
+    device = results[0]["device"]
+    figure.suptitle(f"Llama-2-7B shape, sequence {results[0]['summary']['seq']}, {device}, torch {results[0]['torch']}")
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=120)
+    plt.close(figure)
+
+
+
 def log(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(message, flush=True)
@@ -319,7 +371,13 @@ def main():
     p.add_argument("--max-batch", type=int, default=64, help="the largest micro-batch the search tries")
     p.add_argument("--memory-cap", type=float, default=0.95,
                    help="under torchrun: the fraction of each GPU's memory the allocator may use, on every rank")
+    p.add_argument("--plot", nargs="+", metavar="JSON", help="only draw these result files into --plot-file")
+    p.add_argument("--plot-file", default=os.path.join(RESULTS_DIR, "e2e.png"))
     args = p.parse_args()
+    if args.plot:
+        plot(args.plot, args.plot_file)
+        print(f"wrote {args.plot_file}")
+        return
     args.steps, args.memory_batches = args.repeat, [int(b) for b in args.memory_batches.split(",")]
     if args.warmup < 2:
         p.error("--warmup must be at least 2: the second step is the first with optimizer state and gradients")

@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -76,3 +77,16 @@ def test_e2e_largest_batch_search_recovers_from_out_of_memory(monkeypatch):
     assert e2e.largest_batch(training, seq=8, warmup=2, cap=3, known={}) == 3
     result = e2e.trial(training, 5, seq=8, warmup=2, steps=2)
     assert all(math.isfinite(loss) for loss in result["losses"])
+
+
+def test_e2e_plots_the_committed_gpu_results(tmp_path):
+    results = sorted(str(p) for p in (pathlib.Path(ROOT) / "benchmarks" / "results").glob("e2e-*gpu-*.json"))
+    assert results, "benchmarks/results holds no e2e result to plot"
+    png = tmp_path / "e2e.png"
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    completed = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "e2e.py"), "--plot", *results, "--plot-file", str(png)],
+        capture_output=True, text=True, env=environment, timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
