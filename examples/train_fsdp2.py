@@ -20,6 +20,7 @@ where an uninterrupted run would be. The options shared with train_llama.py are 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 
@@ -41,9 +42,11 @@ from training_common import (
     build_model,
     build_optimizer,
     cosine_schedule,
+    held_out_loss,
     load_text,
     parameter_count,
     resolve,
+    training_step,
     try_plot,
 )
 
@@ -80,19 +83,14 @@ def setup_distributed(device_type: str) -> torch.device:
 
 
 def shard(model: torch.nn.Module, device: torch.device) -> None:
-    """One FSDP2 unit per decoder layer plus the root (embedding, final norm, LM head). On GPUs the
-    parameters are gathered in bf16 and gradients reduced in float32: the float32 shards stay the master
-    weights. Gloo has no bf16 reduce-scatter, so CPU processes gather float32 and compute under autocast."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    """One FSDP2 unit per decoder layer plus the root (embedding, final norm, LM head). Parameters are
+    gathered in bf16, the compute dtype, and gradients reduced in float32: the float32 shards stay the
+    master weights."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model.to(device)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-
-
-def autocast(device: torch.device):
-    # On GPUs FSDP2's policy already computes in bf16; on CPUs autocast gives the same bf16 compute.
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cpu")
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -100,20 +98,9 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-@torch.no_grad()
-def validation_loss(model, batches: list[torch.Tensor], device: torch.device) -> float:
-    model.eval()
-    total = torch.zeros((), device=device)
-    for batch in batches:
-        batch = batch.to(device)
-        with autocast(device):
-            total += model(input_ids=batch, labels=batch).loss.float()
-    model.train()
-    return mean_over_ranks(total / len(batches))
-
-
 def newest_checkpoint(directory: str) -> tuple[str, int]:
-    steps = [int(m.group(1)) for name in os.listdir(directory) if (m := re.fullmatch(r"step_(\d+)", name))]
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    steps = [int(m.group(1)) for name in names if (m := re.fullmatch(r"step_(\d+)", name))]
     if not steps:
         raise SystemExit(f"--resume: no step_N checkpoint in {directory}")
     return os.path.join(directory, f"step_{max(steps)}"), max(steps)
@@ -163,20 +150,13 @@ def main() -> None:
               f"{world} x {device.type}, steps {first_step}..{last_step} of {args.steps}, global batch "
               f"{world} x {args.batch} x {args.seq} tokens")
 
+    autocast = contextlib.nullcontext  # FSDP2's mixed-precision policy casts instead
     log = TrainingLog(args, first_step, world * args.batch * args.seq, device, enabled=rank == 0)
     interval_loss = torch.zeros((), device=device)
     model.train()
     for step in range(first_step, last_step):
         batch = data.train_batch(step, args.batch, rank).to(device, non_blocking=True)
-        with autocast(device):
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        interval_loss += loss.detach().float()
+        interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
         log.step_done()
         done = step + 1
         if done % args.log_every == 0 or done == last_step:
@@ -185,7 +165,7 @@ def main() -> None:
             interval_loss.zero_()
             evaluate = done % args.eval_every == 0 or done == args.steps
             log.record(done, train_loss, scheduler.get_last_lr()[0],
-                       (lambda: validation_loss(model, validation, device)) if evaluate else None)
+                       (lambda: mean_over_ranks(held_out_loss(model, validation, device, autocast))) if evaluate else None)
         if args.checkpoint_dir and ((args.save_every and done % args.save_every == 0) or done == last_step):
             save_checkpoint(args.checkpoint_dir, model, optimizer, scheduler, done)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 
 import torch
 
@@ -29,9 +30,11 @@ from training_common import (
     build_model,
     build_optimizer,
     cosine_schedule,
+    held_out_loss,
     load_text,
     parameter_count,
     resolve,
+    training_step,
     try_plot,
 )
 
@@ -45,22 +48,6 @@ def parse_arguments() -> argparse.Namespace:
         raise SystemExit("--coat on a GPU needs coat built with CUDA: pip install --no-build-isolation -e . "
                          "with nvcc on the PATH (coat.built_with_cuda() is False)")
     return args
-
-
-def autocast(device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16)
-
-
-@torch.no_grad()
-def validation_loss(model, batches: list[torch.Tensor], device: torch.device) -> float:
-    model.eval()
-    total = torch.zeros((), device=device)
-    for batch in batches:
-        batch = batch.to(device)
-        with autocast(device):
-            total += model(input_ids=batch, labels=batch).loss.float()
-    model.train()
-    return total.item() / len(batches)
 
 
 def main() -> None:
@@ -77,20 +64,13 @@ def main() -> None:
           f"{data.train.numel() / 1e6:.1f}M training tokens, {args.steps} steps of {args.batch} x {args.seq} "
           f"tokens on {device}")
 
+    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     log = TrainingLog(args, first_step=0, tokens_per_step=args.batch * args.seq, device=device)
     interval_loss = torch.zeros((), device=device)
     model.train()
     for step in range(args.steps):
         batch = data.train_batch(step, args.batch).to(device, non_blocking=True)
-        with autocast(device):
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        interval_loss += loss.detach().float()
+        interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
         log.step_done()
         done = step + 1
         if done % args.log_every == 0 or done == args.steps:
@@ -99,7 +79,7 @@ def main() -> None:
             interval_loss.zero_()
             evaluate = done % args.eval_every == 0 or done == args.steps
             log.record(done, train_loss, scheduler.get_last_lr()[0],
-                       (lambda: validation_loss(model, validation, device)) if evaluate else None)
+                       (lambda: held_out_loss(model, validation, device, autocast).item()) if evaluate else None)
 
     summary = log.finish({"coat": args.coat, "preset": None if args.model else args.preset,
                           "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq})

@@ -209,6 +209,36 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, warmup: int, steps: int, f
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+# ------------------------------------------------------------------------------------- step, validation
+
+
+def training_step(model, optimizer, scheduler, batch: torch.Tensor, clip: float, autocast) -> torch.Tensor:
+    """Forward under ``autocast()``, backward, gradient clipping (``clip`` > 0), optimizer and schedule step;
+    returns the loss, still on the device (reading it would wait for the GPU)."""
+    with autocast():
+        loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach().float()
+
+
+@torch.no_grad()
+def held_out_loss(model, batches: list[torch.Tensor], device: torch.device, autocast) -> torch.Tensor:
+    """Mean loss over ``batches`` in eval mode, as a device tensor."""
+    model.eval()
+    total = torch.zeros((), device=device)
+    for batch in batches:
+        batch = batch.to(device)
+        with autocast():
+            total += model(input_ids=batch, labels=batch).loss.float()
+    model.train()
+    return total / len(batches)
+
+
 # ----------------------------------------------------------------------------------------- logging, plot
 
 
@@ -239,7 +269,7 @@ class TrainingLog:
         self.elapsed_before = 0.0
         if enabled:
             os.makedirs(args.out, exist_ok=True)
-            if first_step > 0:
+            if first_step > 0 and os.path.exists(self.csv_path):
                 self.rows = [row for row in read_log(self.csv_path) if row["step"] <= first_step]
                 self.elapsed_before = self.rows[-1]["elapsed_s"] if self.rows else 0.0
             with open(self.csv_path, "w", newline="") as f:
