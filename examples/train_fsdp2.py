@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import coat
@@ -87,10 +88,12 @@ def shard(model: torch.nn.Module, device: torch.device) -> None:
     gathered in bf16, the compute dtype, and gradients reduced in float32: the float32 shards stay the
     master weights."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # An explicit mesh: fully_shard's default one is on the GPUs whenever torch sees any, even with --device cpu.
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model.to(device)
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
