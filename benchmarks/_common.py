@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -54,6 +55,40 @@ def time_ms(fn, warmup: int, repeat: int, device: torch.device | str) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+KERNEL_CLASSES = [
+    ("GEMM", re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.IGNORECASE)),
+    ("attention", re.compile(r"flash|fmha|attention", re.IGNORECASE)),
+]
+
+
+def kernel_class(name: str) -> str:
+    return next((label for label, pattern in KERNEL_CLASSES if pattern.search(name)), "other")
+
+
+def kernel_profile(fn, steps: int) -> dict:
+    """GPU kernels of fn() per call, from torch.profiler: each kernel's name, class (GEMM, attention,
+    other), calls and microseconds per call of fn, most time first; plus the totals per class and the
+    number of kernel launches per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.self_device_time_total <= 0:
+            continue
+        kernels.append({"kernel": event.key[:110], "class": kernel_class(event.key), "calls": event.count / steps,
+                        "us": event.self_device_time_total / steps})
+    kernels.sort(key=lambda k: -k["us"])
+    totals = {f"{label} us": sum(k["us"] for k in kernels if k["class"] == label) for label in ("GEMM", "attention", "other")}
+    return {"launches": sum(k["calls"] for k in kernels), "total us": sum(k["us"] for k in kernels), **totals,
+            "kernels": kernels}
 
 
 def metadata() -> dict:

@@ -179,6 +179,9 @@ def main() -> None:
               + (f", held-out {summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else "")
               + f", {summary['median_tokens_per_s']:,.0f} tokens/s over {world} processes")
         try_plot([path for path in args.compare if path != log.csv_path] + [log.csv_path], log.csv_path[:-4] + ".png")
+    # Every rank waits for rank 0's plot: a rank that tears gloo down while a peer is still connected can abort
+    # at exit ("terminate called without an active exception", seen on torch 2.13 CPU).
+    dist.barrier()
     dist.destroy_process_group()
 
 

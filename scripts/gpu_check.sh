@@ -4,7 +4,8 @@
 # and are packed into OUTDIR/gpu_check.tgz; the tail of each stage is printed.
 #
 #   usage: scripts/gpu_check.sh OUTDIR [STAGE...]
-#   stages: build, tests, tests:PATTERN (pytest -k), bench (every benchmarks/*.py), bench:NAME (one script),
+#   stages: build, tests, tests:PATTERN (pytest -k), bench (every benchmarks/*.py), bench:NAME[:ARGS] (one script,
+#           extra ARGS comma-separated, e.g. bench:layer:--settings,4096x2048,--profile),
 #           torchrun:NAME (benchmarks/NAME.py on every visible GPU under torchrun),
 #           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side: on
 #           GPUs 0 and 1 when there are two, else sharing one; extra ARGS comma-separated; CSVs, summaries and
@@ -25,14 +26,21 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 # system compiler links it dynamically, like torch.
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 status=0
+# The GPU machine has no network: optional packages (torchao for the benchmarks' anchors) travel as wheels in
+# .wheels/ (pip download torchao==0.18.0 --no-deps --only-binary=:all: --python-version 3.12 -d .wheels).
+if compgen -G ".wheels/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/coat-wheels .wheels/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/coat-wheels"
+fi
 
 { nvidia-smi; nvcc --version; "${CXX:-g++}" --version | head -n 1; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \
   > "$out/logs/env.txt" 2>&1
 
 run_bench() {
   local name=$1
-  echo "== benchmark $name =="
-  python3 "benchmarks/$name.py" --results-dir "$out/results" 2>&1 | tee "$out/logs/bench_$name.log" | tail -n 40
+  shift
+  echo "== benchmark $name $* =="
+  python3 "benchmarks/$name.py" --results-dir "$out/results" "$@" 2>&1 | tee "$out/logs/bench_$name.log" | tail -n 60
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
@@ -61,7 +69,9 @@ for stage in "${stages[@]}"; do
     bench)
       for script in benchmarks/[a-z]*.py; do run_bench "$(basename "$script" .py)"; done ;;
     bench:*)
-      run_bench "${stage#bench:}" ;;
+      IFS=: read -r _ name extra <<< "$stage"
+      IFS=, read -r -a extra_args <<< "$extra"
+      run_bench "$name" "${extra_args[@]}" ;;
     torchrun:*)
       name=${stage#torchrun:}
       echo "== benchmark $name, torchrun on $(nvidia-smi -L | wc -l) GPUs =="
