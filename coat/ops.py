@@ -93,6 +93,47 @@ def quantize_tensor(
     return q, scale, q_t if transpose else None
 
 
+def _check_not_empty(tensors: list[torch.Tensor], op: str) -> None:
+    # The dispatcher finds no device to dispatch an empty list to, so the check lives here.
+    if len(tensors) == 0:
+        raise ValueError(f"{op}: tensors must hold at least one tensor")
+    check_device_supported(tensors[0], op)
+
+
+def tensor_amax(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """max |x| over every element of every tensor in ``tensors`` (NaN ignored), as a 0-d float32 tensor: the
+    amax that one per-tensor scale shared by several tensors derives from (see :func:`quantize_tensors`).
+    The tensors are float32, bfloat16 or float16 with a contiguous last dimension, on one device."""
+    _check_not_empty(tensors, "coat.ops.tensor_amax")
+    return torch.ops.coat.tensor_amax(list(tensors))
+
+
+def quantize_tensors(
+    tensors: list[torch.Tensor],
+    format: torch.dtype | str = "e4m3",
+    *,
+    dim: int,
+    amax: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantizes several tensors with one per-tensor scale into one FP8 matrix, as if they had been
+    concatenated first (without the copy): each tensor is seen as a (rows, cols) matrix (leading dimensions
+    collapsed), and the matrices are stacked along ``dim``: 0 stacks rows (the weights of q, k and v
+    projections, [N_i, K] -> [sum N_i, K]), 1 places columns side by side (their output gradients,
+    [M, N_i] -> [M, sum N_i]).
+
+    ``scale = max(amax / FP8_MAX, 2**-126)`` with ``amax`` from :func:`tensor_amax` (computed here when
+    None). Returns ``(q, scale, q_t)``: q the [R, C] codes when ``rowwise`` (else an empty tensor), scale 0-d
+    float32, q_t the [C, R] transposed codes when ``columnwise`` (else empty). The codes equal
+    :func:`quantize_tensor`'s of the concatenated matrix with that amax, bit for bit.
+    """
+    _check_not_empty(tensors, "coat.ops.quantize_tensors")
+    if amax is None:
+        amax = torch.ops.coat.tensor_amax(list(tensors))
+    return torch.ops.coat.quantize_tensors(list(tensors), dim, amax, fp8_dtype(format), rowwise, columnwise)
+
+
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, group_size: int | None = None, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
@@ -206,6 +247,33 @@ def _quantize_tensor_fake(x, group_amax, fp8_dtype, transpose=False):
         x.new_empty(x.shape, dtype=fp8_dtype),
         x.new_empty((), dtype=torch.float32),
         _transposed(x, fp8_dtype, transpose),
+    )
+
+
+@torch.library.register_fake("coat::tensor_amax")
+def _tensor_amax_fake(xs):
+    if not xs:
+        raise RuntimeError("coat.tensor_amax: xs must hold at least one tensor")
+    return xs[0].new_empty((), dtype=torch.float32)
+
+
+@torch.library.register_fake("coat::quantize_tensors")
+def _quantize_tensors_fake(xs, dim, amax, fp8_dtype, rowwise, columnwise):
+    op = "coat.quantize_tensors"
+    if not xs:
+        raise RuntimeError(f"{op}: xs must hold at least one tensor")
+    if dim not in (0, 1):
+        raise RuntimeError(f"{op}: dim must be 0 (the matrices' rows are stacked) or 1 (their columns are placed side by side), got {dim}")
+    matrices = [(math.prod(x.shape[:-1]), x.shape[-1]) for x in xs]
+    if dim == 0:
+        rows, cols = sum(r for r, _ in matrices), matrices[0][1]
+    else:
+        rows, cols = matrices[0][0], sum(c for _, c in matrices)
+    x = xs[0]
+    return (
+        x.new_empty((rows, cols) if rowwise else (0,), dtype=fp8_dtype),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((cols, rows) if columnwise else (0,), dtype=fp8_dtype),
     )
 
 

@@ -1,4 +1,5 @@
-"""coat.ops quantizers (quantize_group, group_amax, quantize_tensor) and dequantize.
+"""coat.ops quantizers (quantize_group, group_amax, quantize_tensor, tensor_amax, quantize_tensors) and
+dequantize.
 
 Every result is checked bit for bit against the float64 oracle in reference.py; on CUDA, `run` also checks
 it against the C core on the CPU. Inputs are drawn on the CPU from per-test seeded generators.
@@ -116,6 +117,64 @@ def test_quantize_tensor_uses_the_given_amax(run, rng, fmt):
         expected = reference.quantize_tensor(x, fmt, amax=amax.max())
         q, scale, _ = run(coat.ops.quantize_tensor, x, fmt, group_amax=amax.float())
         assert_same_bits((q, scale), expected)
+
+
+# Groups of tensors sharing one scale, as coat.nn builds them: the q/k/v weights stacked by rows (GQA: k and v
+# smaller), the three output gradients side by side; column slices of a wider matrix are read in place.
+STACKED_CASES = {
+    "weights-dim0": (0, [(64, 40), (16, 40), (16, 40)]),
+    "gradients-dim1": (1, [(97, 37), (97, 16), (97, 5)]),
+    "one-tensor-3d-dim1": (1, [(2, 3, 40)]),
+    "rows-not-multiple-of-4-dim0": (0, [(3, 24), (5, 24)]),
+    "empty-member-dim0": (0, [(0, 40), (7, 40)]),
+}
+
+
+def stacked_inputs(shapes, dtype, rng, strided: bool) -> list[torch.Tensor]:
+    """random_input tensors of the given shapes; `strided` makes each a column slice of a wider matrix."""
+    tensors = []
+    for shape in shapes:
+        x = random_input((*shape[:-1], shape[-1] + (8 if strided else 0)), dtype, rng)
+        tensors.append(x[..., : shape[-1]])
+    return tensors
+
+
+def as_matrix(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=DTYPE_NAMES.get)
+def test_tensor_amax_matches_reference(run, rng, dtype):
+    tensors = stacked_inputs([(97, 37), (5, 3, 16), (1,)], dtype, rng, strided=False)
+    tensors[0][torch.rand((97, 37), generator=rng) < 0.02] = float("nan")  # NaN is ignored
+    tensors[2][0] = 2.0**12  # the largest magnitude is in the last, smallest tensor
+    expected = torch.stack([reference.tensor_amax(t) for t in tensors]).max()
+    assert_same_bits(run(coat.ops.tensor_amax, tensors), expected)
+    assert_same_bits(run(coat.ops.tensor_amax, tensors[:1]), reference.tensor_amax(tensors[0]), "one tensor")
+
+
+def test_tensor_amax_of_zeros_and_empty_tensors_is_zero(run):
+    assert_same_bits(run(coat.ops.tensor_amax, [torch.zeros(4, 16), torch.zeros(0, 16)]), torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("strided", (False, True), ids=("contiguous", "column-slices"))
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", STACKED_CASES)
+def test_quantize_tensors_equals_quantize_tensor_of_the_concatenation(run, rng, case, fmt, strided):
+    dim, shapes = STACKED_CASES[case]
+    tensors = stacked_inputs(shapes, torch.bfloat16, rng, strided)
+    concatenated = torch.cat([as_matrix(t) for t in tensors], dim=dim)
+    amax = reference.tensor_amax(concatenated)
+    expected_q, expected_scale = reference.quantize_tensor(concatenated, fmt, amax=amax)
+    q, scale, q_t = run(coat.ops.quantize_tensors, tensors, fmt, dim=dim, columnwise=True)
+    assert_same_bits(q, expected_q, "q")
+    assert_same_bits(scale, expected_scale, "scale")
+    assert_same_bits(q_t, transposed_codes(expected_q), "q_t")
+    only_rows = run(coat.ops.quantize_tensors, tensors, fmt, dim=dim, amax=amax)
+    only_columns = run(coat.ops.quantize_tensors, tensors, fmt, dim=dim, amax=amax, rowwise=False, columnwise=True)
+    assert_same_bits(only_rows[0], q, "rowwise only")
+    assert only_rows[2].numel() == 0 and only_columns[0].numel() == 0
+    assert_same_bits(only_columns[2], q_t, "columnwise only")
 
 
 def dequantize_cases():
@@ -550,6 +609,27 @@ ERRORS = {
                               RuntimeError, r"coat\.dequantize: dtype must be torch\.float32 or torch\.bfloat16, got Half"),
     "dequantize-to-float64": (lambda m: coat.ops.dequantize(m(torch.zeros(4, 16, dtype=torch.float8_e4m3fn)), m(torch.ones(())), dtype=torch.float64),
                               RuntimeError, r"coat\.dequantize: dtype must be torch\.float32 or torch\.bfloat16, got Double"),
+    # tensor_amax and quantize_tensors
+    "tensor-amax-no-tensors": (lambda m: coat.ops.tensor_amax([]),
+                               ValueError, r"coat\.ops\.tensor_amax: tensors must hold at least one tensor"),
+    "tensor-amax-int32": (lambda m: coat.ops.tensor_amax([m(torch.ones(4, 16)), m(torch.ones(4, 16, dtype=torch.int32))]),
+                          RuntimeError, r"coat\.tensor_amax: xs must be float32, bfloat16 or float16, got Int"),
+    "tensor-amax-transposed": (lambda m: coat.ops.tensor_amax([m(torch.ones(16, 32)).T]),
+                               RuntimeError, r"coat\.tensor_amax: xs: the last dimension must be contiguous .* Call \.contiguous\(\) first"),
+    "quantize-tensors-no-tensors": (lambda m: coat.ops.quantize_tensors([], dim=0, amax=m(torch.ones(()))),
+                                    ValueError, r"coat\.ops\.quantize_tensors: tensors must hold at least one tensor"),
+    "quantize-tensors-dim-2": (lambda m: coat.ops.quantize_tensors([m(torch.ones(4, 16))], dim=2),
+                               RuntimeError, r"coat\.quantize_tensors: dim must be 0 \(the matrices' rows are stacked\) or 1"),
+    "quantize-tensors-columns-differ": (lambda m: coat.ops.quantize_tensors([m(torch.ones(4, 16)), m(torch.ones(4, 8))], dim=0),
+                                        RuntimeError, r"coat\.quantize_tensors: with dim=0 every matrix needs the same number of columns, got 16 and 8"),
+    "quantize-tensors-rows-differ": (lambda m: coat.ops.quantize_tensors([m(torch.ones(4, 16)), m(torch.ones(2, 3, 8))], dim=1),
+                                     RuntimeError, r"coat\.quantize_tensors: with dim=1 every matrix needs the same number of rows, got 4 and 6"),
+    "quantize-tensors-float64-amax": (lambda m: coat.ops.quantize_tensors([m(torch.ones(4, 16))], dim=0, amax=m(torch.ones((), dtype=torch.float64))),
+                                      RuntimeError, r"coat\.quantize_tensors: amax must be a one-element float32 tensor \(as coat\.ops\.tensor_amax returns\), got Double"),
+    "quantize-tensors-two-amax": (lambda m: coat.ops.quantize_tensors([m(torch.ones(4, 16))], dim=0, amax=m(torch.ones(2))),
+                                  RuntimeError, r"coat\.quantize_tensors: amax must be a one-element float32 tensor .* of shape \[2\]"),
+    "quantize-tensors-float16-format": (lambda m: coat.ops.quantize_tensors([m(torch.ones(4, 16))], torch.float16, dim=0),
+                                        ValueError, r"unsupported FP8 format torch\.float16"),
 }
 
 
@@ -569,6 +649,10 @@ def test_tensors_on_different_devices(cuda_device):
         coat.ops.dequantize(q, scales.cpu(), 16)
     with pytest.raises(RuntimeError, match=r"coat\.quantize_tensor: group_amax is on cuda:0 but the input is on cpu"):
         coat.ops.quantize_tensor(x.cpu(), group_amax=torch.ones(1, device=cuda_device))
+    with pytest.raises(RuntimeError, match=r"coat\.tensor_amax: an element of xs is on cpu but the input is on cuda:0"):
+        coat.ops.tensor_amax([x, x.cpu()])
+    with pytest.raises(RuntimeError, match=r"coat\.quantize_tensors: amax is on cpu but the input is on cuda:0"):
+        coat.ops.quantize_tensors([x], dim=0, amax=torch.ones(()))
 
 
 # ------------------------------------------------------------------------------- torch.library integration
@@ -587,6 +671,11 @@ def _opcheck_cases():
         "quantize_tensor-transpose": (torch.ops.coat.quantize_tensor.default, lambda: (x(33, 70), torch.tensor([3.0, 5.0]), torch.float8_e4m3fn, True)),
         "quantize_tensor-3d": (torch.ops.coat.quantize_tensor.default, lambda: (x(2, 3, 40, dtype=torch.bfloat16), torch.tensor(2.0), torch.float8_e5m2, False)),
         "quantize_tensor-empty-rows": (torch.ops.coat.quantize_tensor.default, lambda: (x(0, 37), torch.zeros(0, 1), torch.float8_e4m3fn, True)),
+        "tensor_amax": (torch.ops.coat.tensor_amax.default, lambda: ([x(97, 37), x(2, 3, 40, dtype=torch.bfloat16)],)),
+        "quantize_tensors-dim0": (torch.ops.coat.quantize_tensors.default,
+                                  lambda: ([x(64, 40), x(16, 40)], 0, torch.tensor(3.0), torch.float8_e4m3fn, True, True)),
+        "quantize_tensors-dim1-strided": (torch.ops.coat.quantize_tensors.default,
+                                          lambda: ([x(9, 50)[:, :37], x(9, 16)], 1, torch.tensor([2.0]), torch.float8_e5m2, False, True)),
         "dequantize-group": (torch.ops.coat.dequantize.default, lambda: (q(5, 40), torch.rand(5, 3) + 0.5, 16, torch.float32)),
         "dequantize-tensor": (torch.ops.coat.dequantize.default, lambda: (q(2, 3, 40, fp8=torch.float8_e5m2), torch.tensor(0.25), None, torch.bfloat16)),
     }
@@ -632,6 +721,8 @@ def test_fake_outputs_match_real_outputs(case):
         "quantize_group": lambda t: torch.ops.coat.quantize_group(t, 32, torch.float8_e4m3fn, transpose),
         "group_amax": lambda t: torch.ops.coat.group_amax(t, 32),
         "quantize_tensor": lambda t: torch.ops.coat.quantize_tensor(t, torch.ones(1), torch.float8_e5m2, transpose),
+        "tensor_amax": lambda t: torch.ops.coat.tensor_amax([t, t]),
+        "quantize_tensors": lambda t: torch.ops.coat.quantize_tensors([t, t], 1, torch.ones(()), torch.float8_e4m3fn, True, transpose),
         "dequantize": lambda t: torch.ops.coat.dequantize(t.to(torch.float8_e4m3fn), torch.ones(()), None, torch.float32),
     }
     for name, call in calls.items():

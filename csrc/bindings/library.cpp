@@ -9,6 +9,9 @@ TORCH_LIBRARY(coat, m) {
   m.def("group_amax(Tensor x, int group_size) -> Tensor");
   m.def("quantize_tensor(Tensor x, Tensor group_amax, ScalarType fp8_dtype, bool transpose=False)"
         " -> (Tensor q, Tensor scale, Tensor q_t)");
+  m.def("tensor_amax(Tensor[] xs) -> Tensor");
+  m.def("quantize_tensors(Tensor[] xs, int dim, Tensor amax, ScalarType fp8_dtype, bool rowwise, bool columnwise)"
+        " -> (Tensor q, Tensor scale, Tensor q_t)");
   m.def("dequantize(Tensor q, Tensor scale, int? group_size, ScalarType dtype) -> Tensor");
   m.def("rmsnorm_quantize(Tensor x, Tensor weight, float eps, int save_group_size, int amax_group_size,"
         " ScalarType fp8_dtype, bool transpose)"

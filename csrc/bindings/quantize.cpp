@@ -61,8 +61,71 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_tensor(const at::Tensor&
   at::Tensor q_t = transposed_output(x, m, fp8_dtype, transpose);
   COAT_CALL_CORE(x, coat_reduce_amax, data_as<const float>(group_amax), group_amax.numel(), data_as<float>(amax));
   COAT_CALL_CORE(x, coat_quantize_tensor, x.data_ptr(), dtype, m.rows, m.cols, m.row_stride,
-                 data_as<const float>(amax), format, data_as<uint8_t>(q), data_as<float>(scale),
-                 transpose ? data_as<uint8_t>(q_t) : nullptr);
+                 data_as<const float>(amax), format, data_as<uint8_t>(q), m.cols, data_as<float>(scale),
+                 transpose ? data_as<uint8_t>(q_t) : nullptr, m.rows);
+  return {q, scale, q_t};
+}
+
+void check_tensor_list(at::TensorList xs, const char* op) {
+  TORCH_CHECK(!xs.empty(), op, ": xs must hold at least one tensor");
+  for (const at::Tensor& x : xs) {
+    check_device(x, op, "xs");
+    check_same_device(xs[0], x, op, "an element of xs");
+  }
+}
+
+at::Tensor tensor_amax(at::TensorList xs) {
+  constexpr const char* op = "coat.tensor_amax";
+  check_tensor_list(xs, op);
+  at::Tensor amax = at::zeros({}, xs[0].options().dtype(at::kFloat));
+  for (const at::Tensor& x : xs) {
+    const RowMatrix m = as_row_matrix(x, op, "xs");
+    COAT_CALL_CORE(x, coat_tensor_amax, x.data_ptr(), input_dtype(x, op, "xs"), m.rows, m.cols, m.row_stride,
+                   data_as<float>(amax));
+  }
+  return amax;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_tensors(at::TensorList xs, int64_t dim, const at::Tensor& amax,
+                                                                at::ScalarType fp8_dtype, bool rowwise,
+                                                                bool columnwise) {
+  constexpr const char* op = "coat.quantize_tensors";
+  check_tensor_list(xs, op);
+  const coat_fp8_format format = fp8_format(fp8_dtype, op, "fp8_dtype");
+  TORCH_CHECK(dim == 0 || dim == 1, op, ": dim must be 0 (the matrices' rows are stacked) or 1 (their columns are "
+              "placed side by side), got ", dim);
+  check_same_device(xs[0], amax, op, "amax");
+  TORCH_CHECK(amax.scalar_type() == at::kFloat && amax.numel() == 1, op,
+              ": amax must be a one-element float32 tensor (as coat.ops.tensor_amax returns), got ",
+              amax.scalar_type(), " of shape ", amax.sizes());
+  std::vector<RowMatrix> parts;
+  int64_t rows = 0, cols = 0;
+  for (const at::Tensor& x : xs) {
+    input_dtype(x, op, "xs");
+    parts.push_back(as_row_matrix(x, op, "xs"));
+    const RowMatrix& m = parts.back();
+    const RowMatrix& first = parts.front();
+    TORCH_CHECK(dim == 0 ? m.cols == first.cols : m.rows == first.rows, op, ": with dim=", dim,
+                " every matrix needs the same number of ", dim == 0 ? "columns" : "rows", ", got ",
+                dim == 0 ? first.cols : first.rows, " and ", dim == 0 ? m.cols : m.rows);
+    rows = dim == 0 ? rows + m.rows : m.rows;
+    cols = dim == 0 ? m.cols : cols + m.cols;
+  }
+
+  const at::TensorOptions codes = xs[0].options().dtype(fp8_dtype);
+  at::Tensor q = rowwise ? at::empty({rows, cols}, codes) : at::empty({0}, codes);
+  at::Tensor q_t = columnwise ? at::empty({cols, rows}, codes) : at::empty({0}, codes);
+  at::Tensor scale = at::empty({}, xs[0].options().dtype(at::kFloat));
+  int64_t offset = 0;  // first row (dim 0) or column (dim 1) of the matrix being quantized
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const RowMatrix& m = parts[i];
+    uint8_t* q_part = rowwise ? data_as<uint8_t>(q) + (dim == 0 ? offset * cols : offset) : nullptr;
+    uint8_t* q_t_part = columnwise ? data_as<uint8_t>(q_t) + (dim == 0 ? offset : offset * rows) : nullptr;
+    COAT_CALL_CORE(xs[i], coat_quantize_tensor, xs[i].data_ptr(), input_dtype(xs[i], op, "xs"), m.rows, m.cols,
+                   m.row_stride, data_as<const float>(amax), format, q_part, cols, data_as<float>(scale), q_t_part,
+                   rows);
+    offset += dim == 0 ? m.rows : m.cols;
+  }
   return {q, scale, q_t};
 }
 
@@ -99,6 +162,8 @@ TORCH_LIBRARY_IMPL(coat, CPU, m) {
   m.impl("quantize_group", &quantize_group);
   m.impl("group_amax", &group_amax);
   m.impl("quantize_tensor", &quantize_tensor);
+  m.impl("tensor_amax", &tensor_amax);
+  m.impl("quantize_tensors", &quantize_tensors);
   m.impl("dequantize", &dequantize);
 }
 
@@ -107,6 +172,8 @@ TORCH_LIBRARY_IMPL(coat, CUDA, m) {
   m.impl("quantize_group", &quantize_group);
   m.impl("group_amax", &group_amax);
   m.impl("quantize_tensor", &quantize_tensor);
+  m.impl("tensor_amax", &tensor_amax);
+  m.impl("quantize_tensors", &quantize_tensors);
   m.impl("dequantize", &dequantize);
 }
 #endif

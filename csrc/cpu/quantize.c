@@ -20,13 +20,15 @@ static float coat_row_amax(const void* row, coat_dtype dtype, int64_t begin, int
   return amax;
 }
 
-static void coat_quantize_run(const void* row, coat_dtype dtype, int64_t r, int64_t rows, int64_t cols,
-                              int64_t begin, int64_t end, float scale, coat_fp8_format format, uint8_t* q,
-                              uint8_t* q_t) {
+/* Codes of row r, columns [begin, end), to q[r * q_stride + c] and q_t[c * q_t_stride + r] (either may be
+ * NULL). */
+static void coat_quantize_run(const void* row, coat_dtype dtype, int64_t r, int64_t begin, int64_t end, float scale,
+                              coat_fp8_format format, uint8_t* q, int64_t q_stride, uint8_t* q_t,
+                              int64_t q_t_stride) {
   for (int64_t c = begin; c < end; ++c) {
     const uint8_t code = coat_quantize_value(coat_load_f32(row, dtype, c), scale, format);
-    q[r * cols + c] = code;
-    if (q_t != NULL) q_t[c * rows + r] = code;
+    if (q != NULL) q[r * q_stride + c] = code;
+    if (q_t != NULL) q_t[c * q_t_stride + r] = code;
   }
 }
 
@@ -44,7 +46,7 @@ coat_status coat_quantize_group_cpu(const void* x, coat_dtype dtype, int64_t row
       const int64_t end = begin + group_size < cols ? begin + group_size : cols;
       const float scale = coat_scale_from_amax(coat_row_amax(row, dtype, begin, end), format);
       scales[r * ngroups + g] = scale;
-      coat_quantize_run(row, dtype, r, rows, cols, begin, end, scale, format, q, q_t);
+      coat_quantize_run(row, dtype, r, begin, end, scale, format, q, cols, q_t, rows);
     }
   }
   return COAT_SUCCESS;
@@ -75,17 +77,29 @@ coat_status coat_reduce_amax_cpu(const float* group_amax, int64_t count, float* 
   return COAT_SUCCESS;
 }
 
+coat_status coat_tensor_amax_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                 int64_t row_stride, float* amax) {
+  if (!coat_valid_matrix(x, rows, cols, row_stride) || amax == NULL) return COAT_ERROR_INVALID_ARGUMENT;
+  float result = *amax;
+#pragma omp parallel for schedule(static) reduction(max : result)
+  for (int64_t r = 0; r < rows; ++r) result = fmaxf(result, coat_row_amax(coat_row(x, dtype, r, row_stride), dtype, 0, cols));
+  *amax = result;
+  return COAT_SUCCESS;
+}
+
 coat_status coat_quantize_tensor_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
                                      int64_t row_stride, const float* amax, coat_fp8_format format,
-                                     uint8_t* q, float* scale, uint8_t* q_t) {
-  if (!coat_valid_matrix(x, rows, cols, row_stride) || amax == NULL || scale == NULL)
+                                     uint8_t* q, int64_t q_stride, float* scale, uint8_t* q_t,
+                                     int64_t q_t_stride) {
+  if (!coat_valid_matrix(x, rows, cols, row_stride) || amax == NULL || scale == NULL ||
+      (q != NULL && q_stride < cols) || (q_t != NULL && q_t_stride < rows))
     return COAT_ERROR_INVALID_ARGUMENT;
   const float tensor_scale = coat_scale_from_amax(*amax, format);
   *scale = tensor_scale;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r)
-    coat_quantize_run(coat_row(x, dtype, r, row_stride), dtype, r, rows, cols, 0, cols, tensor_scale,
-                      format, q, q_t);
+    coat_quantize_run(coat_row(x, dtype, r, row_stride), dtype, r, 0, cols, tensor_scale, format, q, q_stride, q_t,
+                      q_t_stride);
   return COAT_SUCCESS;
 }
 

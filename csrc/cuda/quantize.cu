@@ -147,6 +147,7 @@ enum class QuantizeMode {
   kGroupScale,   ///< coat_quantize_group: one scale per 1xG group, and the codes
   kTensorScale,  ///< coat_quantize_tensor: one scale from a precomputed amax, and the codes
   kAmaxOnly,     ///< coat_group_amax: per-group amax only
+  kTensorAmax,   ///< coat_tensor_amax: the amax of the whole matrix, accumulated into one value
 };
 
 struct QuantizeParams {
@@ -157,10 +158,13 @@ struct QuantizeParams {
   int group_log2;            ///< log2 G (kGroupScale, kAmaxOnly)
   int lanes_per_row_log2;    ///< lanes sharing a row in a pass (non-transposing kernels)
   const float* tensor_amax;  ///< kTensorScale: the amax the scale derives from
-  float* stats;              ///< scales (kGroupScale), group amax (kAmaxOnly), scale[0] (kTensorScale)
-  uint8_t* q;
-  uint8_t* q_t;              ///< transposed codes (transposing kernels)
-  bool q_t_word_stores;      ///< rows % 4 == 0 and q_t 4-byte aligned: q_t takes 4-byte stores
+  float* stats;              ///< scales (kGroupScale), group amax (kAmaxOnly), scale[0] (kTensorScale), the
+                             ///< accumulated amax (kTensorAmax)
+  uint8_t* q;                ///< codes, row r at q + r * q_stride; null: not written (kTensorScale only)
+  int64_t q_stride;
+  uint8_t* q_t;              ///< transposed codes, column c at q_t + c * q_t_stride (transposing kernels)
+  int64_t q_t_stride;
+  bool q_t_word_stores;      ///< rows and q_t_stride multiples of 4, q_t 4-byte aligned: 4-byte stores
 };
 
 /** The shared tile of a transposing kernel. A function-local static, so that only the kernels that
@@ -183,7 +187,7 @@ __device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&in)[4], uin
 }
 
 /**
- * Writes a staged tile (matrix rows row0.., columns col0..) to q_t[c * rows + r].
+ * Writes a staged tile (matrix rows row0.., columns col0..) to q_t[c * q_t_stride + r].
  *
  * Each thread transposes 2 blocks of 4 rows x 4 columns: 4 word reads from shared memory, a 4x4 byte
  * transpose in registers, then one 4-byte store into each of 4 rows of q_t. A warp takes 8 quad-rows x
@@ -192,8 +196,8 @@ __device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&in)[4], uin
  * mod 32: all distinct. Without word stores (rows % 4 != 0, unaligned q_t) the bytes go one by one.
  */
 __device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint8_t* __restrict__ q_t,
-                                                      int64_t rows, int64_t cols, int64_t row0, int64_t col0,
-                                                      bool word_stores) {
+                                                      int64_t q_t_stride, int64_t rows, int64_t cols, int64_t row0,
+                                                      int64_t col0, bool word_stores) {
   constexpr int kWarpQuadRows = 8;
   constexpr int kWarpQuadCols = 4;
   constexpr int kPatchesPerColumn = kTransposeTileRows / 4 / kWarpQuadRows;
@@ -217,7 +221,7 @@ __device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint
     for (int k = 0; k < 4; ++k) {
       const int64_t col = col0 + 4 * quad_col + k;
       if (col >= cols) continue;
-      uint8_t* target = q_t + col * rows + row;
+      uint8_t* target = q_t + col * q_t_stride + row;
       if (word_stores) {
         *reinterpret_cast<uint32_t*>(target) = tile_cols[k];
       } else {
@@ -230,7 +234,7 @@ __device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint
 }
 
 /**
- * Quantizes, or takes the group amax of, a rows x cols matrix, in tiles of kPasses * (256 / L) rows by
+ * Quantizes, or takes the group or tensor amax of, a rows x cols matrix, in tiles of kPasses * (256 / L) rows by
  * 8 * L columns, with L = 2^lanes_per_row_log2 lanes per row (L = 16 when transposing: 64 x 128 tiles).
  *
  * In each of kPasses passes a thread owns the 8 elements [col, col + 8) of one row, col = tile column +
@@ -239,8 +243,9 @@ __device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint
  *   - group modes: reduces the amax over the group_lanes(G, 8, L) lanes of its group (out-of-range
  *     columns count as 0); the lane holding the group's first columns writes the amax (kAmaxOnly) or
  *     the scale (kGroupScale);
- *   - unless kAmaxOnly: encodes 8 codes with its group's (or the tensor's) scale, stores them to q and,
- *     when kTranspose, to the block's shared tile, which the block then writes to q_t.
+ *   - kTensorAmax: keeps a running max, reduced per warp at the end into one atomicMax;
+ *   - quantizing modes: encode 8 codes with the group's (or the tensor's) scale, store them to q (unless
+ *     q is null) and, when kTranspose, to the block's shared tile, which the block then writes to q_t.
  * Blocks loop over tiles, grid-stride in both dimensions; row tiles vary fastest across blockIdx.x, so
  * that blocks running together complete each other's q_t lines.
  *
@@ -262,11 +267,15 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
   const int64_t ngroups = (p.cols + group_size - 1) >> p.group_log2;
   const int reduce_lanes = group_lanes(group_size, kQuantizeChunk, 1 << lanes_log2);
 
+  constexpr bool kQuantizes = kMode == QuantizeMode::kGroupScale || kMode == QuantizeMode::kTensorScale;
   float tensor_scale = 0.0f;
+  float tensor_reciprocal = 0.0f;
   if constexpr (kMode == QuantizeMode::kTensorScale) {
     tensor_scale = coat_scale_from_amax(*p.tensor_amax, kFormat);
+    tensor_reciprocal = 1.0f / tensor_scale;
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) p.stats[0] = tensor_scale;
   }
+  float running_amax = 0.0f;
 
   constexpr int kBatch = batch_chunks<kVector, T, kQuantizeChunk>();
   for (int64_t col0 = blockIdx.y * tile_cols; col0 < p.cols; col0 += gridDim.y * tile_cols) {
@@ -291,19 +300,24 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
           for (int i = 0; i < kQuantizeChunk; ++i) values[i] = Input<kDtype>::to_f32(chunks[b].e[i]);
 
           float scale = tensor_scale;
-          if constexpr (kMode != QuantizeMode::kTensorScale) {
+          float reciprocal = tensor_reciprocal;
+          if constexpr (kMode == QuantizeMode::kTensorAmax) {
+            running_amax = fmaxf(running_amax, lane_amax(values));
+          } else if constexpr (kMode != QuantizeMode::kTensorScale) {
             const float amax = group_amax_reduce(lane_amax(values), reduce_lanes);
-            if constexpr (kMode == QuantizeMode::kGroupScale) scale = coat_scale_from_amax(amax, kFormat);
+            if constexpr (kMode == QuantizeMode::kGroupScale) {
+              scale = coat_scale_from_amax(amax, kFormat);
+              reciprocal = 1.0f / scale;
+            }
             if (row_valid && col < p.cols && starts_group(col, group_size))
               p.stats[row * ngroups + (col >> p.group_log2)] = kMode == QuantizeMode::kAmaxOnly ? amax : scale;
           }
 
-          if constexpr (kMode != QuantizeMode::kAmaxOnly) {
-            const float reciprocal = 1.0f / scale;
+          if constexpr (kQuantizes) {
             Chunk<uint8_t, kQuantizeChunk> codes;
 #pragma unroll
             for (int i = 0; i < kQuantizeChunk; ++i) codes.e[i] = coat_quantize_scaled(values[i], scale, reciprocal, kFormat);
-            store_chunk<kVector>(codes, p.q, row * p.cols, col, p.cols, row_valid);
+            if (p.q != nullptr) store_chunk<kVector>(codes, p.q, row * p.q_stride, col, p.cols, row_valid);
             if constexpr (kTranspose) {
               // Staged unconditionally: the transpose phase skips rows and columns out of range.
               const uint32_t* code_words = reinterpret_cast<const uint32_t*>(codes.e);
@@ -317,10 +331,18 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
 
       if constexpr (kTranspose) {
         __syncthreads();
-        write_transposed_tile(transpose_tile(), p.q_t, p.rows, p.cols, row0, col0, p.q_t_word_stores);
+        write_transposed_tile(transpose_tile(), p.q_t, p.q_t_stride, p.rows, p.cols, row0, col0, p.q_t_word_stores);
         __syncthreads();  // the next tile's staging overwrites the tile
       }
     }
+  }
+
+  if constexpr (kMode == QuantizeMode::kTensorAmax) {
+    running_amax = group_amax_reduce(running_amax, 32);
+    // amax >= 0 and never NaN, so its bits order like its value; the plain read skips the atomic whenever it
+    // cannot raise the maximum, which after the first warps is nearly always.
+    if ((threadIdx.x & 31) == 0 && running_amax > *reinterpret_cast<volatile float*>(p.stats))
+      atomicMax(reinterpret_cast<unsigned int*>(p.stats), __float_as_uint(running_amax));
   }
 }
 
@@ -489,17 +511,17 @@ bool valid_format(coat_fp8_format format) { return format == COAT_E4M3 || format
 int64_t element_size(coat_dtype dtype) { return dtype == COAT_FLOAT32 ? 4 : 2; }
 
 /** Launches quantize_kernel for a non-empty matrix: picks the tile width, the vector path and the
- *  instantiation. p.q_t selects the transposing kernel; p.q is null only for kAmaxOnly. */
+ *  instantiation. p.q_t selects the transposing kernel. */
 template <QuantizeMode kMode>
 coat_status launch_quantize(QuantizeParams p, coat_dtype dtype, coat_fp8_format format, cudaStream_t stream) {
   const bool transpose = p.q_t != nullptr;
   const bool vector = p.cols % kQuantizeChunk == 0 && is_aligned(p.x, 16) &&
                       (p.rows == 1 || p.row_stride * element_size(dtype) % 16 == 0) &&
-                      (p.q == nullptr || is_aligned(p.q, 8));
+                      (p.q == nullptr || (is_aligned(p.q, 8) && p.q_stride % kQuantizeChunk == 0));
   // Rows as wide as the data allows (up to a whole block per row), for long contiguous runs.
   p.lanes_per_row_log2 =
       transpose ? kTransposeLanesLog2 : min(ceil_log2(coat_ceil_div(p.cols, kQuantizeChunk)), kThreadsLog2);
-  p.q_t_word_stores = transpose && p.rows % 4 == 0 && is_aligned(p.q_t, 4);
+  p.q_t_word_stores = transpose && p.rows % 4 == 0 && p.q_t_stride % 4 == 0 && is_aligned(p.q_t, 4);
   const int64_t tile_rows = int64_t{kThreads >> p.lanes_per_row_log2} * kPasses;
   const int64_t tile_cols = int64_t{kQuantizeChunk} << p.lanes_per_row_log2;
   const dim3 grid(clamp_grid(coat_ceil_div(p.rows, tile_rows), kMaxGridX),
@@ -507,7 +529,7 @@ coat_status launch_quantize(QuantizeParams p, coat_dtype dtype, coat_fp8_format 
 
   dispatch_input_dtype(dtype, [&](auto input) {
     dispatch_bool(vector, [&](auto vectorized) {
-      if constexpr (kMode == QuantizeMode::kAmaxOnly) {
+      if constexpr (kMode == QuantizeMode::kAmaxOnly || kMode == QuantizeMode::kTensorAmax) {
         quantize_kernel<kMode, decltype(input)::value, COAT_E4M3, false, decltype(vectorized)::value>
             <<<grid, kThreads, 0, stream>>>(p);
       } else {
@@ -543,7 +565,9 @@ coat_status coat_quantize_group_cuda(const void* x, coat_dtype dtype, int64_t ro
   p.group_log2 = ceil_log2(group_size);
   p.stats = scales;
   p.q = q;
+  p.q_stride = cols;
   p.q_t = q_t;
+  p.q_t_stride = rows;
   return launch_quantize<QuantizeMode::kGroupScale>(p, dtype, format, as_cuda_stream(stream));
 }
 
@@ -586,12 +610,29 @@ coat_status coat_reduce_amax_cuda(const float* group_amax, int64_t count, float*
   return launch_status();
 }
 
+coat_status coat_tensor_amax_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                  int64_t row_stride, float* amax, coat_cuda_stream stream) {
+  using namespace coat::device;
+  if (!valid_matrix(x, rows, cols, row_stride) || amax == nullptr || !valid_input_dtype(dtype))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  if (rows == 0 || cols == 0) return COAT_SUCCESS;
+  QuantizeParams p{};
+  p.x = x;
+  p.rows = rows;
+  p.cols = cols;
+  p.row_stride = row_stride;
+  p.stats = amax;
+  return launch_quantize<QuantizeMode::kTensorAmax>(p, dtype, COAT_E4M3, as_cuda_stream(stream));
+}
+
 coat_status coat_quantize_tensor_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
                                       int64_t row_stride, const float* amax, coat_fp8_format format,
-                                      uint8_t* q, float* scale, uint8_t* q_t, coat_cuda_stream stream) {
+                                      uint8_t* q, int64_t q_stride, float* scale, uint8_t* q_t,
+                                      int64_t q_t_stride, coat_cuda_stream stream) {
   using namespace coat::device;
   if (!valid_matrix(x, rows, cols, row_stride) || amax == nullptr || scale == nullptr ||
-      !valid_input_dtype(dtype) || !valid_format(format))
+      !valid_input_dtype(dtype) || !valid_format(format) || (q != nullptr && q_stride < cols) ||
+      (q_t != nullptr && q_t_stride < rows))
     return COAT_ERROR_INVALID_ARGUMENT;
   if (rows == 0 || cols == 0) {
     tensor_scale_kernel<<<1, 1, 0, as_cuda_stream(stream)>>>(amax, format, scale);
@@ -605,7 +646,9 @@ coat_status coat_quantize_tensor_cuda(const void* x, coat_dtype dtype, int64_t r
   p.tensor_amax = amax;
   p.stats = scale;
   p.q = q;
+  p.q_stride = q_stride;
   p.q_t = q_t;
+  p.q_t_stride = q_t_stride;
   return launch_quantize<QuantizeMode::kTensorScale>(p, dtype, format, as_cuda_stream(stream));
 }
 

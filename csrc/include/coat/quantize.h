@@ -58,15 +58,28 @@ coat_status coat_reduce_amax_cpu(const float* group_amax, int64_t count, float* 
 coat_status coat_reduce_amax_cuda(const float* group_amax, int64_t count, float* amax,
                                   coat_cuda_stream stream);
 
+/** Per-tensor amax, accumulated into one value: amax[0] = max(amax[0], max |x| over the matrix), NaN
+ *  ignored. amax[0] must hold a value >= 0 and not NaN (0 to start a reduction), so that several tensors
+ *  sharing one scale reduce into one amax with one call each. amax is a device pointer for CUDA. */
+coat_status coat_tensor_amax_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                 int64_t row_stride, float* amax);
+coat_status coat_tensor_amax_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
+                                  int64_t row_stride, float* amax, coat_cuda_stream stream);
+
 /** Stage 3 of group scaling, per-tensor quantization with a precomputed amax (one fp32 value):
- *    scale[0] = max(amax[0] / FP8_MAX, 2^-126),  q[r*cols + c] = fp8_encode(x[r, c] / scale[0])
- *  amax and scale are device pointers for the CUDA entry point. q_t may be NULL. */
+ *    scale[0] = max(amax[0] / FP8_MAX, 2^-126)
+ *    q[r*q_stride + c] = q_t[c*q_t_stride + r] = fp8_encode(x[r, c] / scale[0])
+ *  Either output may be NULL (not written). The output strides place the codes inside larger matrices, so
+ *  that several tensors sharing one scale quantize into one operand: q_stride >= cols, q_t_stride >= rows
+ *  (cols and rows for standalone outputs). amax and scale are device pointers for the CUDA entry point. */
 coat_status coat_quantize_tensor_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
                                      int64_t row_stride, const float* amax, coat_fp8_format format,
-                                     uint8_t* q, float* scale, uint8_t* q_t);
+                                     uint8_t* q, int64_t q_stride, float* scale, uint8_t* q_t,
+                                     int64_t q_t_stride);
 coat_status coat_quantize_tensor_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols,
                                       int64_t row_stride, const float* amax, coat_fp8_format format,
-                                      uint8_t* q, float* scale, uint8_t* q_t, coat_cuda_stream stream);
+                                      uint8_t* q, int64_t q_stride, float* scale, uint8_t* q_t,
+                                      int64_t q_t_stride, coat_cuda_stream stream);
 
 /** Dequantization: out[r*cols + c] = round_to(out_dtype, fp8_decode(q[r*cols + c]) * s) with
  *  s = scales[r*ceil(cols/G) + c/G] when group_size = G > 0, and s = scales[0] when group_size == 0
