@@ -4,12 +4,16 @@
    Llama-2-7B. BF16 torch.mm against coat's FP8 GEMM (torch._scaled_mm, per-tensor scales, fp32
    accumulation, BF16 output) on operands already in FP8, and with the quantization of both operands.
    TFLOP/s = 2 M N K / time.
-2. Layers: coat.nn.Linear against torch.nn.Linear, forward and forward+backward (input and weight
-   gradients), with E5M2 gradients and FP8 backward GEMMs (coat's default) and with BF16 backward GEMMs.
+2. Layers, forward and forward+backward (input and weight gradients): torch.nn.Linear in BF16 (the
+   baseline), torchao's float8 Linear (convert_to_float8_training, tensorwise scaling) under torch.compile
+   (the peer a user would pick instead; the row says so when torchao is not installed: pip install -e
+   ".[bench]"), and coat.nn.Linear with E5M2 gradients and FP8 backward GEMMs (coat's default) and with BF16
+   backward GEMMs.
 
     python benchmarks/linear.py            (a CUDA GPU with FP8 tensor cores: H100/H200)
     python benchmarks/linear.py --smoke    (tiny shapes on the CPU: checks that the script runs)
 """
+import copy
 import sys
 
 import torch
@@ -27,8 +31,8 @@ SMOKE_TOKENS, SMOKE_PROJECTIONS = 64, [(64, 48), (40, 24)]
 def gemm_rows(tokens, k, n, device, warmup, repeat):
     x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
-    x_q, x_scale, _ = coat_functional.quantize_per_tensor(x, torch.float8_e4m3fn, transpose=False)
-    w_q, w_scale, _ = coat_functional.quantize_per_tensor(w, torch.float8_e4m3fn, transpose=False)
+    x_q, x_scale, _ = coat_functional.quantize_per_tensor(x, torch.float8_e4m3fn)
+    w_q, w_scale, _ = coat_functional.quantize_per_tensor(w, torch.float8_e4m3fn)
     cases = {
         "bf16 torch.mm": lambda: torch.mm(x, w.t()),
         "fp8 GEMM": lambda: coat_functional.fp8_gemm(x_q, x_scale, w_q, w_scale, torch.bfloat16),
@@ -43,10 +47,23 @@ def gemm_rows(tokens, k, n, device, warmup, repeat):
     ]
 
 
+def torchao_float8_linear(reference: torch.nn.Linear, device):
+    """torchao's float8 training Linear (tensorwise) compiled, or why it cannot be built."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as error:
+        return f"torchao is not installed ({error.name}): pip install -e '.[bench]'"
+    if torch.device(device).type != "cuda":
+        return "torchao float8 needs a CUDA GPU"
+    layer = convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(reference)))
+    return torch.compile(layer)
+
+
 def layer_rows(tokens, k, n, device, warmup, repeat):
     reference = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     layers = {
         "torch.nn.Linear (bf16)": reference,
+        "torchao float8 compiled": torchao_float8_linear(reference, device),
         "coat.nn.Linear (e5m2 grads)": coat.nn.Linear.from_linear(reference),
         "coat.nn.Linear (bf16 grads)": coat.nn.Linear.from_linear(
             reference, coat.nn.FP8Config(gradient_format=None)
@@ -56,17 +73,23 @@ def layer_rows(tokens, k, n, device, warmup, repeat):
     grad = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
 
     def forward_backward(layer):
-        x.grad, layer.weight.grad = None, None
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
         layer(x).backward(grad)
 
     rows = []
     for name, layer in layers.items():
+        if isinstance(layer, str):
+            rows.append({"M": tokens, "K": k, "N": n, "layer": name, "missing": layer})
+            continue
         forward = time_ms(lambda: layer(x), warmup, repeat, device)
         total = time_ms(lambda: forward_backward(layer), warmup, repeat, device)
         rows.append({"M": tokens, "K": k, "N": n, "layer": name, "fwd ms": forward, "fwd+bwd ms": total})
     for row in rows:
-        row["fwd vs bf16"] = rows[0]["fwd ms"] / row["fwd ms"]
-        row["fwd+bwd vs bf16"] = rows[0]["fwd+bwd ms"] / row["fwd+bwd ms"]
+        if "missing" not in row:
+            row["fwd vs bf16"] = rows[0]["fwd ms"] / row["fwd ms"]
+            row["fwd+bwd vs bf16"] = rows[0]["fwd+bwd ms"] / row["fwd+bwd ms"]
     return rows
 
 
@@ -86,7 +109,7 @@ def main():
     print_table(gemms, ["M", "K", "N", "op", "ms", "TFLOP/s", "vs bf16"])
     print()
     layers = [row for k, n in projections for row in layer_rows(tokens, k, n, device, args.warmup, args.repeat)]
-    print_table(layers, ["M", "K", "N", "layer", "fwd ms", "fwd+bwd ms", "fwd vs bf16", "fwd+bwd vs bf16"])
+    print_table(layers, ["M", "K", "N", "layer", "fwd ms", "fwd+bwd ms", "fwd vs bf16", "fwd+bwd vs bf16", "missing"])
 
     fp8_speedups = [row["vs bf16"] for row in gemms if row["op"] == "fp8 GEMM"]
     summary = {"smoke": args.smoke, "fp8_gemm_speedup_min": min(fp8_speedups), "fp8_gemm_speedup_max": max(fp8_speedups)}

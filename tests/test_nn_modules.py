@@ -188,10 +188,11 @@ def test_swiglu_mlp_saves_fp8_only(device):
         (E4M3, (rows, INTERMEDIATE)),  # gate and up, 1 x 16 groups, for SiLU*mul's backward
         (torch.float32, (rows, INTERMEDIATE // 16)),  # their scales
         (E4M3, (INTERMEDIATE, rows)),  # the product, transposed, for the down wgrad
-        (torch.float32, ()),  # per-tensor scales
+        (torch.float32, ()),  # per-tensor scales, and the weights' amax that backward quantizes them with
     }
     assert {(t.dtype, tuple(t.shape)) for t in activations} == expected
-    assert len(activations) == 8  # input + scale, gate + scales, up + scales, product + scale
+    # input + scale, gate + scales, up + scales, product + scale, amax of the gate/up and of the down weights
+    assert len(activations) == 10
     assert all(t.dtype != torch.bfloat16 for t in activations)
 
 
@@ -258,13 +259,15 @@ def test_before_attention(device):
     outputs, saved = run_saving(
         lambda: coat_functional.before_attention(leaves[0], leaves[1], EPS, [(w, None) for w in leaves[2:]])
     )
-    # The three GEMMs read the normalized input in FP8, saved once, transposed.
+    # The three GEMMs read the normalized input in FP8, saved once, transposed, and the three weights
+    # quantized with one shared per-tensor scale (one GEMM over the stacked weights).
     normed_t = [t for t in saved if t.dtype == E4M3 and t.shape == (HIDDEN, x[..., 0].numel())]
     assert len(normed_t) == 1
     normed = normed_t[0].double().t() * [t for t in saved if t.dim() == 0][0].double()
-    for out, weight in zip(outputs, weights):
-        at_fp8 = normed @ quantize_per_tensor_dequantized(weight, E4M3).t()
-        error_bf16 = bf16_error(lambda a, w: a @ w.t(), normed.bfloat16(), weight)
+    stacked = quantize_per_tensor_dequantized(torch.cat(weights), E4M3)
+    for out, weight in zip(outputs, stacked.split([w.shape[0] for w in weights])):
+        at_fp8 = normed @ weight.t()
+        error_bf16 = bf16_error(lambda a, w: a @ w.t(), normed.bfloat16(), weight.bfloat16())
         assert relative_error(out.reshape(at_fp8.shape), at_fp8) <= 2 * error_bf16
 
     grads = [randn(*o.shape, seed=30 + i, device=device) for i, o in enumerate(outputs)]

@@ -100,22 +100,82 @@ def fp8_gemm(
 # Linear building blocks, shared by coat.nn.Linear and the decoder blocks
 
 
-def quantize_per_tensor(x2d: torch.Tensor, fp8: torch.dtype, transpose: bool):
-    """Per-tensor FP8 with group scaling: ``(q, scale, q_t)``, q_t None unless ``transpose``."""
-    return ops.quantize_tensor(x2d, fp8, group_size=AMAX_GROUP_SIZE, transpose=transpose)
+def quantize_per_tensor(x2d: torch.Tensor, fp8: torch.dtype, *, rowwise: bool = True, columnwise: bool = False,
+                        amax: torch.Tensor | None = None):
+    """Per-tensor FP8 of one [M, K] matrix: ``(q, scale, q_t)``, q None unless ``rowwise``, q_t (the [K, M]
+    transpose a weight-gradient GEMM reads) None unless ``columnwise``. amax: reuse one computed before."""
+    q, scale, q_t = ops.quantize_tensors([x2d], fp8, dim=0, amax=amax, rowwise=rowwise, columnwise=columnwise)
+    return q if rowwise else None, scale, q_t if columnwise else None
 
 
-def linear_forward_fp8(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: FP8Config,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """y = x @ W^T + b for an input already quantized per tensor ([M, K] FP8); W is quantized here."""
-    w_q, w_scale, _ = quantize_per_tensor(weight.contiguous(), config.forward_dtype, transpose=False)
-    return fp8_gemm(x_q, x_scale, w_q, w_scale, out_dtype, bias)
+class Projections:
+    """The linear layers that read one FP8 input: q, k and v after the input norm, gate and up after the
+    post-attention norm, or a single layer. Their weights are quantized together, with one per-tensor scale,
+    into one [sum N_i, K] FP8 matrix. Forward multiplies the input by each projection's row block of it
+    (one GEMM each, so that every output is a tensor of its own: attention keeps v for backward, and a view
+    of a joint output would keep q and k alive with it). Backward is one dgrad GEMM over the gradients side by
+    side (the sum over projections happens in its fp32 accumulator) and one wgrad GEMM whose row blocks are
+    the weights' gradients. Sharing the scale is what a fused QKV weight does in other FP8 recipes; it costs
+    precision only to a weight whose amax is far below its siblings' (E4M3 spans 2^17 below its max)."""
+
+    def __init__(self, params):
+        self.weights = [weight for weight, _ in params]
+        self.biases = [bias for _, bias in params]
+        self.widths = [weight.shape[0] for weight in self.weights]
+        if len({weight.dtype for weight in self.weights}) != 1 or len({w.shape[1] for w in self.weights}) != 1:
+            raise ValueError(
+                "coat: projections that read one input need weights of one dtype and one input size, got "
+                + ", ".join(f"{tuple(w.shape)} {w.dtype}" for w in self.weights)
+            )
+
+    def weight_amax(self) -> torch.Tensor:
+        return ops.tensor_amax(self.weights)
+
+    def forward(self, x_q, x_scale, config: FP8Config, out_dtype, weight_amax) -> list[torch.Tensor]:
+        """[x @ W_i^T + b_i for each projection]."""
+        w_q, w_scale, _ = ops.quantize_tensors(self.weights, config.forward_dtype, dim=0, amax=weight_amax)
+        return [fp8_gemm(x_q, x_scale, w_i, w_scale, out_dtype, bias)
+                for w_i, bias in zip(w_q.split(self.widths), self.biases)]
+
+    def backward(self, grads, x_q_t, x_scale, weight_amax, needs, config: FP8Config, input_grad_dtype):
+        """grads: the [M, N_i] gradients of the outputs (None for an unused output). needs:
+        (need_input_grad, [(need_weight_grad, need_bias_grad) per projection]). Returns the input's gradient
+        ([M, K] in input_grad_dtype, None when not needed) and [grad_w_0, grad_b_0, grad_w_1, ...]."""
+        need_input_grad, need_param_grads = needs
+        grads = [_matrix(g) if g is not None else w.new_zeros(x_q_t.shape[1], w.shape[0], dtype=input_grad_dtype)
+                 for g, w in zip(grads, self.weights)]
+        need_weight_grads = any(need_weight for need_weight, _ in need_param_grads)
+        if config.gradient_dtype is None:
+            grad_input, weight_grads = self._backward_unquantized(grads, x_q_t, x_scale, need_input_grad,
+                                                                  need_weight_grads, input_grad_dtype)
+        else:
+            g_q, g_scale, g_q_t = ops.quantize_tensors(grads, config.gradient_dtype, dim=1, rowwise=need_input_grad,
+                                                       columnwise=need_weight_grads)
+            grad_input = weight_grads = None
+            if need_input_grad:
+                _, w_scale, w_q_t = ops.quantize_tensors(self.weights, config.forward_dtype, dim=0, amax=weight_amax,
+                                                         rowwise=False, columnwise=True)
+                grad_input = fp8_gemm(g_q, g_scale, w_q_t, w_scale, input_grad_dtype)
+            if need_weight_grads:
+                # The contraction dimension is the token count M, which fp8_gemm pads to a multiple of 16.
+                weight_grads = fp8_gemm(g_q_t, g_scale, x_q_t, x_scale, self.weights[0].dtype).split(self.widths)
+        param_grads = []
+        for i, (need_weight, need_bias) in enumerate(need_param_grads):
+            param_grads.append(weight_grads[i] if need_weight else None)
+            param_grads.append(grads[i].sum(0, dtype=torch.float32).to(self.biases[i].dtype) if need_bias else None)
+        return grad_input, param_grads
+
+    def _backward_unquantized(self, grads, x_q_t, x_scale, need_input_grad, need_weight_grads, input_grad_dtype):
+        """gradient_format=None: dgrad with the BF16 weights, summed in float32 and rounded once; wgrad with
+        the dequantized FP8 input (paper appendix G.5)."""
+        grad_input = weight_grads = None
+        if need_input_grad:
+            grad_input = sum(((g @ w.to(g.dtype)).float() for g, w in zip(grads, self.weights)))
+            grad_input = grad_input.to(input_grad_dtype)
+        if need_weight_grads:
+            x_t = _dequantized(x_q_t, x_scale, grads[0].dtype)
+            weight_grads = [(g.t() @ x_t.t()).to(w.dtype) for g, w in zip(grads, self.weights)]
+        return grad_input, weight_grads
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -123,39 +183,10 @@ def _dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return out.to(dtype)
 
 
-class QuantizedGradient:
-    """An output gradient [M, N] prepared once for every backward GEMM that reads it: quantized per tensor
-    to ``config.gradient_format`` (with its transpose when a weight gradient is needed), or kept as is when
-    gradients stay unquantized."""
-
-    def __init__(self, grad2d: torch.Tensor, config: FP8Config, need_transpose: bool):
-        self.grad = grad2d
-        self.config = config
-        if config.gradient_dtype is not None:
-            self.q, self.scale, self.q_t = quantize_per_tensor(grad2d, config.gradient_dtype, need_transpose)
-
-    def input_grad(self, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """dgrad: dY @ W, [M, K]."""
-        if self.config.gradient_dtype is None:
-            return (self.grad @ weight.to(self.grad.dtype)).to(out_dtype)
-        _, w_scale, w_q_t = quantize_per_tensor(weight.contiguous(), self.config.forward_dtype, transpose=True)
-        return fp8_gemm(self.q, self.scale, w_q_t, w_scale, out_dtype)
-
-    def weight_grad(self, x_q_t: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """wgrad: dY^T @ X, [N, K], from the transposed FP8 input [K, M] saved in forward."""
-        if self.config.gradient_dtype is None:
-            x_t = _dequantized(x_q_t, x_scale, self.grad.dtype)
-            return (self.grad.t() @ x_t.t()).to(out_dtype)
-        # The contraction dimension here is the token count M, which fp8_gemm pads to a multiple of 16.
-        return fp8_gemm(self.q_t, self.scale, x_q_t, x_scale, out_dtype)
-
-    def bias_grad(self, bias: torch.Tensor) -> torch.Tensor:
-        return self.grad.sum(0, dtype=torch.float32).to(bias.dtype)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t as a contiguous [rows, last-dim] matrix (a no-op for contiguous tensors)."""
-    return t.reshape(-1, t.shape[-1]).contiguous()
+def _matrix(t: torch.Tensor) -> torch.Tensor:
+    """t as a [rows, last-dim] matrix, a view whenever the layout allows: coat's ops read row-strided
+    matrices in place."""
+    return t.reshape(-1, t.shape[-1])
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -175,27 +206,30 @@ def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
 
 class _LinearFunction(torch.autograd.Function):
     """y = x W^T + b with FP8 operands. Saves the transposed FP8 input and its scale when the weight needs a
-    gradient (nothing of the input otherwise), and the weight parameter itself."""
+    gradient (nothing of the input otherwise), the weight parameter and the weight's amax (backward
+    quantizes the weight again, transposed, with the same scale)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, config: FP8Config, out_dtype: torch.dtype):
-        x2d = _rows(x)
         need_weight_grad = ctx.needs_input_grad[1]
-        x_q, x_scale, x_q_t = quantize_per_tensor(x2d, config.forward_dtype, transpose=need_weight_grad)
-        y = linear_forward_fp8(x_q, x_scale, weight, bias, config, out_dtype)
-        ctx.save_for_backward(x_q_t, x_scale if need_weight_grad else None, weight, bias)
+        x_q, x_scale, x_q_t = quantize_per_tensor(_matrix(x), config.forward_dtype, columnwise=need_weight_grad)
+        projection = Projections([(weight, bias)])
+        weight_amax = projection.weight_amax()
+        (y,) = projection.forward(x_q, x_scale, config, out_dtype, weight_amax)
+        _save(ctx, x_q_t=x_q_t, x_scale=x_scale if need_weight_grad else None, weight=weight, bias=bias,
+              weight_amax=weight_amax)
         ctx.config, ctx.x_shape, ctx.x_dtype = config, x.shape, x.dtype
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
-        x_q_t, x_scale, weight, bias = ctx.saved_tensors
+        saved = _saved(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad = QuantizedGradient(_rows(grad_y), ctx.config, need_transpose=need_w)
-        grad_x = grad.input_grad(weight, ctx.x_dtype).view(ctx.x_shape) if need_x else None
-        grad_w = grad.weight_grad(x_q_t, x_scale, weight.dtype) if need_w else None
-        grad_b = grad.bias_grad(bias) if need_b else None
-        return grad_x, grad_w, grad_b, None, None
+        grad_x, (grad_w, grad_b) = Projections([(saved["weight"], saved["bias"])]).backward(
+            [grad_y], saved["x_q_t"], saved["x_scale"], saved["weight_amax"], (need_x, [(need_w, need_b)]),
+            ctx.config, ctx.x_dtype,
+        )
+        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None, None
 
 
 def linear(
@@ -210,36 +244,14 @@ def linear(
     out_dtype = output_dtype(x)
     if _needs_autograd(x, weight, bias):
         return _LinearFunction.apply(x, weight, bias, config, out_dtype)
-    x_q, x_scale, _ = quantize_per_tensor(_rows(x), config.forward_dtype, transpose=False)
-    y = linear_forward_fp8(x_q, x_scale, weight, bias, config, out_dtype)
+    x_q, x_scale, _ = quantize_per_tensor(_matrix(x), config.forward_dtype)
+    projection = Projections([(weight, bias)])
+    (y,) = projection.forward(x_q, x_scale, config, out_dtype, projection.weight_amax())
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Layers that share one FP8 input, and the saved-tensor plumbing of the block Functions
-
-
-def projections_forward(x_q, x_scale, params, config: FP8Config, out_dtype: torch.dtype) -> list[torch.Tensor]:
-    """The linear layers that read one quantized input (q, k and v after the input norm; gate and up after
-    the post-attention norm): that input is quantized once and saved once. params: [(weight, bias), ...]."""
-    return [linear_forward_fp8(x_q, x_scale, weight, bias, config, out_dtype) for weight, bias in params]
-
-
-def projections_backward(grads, x_q_t, x_scale, params, needs, config: FP8Config, input_grad_dtype):
-    """Backward of :func:`projections_forward`. needs: (need_input_grad, [(need_weight_grad, need_bias_grad)
-    per projection]). Returns the input's gradient (None when not needed), summed over the projections in
-    float32 and rounded once, and the flat list [grad_weight_0, grad_bias_0, grad_weight_1, ...]."""
-    need_input_grad, need_param_grads = needs
-    accumulate_dtype = torch.float32 if len(params) > 1 else input_grad_dtype
-    grad_input, param_grads = None, []
-    for grad_out, (weight, bias), (need_weight, need_bias) in zip(grads, params, need_param_grads):
-        grad = QuantizedGradient(_rows(grad_out), config, need_transpose=need_weight)
-        if need_input_grad:
-            part = grad.input_grad(weight, accumulate_dtype)
-            grad_input = part if grad_input is None else grad_input.add_(part)
-        param_grads.append(grad.weight_grad(x_q_t, x_scale, weight.dtype) if need_weight else None)
-        param_grads.append(grad.bias_grad(bias) if need_bias else None)
-    return None if grad_input is None else grad_input.to(input_grad_dtype), param_grads
+# Saved-tensor plumbing of the block Functions
 
 
 def _pairs(flat):
@@ -304,11 +316,14 @@ def _smoothed_down_weight(weight: torch.Tensor, smooth_scale: torch.Tensor | Non
 
 
 def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for_backward: bool):
-    """down(SiLU(gate(x)) * up(x)) from an input already in FP8. params: [(w, b)] for gate, up, down.
-    Returns the output and the tensors backward needs: SiLU*mul's inputs in 1 x G FP8 groups, the
-    transposed FP8 product that feeds the down projection (its wgrad operand) and its scale. gate and up
-    themselves live only until the fused op has read them."""
-    gate, up = projections_forward(x_q, x_scale, params[:2], config, out_dtype)
+    """down(SiLU(gate(x)) * up(x)) from an input already in FP8. params: [(w, b)] for gate, up, down; gate
+    and up share one weight scale (:class:`Projections`).
+    Returns the output and the tensors backward needs: the weights' amax, SiLU*mul's inputs in 1 x G FP8
+    groups, the transposed FP8 product that feeds the down projection (its wgrad operand) and its scale.
+    gate and up themselves live only until the fused op has read them."""
+    gate_up = Projections(params[:2])
+    gate_up_amax = gate_up.weight_amax()
+    gate, up = gate_up.forward(x_q, x_scale, config, out_dtype, gate_up_amax)
     smooth_scale = smooth_swiglu_scale(gate, up) if config.smooth_swiglu else None
     act_q, act_scale, act_q_t, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(
         gate,
@@ -320,11 +335,12 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
         transpose=keep_for_backward,
     )
     del gate, up
-    down_weight, down_bias = params[2]
-    out = linear_forward_fp8(
-        act_q, act_scale, _smoothed_down_weight(down_weight, smooth_scale), down_bias, config, out_dtype
-    )
+    down = Projections([_smoothed_down(params[2], smooth_scale)])
+    down_amax = down.weight_amax()
+    (out,) = down.forward(_matrix(act_q), act_scale, config, out_dtype, down_amax)
     saved = dict(
+        gate_up_amax=gate_up_amax,
+        down_amax=down_amax,
         gate_saved=gate_saved,
         gate_scales=gate_scales,
         up_saved=up_saved,
@@ -336,23 +352,24 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
     return out, saved
 
 
-def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, config: FP8Config, x_dtype):
-    """Backward of :func:`_swiglu_forward`. needs: (need_input_grad, [(need_w, need_b)] for gate, up, down).
-    Returns the input's gradient and [grad_w, grad_b] for gate, up, down."""
-    need_input_grad, need_param_grads = needs
-    down_weight, down_bias = params[2]
-    smooth_scale = saved["smooth_scale"]
-    need_down_weight, need_down_bias = need_param_grads[2]
+def _smoothed_down(down, smooth_scale):
+    weight, bias = down
+    return _smoothed_down_weight(weight, smooth_scale), bias
 
-    grad = QuantizedGradient(grad_out2d, config, need_transpose=need_down_weight)
-    grad_act = grad.input_grad(_smoothed_down_weight(down_weight, smooth_scale), grad_out2d.dtype)
-    grad_down_weight = None
-    if need_down_weight:
-        grad_down_weight = grad.weight_grad(saved["act_q_t"], saved["act_scale"], down_weight.dtype)
-        if smooth_scale is not None:
-            grad_down_weight = grad_down_weight * smooth_scale.reciprocal().to(grad_down_weight.dtype)
-    grad_down_bias = grad.bias_grad(down_bias) if need_down_bias else None
-    del grad
+
+def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, config: FP8Config, x_dtype, act_dtype):
+    """Backward of :func:`_swiglu_forward`. needs: (need_input_grad, [(need_w, need_b)] for gate, up, down).
+    The gradients of the product and of gate and up are in act_dtype, the dtype the forward computed them
+    in (autocast's); the input's gradient is in x_dtype. Returns the input's gradient and [grad_w, grad_b]
+    for gate, up, down."""
+    need_input_grad, need_param_grads = needs
+    smooth_scale = saved["smooth_scale"]
+    grad_act, down_grads = Projections([_smoothed_down(params[2], smooth_scale)]).backward(
+        [grad_out2d], saved["act_q_t"], saved["act_scale"], saved["down_amax"], (True, need_param_grads[2:]),
+        config, act_dtype,
+    )
+    if down_grads[0] is not None and smooth_scale is not None:
+        down_grads[0] = down_grads[0] * smooth_scale.reciprocal().to(down_grads[0].dtype)
 
     grad_gate, grad_up = ops.silu_mul_backward(
         grad_act,
@@ -364,10 +381,11 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
         config.group_size,
     )
     del grad_act
-    grad_input, gate_up_grads = projections_backward(
-        [grad_gate, grad_up], x_q_t, x_scale, params[:2], (need_input_grad, need_param_grads[:2]), config, x_dtype
+    grad_input, gate_up_grads = Projections(params[:2]).backward(
+        [grad_gate, grad_up], x_q_t, x_scale, saved["gate_up_amax"], (need_input_grad, need_param_grads[:2]), config,
+        x_dtype,
     )
-    return grad_input, gate_up_grads + [grad_down_weight, grad_down_bias]
+    return grad_input, gate_up_grads + down_grads
 
 
 def _param_needs(needs_input_grad, first_param_index: int, count: int):
@@ -390,7 +408,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, config: FP8Config, out_dtype):
-        y, y_scale, _, x_saved, x_saved_scales, rstd = _rmsnorm_quantize(_rows(x), weight, eps, config, False)
+        y, y_scale, _, x_saved, x_saved_scales, rstd = _rmsnorm_quantize(_matrix(x), weight, eps, config, False)
         _save(ctx, x_saved=x_saved, x_saved_scales=x_saved_scales, rstd=rstd, weight=weight)
         ctx.config, ctx.x_dtype = config, x.dtype
         return _dequantized(y, y_scale, out_dtype).view(x.shape)
@@ -398,7 +416,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         saved = _saved(ctx)
-        grad_x, grad_weight = _rmsnorm_backward(_rows(grad_y), saved, saved["weight"], ctx.config, ctx.x_dtype)
+        grad_x, grad_weight = _rmsnorm_backward(_matrix(grad_y), saved, saved["weight"], ctx.config, ctx.x_dtype)
         return grad_x.view(grad_y.shape), grad_weight, None, None, None
 
 
@@ -409,7 +427,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, config: FP8Confi
     out_dtype = output_dtype(x)
     if _needs_autograd(x, weight):
         return _RMSNormFunction.apply(x, weight, eps, config, out_dtype)
-    y, y_scale, *_ = _rmsnorm_quantize(_rows(x), weight, eps, config, False)
+    y, y_scale, *_ = _rmsnorm_quantize(_matrix(x), weight, eps, config, False)
     return _dequantized(y, y_scale, out_dtype).view(x.shape)
 
 
@@ -422,11 +440,11 @@ class _SwiGLUMLPFunction(torch.autograd.Function):
         params = _pairs(flat_params)
         param_needs = _param_needs(ctx.needs_input_grad, 3, 3)
         x_q, x_scale, x_q_t = quantize_per_tensor(
-            _rows(x), config.forward_dtype, transpose=_params_need_grad(param_needs[:2])
+            _matrix(x), config.forward_dtype, columnwise=_params_need_grad(param_needs[:2])
         )
         out, saved = _swiglu_forward(x_q, x_scale, params, config, out_dtype, keep_for_backward=True)
         _save(ctx, x_q_t=x_q_t, x_scale=x_scale, **saved, **_named_params(flat_params))
-        ctx.config, ctx.x_shape, ctx.x_dtype = config, x.shape, x.dtype
+        ctx.config, ctx.x_shape, ctx.x_dtype, ctx.out_dtype = config, x.shape, x.dtype, out_dtype
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -435,7 +453,8 @@ class _SwiGLUMLPFunction(torch.autograd.Function):
         params = _pairs(_params_from(saved))
         needs = (ctx.needs_input_grad[0], _param_needs(ctx.needs_input_grad, 3, 3))
         grad_x, param_grads = _swiglu_backward(
-            _rows(grad_out), saved, saved["x_q_t"], saved["x_scale"], params, needs, ctx.config, ctx.x_dtype
+            _matrix(grad_out), saved, saved["x_q_t"], saved["x_scale"], params, needs, ctx.config, ctx.x_dtype,
+            ctx.out_dtype,
         )
         return (None if grad_x is None else grad_x.view(ctx.x_shape), None, None, *param_grads)
 
@@ -454,7 +473,7 @@ def swiglu_mlp(x: torch.Tensor, gate, up, down, config: FP8Config = FP8Config())
     out_dtype = output_dtype(x)
     if _needs_autograd(x, *flat_params):
         return _SwiGLUMLPFunction.apply(x, config, out_dtype, *flat_params)
-    x_q, x_scale, _ = quantize_per_tensor(_rows(x), config.forward_dtype, transpose=False)
+    x_q, x_scale, _ = quantize_per_tensor(_matrix(x), config.forward_dtype)
     out, _ = _swiglu_forward(x_q, x_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False)
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -465,18 +484,21 @@ def swiglu_mlp(x: torch.Tensor, gate, up, down, config: FP8Config = FP8Config())
 
 class _BeforeAttentionFunction(torch.autograd.Function):
     """RMSNorm then the q, k, v projections. The fused norm writes its output directly in FP8 (with the
-    transpose the wgrads read), which feeds all three GEMMs: no BF16 round trip, one saved copy.
+    transpose the wgrads read), which feeds the three GEMMs (:class:`Projections`): no BF16 round trip, one
+    saved copy.
     Saves: x as E4M3 in 1 x G groups + scales + rstd (the norm's backward), the transposed FP8 normed
-    output + its scale (the three wgrads), and the parameters."""
+    output + its scale (the wgrads), the weights' amax, and the parameters."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
         params = _pairs(flat_params)
         param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
         y, y_scale, y_t, x_saved, x_saved_scales, rstd = _rmsnorm_quantize(
-            _rows(x), norm_weight, eps, config, transpose=_params_need_grad(param_needs)
+            _matrix(x), norm_weight, eps, config, transpose=_params_need_grad(param_needs)
         )
-        outputs = projections_forward(y, y_scale, params, config, out_dtype)
+        projections = Projections(params)
+        weight_amax = projections.weight_amax()
+        outputs = projections.forward(y, y_scale, config, out_dtype, weight_amax)
         _save(
             ctx,
             x_saved=x_saved,
@@ -485,6 +507,7 @@ class _BeforeAttentionFunction(torch.autograd.Function):
             norm_weight=norm_weight,
             y_t=y_t,
             y_scale=y_scale,
+            weight_amax=weight_amax,
             **_named_params(flat_params),
         )
         ctx.config, ctx.x_shape, ctx.x_dtype = config, x.shape, x.dtype
@@ -496,9 +519,9 @@ class _BeforeAttentionFunction(torch.autograd.Function):
         params = _pairs(_params_from(saved))
         param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
-        grad_y, param_grads = projections_backward(
-            grads, saved["y_t"], saved["y_scale"], params, (need_x or need_norm_weight, param_needs), ctx.config,
-            ctx.x_dtype,
+        grad_y, param_grads = Projections(params).backward(
+            grads, saved["y_t"], saved["y_scale"], saved["weight_amax"], (need_x or need_norm_weight, param_needs),
+            ctx.config, ctx.x_dtype,
         )
         grad_x, grad_norm_weight = None, None
         if grad_y is not None:
@@ -519,8 +542,9 @@ def before_attention(x, norm_weight, eps: float, projections, config: FP8Config 
     out_dtype = output_dtype(x)
     if _needs_autograd(x, norm_weight, *flat_params):
         return _BeforeAttentionFunction.apply(x, norm_weight, eps, config, out_dtype, *flat_params)
-    y, y_scale, *_ = _rmsnorm_quantize(_rows(x), norm_weight, eps, config, transpose=False)
-    outputs = projections_forward(y, y_scale, _pairs(flat_params), config, out_dtype)
+    y, y_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config, transpose=False)
+    fused = Projections(_pairs(flat_params))
+    outputs = fused.forward(y, y_scale, config, out_dtype, fused.weight_amax())
     return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
 
@@ -534,18 +558,22 @@ class _AfterAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, attn_output, residual, weight, bias, config: FP8Config, out_dtype, attention_keeps_output):
-        a2d = _rows(attn_output)
+        a2d = _matrix(attn_output)
         need_weight_grad = ctx.needs_input_grad[2]
-        amax = ops.group_amax(a2d, AMAX_GROUP_SIZE).amax().reshape(1)
-        a_q, a_scale, a_q_t = ops.quantize_tensor(
-            a2d, config.forward_dtype, group_amax=amax, transpose=need_weight_grad and not attention_keeps_output
+        amax = ops.tensor_amax([a2d])
+        a_q, a_scale, a_q_t = quantize_per_tensor(
+            a2d, config.forward_dtype, amax=amax, columnwise=need_weight_grad and not attention_keeps_output
         )
-        out = linear_forward_fp8(a_q, a_scale, weight, bias, config, out_dtype)
+        projection = Projections([(weight, bias)])
+        weight_amax = projection.weight_amax()
+        (out,) = projection.forward(a_q, a_scale, config, out_dtype, weight_amax)
         out = residual + out.view(residual.shape)
         if attention_keeps_output:
-            _save(ctx, attn_output=attn_output, amax=amax, a_q_t=None, a_scale=None, weight=weight, bias=bias)
+            _save(ctx, attn_output=attn_output, amax=amax, a_q_t=None, a_scale=None, weight=weight, bias=bias,
+                  weight_amax=weight_amax)
         else:
-            _save(ctx, attn_output=None, amax=None, a_q_t=a_q_t, a_scale=a_scale, weight=weight, bias=bias)
+            _save(ctx, attn_output=None, amax=None, a_q_t=a_q_t, a_scale=a_scale, weight=weight, bias=bias,
+                  weight_amax=weight_amax)
         ctx.config, ctx.a_shape, ctx.a_dtype = config, attn_output.shape, attn_output.dtype
         return out
 
@@ -555,13 +583,15 @@ class _AfterAttentionFunction(torch.autograd.Function):
         need_attn, need_residual, need_weight, need_bias = ctx.needs_input_grad[:4]
         a_q_t, a_scale = saved["a_q_t"], saved["a_scale"]
         if need_weight and a_q_t is None:
-            _, a_scale, a_q_t = ops.quantize_tensor(
-                _rows(saved["attn_output"]), ctx.config.forward_dtype, group_amax=saved["amax"], transpose=True
+            _, a_scale, a_q_t = quantize_per_tensor(
+                _matrix(saved["attn_output"]), ctx.config.forward_dtype, amax=saved["amax"], rowwise=False,
+                columnwise=True,
             )
-        grad = QuantizedGradient(_rows(grad_out), ctx.config, need_transpose=need_weight)
-        grad_attn = grad.input_grad(saved["weight"], ctx.a_dtype).view(ctx.a_shape) if need_attn else None
-        grad_weight = grad.weight_grad(a_q_t, a_scale, saved["weight"].dtype) if need_weight else None
-        grad_bias = grad.bias_grad(saved["bias"]) if need_bias else None
+        grad_attn, (grad_weight, grad_bias) = Projections([(saved["weight"], saved["bias"])]).backward(
+            [grad_out], a_q_t, a_scale, saved["weight_amax"], (need_attn, [(need_weight, need_bias)]), ctx.config,
+            ctx.a_dtype,
+        )
+        grad_attn = None if grad_attn is None else grad_attn.view(ctx.a_shape)
         return grad_attn, grad_out if need_residual else None, grad_weight, grad_bias, None, None, None
 
 
@@ -574,22 +604,25 @@ def after_attention(
         return _AfterAttentionFunction.apply(
             attn_output, residual, weight, bias, config, out_dtype, attention_keeps_output
         )
-    a_q, a_scale, _ = quantize_per_tensor(_rows(attn_output), config.forward_dtype, transpose=False)
-    return residual + linear_forward_fp8(a_q, a_scale, weight, bias, config, out_dtype).view(residual.shape)
+    a_q, a_scale, _ = quantize_per_tensor(_matrix(attn_output), config.forward_dtype)
+    projection = Projections([(weight, bias)])
+    (out,) = projection.forward(a_q, a_scale, config, out_dtype, projection.weight_amax())
+    return residual + out.view(residual.shape)
 
 
 class _MLPResidualFunction(torch.autograd.Function):
     """x + down(SiLU(gate(n)) * up(n)) with n = RMSNorm(x): the post-attention norm writes n in FP8 for the
-    gate and up GEMMs, SiLU*mul writes its product in FP8 for the down GEMM. Saves: x as E4M3 1 x G groups
+    gate/up GEMM, SiLU*mul writes its product in FP8 for the down GEMM. Saves: x as E4M3 1 x G groups
     + scales + rstd, the transposed FP8 n + its scale, gate and up as E4M3 1 x G groups + scales, the
-    transposed FP8 product + its scale (and Smooth-SwiGLU's per-channel scale), and the parameters."""
+    transposed FP8 product + its scale (and Smooth-SwiGLU's per-channel scale), the weights' amax, and the
+    parameters."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
         params = _pairs(flat_params)
         param_needs = _param_needs(ctx.needs_input_grad, 5, 3)
         n_q, n_scale, n_q_t, x_saved, x_saved_scales, rstd = _rmsnorm_quantize(
-            _rows(x), norm_weight, eps, config, transpose=_params_need_grad(param_needs[:2])
+            _matrix(x), norm_weight, eps, config, transpose=_params_need_grad(param_needs[:2])
         )
         mlp_out, mlp_saved = _swiglu_forward(n_q, n_scale, params, config, out_dtype, keep_for_backward=True)
         _save(
@@ -603,7 +636,7 @@ class _MLPResidualFunction(torch.autograd.Function):
             **mlp_saved,
             **_named_params(flat_params),
         )
-        ctx.config, ctx.x_shape, ctx.x_dtype = config, x.shape, x.dtype
+        ctx.config, ctx.x_shape, ctx.x_dtype, ctx.out_dtype = config, x.shape, x.dtype, out_dtype
         return x + mlp_out.view(x.shape)
 
     @staticmethod
@@ -613,7 +646,8 @@ class _MLPResidualFunction(torch.autograd.Function):
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
         needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 5, 3))
         grad_n, param_grads = _swiglu_backward(
-            _rows(grad_out), saved, saved["n_q_t"], saved["n_scale"], params, needs, ctx.config, ctx.x_dtype
+            _matrix(grad_out), saved, saved["n_q_t"], saved["n_scale"], params, needs, ctx.config, ctx.x_dtype,
+            ctx.out_dtype,
         )
         grad_x, grad_norm_weight = None, None
         if grad_n is not None:
@@ -634,6 +668,6 @@ def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config =
     out_dtype = output_dtype(x)
     if _needs_autograd(x, norm_weight, *flat_params):
         return _MLPResidualFunction.apply(x, norm_weight, eps, config, out_dtype, *flat_params)
-    n_q, n_scale, *_ = _rmsnorm_quantize(_rows(x), norm_weight, eps, config, transpose=False)
+    n_q, n_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config, transpose=False)
     mlp_out, _ = _swiglu_forward(n_q, n_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False)
     return x + mlp_out.view(x.shape)
