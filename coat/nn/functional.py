@@ -18,8 +18,6 @@ The block Functions at the end implement the paper's FP8 precision flow for a Ll
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -33,11 +31,16 @@ _GEMM_ALIGNMENT = 16
 # FP8 GEMM
 
 
-@functools.lru_cache(maxsize=None)
+_HAS_FP8_GEMM: dict[torch.device, bool] = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile bakes the answer in instead of tracing the query
 def _device_has_fp8_gemm(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu"
+    if device not in _HAS_FP8_GEMM:
+        _HAS_FP8_GEMM[device] = (
+            torch.cuda.get_device_capability(device) >= (8, 9) if device.type == "cuda" else device.type == "cpu"
+        )
+    return _HAS_FP8_GEMM[device]
 
 
 def _pad_last_dim(q: torch.Tensor, multiple: int) -> torch.Tensor:
