@@ -478,3 +478,48 @@ def _quantize_expanded_fake(x, group_size, fp8_dtype, expand):
 def _dequantize_expanded_fake(codes, meta, group_size):
     _check_group_size(group_size, "coat.dequantize_expanded")
     return codes.new_empty(codes.shape, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Rotary position embedding (csrc/include/coat/rope.h states the formulas, layouts and limits).
+
+ROPE_MAX_HEAD_DIM = 1024
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q and k in one kernel, in transformers' rotate_half convention. With h = D / 2, per row x of
+    q or k and the tables c = cos[b, s], s = sin[b, s] of its position::
+
+        forward:  out[j] = x[j]*c[j] - x[j+h]*s[j]   (j < h),   x[j]*c[j] + x[j-h]*s[j]   (j >= h)
+        inverse:  out[j] = x[j]*c[j] + x[j+h]*s[j+h] (j < h),   x[j]*c[j] - x[j-h]*s[j-h] (j >= h)
+
+    The forward is ``x * cos + rotate_half(x) * sin`` (transformers' ``apply_rotary_pos_emb`` with q, k laid
+    out [B, S, H, D]); ``inverse=True`` is its adjoint for any tables, i.e. the backward: given the gradients
+    of the outputs it returns those of q and k. Computed in float32 (each product, then the sum, rounded to
+    float32, no FMA) and rounded once to the output dtype: on float32 inputs the bits of PyTorch's eager
+    formula. NaN and Inf propagate as the formula says (Inf * 0 and Inf - Inf give NaN).
+
+    q: [B, S, Hq, D], k: [B, S, Hk, D] (Hq may differ from Hk), both float32, bfloat16 or float16 of one
+    dtype, D even and at most 1024. cos, sin: [B or 1, S, D] (what transformers' rotary embedding returns;
+    batch 1 broadcasts), float32 / bfloat16 / float16, possibly another dtype than q's. Every tensor needs a
+    contiguous last dimension; any other strides are read in place, e.g. q and k as column slices of one
+    [B*S, (Hq + 2 Hk) * D] GEMM output viewed as [B, S, H, D]. Returns contiguous (q_out, k_out) of q's and
+    k's shapes in q's dtype.
+    """
+    check_device_supported(q, "coat.ops.rotary_embedding")
+    return torch.ops.coat.rotary_embedding(q, k, cos, sin, inverse)
+
+
+@torch.library.register_fake("coat::rotary_embedding")
+def _rotary_embedding_fake(q, k, cos, sin, inverse=False):
+    op = "coat.rotary_embedding"
+    if q.dim() != 4 or k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise RuntimeError(f"{op}: q and k must be [batch, seq, heads, head_dim] with the same batch, seq and "
+                           f"head_dim, got {tuple(q.shape)} and {tuple(k.shape)}")
+    head_dim = q.shape[3]
+    if head_dim % 2 != 0 or not 2 <= head_dim <= ROPE_MAX_HEAD_DIM:
+        raise RuntimeError(f"{op}: head_dim (the last dimension of q and k) must be even and between 2 and "
+                           f"{ROPE_MAX_HEAD_DIM}, got {head_dim}")
+    return q.new_empty(q.shape), k.new_empty(k.shape)

@@ -674,3 +674,41 @@ def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config =
     n_q, n_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config, transpose=False)
     mlp_out, _ = _swiglu_forward(n_q, n_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False)
     return x + mlp_out.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rotary position embedding (coat.ops.rotary_embedding)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _RotaryEmbeddingFunction(torch.autograd.Function):
+    """RoPE of q and k; backward is the op's inverse (its adjoint) applied to the output gradients. Saves
+    cos and sin only, which the caller keeps alive anyway (one table per step, shared by every layer)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return ops.rotary_embedding(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q_out, grad_k_out):
+        cos, sin = ctx.saved_tensors
+        # Gradients arrive in any layout; the op needs a contiguous last dimension only.
+        grad_q, grad_k = ops.rotary_embedding(
+            _last_dim_contiguous(grad_q_out), _last_dim_contiguous(grad_k_out), cos, sin, inverse=True
+        )
+        return grad_q, grad_k, None, None
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb`` for q [B, S, Hq, D] and k [B, S, Hk, D] (heads before the
+    head dimension, not transposed), in one kernel forward and one backward: see
+    :func:`coat.ops.rotary_embedding` for the formula, layouts and dtypes. Differentiable in q and k;
+    cos and sin get no gradient (None): they are the rotary tables, which transformers computes without
+    autograd."""
+    return _RotaryEmbeddingFunction.apply(q, k, cos, sin)

@@ -30,6 +30,8 @@ TORCH_LIBRARY(coat, m) {
         " bool expand_v) -> ()");
   m.def("quantize_expanded(Tensor x, int group_size, ScalarType fp8_dtype, bool expand) -> (Tensor codes, Tensor meta)");
   m.def("dequantize_expanded(Tensor codes, Tensor meta, int group_size) -> Tensor");
+  m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse=False)"
+        " -> (Tensor q_out, Tensor k_out)");
 }
 
 static PyObject* coat_built_with_cuda(PyObject*, PyObject*) {

@@ -4,7 +4,8 @@
 # dtypes, formats, group sizes, misaligned tensors, NaN / Inf / subnormal inputs and multi-tensor launches;
 # quantize_expanded and dequantize_expanded. It checks the kernels' logic (tiles, lanes, shuffles, fast
 # paths), not the GPU's arithmetic: the host's fmaf, / and sqrtf are IEEE like the GPU's with the build's
-# flags, and the kernels use no other floating-point operation.
+# flags, and the kernels use no other floating-point operation. Then the same for csrc/cuda/rope.cu
+# (test_emulated_rope.cpp), built as a program of its own: cuda_runtime.h is included by one translation unit.
 #   tools/cuda_emulation/run.sh [quick]
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,3 +21,12 @@ g++ -std=c++20 -O2 -ffp-contract=off -fno-strict-aliasing -Wall -Wno-unused-func
 g++ -std=c++20 -O2 -ffp-contract=off -I"$root/csrc/include" -c "$here/test_emulated_kernels.cpp" -o "$out/test.o"
 g++ "$out"/*.o -o "$out/test_emulated_kernels" -lpthread
 "$out/test_emulated_kernels" "$@"
+
+mkdir "$out/rope"
+python3 "$here/launch_rewrite.py" "$root/csrc/cuda/rope.cu" "$out/rope/rope_emulated.cpp"
+gcc -std=c99 -O2 -ffp-contract=off -c -I"$root/csrc/include" "$root/csrc/cpu/rope.c" -o "$out/rope/cpu_rope.o"
+g++ -std=c++20 -O2 -ffp-contract=off -fno-strict-aliasing -Wall -Wno-unused-function -Wno-unknown-pragmas \
+    -I"$here" -I"$root/csrc/include" -I"$root/csrc/cuda" -c "$out/rope/rope_emulated.cpp" -o "$out/rope/emulated.o"
+g++ -std=c++20 -O2 -ffp-contract=off -I"$root/csrc/include" -c "$here/test_emulated_rope.cpp" -o "$out/rope/test.o"
+g++ "$out"/rope/*.o "$out/common.o" -o "$out/rope/test_emulated_rope" -lpthread
+"$out/rope/test_emulated_rope"
