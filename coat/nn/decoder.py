@@ -1,11 +1,11 @@
 """The FP8 forward of transformers' Llama-style decoder layers (Llama, Mistral, Qwen2).
 
 A converted layer runs the precision flow of the paper (appendix G.1) as three blocks from
-:mod:`coat.nn.functional`, around transformers' own RoPE, KV cache and attention implementation (SDPA,
-FlashAttention, eager, ...), which are left as they are:
+:mod:`coat.nn.functional`, with coat's fused RoPE kernel, around transformers' own KV cache and attention
+implementation (SDPA, FlashAttention, eager, ...), which are left as they are:
 
     q, k, v = before_attention(x)          RMSNorm -> FP8 -> q/k/v GEMMs
-    a       = attention(RoPE(q), RoPE(k), v)
+    a       = attention(RoPE(q), RoPE(k), v)   RoPE: coat.ops.rotary_embedding, one kernel each way
     h       = after_attention(a, x)        x + o_proj(a)
     out     = mlp_residual(h)              h + down(SiLU(gate(n)) * up(n)), n = RMSNorm(h)
 
@@ -51,7 +51,7 @@ class FP8DecoderLayerMixin:
         **kwargs,
     ) -> torch.Tensor:
         attn = self.self_attn
-        modeling = sys.modules[type(attn).__module__]  # the model family's RoPE and eager attention
+        modeling = sys.modules[type(attn).__module__]  # the model family's eager attention
         config = self.fp8_config
         input_shape = hidden_states.shape[:-1]
         heads_shape = (*input_shape, -1, attn.head_dim)
@@ -63,9 +63,11 @@ class FP8DecoderLayerMixin:
             [_projection(attn.q_proj), _projection(attn.k_proj), _projection(attn.v_proj)],
             config,
         )
-        query, key, value = (t.view(heads_shape).transpose(1, 2) for t in (query, key, value))
         cos, sin = position_embeddings
-        query, key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
+        # One coat kernel each way, on the [B, S, heads, head_dim] layout the projections wrote; the three
+        # families rotate the whole head (rotate_half), which is what it computes.
+        query, key = coat_functional.rotary_embedding(query.view(heads_shape), key.view(heads_shape), cos, sin)
+        query, key, value = (t.view(heads_shape).transpose(1, 2) for t in (query, key, value))
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, attn.layer_idx)
 
