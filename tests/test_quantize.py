@@ -687,7 +687,8 @@ OPCHECK_CASES = _opcheck_cases()
 @pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_opcheck(move, case):
     op, make_args = OPCHECK_CASES[case]
-    args = tuple(move(a) if isinstance(a, torch.Tensor) else a for a in make_args())
+    args = tuple(move(a) if isinstance(a, torch.Tensor) else [move(t) for t in a] if isinstance(a, list) else a
+                 for a in make_args())
     fp8_inputs = [a for a in args if isinstance(a, torch.Tensor) and a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
     if not fp8_inputs:
         torch.library.opcheck(op, args)
