@@ -96,6 +96,7 @@ def layer_rows(tokens, k, n, device, warmup, repeat):
 def main():
     p = parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, one run each")
+    p.add_argument("--projections", nargs="+", metavar="KxN", help="e.g. 4096x11008 (default: Llama-7B's four)")
     args = p.parse_args()
     if args.smoke:
         device, tokens, projections, args.warmup, args.repeat = "cpu", SMOKE_TOKENS, SMOKE_PROJECTIONS, 1, 1
@@ -103,6 +104,8 @@ def main():
         if not torch.cuda.is_available() or not coat.built_with_cuda():
             sys.exit("benchmarks/linear.py needs a CUDA GPU and coat built with CUDA (or --smoke)")
         device, tokens, projections = "cuda", TOKENS, PROJECTIONS
+    if args.projections:
+        projections = [tuple(int(v) for v in shape.lower().split("x")) for shape in args.projections]
     torch.manual_seed(0)
 
     gemms = [row for k, n in projections for row in gemm_rows(tokens, k, n, device, args.warmup, args.repeat)]
