@@ -88,69 +88,76 @@ class Source:
         return f"{self.name}:{self.find(snippet, after)}"
 
 
-def rules_for(cu: Source, h: Source, dtypes: str, group_size: int):
+def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str):
     """(cold source lines, branch rules): the hot path of a typical tile."""
     cold: set[str] = set()
 
-    def cold_lines(first: str, count: int = 1, last: str | None = None):
-        a = cu.find(first)
+    def cold_lines(first: str, count: int = 1, last: str | None = None, after: int = 0):
+        a = cu.find(first, after)
         b = cu.find(last, a - 1) if last else a + count - 1
         cold.update(f"{cu.name}:{n}" for n in range(a, b + 1))
 
-    # element-by-element I/O, the paths of k == 1 groups, subnormal groups, zero / non-finite elements
+    # element-by-element I/O and the general variants of decode, ranges and encode
     cold_lines("load_values_scalar(t.param, t.param_dtype", 4)
-    cold_lines("store_params_scalar(t.param, t.param_dtype")
+    cold_lines("if (first_index + i >= count) continue;", 5)
     cold_lines("store_codes_scalar(t.exp_avg, span.first", 2)
-    cold_lines("out[i] = i < count ? coat_load_f32")
-    cold_lines("if (i < count) coat_store_param(data")
-    cold_lines("if (i < count) c.w[i / 4] |= static_cast<uint32_t>(codes[first + i])")
-    cold_lines("if (i < count) codes[first + i] = static_cast<uint8_t>")
-    cold_lines("for (int i = 0; i < kValuesPerLane; ++i) out[i] = d.c * (t->fp8_value[format]")
-    cold_lines("for (int i = 0; i < kValuesPerLane; ++i) out[i] = coat_decode(")
-    cold_lines("c.w[i / 4] |= static_cast<uint32_t>(coat_encode(x[i], &e, &f, format, t))")
-    cold_lines("if (coat_is_finite(x[i])) r.range.amax = fmaxf(r.range.amax, fabsf(x[i]));")
-    cold_lines("const uint32_t code = a == 0u ? (bits >> 24) & 0x80u : 0x7Fu;",
-               last="c.w[i / 4] = (c.w[i / 4] & ~(0xFFu << (8 * (i % 4)))) | (code << (8 * (i % 4)));")
-    cold_lines("for (int i = 0; i < kValuesPerLane; ++i) p[i] = coat_adamw_update(p[i]")
-    # the dtypes not in use
+    cold_lines("decode_and_update<true>(m_codes, v_codes")
+    cold_lines("if (specials) ranges = group_ranges(lane_ranges_exact(m, v)")
+    cold_lines("m_out = encode<true, true>(m, m_enc", 2)
+    # the dtypes and formats not in use
     if dtypes == "fp32":
         cold_lines("const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>",
-                   last="out[8 * q + 2 * i + 1] = coat_f16_to_f32")
-        cold_lines("uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(data) + first);",
-                   last="out[q] = make_uint4(w[0], w[1], w[2], w[3]);")
+                   last="out[8 * q + 2 * i + 1] = widen(")
+        cold_lines("*reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index) =", 2)
     else:
         cold_lines("const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(data) + first);",
                    last="out[4 * q] = a.x; out[4 * q + 1] = a.y;")
-        cold_lines("float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first);", 3)
-        cold_lines("out[8 * q + 2 * i] = coat_f16_to_f32", 2)
+        cold_lines("*reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index) = make_float4(")
     split = group_size >= 32
     if split:
-        cold_lines("m_dec = coat_decoder_make(load_meta(t.exp_avg_meta + meta_offset", 2)
-        cold_lines("m_enc = new_encoder(m_lane.range", 4)
+        cold_lines("m_dec = decoder_of(load_meta(t.exp_avg_meta + meta_offset", 2)
+        cold_lines("coat_meta m_meta, v_meta;", 7)
     else:
-        cold_lines("coat_decoder_make(load_meta((odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset", 4)
-        cold_lines("const coat_range r = group_range_split(", 7)
+        cold_lines("const LaneDecoder mine = decoder_of(load_meta(own_meta", 3)
+        cold_lines("coat_meta meta;", 7)
 
-    meta = h.find("COAT_INLINE coat_encoder coat_encoder_of_range")
-    second_split = cu.find("if (split) {", cu.find("const LaneRange m_lane = lane_range(m)"))
+    meta = h.find("COAT_INLINE coat_decoder coat_decoder_make")
+    new_meta = cu.find("__device__ __forceinline__ LaneEncoder encoder_of_range(")
+    tile = cu.find("__device__ __forceinline__ void step_tile(")
+    loads = cu.find("if (whole) {", tile)
+    code_store = cu.find("if (whole) {", cu.find("Codes m_out, v_out;"))
+    float4_store = cu.key("*reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index)")
+    uint2_store = cu.key("*reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index) =")
     rules = {
-        cu.key("if (divisor.exact_by_inverse) {"): "to:" + cu.key("p[i] = coat_adamw_update_by_inverse("),
+        # whole lanes of an aligned tensor
+        f"{cu.name}:{loads}": "to:" + cu.key("load_values_vector(t.param, t.param_dtype, span.first, p);"),
+        cu.key("if (whole && dtype == COAT_FLOAT32) {"): "to:" + (float4_store if dtypes == "fp32" else uint2_store),
+        cu.key("} else if (whole) {"): "to:" + uint2_store,
+        f"{cu.name}:{code_store}": "to:" + cu.key("store_codes_vector(t.exp_avg, span.first, m_out);"),
+        # the group's values and meta: expanded (k != 1), normal numbers
+        cu.key("if (d.linear) {"): "to:" + cu.key("r.head = beta * power_of_2(head_exponent(d.exponent));"),
+        cu.key("if (expand && r.amax > 0.0f) {", new_meta): "fallthrough",
+        cu.key("if (mean >= COAT_MIN_SCALE && mean <= coat_bf16_max()) {", new_meta): "fallthrough",
+        cu.key("if (log2_range > 0.0f)", new_meta): "fallthrough",
+        cu.key("if (m.k == 1.0f) {", new_meta): "to:" + cu.key("const float log2_ratio = static_cast<float>(high.exponent", new_meta),
+        cu.key("if (m.k == 1.0f) {", cu.find("LaneEncoder e;", new_meta)): "to:" + cu.key("exponent = lc.exponent;", new_meta),
+        cu.key("if (subnormal) a = __float_as_uint(x * 16777216.0f);"): "taken",
+        cu.key("if (valid) m = coat_meta_load(meta);"): "fallthrough",
         # the butterfly's steps at distances 2 and 4 merge when they stay inside the group
-        cu.key("if (offset < lanes_per_group) mine = merge_from(mine, offset);"):
+        cu.key("if (offset < layout.lanes_per_group) mine = merge_from(mine, offset);"):
             "seq:" + ",".join("fallthrough" if offset < group_size // 16 else "taken" for offset in (2, 4)),
-        cu.key("if (store) coat_meta_store(m, meta);"): "fallthrough",
-        cu.key("if (specials) {"): "taken",
-        cu.key("if (d.linear) {"): "to:" + cu.key("} else if (d.fast_scaling) {"),
-        cu.key("if (!r.specials) {"): "to:" + cu.key("r.range.amax = __uint_as_float((high_key + 2u) >> 1);"),
-        h.key("if (expand && r.amax > 0.0f) {", meta): "fallthrough",
-        h.key("if (mean >= COAT_MIN_SCALE && mean <= coat_bf16_max()) {", meta): "fallthrough",
-        h.key("if (log2_range > 0.0f)", meta): "fallthrough",
-        h.key("if (m.k == 1.0f) {", meta): "to:" + h.key("const float log2_ratio = (float)(high.exponent - lc.exponent)", meta),
+        cu.key("if (!layout.split) return lane;"): "taken" if split else "fallthrough",
+        cu.key("if (layout.split) {", cu.find("LaneEncoder m_enc, v_enc;")):
+            "to:" + cu.key("const LaneEncoder mine = encoder_of_range(" if split else "m_enc = encoder_of_range(ranges.m"),
+        # some lanes of the warp store the new meta: the warp runs the stores
+        cu.key("if (group_valid && (lane & (layout.lanes_per_group - 1)) < 2) coat_meta_store(meta, own_meta);"):
+            "fallthrough",
+        cu.key("if (group_valid) {", cu.find("coat_meta m_meta, v_meta;")): "fallthrough",
+        # the encoders of m and v, in this order, by their formats
+        cu.key("return format == COAT_E4M3 ? encode_state<COAT_E4M3, kGeneral, kSigned>(x, e)"): "seq:" + ",".join(
+            ("away:" if f == "e4m3" else "to:") + cu.key(": encode_state<COAT_E5M2, kGeneral, kSigned>(x, e);")
+            for f in formats.split("-")),
     }
-    if split:
-        rules[f"{cu.name}:{second_split}"] = "to:" + cu.key("const coat_range r = group_range_split(")
-    else:
-        rules[f"{cu.name}:{second_split}"] = "to:" + cu.key("m_enc = new_encoder(m_lane.range")
     return cold, rules
 
 
@@ -194,16 +201,16 @@ def walk(ins: list[dict], cu: Source, cold: set[str], rules: dict[str, str]):
         for c in chain(i):
             if c in rules:
                 rule = rules[c]
-                if rule.startswith("to:"):
-                    wanted = rule[3:].split("|")
-                    dt, df = distance(taken, wanted), distance(fallthrough, wanted)
-                    if dt == df:
-                        raise RuntimeError(f"rule {c}={rule} does not separate the branch at {i['addr']:#x}")
-                    return taken if dt < df else fallthrough
                 if rule.startswith("seq:"):  # one direction per visit of this branch, in order
                     directions = rule[4:].split(",")
                     rule = directions[min(visits[c], len(directions) - 1)]
                     visits[c] += 1
+                if rule.startswith(("to:", "away:")):  # the direction nearer to (farther from) a source line
+                    wanted = rule.split(":", 1)[1].split("|")
+                    dt, df = distance(taken, wanted), distance(fallthrough, wanted)
+                    if dt == df:
+                        raise RuntimeError(f"rule {c}={rule} does not separate the branch at {i['addr']:#x}")
+                    return taken if (dt < df) == rule.startswith("to:") else fallthrough
                 return taken if rule == "taken" else fallthrough
         raise RuntimeError(f"no rule for the branch at {i['addr']:#x} {i['text']} ({' <- '.join(chain(i)[:4])})")
 
@@ -258,6 +265,8 @@ def main():
     parser.add_argument("--dtypes", choices=["fp32", "bf16"], default="fp32",
                         help="param and grad dtype (fp32 / fp32 or bf16 / bf16)")
     parser.add_argument("--group-size", type=int, choices=[16, 32, 64, 128], default=128)
+    parser.add_argument("--formats", choices=["e4m3-e4m3", "e4m3-e5m2"], default="e4m3-e4m3",
+                        help="FP8 formats of m and v (v's picks the encode branch; m's path is the same)")
     parser.add_argument("--by-line", action="store_true", help="instructions per source line of step_tile")
     args = parser.parse_args()
 
@@ -272,7 +281,7 @@ def main():
     functions = parse(listing)
     ins = next(v for k, v in functions.items() if "fp8_adamw_step_kernel" in k)
     cu, h = Source(KERNEL), Source(MATH)
-    cold, rules = rules_for(cu, h, args.dtypes, args.group_size)
+    cold, rules = rules_for(cu, h, args.dtypes, args.group_size, args.formats)
     path = walk(ins, cu, cold, rules)
 
     step_tile = cu.find("__device__ __forceinline__ void step_tile(")
