@@ -88,8 +88,9 @@ class Source:
         return f"{self.name}:{self.find(snippet, after)}"
 
 
-def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str):
-    """(cold source lines, branch rules): the hot path of a typical tile."""
+def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str, first_in_batch: bool):
+    """(cold source lines, branch rules): the hot path of a typical tile, the first of its decoder batch (which
+    computes the batch's decoders) or another."""
     cold: set[str] = set()
 
     def cold_lines(first: str, count: int = 1, last: str | None = None, after: int = 0):
@@ -99,40 +100,39 @@ def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str)
 
     # element-by-element I/O and the general variants of decode, ranges and encode
     cold_lines("load_values_scalar(t.param, t.param_dtype", 4)
+    cold_lines("step_tile<false>(launch, i, tile, warps, slot);")
     cold_lines("if (first_index + i >= count) continue;", 5)
     cold_lines("store_codes_scalar(t.exp_avg, span.first", 2)
-    cold_lines("decode_and_update<true>(m_codes, v_codes")
+    cold_lines("decode_and_update<true, kVector>(m_codes, v_codes")
     cold_lines("if (specials) ranges = group_ranges(lane_ranges_exact(m, v)")
     cold_lines("m_out = encode<true, true>(m, m_enc", 2)
     # the dtypes and formats not in use
     if dtypes == "fp32":
         cold_lines("const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>",
                    last="out[8 * q + 2 * i + 1] = widen(")
-        cold_lines("*reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index) =", 2)
+        cold_lines("uint2* out = reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index);", 4)
     else:
         cold_lines("const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(data) + first);",
                    last="out[4 * q] = a.x; out[4 * q + 1] = a.y;")
-        cold_lines("*reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index) = make_float4(")
+        cold_lines("float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index);", 3)
     split = group_size >= 32
     if split:
-        cold_lines("m_dec = decoder_of(load_meta(t.exp_avg_meta + meta_offset", 2)
         cold_lines("coat_meta m_meta, v_meta;", 7)
     else:
-        cold_lines("const LaneDecoder mine = decoder_of(load_meta(own_meta", 3)
         cold_lines("coat_meta meta;", 7)
 
     meta = h.find("COAT_INLINE coat_decoder coat_decoder_make")
     new_meta = cu.find("__device__ __forceinline__ LaneEncoder encoder_of_range(")
     tile = cu.find("__device__ __forceinline__ void step_tile(")
-    loads = cu.find("if (whole) {", tile)
-    code_store = cu.find("if (whole) {", cu.find("Codes m_out, v_out;"))
-    float4_store = cu.key("*reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index)")
-    uint2_store = cu.key("*reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index) =")
+    loads = cu.find("if (kVector) {", tile)
+    code_store = cu.find("if (kVector) {", cu.find("Codes m_out, v_out;"))
+    float4_store = cu.key("for (int q = 0; q < kStoreChunk / 4; ++q) out[q] = make_float4(")
+    uint2_store = cu.key("out[q] = make_uint2(bf16x2_bits(p[4 * q], p[4 * q + 1]), bf16x2_bits(p[4 * q + 2]")
     rules = {
         # whole lanes of an aligned tensor
         f"{cu.name}:{loads}": "to:" + cu.key("load_values_vector(t.param, t.param_dtype, span.first, p);"),
-        cu.key("if (whole && dtype == COAT_FLOAT32) {"): "to:" + (float4_store if dtypes == "fp32" else uint2_store),
-        cu.key("} else if (whole) {"): "to:" + uint2_store,
+        cu.key("if (plan.vector && full)"): "to:" + cu.key("step_tile<true>(launch, i, tile, warps, slot);"),
+        cu.key("if (kVector && dtype == COAT_FLOAT32) {"): "to:" + (float4_store if dtypes == "fp32" else uint2_store),
         f"{cu.name}:{code_store}": "to:" + cu.key("store_codes_vector(t.exp_avg, span.first, m_out);"),
         # the group's values and meta: expanded (k != 1), normal numbers
         cu.key("if (d.linear) {"): "to:" + cu.key("r.head = beta * power_of_2(head_exponent(d.exponent));"),
@@ -147,6 +147,13 @@ def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str)
         cu.key("if (offset < layout.lanes_per_group) mine = merge_from(mine, offset);"):
             "seq:" + ",".join("fallthrough" if offset < group_size // 16 else "taken" for offset in (2, 4)),
         cu.key("if (!layout.split) return lane;"): "taken" if split else "fallthrough",
+        cu.key("if (slot == 0) compute_decoder_batch("): "to:" + cu.key("for (int round = 0; round < batch.jobs_per_lane;")
+            if first_in_batch else "away:" + cu.key("for (int round = 0; round < batch.jobs_per_lane;"),
+        # one job per lane, two with G = 16
+        cu.key("for (int round = 0; round < batch.jobs_per_lane; ++round) {"):
+            "seq:" + ",".join(["to:" + cu.key("const int group = (job & ((1 << batch.job_shift) - 1)) >> 1;")] *
+                              (2 if group_size == 16 else 1) +
+                              ["away:" + cu.key("const int group = (job & ((1 << batch.job_shift) - 1)) >> 1;")]),
         cu.key("if (layout.split) {", cu.find("LaneEncoder m_enc, v_enc;")):
             "to:" + cu.key("const LaneEncoder mine = encoder_of_range(" if split else "m_enc = encoder_of_range(ranges.m"),
         # some lanes of the warp store the new meta: the warp runs the stores
@@ -214,7 +221,7 @@ def walk(ins: list[dict], cu: Source, cold: set[str], rules: dict[str, str]):
                 return taken if rule == "taken" else fallthrough
         raise RuntimeError(f"no rule for the branch at {i['addr']:#x} {i['text']} ({' <- '.join(chain(i)[:4])})")
 
-    loop_line = cu.key("for (; tile < plan.tiles; tile += warps)")
+    loop_line = cu.key("for (int slot = 0; tile < plan.tiles; tile += warps")
     header_line = cu.key("const LaneSpan span = lane_span(tile, plan, t.cols);")
     header = next(k for k, i in enumerate(ins) if header_line in chain(i))
     backedge = None
@@ -281,22 +288,26 @@ def main():
     functions = parse(listing)
     ins = next(v for k, v in functions.items() if "fp8_adamw_step_kernel" in k)
     cu, h = Source(KERNEL), Source(MATH)
-    cold, rules = rules_for(cu, h, args.dtypes, args.group_size, args.formats)
-    path = walk(ins, cu, cold, rules)
+    batch_tiles = max(args.group_size // 32, 1)  # tiles per decoder batch (csrc/cuda/adamw.cu, DecoderBatch)
+    paths = [walk(ins, cu, *rules_for(cu, h, args.dtypes, args.group_size, args.formats, first))
+             for first in (True, False)]
+    path = paths[0] + paths[1] * (batch_tiles - 1)
 
     step_tile = cu.find("__device__ __forceinline__ void step_tile(")
     kernel = cu.find("fp8_adamw_step_kernel(const __grid_constant__")
     by_line = collections.Counter()
-    for i in path:  # the outermost line of the chain inside step_tile (else the kernel's)
+    for i in path:  # the outermost line of the chain inside step_tile (else the kernel's), summed over a batch
         lines = [l for f, l in i["chain"] if f == cu.name]
         inside = [l for l in lines if step_tile < l < kernel] or lines
         by_line[inside[-1] if inside else 0] += 1
     ops = collections.Counter(opcode(i["text"]).split(".")[0] for i in path)
     if args.by_line:
         for line, n in sorted(by_line.items()):
-            print(f"{n:6d}  {line:4d}  {cu.lines[line - 1].strip()[:90] if line else ''}")
-    print(f"kernel: {len(ins)} SASS instructions; tile loop hot path: {len(path)} per lane and tile of "
-          f"{ELEMENTS_PER_TILE_LANE} elements = {len(path) / ELEMENTS_PER_TILE_LANE:.1f} per element "
+            print(f"{n / batch_tiles:6.1f}  {line:4d}  {cu.lines[line - 1].strip()[:90] if line else ''}")
+    per_tile = len(path) / batch_tiles
+    print(f"kernel: {len(ins)} SASS instructions; tile loop hot path: {len(paths[0])} for the first tile of a decoder "
+          f"batch of {batch_tiles}, {len(paths[1])} for the others: {per_tile:.0f} per lane and tile of "
+          f"{ELEMENTS_PER_TILE_LANE} elements = {per_tile / ELEMENTS_PER_TILE_LANE:.1f} per element "
           f"({args.dtypes}, G = {args.group_size})")
     print("by opcode: " + " ".join(f"{o}:{n}" for o, n in ops.most_common()))
     local = sum(n for o, n in ops.items() if o in ("LDL", "STL"))

@@ -54,6 +54,7 @@ constexpr int64_t kTileColumns = kWarpSize * kValuesPerLane;
 constexpr int kMaxLanesPerGroup = 128 / kValuesPerLane;
 constexpr int kWarpsPerBlock = 4;
 constexpr int kThreadsPerBlock = kWarpSize * kWarpsPerBlock;
+constexpr int kStepBlocksPerSM = 5;
 constexpr int kTensorsPerLaunch = 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 // A power of 2 that a decoder's or encoder's head carries: within it, beta * 2^n and |x| * 2^-n stay exact.
@@ -78,7 +79,7 @@ struct TensorPlan {
   uint32_t magic;  // row = (umulhi(tile, magic) + tile) >> shift
   uint32_t shift;
   uint32_t phase;  // (tiles of the launch's earlier tensors) % (warps of the grid): tile t goes to warp (phase + t) % warps
-  uint32_t vector; // 16-byte aligned param, grad and codes, cols % 16 == 0: whole lanes load and store by vectors
+  uint32_t vector; // 16-byte aligned param, grad and codes, cols % 16 == 0: whole tiles load and store by vectors
 };
 
 // The tensors of one step launch. They travel by value in the kernel's parameter space (__grid_constant__:
@@ -89,6 +90,7 @@ struct StepLaunch {
   float inverse_bias_correction2_sqrt;      // 1 / bias_correction2_sqrt rounded to float on the host,
   float inverse_bias_correction2_sqrt_low;  // and the rest of its float64 value
   int subnormal_v_matters;  // eps may not absorb sqrt of a subnormal v: the update's general variant runs
+  int group_shift;          // log2 G
   int count;
   coat_adamw_tensor tensors[kTensorsPerLaunch];
   TensorPlan plans[kTensorsPerLaunch];
@@ -123,7 +125,6 @@ __device__ __forceinline__ void build_step_tables() {
 
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(kFullMask, v, mask); }
 __device__ __forceinline__ float shfl(float v, int lane) { return __shfl_sync(kFullMask, v, lane); }
-__device__ __forceinline__ int shfl(int v, int lane) { return __shfl_sync(kFullMask, v, lane); }
 
 // 2^n as a float, n in [-126, 127].
 __device__ __forceinline__ float power_of_2(int n) { return __uint_as_float(static_cast<uint32_t>(127 + n) << 23); }
@@ -159,7 +160,7 @@ __device__ __forceinline__ float widen(uint16_t bits, coat_dtype dtype) {
   return dtype == COAT_BFLOAT16 ? coat_bf16_to_f32(bits) : f16_bits_to_f32(bits);
 }
 
-// A lane's 16 consecutive values of a float32 / bfloat16 / float16 array as fp32, by 16-byte loads (the lane is
+// A lane's 16 consecutive values of a float32 / bfloat16 / float16 array as fp32, by 16-byte loads (the tile is
 // whole and the tensor aligned: TensorPlan.vector).
 __device__ __forceinline__ void load_values_vector(const void* data, coat_dtype dtype, int64_t first,
                                                    float (&out)[kValuesPerLane]) {
@@ -185,7 +186,7 @@ __device__ __forceinline__ void load_values_vector(const void* data, coat_dtype 
   }
 }
 
-// The same element by element, for lanes that are not whole or tensors that are not aligned; missing
+// The same element by element, for tiles that are not whole or tensors that are not aligned; missing
 // elements are 0.
 __device__ __forceinline__ void load_values_scalar(const void* data, coat_dtype dtype, int64_t first, int count,
                                                    float (&out)[kValuesPerLane]) {
@@ -199,18 +200,23 @@ __device__ __forceinline__ void load_values_scalar(const void* data, coat_dtype 
   }
 }
 
-// Elements [first_index, first_index + 4) of a lane's 16, stored as the parameter's dtype: by one vector store when
-// the lane is whole and the tensor aligned, else element by element (the same bf16 rounding either way, so a NaN
-// gets the same bits too).
+// Elements [first_index, first_index + kStoreChunk) of a lane's 16, stored as the parameter's dtype: by vector
+// stores in the tiles that allow them (kVector), else element by element (the same bf16 rounding either way, so a
+// NaN gets the same bits too).
 constexpr int kStoreChunk = 4;
 
+template <bool kVector>
 __device__ __forceinline__ void store_params_chunk(void* data, coat_dtype dtype, int64_t first, int first_index,
-                                                   int count, bool whole, const float (&p)[kStoreChunk]) {
-  if (whole && dtype == COAT_FLOAT32) {
-    *reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index) = make_float4(p[0], p[1], p[2], p[3]);
-  } else if (whole) {
-    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index) =
-        make_uint2(bf16x2_bits(p[0], p[1]), bf16x2_bits(p[2], p[3]));
+                                                   int count, const float (&p)[kStoreChunk]) {
+  if (kVector && dtype == COAT_FLOAT32) {
+    float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index);
+#pragma unroll
+    for (int q = 0; q < kStoreChunk / 4; ++q) out[q] = make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
+  } else if (kVector) {
+    uint2* out = reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index);
+#pragma unroll
+    for (int q = 0; q < kStoreChunk / 4; ++q)
+      out[q] = make_uint2(bf16x2_bits(p[4 * q], p[4 * q + 1]), bf16x2_bits(p[4 * q + 2], p[4 * q + 3]));
   } else {
 #pragma unroll
     for (int i = 0; i < kStoreChunk; ++i) {
@@ -298,14 +304,44 @@ __device__ __forceinline__ LaneDecoder decoder_of(coat_meta meta, coat_fp8_forma
   return r;
 }
 
-__device__ __forceinline__ LaneDecoder decoder_from_lane(const LaneDecoder& d, int lane) {
-  LaneDecoder o;
-  o.head = shfl(d.head, lane);
-  o.tail = shfl(d.tail, lane);
-  o.inverse_k = shfl(d.inverse_k, lane);
-  o.fraction = shfl(d.fraction, lane);
-  o.table = static_cast<uint32_t>(shfl(static_cast<int>(d.table), lane));
-  return o;
+// The decoders of a batch of tiles. A warp takes the tiles tile, tile + warps, tile + 2 warps, ... of a tensor; at
+// the first tile of each batch it computes the decoders of the batch's tiles at once, one job (a group and a state
+// of one tile) per lane, so that G = 128 spends one decoder computation on 4 tiles (G = 64: 2, G = 32: 1, G = 16:
+// two per lane and tile), and keeps them in shared memory, where each lane reads its group's two.
+struct DecoderBatch {
+  int job_shift;      // log2 of the jobs per tile, 2 * 512 / G (m and v of each group)
+  int tiles;          // 32 / jobs per tile, at least 1
+  int jobs_per_lane;  // jobs per tile / 32, at least 1
+};
+
+__device__ __forceinline__ DecoderBatch decoder_batch_of(int group_shift) {
+  DecoderBatch b;
+  b.job_shift = 10 - group_shift;  // 2 * 512 = 2^10
+  b.tiles = max(kWarpSize >> b.job_shift, 1);
+  b.jobs_per_lane = max((1 << b.job_shift) / kWarpSize, 1);
+  return b;
+}
+
+constexpr int kMaxJobsPerWarp = 2 * kWarpSize;
+__shared__ float4 step_decoders[kWarpsPerBlock][kMaxJobsPerWarp];  // head, inverse_k, fraction, table (bits)
+__shared__ float step_decoder_tails[kWarpsPerBlock][kMaxJobsPerWarp];
+
+__device__ __forceinline__ void store_decoder(int job, const LaneDecoder& d) {
+  const int warp = threadIdx.x / kWarpSize;
+  step_decoders[warp][job] = make_float4(d.head, d.inverse_k, d.fraction, __uint_as_float(d.table));
+  step_decoder_tails[warp][job] = d.tail;
+}
+
+__device__ __forceinline__ LaneDecoder load_decoder(int job) {
+  const int warp = threadIdx.x / kWarpSize;
+  const float4 q = step_decoders[warp][job];
+  LaneDecoder d;
+  d.head = q.x;
+  d.inverse_k = q.y;
+  d.fraction = q.z;
+  d.table = __float_as_uint(q.w);
+  d.tail = step_decoder_tails[warp][job];
+  return d;
 }
 
 // ----------------------------------------------------------------------- per-group quantities: encode
@@ -463,6 +499,16 @@ struct GroupLayout {
   bool split;
 };
 
+// Derived where it is used from the launch's parameters (constant memory), which keeps it out of the registers
+// that the tile loop carries.
+__device__ __forceinline__ GroupLayout layout_of(const StepLaunch& launch) {
+  GroupLayout layout;
+  layout.group_shift = launch.group_shift;
+  layout.lanes_per_group = 1 << (launch.group_shift - 4);  // G / 16
+  layout.split = layout.lanes_per_group >= 2;
+  return layout;
+}
+
 // The group ranges the lane's per-group work needs: with split, its own state's (first its partner's part of
 // that state, then a butterfly over the group's lanes of the same parity); else both, from the lane alone.
 __device__ __forceinline__ LaneRanges group_ranges(LaneRanges lane, const GroupLayout& layout, bool odd) {
@@ -499,10 +545,10 @@ __device__ __forceinline__ float decode_scaled(const Codes& codes, int i, const 
 // new parameters is stored as soon as it is complete, which keeps fewer of them in registers. The general variant
 // adds the decoders' tails and takes square root and reciprocal with subnormals; the fast one's flushing versions
 // give the same results where they are used (StepLaunch.subnormal_v_matters).
-template <bool kGeneral>
+template <bool kGeneral, bool kVector>
 __device__ __forceinline__ void decode_and_update(const Codes& m_codes, const Codes& v_codes, const LaneDecoder& m_dec,
                                                   const LaneDecoder& v_dec, const StepLaunch& s,
-                                                  const coat_adamw_tensor& t, const LaneSpan& span, bool whole,
+                                                  const coat_adamw_tensor& t, const LaneSpan& span,
                                                   const float (&g)[kValuesPerLane], const float (&p)[kValuesPerLane],
                                                   float (&m)[kValuesPerLane], float (&v)[kValuesPerLane]) {
 #pragma unroll
@@ -524,7 +570,7 @@ __device__ __forceinline__ void decode_and_update(const Codes& m_codes, const Co
       const float quotient = fmaf(fmaf(-ratio, denom, m[i]), reciprocal, ratio);
       updated[j] = fmaf(s.minus_step_size, quotient, p[i] * s.options.decay_factor);
     }
-    store_params_chunk(t.param, t.param_dtype, span.first, chunk, span.count, whole, updated);
+    store_params_chunk<kVector>(t.param, t.param_dtype, span.first, chunk, span.count, updated);
   }
 }
 
@@ -564,29 +610,57 @@ __device__ __forceinline__ Codes encode(const float (&x)[kValuesPerLane], const 
 
 // ------------------------------------------------------------------------------------------ the step
 
-__device__ __forceinline__ void step_tile(const StepLaunch& launch, int index, uint32_t tile,
-                                          const GroupLayout& layout) {
+// Computes the decoders of the batch that starts at `tile` (DecoderBatch) and stores them for the warp.
+__device__ __forceinline__ void compute_decoder_batch(const StepLaunch& launch, int index, uint32_t tile,
+                                                      uint32_t warps) {
+  const GroupLayout layout = layout_of(launch);
+  const DecoderBatch batch = decoder_batch_of(layout.group_shift);
+  const coat_adamw_tensor& t = launch.tensors[index];
+  const TensorPlan& plan = launch.plans[index];
+  const int64_t groups_per_row = (t.cols + (int64_t{1} << layout.group_shift) - 1) >> layout.group_shift;
+  __syncwarp();  // every lane has read the previous batch's decoders
+  for (int round = 0; round < batch.jobs_per_lane; ++round) {
+    const int job = lane_id() + kWarpSize * round;
+    const int group = (job & ((1 << batch.job_shift) - 1)) >> 1;
+    const bool is_v = job & 1;
+    const uint32_t job_tile = tile + static_cast<uint32_t>(job >> batch.job_shift) * warps;
+    const uint32_t row = (__umulhi(job_tile, plan.magic) + job_tile) >> plan.shift;
+    const int64_t column = static_cast<int64_t>(job_tile - row * plan.tiles_per_row) * kTileColumns +
+                           (static_cast<int64_t>(group) << layout.group_shift);
+    const bool valid = job_tile < plan.tiles && column < t.cols;
+    const int64_t meta_offset = (row * groups_per_row + (column >> layout.group_shift)) * COAT_META_VALUES;
+    const uint16_t* meta = (is_v ? t.exp_avg_sq_meta : t.exp_avg_meta) + (valid ? meta_offset : 0);
+    store_decoder(job, decoder_of(load_meta(meta, valid), is_v ? t.exp_avg_sq_format : t.exp_avg_format,
+                                  is_v ? launch.options.beta2 : launch.options.beta1));
+  }
+  __syncwarp();
+}
+
+// One tile; `slot` is its place in its decoder batch. kVector: the tensor is aligned and every lane of the tile
+// whole, so that all move their 16 elements by 16-byte accesses.
+template <bool kVector>
+__device__ __forceinline__ void step_tile(const StepLaunch& launch, int index, uint32_t tile, uint32_t warps,
+                                          int slot) {
+  const GroupLayout layout = layout_of(launch);
+  const DecoderBatch batch = decoder_batch_of(layout.group_shift);
   const coat_adamw_tensor& t = launch.tensors[index];
   const TensorPlan& plan = launch.plans[index];
   const coat_adamw_options& o = launch.options;
   const LaneSpan span = lane_span(tile, plan, t.cols);
-  // Whole lanes of aligned tensors move their 16 elements by 16-byte accesses.
-  const bool whole = plan.vector != 0 && span.count == kValuesPerLane;
   const int lane = lane_id();
   const bool odd = lane & 1;
-  // With split, the lane pair lies in one group, which exists when the even lane has elements.
-  const bool group_valid =
-      layout.split ? span.column - (odd ? kValuesPerLane : 0) < t.cols : span.count > 0;
+  // The lane's group exists when its first column is in the row; with split, when the even lane's is.
+  const bool group_valid = span.column - (layout.split && odd ? kValuesPerLane : 0) < t.cols;
   const int64_t groups_per_row = (t.cols + (int64_t{1} << layout.group_shift) - 1) >> layout.group_shift;
   const int64_t meta_offset = (span.row * groups_per_row + (span.column >> layout.group_shift)) * COAT_META_VALUES;
   // The lane's own state, with split: m for even lanes, v for odd ones.
   uint16_t* own_meta = (odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset;
   const coat_fp8_format own_format = odd ? t.exp_avg_sq_format : t.exp_avg_format;
 
-  // Loads first, so that they are in flight while the old meta is decoded.
+  // Loads first, so that they are in flight while the batch's decoders are computed.
   float p[kValuesPerLane], g[kValuesPerLane];
   Codes m_codes, v_codes;
-  if (whole) {
+  if (kVector) {
     load_values_vector(t.param, t.param_dtype, span.first, p);
     load_values_vector(t.grad, t.grad_dtype, span.first, g);
     m_codes = load_codes_vector(t.exp_avg, span.first);
@@ -598,23 +672,18 @@ __device__ __forceinline__ void step_tile(const StepLaunch& launch, int index, u
     v_codes = load_codes_scalar(t.exp_avg_sq, span.first, span.count);
   }
 
-  // The group's old meta, as decoders. The group's first lane pair stores the new meta below, after warp-wide
-  // shuffles that every lane reaches only with its reads consumed.
-  LaneDecoder m_dec, v_dec;
-  if (layout.split) {
-    const LaneDecoder mine = decoder_of(load_meta(own_meta, group_valid), own_format, odd ? o.beta2 : o.beta1);
-    m_dec = decoder_from_lane(mine, lane & ~1);
-    v_dec = decoder_from_lane(mine, lane | 1);
-  } else {
-    m_dec = decoder_of(load_meta(t.exp_avg_meta + meta_offset, group_valid), t.exp_avg_format, o.beta1);
-    v_dec = decoder_of(load_meta(t.exp_avg_sq_meta + meta_offset, group_valid), t.exp_avg_sq_format, o.beta2);
-  }
+  // The group's old meta, as decoders (the lane's group is lane / lanes_per_group of the tile). The group's first
+  // lane pair stores the new meta below, after warp-wide shuffles that every lane reaches only with its reads of
+  // the old meta consumed.
+  if (slot == 0) compute_decoder_batch(launch, index, tile, warps);
+  const int m_job = (slot << batch.job_shift) + 2 * (lane >> (layout.group_shift - 4));  // lane / (G / 16)
+  const LaneDecoder m_dec = load_decoder(m_job), v_dec = load_decoder(m_job + 1);
 
   float m[kValuesPerLane], v[kValuesPerLane];
   if (launch.subnormal_v_matters || __any_sync(kFullMask, m_dec.tail != 1.0f || v_dec.tail != 1.0f))
-    decode_and_update<true>(m_codes, v_codes, m_dec, v_dec, launch, t, span, whole, g, p, m, v);
+    decode_and_update<true, kVector>(m_codes, v_codes, m_dec, v_dec, launch, t, span, g, p, m, v);
   else
-    decode_and_update<false>(m_codes, v_codes, m_dec, v_dec, launch, t, span, whole, g, p, m, v);
+    decode_and_update<false, kVector>(m_codes, v_codes, m_dec, v_dec, launch, t, span, g, p, m, v);
   // Elements past the end of the row were computed from zeros: m = v = 0, outside every exact range.
 
   LaneRanges ranges = group_ranges(lane_ranges_fast(m, v), layout, odd);
@@ -647,7 +716,7 @@ __device__ __forceinline__ void step_tile(const StepLaunch& launch, int index, u
     m_out = encode<false, true>(m, m_enc, t.exp_avg_format);
     v_out = encode<false, false>(v, v_enc, t.exp_avg_sq_format);
   }
-  if (whole) {
+  if (kVector) {
     store_codes_vector(t.exp_avg, span.first, m_out);
     store_codes_vector(t.exp_avg_sq, span.first, v_out);
   } else {
@@ -656,19 +725,24 @@ __device__ __forceinline__ void step_tile(const StepLaunch& launch, int index, u
   }
 }
 
-__global__ void __launch_bounds__(kThreadsPerBlock)
+// 5 blocks of 128 threads per SM: at most 96 registers, 20 warps per SM.
+__global__ void __launch_bounds__(kThreadsPerBlock, kStepBlocksPerSM)
     fp8_adamw_step_kernel(const __grid_constant__ StepLaunch launch) {
   build_step_tables();
   const uint32_t warps = gridDim.x * kWarpsPerBlock;
   const uint32_t warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  GroupLayout layout;
-  layout.group_shift = __ffsll(launch.options.group_size) - 1;
-  layout.lanes_per_group = static_cast<int>(launch.options.group_size / kValuesPerLane);
-  layout.split = layout.lanes_per_group >= 2;
+  const DecoderBatch batch = decoder_batch_of(launch.group_shift);
   for (int i = 0; i < launch.count; ++i) {
     const TensorPlan& plan = launch.plans[i];
     uint32_t tile = warp >= plan.phase ? warp - plan.phase : warp + warps - plan.phase;
-    for (; tile < plan.tiles; tile += warps) step_tile(launch, i, tile, layout);
+    for (int slot = 0; tile < plan.tiles; tile += warps, slot = slot + 1 == batch.tiles ? 0 : slot + 1) {
+      const uint32_t row = (__umulhi(tile, plan.magic) + tile) >> plan.shift;
+      const bool full = static_cast<int64_t>(tile - row * plan.tiles_per_row + 1) * kTileColumns <= launch.tensors[i].cols;
+      if (plan.vector && full)
+        step_tile<true>(launch, i, tile, warps, slot);
+      else
+        step_tile<false>(launch, i, tile, warps, slot);
+    }
   }
 }
 
@@ -804,6 +878,7 @@ extern "C" coat_status coat_fp8_adamw_step_cuda(const coat_adamw_tensor* tensors
   // 1 / bias_correction2_sqrt, eps) rounds to eps whether sqrt flushes it or not (half an ulp of eps is >=
   // eps * 2^-25), and the fast update's flushing square root and reciprocal give the general update's values.
   launch.subnormal_v_matters = !(options->eps >= std::ldexp(inverse_bias_correction2_sqrt, -37));
+  launch.group_shift = __builtin_ctzll(options->group_size);
   launch.count = 0;
   int64_t total_tiles = 0;
   for (int64_t i = 0; i < count; ++i) {

@@ -1,5 +1,5 @@
 // CPU emulation of the CUDA features csrc/cuda/adamw.cu uses, for tools/cuda_emulation/run.sh: one std::thread
-// per CUDA thread, blocks one after another, barriers for __syncthreads, warp shuffles and votes (which abort when
+// per CUDA thread, blocks one after another, barriers for __syncthreads, __syncwarp, warp shuffles and votes (which abort when
 // the warp has diverged), __shared__ as a static shared by the block's threads. The kernel's inline assembly lives
 // in adamw_fast_math.cuh, which this directory replaces by a CPU model. emu_sms and emu_blocks_per_sm set what the
 // occupancy queries answer, and so the persistent grid's size.
@@ -59,6 +59,7 @@ int emu_sms = 2, emu_blocks_per_sm = 1;  // one translation unit includes this h
 inline long emu_shuffles = 0;
 
 inline void __syncthreads() { emu_block->block->arrive_and_wait(); }
+inline void __syncwarp() { emu_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
 inline uint32_t emu_shfl(uint32_t v, int lane_mask) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   emu_block->slots[w][lane] = v;
