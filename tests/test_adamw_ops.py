@@ -12,7 +12,7 @@ kernels are measured against the float64 oracle on the same inputs (StepErrors, 
               CUDA's at most twice the C core's plus one ulp (tensors small enough for the C core to be exact by
               chance), and no element's over 8 times the C core's largest plus 8 ulp;
   m and v     the new states dequantized against m*, v*: CUDA's mean relative error at most twice the C core's;
-  meta        scale, k and C: CUDA's largest relative error at most twice the C core's, or one bf16 ulp (2^-8),
+  meta        scale, k and C: CUDA's largest relative error at most twice the C core's, or one bf16 ulp (2^-7),
               the rounding to bf16 being most of both;
   codes       each kernel's every code is the FP8 rounding of a value within the error bound of the exact
               moment (2^-17 of its terms beta1 m_old and (1 - beta1) g, twice the C core's dequantization error
@@ -445,7 +445,7 @@ def assert_within_tolerance(cpu: StepErrors, cuda: StepErrors, code_diffs: int, 
         cuda_mean = cuda.state_sums[s] / max(cuda.state_counts[s], 1)
         assert cuda_mean <= 2 * cpu_mean, f"{what}: {name} mean relative error {cuda_mean:.3g} vs C core {cpu_mean:.3g}"
         for q, quantity in enumerate(("scale", "k", "C")):
-            assert cuda.meta[s][q] <= max(2 * cpu.meta[s][q], 2.0**-8), (
+            assert cuda.meta[s][q] <= max(2 * cpu.meta[s][q], 2.0**-7), (
                 f"{what}: {name} meta {quantity} relative error {cuda.meta[s][q]:.3g} vs C core {cpu.meta[s][q]:.3g}")
     assert cpu.bad_codes == 0 and cuda.bad_codes == 0, (
         f"{what}: codes outside the error bound: C core {cpu.bad_codes}, CUDA {cuda.bad_codes}")

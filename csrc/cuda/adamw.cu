@@ -8,22 +8,25 @@
 // alignment or the group's neighbours.
 //
 // Step kernel. A warp takes a tile of 512 consecutive columns of one row, 16 consecutive elements per lane:
-// 16-byte loads and stores throughout (4 per fp32 array, 2 per 16-bit array, 1 per FP8 state) when the tensor
-// allows them (cols % 16 == 0 and aligned pointers), element by element otherwise. 512 is a multiple of every
-// group size, so a group of G columns is G/16 (1 to 8) adjacent lanes, and its range (amax, amin) is a butterfly
-// of shuffles. Per element and state:
+// 16-byte loads and stores throughout (4 per fp32 array, 2 per 16-bit array, 1 per FP8 state) when the tensor is
+// aligned (cols % 16 == 0 and aligned pointers) and the tile whole, element by element otherwise (a variant of
+// the tile chosen per warp). 512 is a multiple of every group size, so a group of G columns is G/16 (1 to 8)
+// adjacent lanes, and its range (amax, amin) is a butterfly of shuffles. Per element and state:
 //   decode  beta * x' = (entry.factor * head) * approx_exp2(fmaf(entry.log2, inverse_k, fraction))
 //           one shared-memory lookup of the code's {log2 |decode(code)|, sign} (k == 1: {0, decode(code)}), one
 //           fmaf, one MUFU.EX2, two multiplies; inverse_k, fraction and the exponent in head are the C core's
 //           values (coat_decoder_make), so the argument of exp2 is the C core's bit for bit;
 //   update  m = fmaf(1 - beta1, g, beta1 * m), v = fmaf((1 - beta2) * g, g, beta2 * v),
-//           p = fmaf(-step_size, m * approx_reciprocal(fmaf(approx_sqrt(v), 1 / bias_correction2_sqrt, eps)),
-//                    p * decay_factor);
+//           denom = approx_sqrt(v) * (1 / bias_correction2_sqrt, as two floats) + eps,
+//           q = m * approx_reciprocal(denom) corrected once by the residual (m / denom to about half an ulp),
+//           p = fmaf(-step_size, q, p * decay_factor);
 //   encode  code = fp8(sign(x) * approx_exp2(max(fmaf(k, approx_log2(|x| * head), bias), log2 FP8_MIN_SUBNORMAL)))
 //           head a power of 2 and bias from the group's meta (LaneEncoder), one cvt.rn.satfinite per two codes.
-// Per group and state, once per tile: the decoder of the old meta (coat_decoder_make) and the new meta (new_meta:
-// hardware square roots, log2 and exp2 before each value's bf16 rounding). The even lane of each lane pair does
-// m's, the odd lane v's, and both read the pair's results by shuffles (G = 16: each lane does both).
+// Per group and state: the decoder of the old meta (coat_decoder_make), computed for a batch of the warp's tiles
+// at once with one job per lane and kept in shared memory (DecoderBatch: G = 128 computes it once per 4 tiles),
+// and the new meta (encoder_of_range: hardware square roots, log2 and exp2 before each value's bf16 rounding),
+// once per tile, by the even lane of each lane pair for m and the odd lane for v, which read each other's
+// results by shuffles (G = 16: each lane does both).
 //
 // Rare cases take a general variant of a phase, chosen per warp (__any_sync), whose results equal the fast
 // variant's wherever both apply (they compute the same formula with an extra exact factor or fix-up):
@@ -34,9 +37,9 @@
 //           recomputed over the finite nonzero elements only;
 //   encode: such elements (zero keeps its sign, non-finite gives the NaN code 0x7F), or a group near the ends
 //           of the fp32 range.
-// The step kernel is persistent: a grid of about as many blocks as fit on the GPU, each warp walking every
-// tensor of the launch by a stride of the grid's warps. Each block first builds its tables in shared memory with
-// the C core's arithmetic.
+// The step kernel is persistent: a grid of as many blocks as fit on the GPU (5 per SM: 96 registers, 20 warps),
+// each warp walking every tensor of the launch by a stride of the grid's warps. Each block first builds its
+// tables in shared memory with the C core's arithmetic.
 #include "coat/adamw.h"
 
 #include <cuda_runtime.h>

@@ -12,7 +12,7 @@
 //   m and v     dequantized new state against m*, v*: mean relative error (capped at 1: a value below the
 //               format's floor is rounded up to it), CUDA <= 2 * C core
 //   meta        relative error of scale, k and C against their exact values (k and C from the group's exact
-//               range, scale from the kernel's own k and C): CUDA's max <= max(2 * C core's, 2^-8)
+//               range, scale from the kernel's own k and C): CUDA's max <= max(2 * C core's, 2^-7, one bf16 ulp)
 //   codes       every code is the FP8 rounding of a value within the kernels' error bound of the exact moment
 //               (|m - m*| <= 2^-17 * (|beta1 m_old| + |(1 - beta1) g|) + 2^-147, and the log-domain encoding's
 //               2^-18 k relative): usually one code, two near a rounding boundary; CUDA differs from the C core in at most
@@ -280,7 +280,7 @@ static void check_tolerance(const StepErrors& cpu, const StepErrors& cuda, long 
           "%s: %s mean relative error %.3g vs C core %.3g", what, kStateName[s],
           cuda.state_sum[s] / std::max(cuda.state_count[s], 1L), cpu.state_sum[s] / std::max(cpu.state_count[s], 1L));
     for (int q = 0; q < 3; ++q)
-      CHECK(cuda.meta[s][q] <= std::max(2 * cpu.meta[s][q], 0x1p-8), "%s: %s meta %s relative error %.3g vs C core %.3g",
+      CHECK(cuda.meta[s][q] <= std::max(2 * cpu.meta[s][q], 0x1p-7), "%s: %s meta %s relative error %.3g vs C core %.3g",
             what, kStateName[s], kMetaName[q], cuda.meta[s][q], cpu.meta[s][q]);
   }
   CHECK(cpu.bad_codes == 0 && cuda.bad_codes == 0, "%s: codes outside the error bound: C core %ld, CUDA %ld", what,
