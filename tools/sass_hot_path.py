@@ -4,14 +4,16 @@ The kernel is a persistent loop over 512-column tiles, 16 elements per lane. Thi
 csrc/cuda/adamw.cu with the build's nvcc flags (or takes a cubin), disassembles it with line information
 (nvdisasm -g -gi), and walks the tile loop's control flow from its header to its back-edge, choosing at each
 conditional branch the direction a typical tile takes: every group expanded (k != 1) with normal values, no
-zero / non-finite / subnormal element, whole lanes of an aligned tensor, the fast paths of sqrt and division.
+zero / non-finite / subnormal element, a whole tile of an aligned tensor, the fast variants of decode, range and
+encode. A tile that starts a decoder batch also computes the batch's decoders: the walk is done for such a tile
+and for another, and the count is their average over a batch (4 tiles at G = 128, 2 at 64, 1 below).
 Branches are decided by the source line they come from (rules below, written against the source text, so a
 change of the kernel may need a change of a rule: the walk stops and prints the branch it cannot decide).
 Counts are dynamic for that path: each executed SASS instruction once, including branches, BSSY/BSYNC and
 the uniform-datapath instructions; divided by the 16 elements of a lane.
 
   python tools/sass_hot_path.py                      # fp32 param and grad, G = 128
-  python tools/sass_hot_path.py --dtypes bf16 --group-size 16 --by-line
+  python tools/sass_hot_path.py --dtypes bf16 --group-size 16 --formats e4m3-e5m2 --by-line
 
 Needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm puts one in site-packages/nvidia/cu13/bin).
 """
@@ -106,7 +108,7 @@ def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str,
     cold_lines("decode_and_update<true, kVector>(m_codes, v_codes")
     cold_lines("if (specials) ranges = group_ranges(lane_ranges_exact(m, v)")
     cold_lines("m_out = encode<true, true>(m, m_enc", 2)
-    # the dtypes and formats not in use
+    # the dtypes not in use
     if dtypes == "fp32":
         cold_lines("const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>",
                    last="out[8 * q + 2 * i + 1] = widen(")
@@ -273,7 +275,7 @@ def main():
                         help="param and grad dtype (fp32 / fp32 or bf16 / bf16)")
     parser.add_argument("--group-size", type=int, choices=[16, 32, 64, 128], default=128)
     parser.add_argument("--formats", choices=["e4m3-e4m3", "e4m3-e5m2"], default="e4m3-e4m3",
-                        help="FP8 formats of m and v (v's picks the encode branch; m's path is the same)")
+                        help="FP8 formats of m and v (they pick the encode loops)")
     parser.add_argument("--by-line", action="store_true", help="instructions per source line of step_tile")
     args = parser.parse_args()
 
