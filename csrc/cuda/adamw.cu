@@ -105,10 +105,7 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x % kWarpSize; }
 
 // Every block builds the C core's tables; the caller may read them after this returns.
 __device__ __forceinline__ void build_tables(coat_adamw_tables* t) {
-  if (threadIdx.x < 32) {
-    t->reduction[threadIdx.x].inverse = kLog2Reduction[threadIdx.x].inverse;
-    t->reduction[threadIdx.x].log2 = kLog2Reduction[threadIdx.x].log2;
-  }
+  if (threadIdx.x < 32) t->reduction[threadIdx.x] = kLog2Reduction[threadIdx.x];
   if (threadIdx.x < 128) t->bf16_log2[threadIdx.x] = kLog2Bf16[threadIdx.x];
   __syncthreads();
   for (int i = threadIdx.x; i < 512; i += blockDim.x) coat_adamw_tables_fill_fp8(t, i);
@@ -675,9 +672,9 @@ __device__ __forceinline__ void step_tile(const StepLaunch& launch, int index, u
     v_codes = load_codes_scalar(t.exp_avg_sq, span.first, span.count);
   }
 
-  // The group's old meta, as decoders (the lane's group is lane / lanes_per_group of the tile). The group's first
-  // lane pair stores the new meta below, after warp-wide shuffles that every lane reaches only with its reads of
-  // the old meta consumed.
+  // The group's old meta, as decoders (the lane's group is lane / lanes_per_group of the tile). The batch's
+  // lanes read the old meta of its tiles before the __syncwarp that ends compute_decoder_batch; the group's first
+  // lane pair stores the new meta below, after it.
   if (slot == 0) compute_decoder_batch(launch, index, tile, warps);
   const int m_job = (slot << batch.job_shift) + 2 * (lane >> (layout.group_shift - 4));  // lane / (G / 16)
   const LaneDecoder m_dec = load_decoder(m_job), v_dec = load_decoder(m_job + 1);
