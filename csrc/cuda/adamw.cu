@@ -44,6 +44,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "adamw_fast_math.cuh"
@@ -57,7 +58,13 @@ constexpr int64_t kTileColumns = kWarpSize * kValuesPerLane;
 constexpr int kMaxLanesPerGroup = 128 / kValuesPerLane;
 constexpr int kWarpsPerBlock = 4;
 constexpr int kThreadsPerBlock = kWarpSize * kWarpsPerBlock;
+// Step kernel blocks per SM (__launch_bounds__): 5, at most 96 registers and 20 warps. GPUs without FP8 conversion
+// instructions (before sm_89) convert in software, which needs more registers: 4.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+constexpr int kStepBlocksPerSM = 4;
+#else
 constexpr int kStepBlocksPerSM = 5;
+#endif
 constexpr int kTensorsPerLaunch = 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 // A power of 2 that a decoder's or encoder's head carries: within it, beta * 2^n and |x| * 2^-n stay exact.
@@ -83,6 +90,22 @@ struct TensorPlan {
   uint32_t shift;
   uint32_t phase;  // (tiles of the launch's earlier tensors) % (warps of the grid): tile t goes to warp (phase + t) % warps
   uint32_t vector; // 16-byte aligned param, grad and codes, cols % 16 == 0: whole tiles load and store by vectors
+  int64_t groups_per_row;  // ceil(cols / G), for the step kernel
+};
+
+// How the groups lie on the lanes: lanes_per_group = G / 16 lanes each; with two or more, the even lane of each
+// pair does m's per-group work, the odd lane v's.
+struct GroupLayout {
+  int lanes_per_group;
+  int group_shift;  // log2 G
+  bool split;
+};
+
+// The decoder batches of the launch (see compute_decoder_batch).
+struct DecoderBatch {
+  int job_shift;      // log2 of the jobs per tile, 2 * 512 / G (m and v of each group)
+  int tiles;          // 32 / jobs per tile, at least 1
+  int jobs_per_lane;  // jobs per tile / 32, at least 1
 };
 
 // The tensors of one step launch. They travel by value in the kernel's parameter space (__grid_constant__:
@@ -93,7 +116,8 @@ struct StepLaunch {
   float inverse_bias_correction2_sqrt;      // 1 / bias_correction2_sqrt rounded to float on the host,
   float inverse_bias_correction2_sqrt_low;  // and the rest of its float64 value
   int subnormal_v_matters;  // eps may not absorb sqrt of a subnormal v: the update's general variant runs
-  int group_shift;          // log2 G
+  GroupLayout layout;
+  DecoderBatch batch;
   int count;
   coat_adamw_tensor tensors[kTensorsPerLaunch];
   TensorPlan plans[kTensorsPerLaunch];
@@ -308,20 +332,6 @@ __device__ __forceinline__ LaneDecoder decoder_of(coat_meta meta, coat_fp8_forma
 // the first tile of each batch it computes the decoders of the batch's tiles at once, one job (a group and a state
 // of one tile) per lane, so that G = 128 spends one decoder computation on 4 tiles (G = 64: 2, G = 32: 1, G = 16:
 // two per lane and tile), and keeps them in shared memory, where each lane reads its group's two.
-struct DecoderBatch {
-  int job_shift;      // log2 of the jobs per tile, 2 * 512 / G (m and v of each group)
-  int tiles;          // 32 / jobs per tile, at least 1
-  int jobs_per_lane;  // jobs per tile / 32, at least 1
-};
-
-__device__ __forceinline__ DecoderBatch decoder_batch_of(int group_shift) {
-  DecoderBatch b;
-  b.job_shift = 10 - group_shift;  // 2 * 512 = 2^10
-  b.tiles = max(kWarpSize >> b.job_shift, 1);
-  b.jobs_per_lane = max((1 << b.job_shift) / kWarpSize, 1);
-  return b;
-}
-
 constexpr int kMaxJobsPerWarp = 2 * kWarpSize;
 __shared__ float4 step_decoders[kWarpsPerBlock][kMaxJobsPerWarp];  // head, inverse_k, fraction, table (bits)
 __shared__ float step_decoder_tails[kWarpsPerBlock][kMaxJobsPerWarp];
@@ -491,24 +501,6 @@ __device__ __forceinline__ LaneRanges lane_ranges_exact(const float (&m)[kValues
 
 __device__ __forceinline__ bool is_plain(coat_range r) { return r.amin > 0.0f && r.amax < coat_positive_infinity(); }
 
-// How the groups lie on the lanes: lanes_per_group = G / 16 lanes each; with two or more, the even lane of each
-// pair does m's per-group work, the odd lane v's.
-struct GroupLayout {
-  int lanes_per_group;
-  int group_shift;  // log2 G
-  bool split;
-};
-
-// Derived where it is used from the launch's parameters (constant memory), which keeps it out of the registers
-// that the tile loop carries.
-__device__ __forceinline__ GroupLayout layout_of(const StepLaunch& launch) {
-  GroupLayout layout;
-  layout.group_shift = launch.group_shift;
-  layout.lanes_per_group = 1 << (launch.group_shift - 4);  // G / 16
-  layout.split = layout.lanes_per_group >= 2;
-  return layout;
-}
-
 // The group ranges the lane's per-group work needs: with split, its own state's (first its partner's part of
 // that state, then a butterfly over the group's lanes of the same parity); else both, from the lane alone.
 __device__ __forceinline__ LaneRanges group_ranges(LaneRanges lane, const GroupLayout& layout, bool odd) {
@@ -613,11 +605,10 @@ __device__ __forceinline__ Codes encode(const float (&x)[kValuesPerLane], const 
 // Computes the decoders of the batch that starts at `tile` (DecoderBatch) and stores them for the warp.
 __device__ __forceinline__ void compute_decoder_batch(const StepLaunch& launch, int index, uint32_t tile,
                                                       uint32_t warps) {
-  const GroupLayout layout = layout_of(launch);
-  const DecoderBatch batch = decoder_batch_of(layout.group_shift);
+  const GroupLayout& layout = launch.layout;
+  const DecoderBatch& batch = launch.batch;
   const coat_adamw_tensor& t = launch.tensors[index];
   const TensorPlan& plan = launch.plans[index];
-  const int64_t groups_per_row = (t.cols + (int64_t{1} << layout.group_shift) - 1) >> layout.group_shift;
   __syncwarp();  // every lane has read the previous batch's decoders
   for (int round = 0; round < batch.jobs_per_lane; ++round) {
     const int job = lane_id() + kWarpSize * round;
@@ -628,7 +619,7 @@ __device__ __forceinline__ void compute_decoder_batch(const StepLaunch& launch, 
     const int64_t column = static_cast<int64_t>(job_tile - row * plan.tiles_per_row) * kTileColumns +
                            (static_cast<int64_t>(group) << layout.group_shift);
     const bool valid = job_tile < plan.tiles && column < t.cols;
-    const int64_t meta_offset = (row * groups_per_row + (column >> layout.group_shift)) * COAT_META_VALUES;
+    const int64_t meta_offset = (row * plan.groups_per_row + (column >> layout.group_shift)) * COAT_META_VALUES;
     const uint16_t* meta = (is_v ? t.exp_avg_sq_meta : t.exp_avg_meta) + (valid ? meta_offset : 0);
     store_decoder(job, decoder_of(load_meta(meta, valid), is_v ? t.exp_avg_sq_format : t.exp_avg_format,
                                   is_v ? launch.options.beta2 : launch.options.beta1));
@@ -641,8 +632,8 @@ __device__ __forceinline__ void compute_decoder_batch(const StepLaunch& launch, 
 template <bool kVector>
 __device__ __forceinline__ void step_tile(const StepLaunch& launch, int index, uint32_t tile, uint32_t warps,
                                           int slot) {
-  const GroupLayout layout = layout_of(launch);
-  const DecoderBatch batch = decoder_batch_of(layout.group_shift);
+  const GroupLayout& layout = launch.layout;
+  const DecoderBatch& batch = launch.batch;
   const coat_adamw_tensor& t = launch.tensors[index];
   const TensorPlan& plan = launch.plans[index];
   const coat_adamw_options& o = launch.options;
@@ -651,8 +642,8 @@ __device__ __forceinline__ void step_tile(const StepLaunch& launch, int index, u
   const bool odd = lane & 1;
   // The lane's group exists when its first column is in the row; with split, when the even lane's is.
   const bool group_valid = span.column - (layout.split && odd ? kValuesPerLane : 0) < t.cols;
-  const int64_t groups_per_row = (t.cols + (int64_t{1} << layout.group_shift) - 1) >> layout.group_shift;
-  const int64_t meta_offset = (span.row * groups_per_row + (span.column >> layout.group_shift)) * COAT_META_VALUES;
+  const int64_t meta_offset =
+      (span.row * plan.groups_per_row + (span.column >> layout.group_shift)) * COAT_META_VALUES;
   // The lane's own state, with split: m for even lanes, v for odd ones.
   uint16_t* own_meta = (odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset;
   const coat_fp8_format own_format = odd ? t.exp_avg_sq_format : t.exp_avg_format;
@@ -725,17 +716,15 @@ __device__ __forceinline__ void step_tile(const StepLaunch& launch, int index, u
   }
 }
 
-// 5 blocks of 128 threads per SM: at most 96 registers, 20 warps per SM.
 __global__ void __launch_bounds__(kThreadsPerBlock, kStepBlocksPerSM)
     fp8_adamw_step_kernel(const __grid_constant__ StepLaunch launch) {
   build_step_tables();
   const uint32_t warps = gridDim.x * kWarpsPerBlock;
   const uint32_t warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  const DecoderBatch batch = decoder_batch_of(launch.group_shift);
   for (int i = 0; i < launch.count; ++i) {
     const TensorPlan& plan = launch.plans[i];
     uint32_t tile = warp >= plan.phase ? warp - plan.phase : warp + warps - plan.phase;
-    for (int slot = 0; tile < plan.tiles; tile += warps, slot = slot + 1 == batch.tiles ? 0 : slot + 1) {
+    for (int slot = 0; tile < plan.tiles; tile += warps, slot = slot + 1 == launch.batch.tiles ? 0 : slot + 1) {
       const uint32_t row = (__umulhi(tile, plan.magic) + tile) >> plan.shift;
       const bool full = static_cast<int64_t>(tile - row * plan.tiles_per_row + 1) * kTileColumns <= launch.tensors[i].cols;
       if (plan.vector && full)
@@ -816,6 +805,7 @@ bool make_plan(int64_t rows, int64_t cols, TensorPlan* plan) {
   plan->magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1);
   plan->phase = 0;
   plan->vector = 0;
+  plan->groups_per_row = 0;
   return true;
 }
 
@@ -878,7 +868,13 @@ extern "C" coat_status coat_fp8_adamw_step_cuda(const coat_adamw_tensor* tensors
   // 1 / bias_correction2_sqrt, eps) rounds to eps whether sqrt flushes it or not (half an ulp of eps is >=
   // eps * 2^-25), and the fast update's flushing square root and reciprocal give the general update's values.
   launch.subnormal_v_matters = !(options->eps >= std::ldexp(inverse_bias_correction2_sqrt, -37));
-  launch.group_shift = __builtin_ctzll(options->group_size);
+  const int group_shift = __builtin_ctzll(options->group_size);
+  launch.layout.group_shift = group_shift;
+  launch.layout.lanes_per_group = static_cast<int>(options->group_size / kValuesPerLane);
+  launch.layout.split = launch.layout.lanes_per_group >= 2;
+  launch.batch.job_shift = 10 - group_shift;  // 2 * 512 = 2^10
+  launch.batch.tiles = std::max(kWarpSize >> launch.batch.job_shift, 1);
+  launch.batch.jobs_per_lane = std::max((1 << launch.batch.job_shift) / kWarpSize, 1);
   launch.count = 0;
   int64_t total_tiles = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -886,6 +882,7 @@ extern "C" coat_status coat_fp8_adamw_step_cuda(const coat_adamw_tensor* tensors
     TensorPlan plan;
     if (!make_plan(t.rows, t.cols, &plan)) return COAT_ERROR_INVALID_ARGUMENT;
     if (plan.tiles == 0) continue;
+    plan.groups_per_row = coat_ceil_div(t.cols, options->group_size);
     plan.vector = t.cols % kValuesPerLane == 0 && aligned(t.param, 16) && aligned(t.grad, 16) &&
                   aligned(t.exp_avg, 16) && aligned(t.exp_avg_sq, 16);
     launch.tensors[launch.count] = t;
