@@ -523,10 +523,11 @@ class Optimizer:
                     assert_same_bits(a.cpu(), b.cpu(), f"step {self.steps}, {name}[{i}], two CUDA runs")
             on_cpu = [[t.clone() for t in lst] for lst in before]
             self._run(on_cpu, grads, "cpu")
-            inputs = [StepInputs([lst[i] for lst in before], g, self.formats, self.group_size, self.hyper,
-                                 self.scalars()) for i, g in enumerate(grads)]
-            compare_step(inputs, list(zip(*on_cpu)), [[t.cpu() for t in ts] for ts in zip(*on_device)],
-                         f"step {self.steps}")
+            compared = [i for i, g in enumerate(grads) if g.numel()]  # an empty tensor has nothing to compare
+            inputs = [StepInputs([lst[i] for lst in before], grads[i], self.formats, self.group_size, self.hyper,
+                                 self.scalars()) for i in compared]
+            compare_step(inputs, [[lst[i] for lst in on_cpu] for i in compared],
+                         [[lst[i].cpu() for lst in on_device] for i in compared], f"step {self.steps}")
         params, m_codes, m_meta, v_codes, v_meta = ([t.cpu() for t in lst] for lst in on_device)
         self.params = params
         self.m = [list(pair) for pair in zip(m_codes, m_meta)]
