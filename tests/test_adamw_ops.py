@@ -338,7 +338,10 @@ class StepInputs:
         g, p = grad.double(), param.double()
         m_terms = (beta1 * m_old).abs() + (one_minus_beta1 * g).abs()
         v_terms = (beta2 * v_old).abs() + (one_minus_beta2 * g * g).abs()
-        self.moments = (beta1 * m_old + one_minus_beta1 * g, beta2 * v_old + one_minus_beta2 * g * g)
+        # what float32 cannot hold is Inf for the kernels (and its code the NaN code)
+        fp32_max = torch.finfo(torch.float32).max
+        self.moments = tuple(torch.where(x.abs() > fp32_max, x.sign() * math.inf, x)
+                             for x in (beta1 * m_old + one_minus_beta1 * g, beta2 * v_old + one_minus_beta2 * g * g))
         denom = self.moments[1].sqrt() / bias_correction2_sqrt + eps
         self.param = p * decay - step_size * self.moments[0] / denom
         # the size of what the kernels round: p * decay and the update with m's terms instead of m (they may

@@ -553,9 +553,12 @@ __device__ __forceinline__ void decode_and_update(const Codes& m_codes, const Co
       v[i] = fmaf(s.options.one_minus_beta2 * g[i], g[i], decode_scaled<kGeneral>(v_codes, i, v_dec));
       const float root = kGeneral ? approx_sqrt(v[i]) : approx_sqrt_ftz(v[i]);
       // root / bias_correction2_sqrt + eps with 1 / bias_correction2_sqrt as an unevaluated sum of two floats, which
-      // keeps its rounding (the same for every element) out of the result
-      const float denom = fmaf(root, s.inverse_bias_correction2_sqrt,
-                               fmaf(root, s.inverse_bias_correction2_sqrt_low, s.options.eps));
+      // keeps its rounding (the same for every element) out of the result; at most 2^126 (NaN stays NaN), so that
+      // the quotient's correction below never meets 0 * Inf: a v that overflowed to Inf (|g| above ~5.8e20) gives
+      // a quotient of m * 2^-126, almost the C core's m / Inf = 0, not NaN
+      const float denom = min_keeping_nan(fmaf(root, s.inverse_bias_correction2_sqrt,
+                                               fmaf(root, s.inverse_bias_correction2_sqrt_low, s.options.eps)),
+                                          0x1p126f);
       const float reciprocal = kGeneral ? approx_reciprocal(denom) : approx_reciprocal_ftz(denom);
       const float ratio = m[i] * reciprocal;
       // m / denom to about half an ulp, as the division: one correction by the exact residual

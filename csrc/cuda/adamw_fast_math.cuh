@@ -52,10 +52,16 @@ __device__ __forceinline__ float approx_sqrt(float x) {
   return y;
 }
 
-// max(a, b), NaN if either is NaN (fmaxf ignores a NaN operand).
+// max(a, b) and min(a, b), NaN if either is NaN (fmaxf and fminf ignore a NaN operand).
 __device__ __forceinline__ float max_keeping_nan(float a, float b) {
   float y;
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
+__device__ __forceinline__ float min_keeping_nan(float a, float b) {
+  float y;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
   return y;
 }
 

@@ -68,6 +68,7 @@ inline float approx_sqrt(float x) { return emu_within_ulps(sqrt(static_cast<doub
 inline float approx_sqrt_ftz(float x) { return approx_sqrt(emu_flush(x)); }
 
 inline float max_keeping_nan(float a, float b) { return isnan(a) || isnan(b) ? NAN : fmaxf(a, b); }
+inline float min_keeping_nan(float a, float b) { return isnan(a) || isnan(b) ? NAN : fminf(a, b); }
 
 template <coat_fp8_format kFormat>
 inline uint32_t fp8x4_of_finite(float a, float b, float c, float d) {

@@ -17,10 +17,11 @@
 //               (|m - m*| <= 2^-17 * (|beta1 m_old| + |(1 - beta1) g|) + 2^-147, and the log-domain encoding's
 //               2^-18 k relative): usually one code, two near a rounding boundary; CUDA differs from the C core in at most
 //               0.2% of the codes of groups whose meta agree
-//   specials    NaN parameters where the C core's are NaN; moments that are zero or not finite get the C core's
-//               codes (signed zero, NaN code 0x7F)
+//   specials    NaN parameters where the C core's are NaN (also where a huge finite gradient overflows v to Inf);
+//               moments that are zero or not finite get the C core's codes (signed zero, NaN code 0x7F)
 // and in addition: the CUDA step is deterministic and independent of layout (a misaligned copy of the tensors,
 // which takes the element-by-element path, and a tensor stepped alone or among 70 others give the same bits).
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -57,6 +58,7 @@ static float value(int specials, double row_scale) {
   std::normal_distribution<double> n(0.0, 1.0);
   std::uniform_real_distribution<double> u(0.0, 1.0);
   const double r = u(rng);
+  if (specials && r < 0.0015) return (float)(n(rng) * 1e25);  // finite, but v = (1 - beta2) g^2 overflows
   if (specials && r < 0.003) return NAN;
   if (specials && r < 0.005) return INFINITY;
   if (specials && r < 0.006) return -INFINITY;
@@ -194,8 +196,9 @@ static StepErrors measure(const Case& c, const State& before, const State& after
     const double g = load_element(before.grad.data() + 16, c.gd, i), p = load_element(before.param.data() + 16, c.pd, i);
     const double m = (double)o.beta1 * m_old + (double)o.one_minus_beta1 * g;
     const double v = (double)o.beta2 * v_old + (double)o.one_minus_beta2 * g * g;
-    moment[0][i] = m;
-    moment[1][i] = v;
+    // what fp32 cannot hold is Inf for the kernels, whose code is then the NaN code
+    moment[0][i] = fabs(m) > FLT_MAX ? copysign(INFINITY, m) : m;
+    moment[1][i] = v > FLT_MAX ? INFINITY : v;
     bound[0][i] = 0x1p-17 * (fabs(o.beta1 * m_old) + fabs(o.one_minus_beta1 * g)) + 0x1p-147;
     bound[1][i] = 0x1p-17 * (fabs(o.beta2 * v_old) + fabs(o.one_minus_beta2 * g * g)) + 0x1p-147;
     const double denom = sqrt(v) / (double)o.bias_correction2_sqrt + (double)o.eps;
