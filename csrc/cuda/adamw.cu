@@ -32,7 +32,8 @@
 // variant's wherever both apply (they compute the same formula with an extra exact factor or fix-up):
 //   decode: a group whose values come near the ends of the fp32 range (head * tail, tail = 2^shift != 1), or an
 //           eps too small to absorb sqrt of a subnormal v (the fast variant's sqrt and reciprocal flush
-//           subnormals);
+//           subnormals; the general one also divides by a denominator below 2^-126, eps = 0 included, as the
+//           division does);
 //   range:  zero, Inf or NaN elements (or a negative v, from a foreign state) in a group: amax and amin
 //           recomputed over the finite nonzero elements only;
 //   encode: such elements (zero keeps its sign, non-finite gives the NaN code 0x7F), or a group near the ends
@@ -533,6 +534,17 @@ __device__ __forceinline__ float decode_scaled(const Codes& codes, int i, const 
   return (entry.y * d.head) * power;
 }
 
+// m / denom for a denominator below 2^-126, which only eps < 2^-37 / bias_correction2_sqrt allows (the general
+// variant): m / 0 is +-Inf or NaN, as the division gives it; a subnormal denom, whose reciprocal overflows, is
+// scaled by 2^64 first and the quotient back.
+__device__ __forceinline__ float quotient_by_small(float m, float denom) {
+  if (denom == 0.0f) return m * approx_reciprocal(denom);
+  const float scaled = denom * 0x1p64f;
+  const float reciprocal = approx_reciprocal(scaled);
+  const float ratio = m * reciprocal;
+  return fmaf(fmaf(-ratio, scaled, m), reciprocal, ratio) * 0x1p64f;
+}
+
 // Decode, then the AdamW update of every element of the lane (the formulas at the top of this file); each chunk of
 // new parameters is stored as soon as it is complete, which keeps fewer of them in registers. The general variant
 // adds the decoders' tails and takes square root and reciprocal with subnormals; the fast one's flushing versions
@@ -562,7 +574,8 @@ __device__ __forceinline__ void decode_and_update(const Codes& m_codes, const Co
       const float reciprocal = kGeneral ? approx_reciprocal(denom) : approx_reciprocal_ftz(denom);
       const float ratio = m[i] * reciprocal;
       // m / denom to about half an ulp, as the division: one correction by the exact residual
-      const float quotient = fmaf(fmaf(-ratio, denom, m[i]), reciprocal, ratio);
+      float quotient = fmaf(fmaf(-ratio, denom, m[i]), reciprocal, ratio);
+      if (kGeneral && denom < 0x1p-126f) quotient = quotient_by_small(m[i], denom);
       updated[j] = fmaf(s.minus_step_size, quotient, p[i] * s.options.decay_factor);
     }
     store_params_chunk<kVector>(t.param, t.param_dtype, span.first, chunk, span.count, updated);

@@ -19,7 +19,8 @@
 //               0.2% of the codes of groups whose meta agree
 //   specials    NaN parameters where the C core's are NaN (also where a huge finite gradient overflows v to Inf);
 //               moments that are zero or not finite get the C core's codes (signed zero, NaN code 0x7F)
-// and in addition: the CUDA step is deterministic and independent of layout (a misaligned copy of the tensors,
+// The cases cover eps = 0 as well (the update's general variant, denominators of 0 and subnormal ones). And in
+// addition: the CUDA step is deterministic and independent of layout (a misaligned copy of the tensors,
 // which takes the element-by-element path, and a tensor stepped alone or among 70 others give the same bits).
 #include <float.h>
 #include <math.h>
@@ -76,6 +77,7 @@ struct Case {
   int em, ev;
   int specials;
   int tiny = 0;
+  int eps_zero = 0;  // eps = 0: the update's general variant (square root and reciprocal of subnormals)
 };
 
 // One tensor's arrays, each with 16 spare bytes in front so that a copy can start misaligned.
@@ -311,7 +313,7 @@ static long code_differences(const Case& c, const State& a, const State& b, long
 
 static coat_adamw_options options_for(const Case& c, int step) {
   coat_adamw_options o;
-  o.beta1 = 0.9f; o.one_minus_beta1 = 0.1f; o.beta2 = 0.999f; o.one_minus_beta2 = 0.001f; o.eps = 1e-8f;
+  o.beta1 = 0.9f; o.one_minus_beta1 = 0.1f; o.beta2 = 0.999f; o.one_minus_beta2 = 0.001f; o.eps = c.eps_zero ? 0.0f : 1e-8f;
   o.decay_factor = 0.999f; o.step_size = (float)(1e-2 / (1 - pow(0.9, step)));
   o.bias_correction2_sqrt = (float)sqrt(1 - pow(0.999, step));
   o.group_size = c.G; o.expand_exp_avg = c.em; o.expand_exp_avg_sq = c.ev;
@@ -367,8 +369,9 @@ static void run_case(const Case& c, int steps) {
     s = cpu;  // teacher forcing: the next step starts from the C core's state
   }
   char what[160];
-  snprintf(what, sizeof what, "%lld x %lld G%lld p%d g%d m%d v%d expand %d%d%s%s", (long long)c.rows, (long long)c.cols,
-           (long long)c.G, c.pd, c.gd, c.mf, c.vf, c.em, c.ev, c.specials ? " specials" : "", c.tiny ? " tiny" : "");
+  snprintf(what, sizeof what, "%lld x %lld G%lld p%d g%d m%d v%d expand %d%d%s%s%s", (long long)c.rows,
+           (long long)c.cols, (long long)c.G, c.pd, c.gd, c.mf, c.vf, c.em, c.ev, c.specials ? " specials" : "",
+           c.tiny ? " tiny" : "", c.eps_zero ? " eps 0" : "");
   check_tolerance(cpu_total, cuda_total, code_diffs, codes, what);
   if (getenv("EMU_VERBOSE"))
     printf("%s: param rms %.2f / %.2f, max %.2f / %.2f; m %.3g / %.3g, v %.3g / %.3g; code diffs %ld of %ld\n", what,
@@ -465,6 +468,8 @@ int main(int argc, char** argv) {
     Case c{4, 1024, COAT_FLOAT32, COAT_FLOAT32, COAT_E4M3, COAT_E5M2, G, 1, 1, 1, 1};
     run_case(c, 3);
     c.mf = COAT_E5M2; c.vf = COAT_E4M3; c.gd = COAT_BFLOAT16;
+    run_case(c, 3);
+    c.eps_zero = 1;
     run_case(c, 3);
   }
   many_case(45, 128);
