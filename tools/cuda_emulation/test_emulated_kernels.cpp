@@ -196,11 +196,13 @@ static StepErrors measure(const Case& c, const State& before, const State& after
     const double m_old = dequantize(before.m[16 + i], c.mf, &before.mm[meta_index]);
     const double v_old = dequantize(before.v[16 + i], c.vf, &before.vm[meta_index]);
     const double g = load_element(before.grad.data() + 16, c.gd, i), p = load_element(before.param.data() + 16, c.pd, i);
-    const double m = (double)o.beta1 * m_old + (double)o.one_minus_beta1 * g;
-    const double v = (double)o.beta2 * v_old + (double)o.one_minus_beta2 * g * g;
-    // what fp32 cannot hold is Inf for the kernels, whose code is then the NaN code
-    moment[0][i] = fabs(m) > FLT_MAX ? copysign(INFINITY, m) : m;
-    moment[1][i] = v > FLT_MAX ? INFINITY : v;
+    // what fp32 cannot hold is Inf for the kernels (and its code the NaN code)
+    const double m_exact = (double)o.beta1 * m_old + (double)o.one_minus_beta1 * g;
+    const double v_exact = (double)o.beta2 * v_old + (double)o.one_minus_beta2 * g * g;
+    const double m = fabs(m_exact) > FLT_MAX ? copysign(INFINITY, m_exact) : m_exact;
+    const double v = v_exact > FLT_MAX ? INFINITY : v_exact;
+    moment[0][i] = m;
+    moment[1][i] = v;
     bound[0][i] = 0x1p-17 * (fabs(o.beta1 * m_old) + fabs(o.one_minus_beta1 * g)) + 0x1p-147;
     bound[1][i] = 0x1p-17 * (fabs(o.beta2 * v_old) + fabs(o.one_minus_beta2 * g * g)) + 0x1p-147;
     const double denom = sqrt(v) / (double)o.bias_correction2_sqrt + (double)o.eps;
