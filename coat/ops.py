@@ -1,6 +1,7 @@
 """coat's operators: torch.library custom ops (namespace ``coat``) backed by the C core on CPU and the CUDA
-kernels on GPU, which give bit-identical results. Schemas are in csrc/bindings/library.cpp; the fake
-(meta) implementations below let torch.compile and FakeTensor trace them.
+kernels on GPU, which give bit-identical results, except fp8_adamw_step, whose CUDA kernel uses the GPU's fast
+arithmetic and agrees with the C core within a stated tolerance (see its docstring). Schemas are in
+csrc/bindings/library.cpp; the fake (meta) implementations below let torch.compile and FakeTensor trace them.
 
 Numerics, shared by every quantizer (see csrc/include/coat/quantize.h for the full statement):
 
@@ -186,6 +187,13 @@ def fp8_adamw_step(
     torch.float8_e5m2 (the dtype picks the format, e.g. E4M3 m and E5M2 v); exp_avg_metas / exp_avg_sq_metas:
     their bf16 meta as :func:`quantize_expanded` makes it. A NaN or Inf gradient makes its parameter NaN, as in
     torch.optim.AdamW, and never changes the rest of its group.
+
+    CPU and CUDA: the CPU runs the C core; the CUDA kernel computes the same formulas with the GPU's fast
+    arithmetic (hardware exp2, log2, square root and reciprocal) and is deterministic (the same inputs give the
+    same bits on every run and in any grouping of the tensors into calls), but not bit-equal to the CPU: its
+    errors against a float64 reference are at most twice the C core's (tests/test_adamw_ops.py states the
+    tolerance), and an FP8 code may differ where its value lies within that error of a rounding boundary. The
+    state layout is the same on both, so states and checkpoints move freely between them.
     """
     if params:
         check_device_supported(params[0], "coat.ops.fp8_adamw_step")

@@ -683,18 +683,36 @@ needs_cuda = pytest.mark.skipif(
 
 
 @needs_cuda
-def test_cuda_matches_cpu_bit_for_bit():
-    grads = make_grads(5)
+def test_cuda_matches_cpu_within_tolerance():
+    """The CUDA step uses the GPU's fast arithmetic (csrc/cuda/adamw.cu; tests/test_adamw_ops.py checks each step
+    against the C core's within its stated tolerance). Over 5 free-running steps the two runs drift apart only
+    where an FP8 code or a bf16 meta value landed on the other side of a rounding boundary, which moves that
+    element's update by a few %: parameters within 0.1 lr per step of each other, the median within 1e-5 lr per
+    step, the median relative difference of the dequantized moments below 1e-4. Two CUDA runs give the same
+    bits."""
+    steps, lr = 5, 1e-2
+    grads = make_grads(steps)
     cpu_params = make_params()
-    cuda_params = {n: torch.nn.Parameter(p.detach().cuda()) for n, p in cpu_params.items()}
-    cpu_opt = AdamW(cpu_params.values(), lr=1e-2, group_size=32, v_format="e5m2")
-    cuda_opt = AdamW(cuda_params.values(), lr=1e-2, group_size=32, v_format="e5m2")
+    cpu_opt = AdamW(cpu_params.values(), lr=lr, group_size=32, v_format="e5m2")
     train(cpu_opt, cpu_params, grads)
-    train(cuda_opt, cuda_params, [{n: g.cuda() for n, g in step.items()} for step in grads])
-    for name, p in cpu_params.items():
-        assert torch.equal(bits(cuda_params[name].detach().cpu()), bits(p.detach())), name
+    runs = []
+    for _ in range(2):
+        cuda_params = {n: torch.nn.Parameter(p.detach().cuda()) for n, p in make_params().items()}
+        cuda_opt = AdamW(cuda_params.values(), lr=lr, group_size=32, v_format="e5m2")
+        train(cuda_opt, cuda_params, [{n: g.cuda() for n, g in step.items()} for step in grads])
+        runs.append((cuda_params, cuda_opt))
+    (first, first_opt), (second, second_opt) = runs
+    for name in first:
+        assert torch.equal(bits(first[name].detach()), bits(second[name].detach())), f"{name}: two CUDA runs differ"
         for key in ("exp_avg", "exp_avg_meta", "exp_avg_sq", "exp_avg_sq_meta"):
-            assert torch.equal(bits(cuda_opt.state[cuda_params[name]][key].cpu()), bits(cpu_opt.state[p][key]))
+            assert torch.equal(bits(first_opt.state[first[name]][key]), bits(second_opt.state[second[name]][key]))
+    difference = torch.cat([(first[n].detach().cpu() - p.detach()).abs().flatten() for n, p in cpu_params.items()])
+    assert difference.max() <= 0.1 * lr * steps and difference.median() <= 1e-5 * lr * steps
+    for codes_key, meta_key in MOMENTS:
+        cuda_moment = torch.cat([dequantized(first_opt, first[n], codes_key, meta_key).cpu().flatten() for n in first])
+        cpu_moment = torch.cat([dequantized(cpu_opt, p, codes_key, meta_key).flatten() for p in cpu_params.values()])
+        relative = (cuda_moment - cpu_moment).abs() / cpu_moment.abs().clamp(min=1e-30)
+        assert relative.median() <= 1e-4, codes_key
 
 
 @needs_cuda

@@ -4,14 +4,16 @@ The kernel is a persistent loop over 512-column tiles, 16 elements per lane. Thi
 csrc/cuda/adamw.cu with the build's nvcc flags (or takes a cubin), disassembles it with line information
 (nvdisasm -g -gi), and walks the tile loop's control flow from its header to its back-edge, choosing at each
 conditional branch the direction a typical tile takes: every group expanded (k != 1) with normal values, no
-zero / non-finite / subnormal element, whole lanes of an aligned tensor, the fast paths of sqrt and division.
+zero / non-finite / subnormal element, a whole tile of an aligned tensor, the fast variants of decode, range and
+encode. A tile that starts a decoder batch also computes the batch's decoders: the walk is done for such a tile
+and for another, and the count is their average over a batch (4 tiles at G = 128, 2 at 64, 1 below).
 Branches are decided by the source line they come from (rules below, written against the source text, so a
 change of the kernel may need a change of a rule: the walk stops and prints the branch it cannot decide).
 Counts are dynamic for that path: each executed SASS instruction once, including branches, BSSY/BSYNC and
 the uniform-datapath instructions; divided by the 16 elements of a lane.
 
   python tools/sass_hot_path.py                      # fp32 param and grad, G = 128
-  python tools/sass_hot_path.py --dtypes bf16 --group-size 16 --by-line
+  python tools/sass_hot_path.py --dtypes bf16 --group-size 16 --formats e4m3-e5m2 --by-line
 
 Needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm puts one in site-packages/nvidia/cu13/bin).
 """
@@ -88,69 +90,83 @@ class Source:
         return f"{self.name}:{self.find(snippet, after)}"
 
 
-def rules_for(cu: Source, h: Source, dtypes: str, group_size: int):
-    """(cold source lines, branch rules): the hot path of a typical tile."""
+def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str, first_in_batch: bool):
+    """(cold source lines, branch rules): the hot path of a typical tile, the first of its decoder batch (which
+    computes the batch's decoders) or another."""
     cold: set[str] = set()
 
-    def cold_lines(first: str, count: int = 1, last: str | None = None):
-        a = cu.find(first)
+    def cold_lines(first: str, count: int = 1, last: str | None = None, after: int = 0):
+        a = cu.find(first, after)
         b = cu.find(last, a - 1) if last else a + count - 1
         cold.update(f"{cu.name}:{n}" for n in range(a, b + 1))
 
-    # element-by-element I/O, the paths of k == 1 groups, subnormal groups, zero / non-finite elements
+    # element-by-element I/O and the general variants of decode, ranges and encode
     cold_lines("load_values_scalar(t.param, t.param_dtype", 4)
-    cold_lines("store_params_scalar(t.param, t.param_dtype")
+    cold_lines("step_tile<false>(launch, i, tile, warps, slot);")
+    cold_lines("if (first_index + i >= count) continue;", 5)
     cold_lines("store_codes_scalar(t.exp_avg, span.first", 2)
-    cold_lines("out[i] = i < count ? coat_load_f32")
-    cold_lines("if (i < count) coat_store_param(data")
-    cold_lines("if (i < count) c.w[i / 4] |= static_cast<uint32_t>(codes[first + i])")
-    cold_lines("if (i < count) codes[first + i] = static_cast<uint8_t>")
-    cold_lines("for (int i = 0; i < kValuesPerLane; ++i) out[i] = d.c * (t->fp8_value[format]")
-    cold_lines("for (int i = 0; i < kValuesPerLane; ++i) out[i] = coat_decode(")
-    cold_lines("c.w[i / 4] |= static_cast<uint32_t>(coat_encode(x[i], &e, &f, format, t))")
-    cold_lines("if (coat_is_finite(x[i])) r.range.amax = fmaxf(r.range.amax, fabsf(x[i]));")
-    cold_lines("const uint32_t code = a == 0u ? (bits >> 24) & 0x80u : 0x7Fu;",
-               last="c.w[i / 4] = (c.w[i / 4] & ~(0xFFu << (8 * (i % 4)))) | (code << (8 * (i % 4)));")
-    cold_lines("for (int i = 0; i < kValuesPerLane; ++i) p[i] = coat_adamw_update(p[i]")
+    cold_lines("decode_and_update<true, kVector>(m_codes, v_codes")
+    cold_lines("if (specials) ranges = group_ranges(lane_ranges_exact(m, v)")
+    cold_lines("m_out = encode<true, true>(m, m_enc", 2)
     # the dtypes not in use
     if dtypes == "fp32":
         cold_lines("const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>",
-                   last="out[8 * q + 2 * i + 1] = coat_f16_to_f32")
-        cold_lines("uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(data) + first);",
-                   last="out[q] = make_uint4(w[0], w[1], w[2], w[3]);")
+                   last="out[8 * q + 2 * i + 1] = widen(")
+        cold_lines("uint2* out = reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index);", 4)
     else:
         cold_lines("const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(data) + first);",
                    last="out[4 * q] = a.x; out[4 * q + 1] = a.y;")
-        cold_lines("float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first);", 3)
-        cold_lines("out[8 * q + 2 * i] = coat_f16_to_f32", 2)
+        cold_lines("float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index);", 3)
     split = group_size >= 32
     if split:
-        cold_lines("m_dec = coat_decoder_make(load_meta(t.exp_avg_meta + meta_offset", 2)
-        cold_lines("m_enc = new_encoder(m_lane.range", 4)
+        cold_lines("coat_meta m_meta, v_meta;", 7)
     else:
-        cold_lines("coat_decoder_make(load_meta((odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset", 4)
-        cold_lines("const coat_range r = group_range_split(", 7)
+        cold_lines("coat_meta meta;", 7)
 
-    meta = h.find("COAT_INLINE coat_encoder coat_encoder_of_range")
-    second_split = cu.find("if (split) {", cu.find("const LaneRange m_lane = lane_range(m)"))
+    meta = h.find("COAT_INLINE coat_decoder coat_decoder_make")
+    new_meta = cu.find("__device__ __forceinline__ LaneEncoder encoder_of_range(")
+    tile = cu.find("__device__ __forceinline__ void step_tile(")
+    loads = cu.find("if (kVector) {", tile)
+    code_store = cu.find("if (kVector) {", cu.find("Codes m_out, v_out;"))
+    float4_store = cu.key("for (int q = 0; q < kStoreChunk / 4; ++q) out[q] = make_float4(")
+    uint2_store = cu.key("out[q] = make_uint2(bf16x2_bits(p[4 * q], p[4 * q + 1]), bf16x2_bits(p[4 * q + 2]")
     rules = {
-        cu.key("if (divisor.exact_by_inverse) {"): "to:" + cu.key("p[i] = coat_adamw_update_by_inverse("),
+        # whole lanes of an aligned tensor
+        f"{cu.name}:{loads}": "to:" + cu.key("load_values_vector(t.param, t.param_dtype, span.first, p);"),
+        cu.key("if (plan.vector && full)"): "to:" + cu.key("step_tile<true>(launch, i, tile, warps, slot);"),
+        cu.key("if (kVector && dtype == COAT_FLOAT32) {"): "to:" + (float4_store if dtypes == "fp32" else uint2_store),
+        f"{cu.name}:{code_store}": "to:" + cu.key("store_codes_vector(t.exp_avg, span.first, m_out);"),
+        # the group's values and meta: expanded (k != 1), normal numbers
+        cu.key("if (d.linear) {"): "to:" + cu.key("r.head = beta * power_of_2(head_exponent(d.exponent));"),
+        cu.key("if (expand && r.amax > 0.0f) {", new_meta): "fallthrough",
+        cu.key("if (mean >= COAT_MIN_SCALE && mean <= coat_bf16_max()) {", new_meta): "fallthrough",
+        cu.key("if (log2_range > 0.0f)", new_meta): "fallthrough",
+        cu.key("if (m.k == 1.0f) {", new_meta): "to:" + cu.key("const float log2_ratio = static_cast<float>(high.exponent", new_meta),
+        cu.key("if (m.k == 1.0f) {", cu.find("LaneEncoder e;", new_meta)): "to:" + cu.key("exponent = lc.exponent;", new_meta),
+        cu.key("if (subnormal) a = __float_as_uint(x * 16777216.0f);"): "taken",
+        cu.key("if (valid) m = coat_meta_load(meta);"): "fallthrough",
         # the butterfly's steps at distances 2 and 4 merge when they stay inside the group
-        cu.key("if (offset < lanes_per_group) mine = merge_from(mine, offset);"):
+        cu.key("if (offset < layout.lanes_per_group) mine = merge_from(mine, offset);"):
             "seq:" + ",".join("fallthrough" if offset < group_size // 16 else "taken" for offset in (2, 4)),
-        cu.key("if (store) coat_meta_store(m, meta);"): "fallthrough",
-        cu.key("if (specials) {"): "taken",
-        cu.key("if (d.linear) {"): "to:" + cu.key("} else if (d.fast_scaling) {"),
-        cu.key("if (!r.specials) {"): "to:" + cu.key("r.range.amax = __uint_as_float((high_key + 2u) >> 1);"),
-        h.key("if (expand && r.amax > 0.0f) {", meta): "fallthrough",
-        h.key("if (mean >= COAT_MIN_SCALE && mean <= coat_bf16_max()) {", meta): "fallthrough",
-        h.key("if (log2_range > 0.0f)", meta): "fallthrough",
-        h.key("if (m.k == 1.0f) {", meta): "to:" + h.key("const float log2_ratio = (float)(high.exponent - lc.exponent)", meta),
+        cu.key("if (!layout.split) return lane;"): "taken" if split else "fallthrough",
+        cu.key("if (slot == 0) compute_decoder_batch("): "to:" + cu.key("for (int round = 0; round < batch.jobs_per_lane;")
+            if first_in_batch else "away:" + cu.key("for (int round = 0; round < batch.jobs_per_lane;"),
+        # one job per lane, two with G = 16
+        cu.key("for (int round = 0; round < batch.jobs_per_lane; ++round) {"):
+            "seq:" + ",".join(["to:" + cu.key("const int group = (job & ((1 << batch.job_shift) - 1)) >> 1;")] *
+                              (2 if group_size == 16 else 1) +
+                              ["away:" + cu.key("const int group = (job & ((1 << batch.job_shift) - 1)) >> 1;")]),
+        cu.key("if (layout.split) {", cu.find("LaneEncoder m_enc, v_enc;")):
+            "to:" + cu.key("const LaneEncoder mine = encoder_of_range(" if split else "m_enc = encoder_of_range(ranges.m"),
+        # some lanes of the warp store the new meta: the warp runs the stores
+        cu.key("if (group_valid && (lane & (layout.lanes_per_group - 1)) < 2) coat_meta_store(meta, own_meta);"):
+            "fallthrough",
+        cu.key("if (group_valid) {", cu.find("coat_meta m_meta, v_meta;")): "fallthrough",
+        # the encoders of m and v, in this order, by their formats
+        cu.key("return format == COAT_E4M3 ? encode_state<COAT_E4M3, kGeneral, kSigned>(x, e)"): "seq:" + ",".join(
+            ("away:" if f == "e4m3" else "to:") + cu.key(": encode_state<COAT_E5M2, kGeneral, kSigned>(x, e);")
+            for f in formats.split("-")),
     }
-    if split:
-        rules[f"{cu.name}:{second_split}"] = "to:" + cu.key("const coat_range r = group_range_split(")
-    else:
-        rules[f"{cu.name}:{second_split}"] = "to:" + cu.key("m_enc = new_encoder(m_lane.range")
     return cold, rules
 
 
@@ -194,20 +210,20 @@ def walk(ins: list[dict], cu: Source, cold: set[str], rules: dict[str, str]):
         for c in chain(i):
             if c in rules:
                 rule = rules[c]
-                if rule.startswith("to:"):
-                    wanted = rule[3:].split("|")
-                    dt, df = distance(taken, wanted), distance(fallthrough, wanted)
-                    if dt == df:
-                        raise RuntimeError(f"rule {c}={rule} does not separate the branch at {i['addr']:#x}")
-                    return taken if dt < df else fallthrough
                 if rule.startswith("seq:"):  # one direction per visit of this branch, in order
                     directions = rule[4:].split(",")
                     rule = directions[min(visits[c], len(directions) - 1)]
                     visits[c] += 1
+                if rule.startswith(("to:", "away:")):  # the direction nearer to (farther from) a source line
+                    wanted = rule.split(":", 1)[1].split("|")
+                    dt, df = distance(taken, wanted), distance(fallthrough, wanted)
+                    if dt == df:
+                        raise RuntimeError(f"rule {c}={rule} does not separate the branch at {i['addr']:#x}")
+                    return taken if (dt < df) == rule.startswith("to:") else fallthrough
                 return taken if rule == "taken" else fallthrough
         raise RuntimeError(f"no rule for the branch at {i['addr']:#x} {i['text']} ({' <- '.join(chain(i)[:4])})")
 
-    loop_line = cu.key("for (; tile < plan.tiles; tile += warps)")
+    loop_line = cu.key("for (int slot = 0; tile < plan.tiles; tile += warps")
     header_line = cu.key("const LaneSpan span = lane_span(tile, plan, t.cols);")
     header = next(k for k, i in enumerate(ins) if header_line in chain(i))
     backedge = None
@@ -258,6 +274,8 @@ def main():
     parser.add_argument("--dtypes", choices=["fp32", "bf16"], default="fp32",
                         help="param and grad dtype (fp32 / fp32 or bf16 / bf16)")
     parser.add_argument("--group-size", type=int, choices=[16, 32, 64, 128], default=128)
+    parser.add_argument("--formats", choices=["e4m3-e4m3", "e4m3-e5m2"], default="e4m3-e4m3",
+                        help="FP8 formats of m and v (they pick the encode loops)")
     parser.add_argument("--by-line", action="store_true", help="instructions per source line of step_tile")
     args = parser.parse_args()
 
@@ -272,22 +290,26 @@ def main():
     functions = parse(listing)
     ins = next(v for k, v in functions.items() if "fp8_adamw_step_kernel" in k)
     cu, h = Source(KERNEL), Source(MATH)
-    cold, rules = rules_for(cu, h, args.dtypes, args.group_size)
-    path = walk(ins, cu, cold, rules)
+    batch_tiles = max(args.group_size // 32, 1)  # tiles per decoder batch (csrc/cuda/adamw.cu, DecoderBatch)
+    paths = [walk(ins, cu, *rules_for(cu, h, args.dtypes, args.group_size, args.formats, first))
+             for first in (True, False)]
+    path = paths[0] + paths[1] * (batch_tiles - 1)
 
     step_tile = cu.find("__device__ __forceinline__ void step_tile(")
     kernel = cu.find("fp8_adamw_step_kernel(const __grid_constant__")
     by_line = collections.Counter()
-    for i in path:  # the outermost line of the chain inside step_tile (else the kernel's)
+    for i in path:  # the outermost line of the chain inside step_tile (else the kernel's), summed over a batch
         lines = [l for f, l in i["chain"] if f == cu.name]
         inside = [l for l in lines if step_tile < l < kernel] or lines
         by_line[inside[-1] if inside else 0] += 1
     ops = collections.Counter(opcode(i["text"]).split(".")[0] for i in path)
     if args.by_line:
         for line, n in sorted(by_line.items()):
-            print(f"{n:6d}  {line:4d}  {cu.lines[line - 1].strip()[:90] if line else ''}")
-    print(f"kernel: {len(ins)} SASS instructions; tile loop hot path: {len(path)} per lane and tile of "
-          f"{ELEMENTS_PER_TILE_LANE} elements = {len(path) / ELEMENTS_PER_TILE_LANE:.1f} per element "
+            print(f"{n / batch_tiles:6.1f}  {line:4d}  {cu.lines[line - 1].strip()[:90] if line else ''}")
+    per_tile = len(path) / batch_tiles
+    print(f"kernel: {len(ins)} SASS instructions; tile loop hot path: {len(paths[0])} for the first tile of a decoder "
+          f"batch of {batch_tiles}, {len(paths[1])} for the others: {per_tile:.0f} per lane and tile of "
+          f"{ELEMENTS_PER_TILE_LANE} elements = {per_tile / ELEMENTS_PER_TILE_LANE:.1f} per element "
           f"({args.dtypes}, G = {args.group_size})")
     print("by opcode: " + " ".join(f"{o}:{n}" for o, n in ops.most_common()))
     local = sum(n for o, n in ops.items() if o in ("LDL", "STL"))

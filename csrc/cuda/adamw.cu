@@ -1,32 +1,54 @@
-// CUDA implementation of coat/adamw.h. Every value comes from the element-level steps of
-// coat/detail/adamw_math.h, as in the C core, so both agree bit for bit.
+// CUDA implementation of coat/adamw.h.
 //
-// Work split: a warp takes a tile of 512 consecutive columns of one row, 16 consecutive elements per lane:
-// 16-byte loads and stores throughout (4 per fp32 array, 2 per 16-bit array, 1 per FP8 state) when the tensor
-// allows them (cols % 16 == 0 and aligned pointers), element by element otherwise. 512 is a multiple of every
-// group size, so a group of G columns is G/16 (1 to 8) adjacent lanes of one warp, and its statistics (amax,
-// amin) are a butterfly of __shfl_xor_sync: no shared memory for them, no barrier.
+// quantize_expanded and dequantize_expanded run the C core's element functions (coat/detail/adamw_math.h) and
+// agree with it bit for bit. fp8_adamw_step computes the same formulas with the GPU's fast arithmetic
+// (adamw_fast_math.cuh: hardware exp2, log2, square root and reciprocal, FP8 and bf16 conversion instructions)
+// and agrees with the C core within the tolerance that tests/test_adamw_ops.py states and checks. Its results
+// are a function of each group's inputs only: the same on every run, whatever the launch's grid, the tensor's
+// alignment or the group's neighbours.
 //
-// Per-group work (the quantities decode and encode derive from a group's meta, and the new meta) is split
-// between the two states when a group spans two lanes or more (G >= 32): the even lane of each lane pair does
-// m's, the odd lane v's, and every lane reads both from the pair with __shfl_sync. With G = 16 each lane is a
-// group and does both. Amortised over 16 elements per lane, this keeps the per-group work (per state two IEEE
-// divisions, two square roots, two log2 and an exp2) at about a tenth of the per-element cost.
+// Step kernel. A warp takes a tile of 512 consecutive columns of one row, 16 consecutive elements per lane:
+// 16-byte loads and stores throughout (4 per fp32 array, 2 per 16-bit array, 1 per FP8 state) when the tensor is
+// aligned (cols % 16 == 0 and aligned pointers) and the tile whole, element by element otherwise (a variant of
+// the tile chosen per warp). 512 is a multiple of every group size, so a group of G columns is G/16 (1 to 8)
+// adjacent lanes, and its range (amax, amin) is a butterfly of shuffles. Per element and state:
+//   decode  beta * x' = (entry.factor * head) * approx_exp2(fmaf(entry.log2, inverse_k, fraction))
+//           one shared-memory lookup of the code's {log2 |decode(code)|, sign} (k == 1: {0, decode(code)}), one
+//           fmaf, one MUFU.EX2, two multiplies; inverse_k, fraction and the exponent in head are the C core's
+//           values (coat_decoder_make), so the argument of exp2 is the C core's bit for bit;
+//   update  m = fmaf(1 - beta1, g, beta1 * m), v = fmaf((1 - beta2) * g, g, beta2 * v),
+//           denom = approx_sqrt(v) * (1 / bias_correction2_sqrt, as two floats) + eps,
+//           q = m * approx_reciprocal(denom) corrected once by the residual (m / denom to about half an ulp),
+//           p = fmaf(-step_size, q, p * decay_factor);
+//   encode  code = fp8(sign(x) * approx_exp2(max(fmaf(k, approx_log2(|x| * head), bias), log2 FP8_MIN_SUBNORMAL)))
+//           head a power of 2 and bias from the group's meta (LaneEncoder), one cvt.rn.satfinite per two codes.
+// Per group and state: the decoder of the old meta (coat_decoder_make), computed for a batch of the warp's tiles
+// at once with one job per lane and kept in shared memory (DecoderBatch: G = 128 computes it once per 4 tiles),
+// and the new meta (encoder_of_range: hardware square roots, log2 and exp2 before each value's bf16 rounding),
+// once per tile, by the even lane of each lane pair for m and the odd lane for v, which read each other's
+// results by shuffles (G = 16: each lane does both).
 //
-// The step kernel is persistent: a grid of about as many blocks as fit on the GPU, each warp walking every
-// tensor of the launch by a stride of the grid's warps. Each block first builds coat_adamw_tables (log2
-// tables and the per-code FP8 tables) in shared memory with the same arithmetic as the C core.
-//
-// Fast paths (the same values as the C core's general code; the comments say why):
-//   decode: when every finite nonzero code of the group gives 2^n * 2^f with n in [-125, 127]
-//           (coat_decoder.fast_scaling), 2^n is built from the bits of the rounding sum (one multiply) and the
-//           code's table factor gives the sign and the results of zero / Inf / NaN codes (another);
-//   encode: when the group holds no subnormal (amin >= 2^-126), the log-domain path without the subnormal
-//           rescaling, and the lane's zero and non-finite elements (if any) patched afterwards.
+// Rare cases take a general variant of a phase, chosen per warp (__any_sync), whose results equal the fast
+// variant's wherever both apply (they compute the same formula with an extra exact factor or fix-up):
+//   decode: a group whose values come near the ends of the fp32 range (head * tail, tail = 2^shift != 1), or an
+//           eps too small to absorb sqrt of a subnormal v (the fast variant's sqrt and reciprocal flush
+//           subnormals; the general one also divides by a denominator below 2^-126, eps = 0 included, as the
+//           division does);
+//   range:  zero, Inf or NaN elements (or a negative v, from a foreign state) in a group: amax and amin
+//           recomputed over the finite nonzero elements only;
+//   encode: such elements (zero keeps its sign, non-finite gives the NaN code 0x7F), or a group near the ends
+//           of the fp32 range.
+// The step kernel is persistent: a grid of as many blocks as fit on the GPU (5 per SM: 96 registers, 20 warps),
+// each warp walking every tensor of the launch by a stride of the grid's warps. Each block first builds its
+// tables in shared memory with the C core's arithmetic.
 #include "coat/adamw.h"
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cmath>
+
+#include "adamw_fast_math.cuh"
 #include "coat/detail/adamw_math.h"
 
 namespace {
@@ -34,16 +56,30 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kValuesPerLane = 16;
 constexpr int64_t kTileColumns = kWarpSize * kValuesPerLane;
-constexpr int kWarpsPerBlock = 8;
+constexpr int kMaxLanesPerGroup = 128 / kValuesPerLane;
+constexpr int kWarpsPerBlock = 4;
 constexpr int kThreadsPerBlock = kWarpSize * kWarpsPerBlock;
+// Step kernel blocks per SM (__launch_bounds__): 5, at most 96 registers and 20 warps. GPUs without FP8 conversion
+// instructions (before sm_89) convert in software, which needs more registers: 4.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+constexpr int kStepBlocksPerSM = 4;
+#else
+constexpr int kStepBlocksPerSM = 5;
+#endif
 constexpr int kTensorsPerLaunch = 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
+// A power of 2 that a decoder's or encoder's head carries: within it, beta * 2^n and |x| * 2^-n stay exact.
+constexpr int kHeadExponentLimit = 100;
 
 __constant__ coat_log2_entry kLog2Reduction[32] = COAT_LOG2_REDUCTION_TABLE;
 __constant__ float kLog2Bf16[128] = COAT_LOG2_BF16_TABLE;
 
-// The step kernel's tables. The hot loops read them by name, not through a pointer, so that their shared-memory
-// address is an immediate of the load instruction and an index needs no add.
+// The step kernel's decode tables (see LaneDecoder): table f is the log domain of format f, {log2 |decode(code)|,
+// factor} as the C core's coat_fp8_entry, table 2 + f the linear domain of k == 1 groups, {0, decode(code)}.
+// Aligned so that a code's byte offset (< 2048) is ORed into a table's address.
+constexpr int kDecodeTables = 4;
+__shared__ __align__(2048) float2 step_decode_tables[kDecodeTables][256];
+// The C core's tables: log2 of bf16 values for the per-group quantities, the FP8 entries the decode tables copy.
 __shared__ coat_adamw_tables step_tables;
 
 // Where a tensor's tiles go: rows x tiles_per_row tiles, tile -> row by a multiply-high (the divisor is fixed
@@ -54,23 +90,45 @@ struct TensorPlan {
   uint32_t magic;  // row = (umulhi(tile, magic) + tile) >> shift
   uint32_t shift;
   uint32_t phase;  // (tiles of the launch's earlier tensors) % (warps of the grid): tile t goes to warp (phase + t) % warps
-  uint32_t vector; // 16-byte aligned param, grad and codes, cols % 16 == 0: whole lanes load and store by vectors
+  uint32_t vector; // 16-byte aligned param, grad and codes, cols % 16 == 0: whole tiles load and store by vectors
+  int64_t groups_per_row;  // ceil(cols / G), for the step kernel
+};
+
+// How the groups lie on the lanes: lanes_per_group = G / 16 lanes each; with two or more, the even lane of each
+// pair does m's per-group work, the odd lane v's.
+struct GroupLayout {
+  int lanes_per_group;
+  int group_shift;  // log2 G
+  bool split;
+};
+
+// The decoder batches of the launch (see compute_decoder_batch).
+struct DecoderBatch {
+  int job_shift;      // log2 of the jobs per tile, 2 * 512 / G (m and v of each group)
+  int tiles;          // 32 / jobs per tile, at least 1
+  int jobs_per_lane;  // jobs per tile / 32, at least 1
 };
 
 // The tensors of one step launch. They travel by value in the kernel's parameter space (__grid_constant__:
 // read in place), so a launch needs no device allocation, no copy and no synchronisation.
 struct StepLaunch {
   coat_adamw_options options;
+  float minus_step_size;
+  float inverse_bias_correction2_sqrt;      // 1 / bias_correction2_sqrt rounded to float on the host,
+  float inverse_bias_correction2_sqrt_low;  // and the rest of its float64 value
+  int subnormal_v_matters;  // eps may not absorb sqrt of a subnormal v: the update's general variant runs
+  GroupLayout layout;
+  DecoderBatch batch;
+  int count;
   coat_adamw_tensor tensors[kTensorsPerLaunch];
   TensorPlan plans[kTensorsPerLaunch];
-  int count;
 };
 // 4 KiB is the parameter limit of every CUDA version and architecture.
 static_assert(sizeof(StepLaunch) <= 4096, "step launch parameters exceed 4 KiB");
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x % kWarpSize; }
 
-// Every block builds the tables; the caller may read them after this returns.
+// Every block builds the C core's tables; the caller may read them after this returns.
 __device__ __forceinline__ void build_tables(coat_adamw_tables* t) {
   if (threadIdx.x < 32) t->reduction[threadIdx.x] = kLog2Reduction[threadIdx.x];
   if (threadIdx.x < 128) t->bf16_log2[threadIdx.x] = kLog2Bf16[threadIdx.x];
@@ -79,9 +137,27 @@ __device__ __forceinline__ void build_tables(coat_adamw_tables* t) {
   __syncthreads();
 }
 
+__device__ __forceinline__ void build_step_tables() {
+  build_tables(&step_tables);
+  for (int i = threadIdx.x; i < kDecodeTables * 256; i += blockDim.x) {
+    const int table = i >> 8, format = table & 1, code = i & 255;
+    const coat_fp8_entry e = step_tables.fp8[format][code];
+    step_decode_tables[table][code] =
+        table < 2 ? make_float2(e.log2, e.factor) : make_float2(0.0f, step_tables.fp8_value[format][code]);
+  }
+  __syncthreads();
+}
+
 __device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(kFullMask, v, mask); }
 __device__ __forceinline__ float shfl(float v, int lane) { return __shfl_sync(kFullMask, v, lane); }
-__device__ __forceinline__ int shfl(int v, int lane) { return __shfl_sync(kFullMask, v, lane); }
+
+// 2^n as a float, n in [-126, 127].
+__device__ __forceinline__ float power_of_2(int n) { return __uint_as_float(static_cast<uint32_t>(127 + n) << 23); }
+
+// n split as head + shift with head in [-kHeadExponentLimit, kHeadExponentLimit] and shift clamped to [-126, 127]
+// (where the clamp bites, the values the power scales are 0 or Inf either way).
+__device__ __forceinline__ int head_exponent(int n) { return min(max(n, -kHeadExponentLimit), kHeadExponentLimit); }
+__device__ __forceinline__ int shift_exponent(int n) { return min(max(n - head_exponent(n), -126), 127); }
 
 // ------------------------------------------------------------------------------------------ lane data
 
@@ -104,7 +180,12 @@ __device__ __forceinline__ LaneSpan lane_span(uint32_t tile, const TensorPlan& p
   return span;
 }
 
-// A lane's 16 consecutive values of a float32 / bfloat16 / float16 array as fp32, by 16-byte loads (the lane is
+// A 16-bit element (bf16 or fp16 bits) as fp32, exactly.
+__device__ __forceinline__ float widen(uint16_t bits, coat_dtype dtype) {
+  return dtype == COAT_BFLOAT16 ? coat_bf16_to_f32(bits) : f16_bits_to_f32(bits);
+}
+
+// A lane's 16 consecutive values of a float32 / bfloat16 / float16 array as fp32, by 16-byte loads (the tile is
 // whole and the tensor aligned: TensorPlan.vector).
 __device__ __forceinline__ void load_values_vector(const void* data, coat_dtype dtype, int64_t first,
                                                    float (&out)[kValuesPerLane]) {
@@ -124,50 +205,53 @@ __device__ __forceinline__ void load_values_vector(const void* data, coat_dtype 
     const uint32_t w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if (dtype == COAT_BFLOAT16) {
-        out[8 * q + 2 * i] = __uint_as_float(w[i] << 16);
-        out[8 * q + 2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-      } else {
-        out[8 * q + 2 * i] = coat_f16_to_f32(static_cast<uint16_t>(w[i] & 0xFFFFu));
-        out[8 * q + 2 * i + 1] = coat_f16_to_f32(static_cast<uint16_t>(w[i] >> 16));
-      }
+      out[8 * q + 2 * i] = widen(static_cast<uint16_t>(w[i] & 0xFFFFu), dtype);
+      out[8 * q + 2 * i + 1] = widen(static_cast<uint16_t>(w[i] >> 16), dtype);
     }
   }
 }
 
-// The same element by element, for lanes that are not whole or tensors that are not aligned; missing
+// The same element by element, for tiles that are not whole or tensors that are not aligned; missing
 // elements are 0.
 __device__ __forceinline__ void load_values_scalar(const void* data, coat_dtype dtype, int64_t first, int count,
                                                    float (&out)[kValuesPerLane]) {
 #pragma unroll
-  for (int i = 0; i < kValuesPerLane; ++i) out[i] = i < count ? coat_load_f32(data, dtype, first + i) : 0.0f;
-}
-
-__device__ __forceinline__ void store_params_vector(void* data, coat_dtype dtype, int64_t first,
-                                                    const float (&p)[kValuesPerLane]) {
-  if (dtype == COAT_FLOAT32) {
-    float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first);
-#pragma unroll
-    for (int q = 0; q < kValuesPerLane / 4; ++q) out[q] = make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
-    return;
-  }
-  uint4* out = reinterpret_cast<uint4*>(static_cast<uint16_t*>(data) + first);
-#pragma unroll
-  for (int q = 0; q < kValuesPerLane / 8; ++q) {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      w[i] = static_cast<uint32_t>(coat_f32_to_bf16(p[8 * q + 2 * i])) |
-             (static_cast<uint32_t>(coat_f32_to_bf16(p[8 * q + 2 * i + 1])) << 16);
-    out[q] = make_uint4(w[0], w[1], w[2], w[3]);
+  for (int i = 0; i < kValuesPerLane; ++i) {
+    if (i >= count)
+      out[i] = 0.0f;
+    else
+      out[i] = dtype == COAT_FLOAT32 ? static_cast<const float*>(data)[first + i]
+                                     : widen(static_cast<const uint16_t*>(data)[first + i], dtype);
   }
 }
 
-__device__ __forceinline__ void store_params_scalar(void* data, coat_dtype dtype, int64_t first, int count,
-                                                    const float (&p)[kValuesPerLane]) {
+// Elements [first_index, first_index + kStoreChunk) of a lane's 16, stored as the parameter's dtype: by vector
+// stores in the tiles that allow them (kVector), else element by element (the same bf16 rounding either way, so a
+// NaN gets the same bits too).
+constexpr int kStoreChunk = 4;
+
+template <bool kVector>
+__device__ __forceinline__ void store_params_chunk(void* data, coat_dtype dtype, int64_t first, int first_index,
+                                                   int count, const float (&p)[kStoreChunk]) {
+  if (kVector && dtype == COAT_FLOAT32) {
+    float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index);
 #pragma unroll
-  for (int i = 0; i < kValuesPerLane; ++i)
-    if (i < count) coat_store_as(data, dtype, first + i, p[i]);
+    for (int q = 0; q < kStoreChunk / 4; ++q) out[q] = make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
+  } else if (kVector) {
+    uint2* out = reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index);
+#pragma unroll
+    for (int q = 0; q < kStoreChunk / 4; ++q)
+      out[q] = make_uint2(bf16x2_bits(p[4 * q], p[4 * q + 1]), bf16x2_bits(p[4 * q + 2], p[4 * q + 3]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < kStoreChunk; ++i) {
+      if (first_index + i >= count) continue;
+      if (dtype == COAT_FLOAT32)
+        static_cast<float*>(data)[first + first_index + i] = p[i];
+      else
+        static_cast<uint16_t*>(data)[first + first_index + i] = static_cast<uint16_t>(bf16x2_bits(p[i], 0.0f));
+    }
+  }
 }
 
 // 16 codes as four words (code i in byte i % 4 of word i / 4); missing codes are 0.
@@ -202,192 +286,6 @@ __device__ __forceinline__ void store_codes_scalar(uint8_t* codes, int64_t first
     if (i < count) codes[first + i] = static_cast<uint8_t>(c.w[i / 4] >> (8 * (i % 4)));
 }
 
-__device__ __forceinline__ uint32_t code_at(const Codes& c, int i) { return (c.w[i / 4] >> (8 * (i % 4))) & 0xFFu; }
-
-// ------------------------------------------------------------------------------------- decode, encode
-
-// x, which the compiler then holds in a register instead of folding it into the instructions that use it
-// (so that (bits & 0x7FFFFF) | 0x3F800000 is one LOP3 with a register operand, not two with immediates).
-__device__ __forceinline__ uint32_t opaque(uint32_t x) {
-  asm("" : "+r"(x));
-  return x;
-}
-
-// coat_decode for a lane's 16 codes, with coat_decoder.fast_scaling's shortcut.
-__device__ __forceinline__ void decode_lane(const Codes& codes, const coat_decoder& d, coat_fp8_format format,
-                                            const coat_adamw_tables* t, float (&out)[kValuesPerLane]) {
-  if (d.linear) {
-#pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i) out[i] = d.c * (t->fp8_value[format][code_at(codes, i)] * d.scale);
-  } else if (d.fast_scaling) {
-    // n = exponent + rint(w) is in [-125, 127], so 2^n is a normal number whose bits are (n + 127) << 23, and
-    // (bits(w + 1.5 * 2^23) << 23) is rint(w) << 23: coat_scale_by_power_of_2's single multiply, bit for bit.
-    // The entry's factor then gives the sign, and the results of zero, Inf and NaN codes (their log2 is 0,
-    // and 2^n is finite).
-    const uint32_t exponent_bits = opaque(static_cast<uint32_t>(d.exponent + 127) << 23);  // one LEA below
-    const uint32_t format_bits = static_cast<uint32_t>(format) << 8;
-#pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i) {
-      const coat_fp8_entry e = (&step_tables.fp8[0][0])[code_at(codes, i) | format_bits];  // fp8[format][code]
-      const float w = fmaf(e.log2, d.inverse_k, d.fraction);
-      const float shifted = w + COAT_ROUND_MAGIC;
-      const float rounded = shifted - COAT_ROUND_MAGIC;
-      out[i] = coat_exp2_reduced(w - rounded) * __uint_as_float((__float_as_uint(shifted) << 23) + exponent_bits) *
-               e.factor;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i) out[i] = coat_decode(static_cast<uint8_t>(code_at(codes, i)), &d, format, t);
-  }
-}
-
-// A state's encoder as a lane holds it: coat_encoder plus what selects the path.
-struct LaneEncoder {
-  coat_encoder e;
-  int subnormals;  // the group may hold subnormal values (amin < 2^-126): coat_encode's general path
-};
-
-// Four bytes, each the low byte of a word, as one word (byte i from word i).
-__device__ __forceinline__ uint32_t pack_bytes(uint32_t b0, uint32_t b1, uint32_t b2, uint32_t b3) {
-  return __byte_perm(__byte_perm(b0, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
-}
-
-// The sign bytes (byte 3) of four words as one word.
-__device__ __forceinline__ uint32_t pack_top_bytes(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
-  return __byte_perm(__byte_perm(w0, w1, 0x0073u), __byte_perm(w2, w3, 0x0073u), 0x5410u);
-}
-
-// coat_encode for a lane's 16 values; `specials`: some of them are zero or non-finite.
-__device__ __forceinline__ Codes encode_lane(const float (&x)[kValuesPerLane], const LaneEncoder& le,
-                                             const coat_fp8_log_format& f, coat_fp8_format format, bool specials,
-                                             const coat_adamw_tables* t) {
-  const coat_encoder& e = le.e;
-  Codes c;
-  if (e.linear || le.subnormals) {
-#pragma unroll
-    for (int i = 0; i < kValuesPerLane / 4; ++i) c.w[i] = 0u;
-#pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i)
-      c.w[i / 4] |= static_cast<uint32_t>(coat_encode(x[i], &e, &f, format, t)) << (8 * (i % 4));
-    return c;
-  }
-  // No subnormal: coat_encode's log-domain path for every finite nonzero element, its coat_log2_ratio spelt
-  // out with the same operations in the same order.
-  const uint32_t one = __float_as_uint(step_tables.reduction[0].inverse);  // 1.0f from memory: a register operand
-  uint32_t magnitude[kValuesPerLane];
-#pragma unroll
-  for (int i = 0; i < kValuesPerLane; ++i) {
-    const uint32_t bits = __float_as_uint(x[i]);
-    const float exponent = __uint_as_float(0x4B000000u | ((bits & 0x7FFFFFFFu) >> 23)) - e.exponent_bias;
-    const coat_log2_entry entry = step_tables.reduction[(bits >> 18) & 31u];
-    const float r = fmaf(__uint_as_float((bits & 0x007FFFFFu) | one), entry.inverse, -1.0f);
-    const float d = fmaf(r, coat_log2_q(r), exponent + (entry.log2 - e.fraction_c));
-    const float z = fmaf(e.k, d, e.minus_log2_scale);
-    magnitude[i] = coat_fp8_magnitude_of_log2(fminf(fmaxf(z, f.z_min), f.z_max), &f);
-  }
-  // sign | magnitude, four codes to a word
-#pragma unroll
-  for (int q = 0; q < kValuesPerLane / 4; ++q)
-    c.w[q] = pack_bytes(magnitude[4 * q], magnitude[4 * q + 1], magnitude[4 * q + 2], magnitude[4 * q + 3]) |
-             (pack_top_bytes(__float_as_uint(x[4 * q]), __float_as_uint(x[4 * q + 1]), __float_as_uint(x[4 * q + 2]),
-                             __float_as_uint(x[4 * q + 3])) &
-              0x80808080u);
-  if (specials) {  // coat_encode's early returns: zero keeps its sign, non-finite is 0x7F
-#pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i) {
-      const uint32_t bits = __float_as_uint(x[i]);
-      const uint32_t a = bits & 0x7FFFFFFFu;
-      if (a - 1u >= 0x7F7FFFFFu) {
-        const uint32_t code = a == 0u ? (bits >> 24) & 0x80u : 0x7Fu;
-        c.w[i / 4] = (c.w[i / 4] & ~(0xFFu << (8 * (i % 4)))) | (code << (8 * (i % 4)));
-      }
-    }
-  }
-  return c;
-}
-
-// ------------------------------------------------------------------------------ per-group quantities
-
-// A lane's part of its group's range: amax over finite |x|, amin over finite nonzero |x| (+Inf if none), the
-// same values as coat_range_add over the elements in any order; and whether some element is zero or
-// non-finite. Keys 2 * bits(x) - 2 (unsigned): zero wraps to the top, Inf and NaN lie above every finite
-// value, the sign drops out.
-struct LaneRange {
-  coat_range range;
-  bool specials;
-};
-
-__device__ __forceinline__ LaneRange lane_range(const float (&x)[kValuesPerLane]) {
-  uint32_t low_key = 0xFFFFFFFFu, high_key = 0u;
-#pragma unroll
-  for (int i = 0; i < kValuesPerLane; ++i) {
-    const uint32_t key = __float_as_uint(x[i]) * 2u - 2u;
-    low_key = min(low_key, key);
-    high_key = max(high_key, key);
-  }
-  LaneRange r;
-  r.specials = high_key >= 0xFEFFFFFEu;
-  r.range.amin = low_key < 0xFEFFFFFEu ? __uint_as_float((low_key + 2u) >> 1) : coat_positive_infinity();
-  if (!r.specials) {
-    r.range.amax = __uint_as_float((high_key + 2u) >> 1);  // every element finite and nonzero
-  } else {
-    r.range.amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i)
-      if (coat_is_finite(x[i])) r.range.amax = fmaxf(r.range.amax, fabsf(x[i]));
-  }
-  return r;
-}
-
-__device__ __forceinline__ coat_range merge_from(coat_range r, int mask) {
-  coat_range other;
-  other.amax = shfl_xor(r.amax, mask);
-  other.amin = shfl_xor(r.amin, mask);
-  return coat_range_merge(r, other);
-}
-
-// The group's range of one state: from lanes_per_group (2..8) lanes, where the even lane of each pair reduces
-// m and the odd lane v. First each lane takes its partner's part of its own state, then a butterfly over the
-// lanes of the same parity.
-__device__ __forceinline__ coat_range group_range_split(const coat_range& m, const coat_range& v, bool odd,
-                                                         int lanes_per_group) {
-  coat_range mine = odd ? v : m;
-  coat_range theirs;  // what the partner reduces: it sends us our state's part
-  const coat_range give = odd ? m : v;
-  theirs.amax = shfl_xor(give.amax, 1);
-  theirs.amin = shfl_xor(give.amin, 1);
-  mine = coat_range_merge(mine, theirs);
-#pragma unroll
-  for (int offset = 2; offset < 128 / kValuesPerLane; offset *= 2)
-    if (offset < lanes_per_group) mine = merge_from(mine, offset);
-  return mine;
-}
-
-__device__ __forceinline__ coat_decoder decoder_from_lane(const coat_decoder& d, int lane) {
-  coat_decoder o;
-  o.linear = shfl(d.linear, lane);
-  o.scale = shfl(d.scale, lane);
-  o.c = shfl(d.c, lane);
-  o.inverse_k = shfl(d.inverse_k, lane);
-  o.fraction = shfl(d.fraction, lane);
-  o.exponent = shfl(d.exponent, lane);
-  o.fast_scaling = shfl(d.fast_scaling, lane);
-  return o;
-}
-
-__device__ __forceinline__ LaneEncoder encoder_from_lane(const LaneEncoder& le, int lane) {
-  LaneEncoder o;
-  o.e.linear = shfl(le.e.linear, lane);
-  o.e.scale = shfl(le.e.scale, lane);
-  o.e.k = shfl(le.e.k, lane);
-  o.e.c = shfl(le.e.c, lane);
-  o.e.exponent_bias = shfl(le.e.exponent_bias, lane);
-  o.e.fraction_c = shfl(le.e.fraction_c, lane);
-  o.e.minus_log2_scale = shfl(le.e.minus_log2_scale, lane);
-  o.subnormals = shfl(le.subnormals, lane);
-  return o;
-}
-
 __device__ __forceinline__ coat_meta load_meta(const uint16_t* meta, bool valid) {
   coat_meta m;
   m.scale = m.k = m.c = 1.0f;
@@ -395,39 +293,381 @@ __device__ __forceinline__ coat_meta load_meta(const uint16_t* meta, bool valid)
   return m;
 }
 
-// A group's new meta: stored by the lane that made it, returned as the lane's encoder.
-__device__ __forceinline__ LaneEncoder new_encoder(coat_range r, coat_fp8_format format, int expand, uint16_t* meta,
-                                                   bool store, const coat_adamw_tables* t) {
+// ----------------------------------------------------------------------- per-group quantities: decode
+
+// What a lane needs to decode one state of its group, scaled by the moment's beta (the update's first product):
+//   beta * x' = (entry.factor * head) * (approx_exp2(fmaf(entry.log2, inverse_k, fraction)) * tail)
+// k != 1: the log-domain table; inverse_k, fraction and exponent are coat_decoder_make's (the C core's bits),
+//   head = beta * 2^head_exponent(exponent), tail = 2^shift_exponent(exponent) (1 but near the ends of the fp32
+//   range), so that both products are exact and the result is rounded once;
+// k == 1: the linear table (log2 0, factor decode(code)), inverse_k = fraction = 0 (exp2 gives exactly 1),
+//   head = beta * (C * scale), tail = 1.
+struct LaneDecoder {
+  float head;
+  float tail;
+  float inverse_k;
+  float fraction;
+  uint32_t table;  // shared-memory address of the group's table in step_decode_tables
+};
+
+__device__ __forceinline__ LaneDecoder decoder_of(coat_meta meta, coat_fp8_format format, float beta) {
+  const coat_decoder d = coat_decoder_make(meta, format, &step_tables);
+  LaneDecoder r;
+  if (d.linear) {
+    r.head = beta * (d.c * d.scale);
+    r.tail = 1.0f;
+    r.inverse_k = 0.0f;
+    r.fraction = 0.0f;
+    r.table = shared_address(step_decode_tables[2 + format]);
+  } else {
+    r.head = beta * power_of_2(head_exponent(d.exponent));
+    r.tail = power_of_2(shift_exponent(d.exponent));
+    r.inverse_k = d.inverse_k;
+    r.fraction = d.fraction;
+    r.table = shared_address(step_decode_tables[format]);
+  }
+  return r;
+}
+
+// The decoders of a batch of tiles. A warp takes the tiles tile, tile + warps, tile + 2 warps, ... of a tensor; at
+// the first tile of each batch it computes the decoders of the batch's tiles at once, one job (a group and a state
+// of one tile) per lane, so that G = 128 spends one decoder computation on 4 tiles (G = 64: 2, G = 32: 1, G = 16:
+// two per lane and tile), and keeps them in shared memory, where each lane reads its group's two.
+constexpr int kMaxJobsPerWarp = 2 * kWarpSize;
+__shared__ float4 step_decoders[kWarpsPerBlock][kMaxJobsPerWarp];  // head, inverse_k, fraction, table (bits)
+__shared__ float step_decoder_tails[kWarpsPerBlock][kMaxJobsPerWarp];
+
+__device__ __forceinline__ void store_decoder(int job, const LaneDecoder& d) {
+  const int warp = threadIdx.x / kWarpSize;
+  step_decoders[warp][job] = make_float4(d.head, d.inverse_k, d.fraction, __uint_as_float(d.table));
+  step_decoder_tails[warp][job] = d.tail;
+}
+
+__device__ __forceinline__ LaneDecoder load_decoder(int job) {
+  const int warp = threadIdx.x / kWarpSize;
+  const float4 q = step_decoders[warp][job];
+  LaneDecoder d;
+  d.head = q.x;
+  d.inverse_k = q.y;
+  d.fraction = q.z;
+  d.table = __float_as_uint(q.w);
+  d.tail = step_decoder_tails[warp][job];
+  return d;
+}
+
+// ----------------------------------------------------------------------- per-group quantities: encode
+
+// log2 x = exponent + fraction for a finite x > 0, subnormals included: the exponent exact, the fraction
+// approx_log2 of the significand in [1, 2) (absolute error <= 2^-22).
+__device__ __forceinline__ coat_log2_parts approx_log2_split(float x) {
+  uint32_t a = __float_as_uint(x);
+  const bool subnormal = a < 0x00800000u;
+  if (subnormal) a = __float_as_uint(x * 16777216.0f);
+  coat_log2_parts r;
+  r.exponent = static_cast<int>(a >> 23) - (subnormal ? 127 + 24 : 127);
+  r.fraction = approx_log2_ftz(__uint_as_float((a & 0x007FFFFFu) | 0x3F800000u));
+  return r;
+}
+
+// What a lane needs to encode one state of its group (meta scale, k, C; log2 C = e_C + f_C and log2 scale =
+// e_s + f_s exactly, from the C core's bf16 table):
+//   code = fp8(sign(x) * approx_exp2(max(fmaf(k, approx_log2(|x| * head * tail), bias), log2 FP8_MIN_SUBNORMAL)))
+//   k != 1: head * tail = 2^-e_C,         bias = -(k * f_C + e_s + f_s)  =>  the exponent is k log2(|x| / C) - log2 scale
+//   k == 1: head * tail = 2^-(e_C + e_s), bias = -(f_C + f_s)            =>  the exponent is log2(|x| / (C * scale))
+// so that approx_log2 sees |x| / C up to a factor in [1, 2), where its error is smallest. head and tail are
+// powers of 2 (tail = 1 but near the ends of the fp32 range): the products are exact.
+struct LaneEncoder {
+  float head;
+  float tail;
+  float k;
+  float bias;
+};
+
+// A group's new meta, stored in *meta, and its encoder: coat_encoder_of_range's formulas and order, with hardware
+// square roots, log2, reciprocal and exp2. Each of C, k and scale is rounded to bf16 (scale upwards) before the
+// next is derived from it, so the approximations change a stored value only where it lies within a few fp32 ulp
+// of a bf16 rounding boundary. k == 1 keeps the C core's two correctly rounded divisions for the scale
+// (coat_divide_by_scale: IEEE's value wherever the scale is not clamped to 2^-126), so plain quantization has the
+// C core's meta.
+__device__ __forceinline__ LaneEncoder encoder_of_range(coat_range r, coat_fp8_format format, int expand,
+                                                        coat_meta* meta) {
   coat_meta m;
-  const coat_encoder e = coat_encoder_of_range(r, format, expand, t, &m);
-  if (store) coat_meta_store(m, meta);
-  LaneEncoder le;
-  le.e = e;
-  le.subnormals = r.amin < COAT_MIN_SCALE;
-  return le;
+  m.k = 1.0f;
+  m.c = 1.0f;
+  coat_log2_parts high;
+  high.exponent = 0;
+  high.fraction = 0.0f;
+  if (expand && r.amax > 0.0f) {
+    // a subnormal amax makes the mean subnormal (not expanded) whether its square root flushes or not
+    const float mean = round_to_bf16(approx_sqrt(r.amin) * approx_sqrt_ftz(r.amax));
+    if (mean >= COAT_MIN_SCALE && mean <= coat_bf16_max()) {
+      const coat_log2_parts low = approx_log2_split(r.amin);
+      high = approx_log2_split(r.amax);
+      const float log2_range = static_cast<float>(high.exponent - low.exponent) + (high.fraction - low.fraction);
+      m.c = mean;
+      if (log2_range > 0.0f)
+        m.k = round_to_bf16(fminf(fmaxf(coat_log2_range(format) * approx_reciprocal_ftz(log2_range),
+                                        COAT_EXPANSION_K_MIN),
+                                  COAT_EXPANSION_K_MAX));
+    }
+  }
+  const coat_log2_parts lc = coat_log2_bf16(m.c, &step_tables);
+  float scale;
+  if (m.k == 1.0f) {
+    const float inverse_fp8_max = format == COAT_E4M3 ? 1.0f / COAT_E4M3_MAX : 1.0f / COAT_E5M2_MAX;
+    scale = coat_divide_by_scale(coat_divide_by_scale(r.amax, m.c, __frcp_rn(m.c)), coat_fp8_max(format),
+                                 inverse_fp8_max);
+  } else {
+    const float log2_ratio = static_cast<float>(high.exponent - lc.exponent) + (high.fraction - lc.fraction);
+    scale = approx_exp2_ftz(fmaf(m.k, log2_ratio, -coat_log2_fp8_max(format)));
+  }
+  m.scale = coat_round_bf16_up(fmaxf(scale, COAT_MIN_SCALE));
+  *meta = m;
+
+  const coat_log2_parts ls = coat_log2_bf16(m.scale, &step_tables);
+  LaneEncoder e;
+  e.k = m.k;
+  int exponent;
+  if (m.k == 1.0f) {
+    exponent = lc.exponent + ls.exponent;
+    e.bias = -(lc.fraction + ls.fraction);
+  } else {
+    exponent = lc.exponent;
+    e.bias = -fmaf(m.k, lc.fraction, static_cast<float>(ls.exponent) + ls.fraction);
+  }
+  e.head = power_of_2(-head_exponent(exponent));
+  e.tail = power_of_2(-shift_exponent(exponent));
+  return e;
+}
+
+__device__ __forceinline__ LaneEncoder encoder_from_lane(const LaneEncoder& e, int lane) {
+  LaneEncoder o;
+  o.head = shfl(e.head, lane);
+  o.tail = shfl(e.tail, lane);
+  o.k = shfl(e.k, lane);
+  o.bias = shfl(e.bias, lane);
+  return o;
+}
+
+// ------------------------------------------------------------------------------------------ group ranges
+
+// amax with a NaN kept (a NaN element then shows as a non-finite amax), amin.
+__device__ __forceinline__ coat_range merge(coat_range a, coat_range b) {
+  a.amax = max_keeping_nan(a.amax, b.amax);
+  a.amin = fminf(a.amin, b.amin);
+  return a;
+}
+
+__device__ __forceinline__ coat_range merge_from(coat_range r, int mask) {
+  coat_range other;
+  other.amax = shfl_xor(r.amax, mask);
+  other.amin = shfl_xor(r.amin, mask);
+  return merge(r, other);
+}
+
+// The ranges of a lane's m and v. Fast: amax = max |m| and max v with NaN kept, amin = min |m| and min v with
+// zeros (and a negative v) included, so that every element is finite, nonzero (and v positive) exactly where
+// amin > 0 and amax < Inf hold for the group, and then the ranges are coat/adamw.h's. Exact: coat_range_add
+// over the finite nonzero elements.
+struct LaneRanges {
+  coat_range m;
+  coat_range v;
+};
+
+__device__ __forceinline__ LaneRanges lane_ranges_fast(const float (&m)[kValuesPerLane],
+                                                       const float (&v)[kValuesPerLane]) {
+  LaneRanges r;
+  r.m = r.v = coat_range_empty();
+#pragma unroll
+  for (int i = 0; i < kValuesPerLane; ++i) {
+    r.m.amax = max_keeping_nan(r.m.amax, fabsf(m[i]));
+    r.m.amin = fminf(r.m.amin, fabsf(m[i]));
+    r.v.amax = max_keeping_nan(r.v.amax, v[i]);
+    r.v.amin = fminf(r.v.amin, v[i]);
+  }
+  return r;
+}
+
+__device__ __forceinline__ LaneRanges lane_ranges_exact(const float (&m)[kValuesPerLane],
+                                                        const float (&v)[kValuesPerLane]) {
+  LaneRanges r;
+  r.m = r.v = coat_range_empty();
+#pragma unroll
+  for (int i = 0; i < kValuesPerLane; ++i) {
+    r.m = coat_range_add(r.m, m[i]);
+    r.v = coat_range_add(r.v, v[i]);
+  }
+  return r;
+}
+
+__device__ __forceinline__ bool is_plain(coat_range r) { return r.amin > 0.0f && r.amax < coat_positive_infinity(); }
+
+// The group ranges the lane's per-group work needs: with split, its own state's (first its partner's part of
+// that state, then a butterfly over the group's lanes of the same parity); else both, from the lane alone.
+__device__ __forceinline__ LaneRanges group_ranges(LaneRanges lane, const GroupLayout& layout, bool odd) {
+  if (!layout.split) return lane;
+  coat_range mine = odd ? lane.v : lane.m;
+  coat_range theirs;  // the partner sends this lane's state
+  const coat_range give = odd ? lane.m : lane.v;
+  theirs.amax = shfl_xor(give.amax, 1);
+  theirs.amin = shfl_xor(give.amin, 1);
+  mine = merge(mine, theirs);
+#pragma unroll
+  for (int offset = 2; offset < kMaxLanesPerGroup; offset *= 2)
+    if (offset < layout.lanes_per_group) mine = merge_from(mine, offset);
+  lane.m = lane.v = mine;
+  return lane;
+}
+
+// ------------------------------------------------------------------------------------- element loops
+
+// The decode formula of LaneDecoder for code i of a lane.
+template <bool kGeneral>
+__device__ __forceinline__ float decode_scaled(const Codes& codes, int i, const LaneDecoder& d) {
+  // the entry's address: the code's byte offset, code * sizeof(float2), by one shift and one LOP3 that also ORs in
+  // the table's address
+  const uint32_t word = codes.w[i / 4];
+  const float2 entry =
+      load_shared_float2(((i % 4 == 0 ? word << 3 : word >> (8 * (i % 4) - 3)) & 0x7F8u) | d.table);
+  float power = approx_exp2_ftz(fmaf(entry.x, d.inverse_k, d.fraction));
+  if (kGeneral) power *= d.tail;
+  return (entry.y * d.head) * power;
+}
+
+// m / denom for a denominator below 2^-126, which only eps < 2^-37 / bias_correction2_sqrt allows (the general
+// variant): m / 0 is +-Inf or NaN, as the division gives it; a subnormal denom, whose reciprocal overflows, is
+// scaled by 2^64 first and the quotient back.
+__device__ __forceinline__ float quotient_by_small(float m, float denom) {
+  if (denom == 0.0f) return m * approx_reciprocal(denom);
+  const float scaled = denom * 0x1p64f;
+  const float reciprocal = approx_reciprocal(scaled);
+  const float ratio = m * reciprocal;
+  return fmaf(fmaf(-ratio, scaled, m), reciprocal, ratio) * 0x1p64f;
+}
+
+// Decode, then the AdamW update of every element of the lane (the formulas at the top of this file); each chunk of
+// new parameters is stored as soon as it is complete, which keeps fewer of them in registers. The general variant
+// adds the decoders' tails and takes square root and reciprocal with subnormals; the fast one's flushing versions
+// give the same results where they are used (StepLaunch.subnormal_v_matters).
+template <bool kGeneral, bool kVector>
+__device__ __forceinline__ void decode_and_update(const Codes& m_codes, const Codes& v_codes, const LaneDecoder& m_dec,
+                                                  const LaneDecoder& v_dec, const StepLaunch& s,
+                                                  const coat_adamw_tensor& t, const LaneSpan& span,
+                                                  const float (&g)[kValuesPerLane], const float (&p)[kValuesPerLane],
+                                                  float (&m)[kValuesPerLane], float (&v)[kValuesPerLane]) {
+#pragma unroll
+  for (int chunk = 0; chunk < kValuesPerLane; chunk += kStoreChunk) {
+    float updated[kStoreChunk];
+#pragma unroll
+    for (int j = 0; j < kStoreChunk; ++j) {
+      const int i = chunk + j;
+      m[i] = fmaf(s.options.one_minus_beta1, g[i], decode_scaled<kGeneral>(m_codes, i, m_dec));
+      v[i] = fmaf(s.options.one_minus_beta2 * g[i], g[i], decode_scaled<kGeneral>(v_codes, i, v_dec));
+      const float root = kGeneral ? approx_sqrt(v[i]) : approx_sqrt_ftz(v[i]);
+      // root / bias_correction2_sqrt + eps with 1 / bias_correction2_sqrt as an unevaluated sum of two floats, which
+      // keeps its rounding (the same for every element) out of the result; at most 2^126 (NaN stays NaN), so that
+      // the quotient's correction below never meets 0 * Inf: a v that overflowed to Inf (|g| above ~5.8e20) gives
+      // a quotient of m * 2^-126, almost the C core's m / Inf = 0, not NaN
+      const float denom = min_keeping_nan(fmaf(root, s.inverse_bias_correction2_sqrt,
+                                               fmaf(root, s.inverse_bias_correction2_sqrt_low, s.options.eps)),
+                                          0x1p126f);
+      const float reciprocal = kGeneral ? approx_reciprocal(denom) : approx_reciprocal_ftz(denom);
+      const float ratio = m[i] * reciprocal;
+      // m / denom to about half an ulp, as the division: one correction by the exact residual
+      float quotient = fmaf(fmaf(-ratio, denom, m[i]), reciprocal, ratio);
+      if (kGeneral && denom < 0x1p-126f) quotient = quotient_by_small(m[i], denom);
+      updated[j] = fmaf(s.minus_step_size, quotient, p[i] * s.options.decay_factor);
+    }
+    store_params_chunk<kVector>(t.param, t.param_dtype, span.first, chunk, span.count, updated);
+  }
+}
+
+// The codes of a lane's values of one state (LaneEncoder's formula). kSigned: copy each value's sign to its
+// code (the fast variant of v skips it: every v is positive there). The general variant adds the encoder's tail
+// and gives zero its signed zero code and a non-finite value the NaN code 0x7F.
+template <coat_fp8_format kFormat, bool kGeneral, bool kSigned>
+__device__ __forceinline__ Codes encode_state(const float (&x)[kValuesPerLane], const LaneEncoder& e) {
+  constexpr float kLog2MinSubnormal = kFormat == COAT_E4M3 ? -9.0f : -16.0f;
+  float y[kValuesPerLane];
+#pragma unroll
+  for (int i = 0; i < kValuesPerLane; ++i) {
+    float scaled = fabsf(x[i]) * e.head;
+    if (kGeneral) scaled *= e.tail;
+    y[i] = approx_exp2_ftz(fmaxf(fmaf(e.k, approx_log2_ftz(scaled), e.bias), kLog2MinSubnormal));
+    if (kSigned) y[i] = copysignf(y[i], x[i]);
+    if (kGeneral && x[i] == 0.0f) y[i] = x[i];
+  }
+  Codes c;
+#pragma unroll
+  for (int q = 0; q < kValuesPerLane / 4; ++q)
+    c.w[q] = fp8x4_of_finite<kFormat>(y[4 * q], y[4 * q + 1], y[4 * q + 2], y[4 * q + 3]);
+  if (kGeneral) {
+#pragma unroll
+    for (int i = 0; i < kValuesPerLane; ++i)
+      if (!coat_is_finite(x[i])) c.w[i / 4] = (c.w[i / 4] & ~(0xFFu << (8 * (i % 4)))) | (0x7Fu << (8 * (i % 4)));
+  }
+  return c;
+}
+
+template <bool kGeneral, bool kSigned>
+__device__ __forceinline__ Codes encode(const float (&x)[kValuesPerLane], const LaneEncoder& e,
+                                        coat_fp8_format format) {
+  return format == COAT_E4M3 ? encode_state<COAT_E4M3, kGeneral, kSigned>(x, e)
+                             : encode_state<COAT_E5M2, kGeneral, kSigned>(x, e);
 }
 
 // ------------------------------------------------------------------------------------------ the step
 
-__device__ __forceinline__ void step_tile(const coat_adamw_tensor& t, const TensorPlan& plan,
-                                          const coat_adamw_options& o, const coat_divisor& divisor, uint32_t tile,
-                                          int group_shift, const coat_adamw_tables* tables) {
+// Computes the decoders of the batch that starts at `tile` (DecoderBatch) and stores them for the warp.
+__device__ __forceinline__ void compute_decoder_batch(const StepLaunch& launch, int index, uint32_t tile,
+                                                      uint32_t warps) {
+  const GroupLayout& layout = launch.layout;
+  const DecoderBatch& batch = launch.batch;
+  const coat_adamw_tensor& t = launch.tensors[index];
+  const TensorPlan& plan = launch.plans[index];
+  __syncwarp();  // every lane has read the previous batch's decoders
+  for (int round = 0; round < batch.jobs_per_lane; ++round) {
+    const int job = lane_id() + kWarpSize * round;
+    const int group = (job & ((1 << batch.job_shift) - 1)) >> 1;
+    const bool is_v = job & 1;
+    const uint32_t job_tile = tile + static_cast<uint32_t>(job >> batch.job_shift) * warps;
+    const uint32_t row = (__umulhi(job_tile, plan.magic) + job_tile) >> plan.shift;
+    const int64_t column = static_cast<int64_t>(job_tile - row * plan.tiles_per_row) * kTileColumns +
+                           (static_cast<int64_t>(group) << layout.group_shift);
+    const bool valid = job_tile < plan.tiles && column < t.cols;
+    const int64_t meta_offset = (row * plan.groups_per_row + (column >> layout.group_shift)) * COAT_META_VALUES;
+    const uint16_t* meta = (is_v ? t.exp_avg_sq_meta : t.exp_avg_meta) + (valid ? meta_offset : 0);
+    store_decoder(job, decoder_of(load_meta(meta, valid), is_v ? t.exp_avg_sq_format : t.exp_avg_format,
+                                  is_v ? launch.options.beta2 : launch.options.beta1));
+  }
+  __syncwarp();
+}
+
+// One tile; `slot` is its place in its decoder batch. kVector: the tensor is aligned and every lane of the tile
+// whole, so that all move their 16 elements by 16-byte accesses.
+template <bool kVector>
+__device__ __forceinline__ void step_tile(const StepLaunch& launch, int index, uint32_t tile, uint32_t warps,
+                                          int slot) {
+  const GroupLayout& layout = launch.layout;
+  const DecoderBatch& batch = launch.batch;
+  const coat_adamw_tensor& t = launch.tensors[index];
+  const TensorPlan& plan = launch.plans[index];
+  const coat_adamw_options& o = launch.options;
   const LaneSpan span = lane_span(tile, plan, t.cols);
-  // Whole lanes of aligned tensors move their 16 elements by 16-byte accesses.
-  const bool whole = plan.vector != 0 && span.count == kValuesPerLane;
   const int lane = lane_id();
   const bool odd = lane & 1;
-  const int lanes_per_group = (1 << group_shift) / kValuesPerLane;  // 1 (G = 16) to 8
-  const bool split = lanes_per_group >= 2;
-  // With split, the lane pair lies in one group, which exists when the even lane has elements.
-  const bool group_valid = split ? span.column - (odd ? kValuesPerLane : 0) < t.cols : span.count > 0;
-  const int64_t groups_per_row = (t.cols + (int64_t{1} << group_shift) - 1) >> group_shift;
-  const int64_t meta_offset = (span.row * groups_per_row + (span.column >> group_shift)) * COAT_META_VALUES;
+  // The lane's group exists when its first column is in the row; with split, when the even lane's is.
+  const bool group_valid = span.column - (layout.split && odd ? kValuesPerLane : 0) < t.cols;
+  const int64_t meta_offset =
+      (span.row * plan.groups_per_row + (span.column >> layout.group_shift)) * COAT_META_VALUES;
+  // The lane's own state, with split: m for even lanes, v for odd ones.
+  uint16_t* own_meta = (odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset;
+  const coat_fp8_format own_format = odd ? t.exp_avg_sq_format : t.exp_avg_format;
 
-  // Loads first, so that they are in flight while the old meta is decoded.
+  // Loads first, so that they are in flight while the batch's decoders are computed.
   float p[kValuesPerLane], g[kValuesPerLane];
   Codes m_codes, v_codes;
-  if (whole) {
+  if (kVector) {
     load_values_vector(t.param, t.param_dtype, span.first, p);
     load_values_vector(t.grad, t.grad_dtype, span.first, g);
     m_codes = load_codes_vector(t.exp_avg, span.first);
@@ -439,58 +679,51 @@ __device__ __forceinline__ void step_tile(const coat_adamw_tensor& t, const Tens
     v_codes = load_codes_scalar(t.exp_avg_sq, span.first, span.count);
   }
 
-  // The group's old meta, as decoders: each lane reads its state's (split) or both. The group's first lane pair
-  // stores the new meta below, after warp-wide shuffles that every lane reaches only with its reads consumed.
-  coat_decoder m_dec, v_dec;
-  if (split) {
-    const coat_decoder mine =
-        coat_decoder_make(load_meta((odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset, group_valid),
-                          odd ? t.exp_avg_sq_format : t.exp_avg_format, tables);
-    m_dec = decoder_from_lane(mine, lane & ~1);
-    v_dec = decoder_from_lane(mine, lane | 1);
-  } else {
-    m_dec = coat_decoder_make(load_meta(t.exp_avg_meta + meta_offset, group_valid), t.exp_avg_format, tables);
-    v_dec = coat_decoder_make(load_meta(t.exp_avg_sq_meta + meta_offset, group_valid), t.exp_avg_sq_format, tables);
-  }
+  // The group's old meta, as decoders (the lane's group is lane / lanes_per_group of the tile). The batch's
+  // lanes read the old meta of its tiles before the __syncwarp that ends compute_decoder_batch; the group's first
+  // lane pair stores the new meta below, after it.
+  if (slot == 0) compute_decoder_batch(launch, index, tile, warps);
+  const int m_job = (slot << batch.job_shift) + 2 * (lane >> (layout.group_shift - 4));  // lane / (G / 16)
+  const LaneDecoder m_dec = load_decoder(m_job), v_dec = load_decoder(m_job + 1);
 
   float m[kValuesPerLane], v[kValuesPerLane];
-  decode_lane(m_codes, m_dec, t.exp_avg_format, tables, m);
-  decode_lane(v_codes, v_dec, t.exp_avg_sq_format, tables, v);
-  if (divisor.exact_by_inverse) {  // always, in practice: bias_correction2_sqrt is in (0, 1]
-#pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i) p[i] = coat_adamw_update_by_inverse(p[i], g[i], &m[i], &v[i], &o, &divisor);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i) p[i] = coat_adamw_update(p[i], g[i], &m[i], &v[i], &o, &divisor);
-  }
-  if (whole)
-    store_params_vector(t.param, t.param_dtype, span.first, p);
+  if (launch.subnormal_v_matters || __any_sync(kFullMask, m_dec.tail != 1.0f || v_dec.tail != 1.0f))
+    decode_and_update<true, kVector>(m_codes, v_codes, m_dec, v_dec, launch, t, span, g, p, m, v);
   else
-    store_params_scalar(t.param, t.param_dtype, span.first, span.count, p);
-  // Elements past the end of the row were computed from zeros: m = v = 0, outside every range.
+    decode_and_update<false, kVector>(m_codes, v_codes, m_dec, v_dec, launch, t, span, g, p, m, v);
+  // Elements past the end of the row were computed from zeros: m = v = 0, outside every exact range.
 
-  const LaneRange m_lane = lane_range(m), v_lane = lane_range(v);
+  LaneRanges ranges = group_ranges(lane_ranges_fast(m, v), layout, odd);
+  const bool specials = __any_sync(kFullMask, !is_plain(ranges.m) || !is_plain(ranges.v));
+  if (specials) ranges = group_ranges(lane_ranges_exact(m, v), layout, odd);
+
   LaneEncoder m_enc, v_enc;
-  if (split) {
-    const coat_range r = group_range_split(m_lane.range, v_lane.range, odd, lanes_per_group);
-    const LaneEncoder mine =
-        new_encoder(r, odd ? t.exp_avg_sq_format : t.exp_avg_format, odd ? o.expand_exp_avg_sq : o.expand_exp_avg,
-                    (odd ? t.exp_avg_sq_meta : t.exp_avg_meta) + meta_offset,
-                    group_valid && (lane & (lanes_per_group - 1)) < 2, tables);
+  if (layout.split) {
+    coat_meta meta;
+    const LaneEncoder mine = encoder_of_range(odd ? ranges.v : ranges.m, own_format,
+                                              odd ? o.expand_exp_avg_sq : o.expand_exp_avg, &meta);
+    if (group_valid && (lane & (layout.lanes_per_group - 1)) < 2) coat_meta_store(meta, own_meta);
     m_enc = encoder_from_lane(mine, lane & ~1);
     v_enc = encoder_from_lane(mine, lane | 1);
   } else {
-    m_enc = new_encoder(m_lane.range, t.exp_avg_format, o.expand_exp_avg, t.exp_avg_meta + meta_offset, group_valid,
-                        tables);
-    v_enc = new_encoder(v_lane.range, t.exp_avg_sq_format, o.expand_exp_avg_sq, t.exp_avg_sq_meta + meta_offset,
-                        group_valid, tables);
+    coat_meta m_meta, v_meta;
+    m_enc = encoder_of_range(ranges.m, t.exp_avg_format, o.expand_exp_avg, &m_meta);
+    v_enc = encoder_of_range(ranges.v, t.exp_avg_sq_format, o.expand_exp_avg_sq, &v_meta);
+    if (group_valid) {
+      coat_meta_store(m_meta, t.exp_avg_meta + meta_offset);
+      coat_meta_store(v_meta, t.exp_avg_sq_meta + meta_offset);
+    }
   }
 
-  const Codes m_out = encode_lane(m, m_enc, coat_fp8_log_format_of(t.exp_avg_format), t.exp_avg_format,
-                                  m_lane.specials, tables);
-  const Codes v_out = encode_lane(v, v_enc, coat_fp8_log_format_of(t.exp_avg_sq_format), t.exp_avg_sq_format,
-                                  v_lane.specials, tables);
-  if (whole) {
+  Codes m_out, v_out;
+  if (specials || __any_sync(kFullMask, m_enc.tail != 1.0f || v_enc.tail != 1.0f)) {
+    m_out = encode<true, true>(m, m_enc, t.exp_avg_format);
+    v_out = encode<true, true>(v, v_enc, t.exp_avg_sq_format);
+  } else {
+    m_out = encode<false, true>(m, m_enc, t.exp_avg_format);
+    v_out = encode<false, false>(v, v_enc, t.exp_avg_sq_format);
+  }
+  if (kVector) {
     store_codes_vector(t.exp_avg, span.first, m_out);
     store_codes_vector(t.exp_avg_sq, span.first, v_out);
   } else {
@@ -499,25 +732,28 @@ __device__ __forceinline__ void step_tile(const coat_adamw_tensor& t, const Tens
   }
 }
 
-__global__ void __launch_bounds__(kThreadsPerBlock)
+__global__ void __launch_bounds__(kThreadsPerBlock, kStepBlocksPerSM)
     fp8_adamw_step_kernel(const __grid_constant__ StepLaunch launch) {
-  coat_adamw_tables& tables = step_tables;
-  build_tables(&tables);
+  build_step_tables();
   const uint32_t warps = gridDim.x * kWarpsPerBlock;
   const uint32_t warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  const int group_shift = __ffsll(launch.options.group_size) - 1;
-  const coat_divisor divisor = coat_divisor_make(launch.options.bias_correction2_sqrt);
   for (int i = 0; i < launch.count; ++i) {
     const TensorPlan& plan = launch.plans[i];
     uint32_t tile = warp >= plan.phase ? warp - plan.phase : warp + warps - plan.phase;
-    for (; tile < plan.tiles; tile += warps)
-      step_tile(launch.tensors[i], plan, launch.options, divisor, tile, group_shift, &tables);
+    for (int slot = 0; tile < plan.tiles; tile += warps, slot = slot + 1 == launch.batch.tiles ? 0 : slot + 1) {
+      const uint32_t row = (__umulhi(tile, plan.magic) + tile) >> plan.shift;
+      const bool full = static_cast<int64_t>(tile - row * plan.tiles_per_row + 1) * kTileColumns <= launch.tensors[i].cols;
+      if (plan.vector && full)
+        step_tile<true>(launch, i, tile, warps, slot);
+      else
+        step_tile<false>(launch, i, tile, warps, slot);
+    }
   }
 }
 
 // ------------------------------------------------------------------------------ quantize, dequantize
 
-// One warp per 256-column tile, each lane deriving its own group's quantities (conversion kernels, not the
+// One warp per 512-column tile, each lane deriving its own group's quantities (conversion kernels, not the
 // optimizer's hot path), with the C core's general element functions.
 __global__ void __launch_bounds__(kThreadsPerBlock)
     quantize_expanded_kernel(const float* x, int64_t cols, int64_t row_stride, TensorPlan plan, int group_shift,
@@ -530,7 +766,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   float values[kValuesPerLane];
 #pragma unroll
   for (int i = 0; i < kValuesPerLane; ++i) values[i] = i < span.count ? x[span.row * row_stride + span.column + i] : 0.0f;
-  coat_range range = lane_range(values).range;
+  coat_range range = coat_range_empty();
+#pragma unroll
+  for (int i = 0; i < kValuesPerLane; ++i) range = coat_range_add(range, values[i]);
 #pragma unroll
   for (int offset = 1; offset < 128 / kValuesPerLane; offset *= 2)
     if (offset < (1 << group_shift) / kValuesPerLane) range = merge_from(range, offset);
@@ -583,6 +821,7 @@ bool make_plan(int64_t rows, int64_t cols, TensorPlan* plan) {
   plan->magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1);
   plan->phase = 0;
   plan->vector = 0;
+  plan->groups_per_row = 0;
   return true;
 }
 
@@ -636,6 +875,22 @@ extern "C" coat_status coat_fp8_adamw_step_cuda(const coat_adamw_tensor* tensors
   if (!coat_adamw_call_is_valid(tensors, count, options)) return COAT_ERROR_INVALID_ARGUMENT;
   StepLaunch launch;
   launch.options = *options;
+  launch.minus_step_size = -options->step_size;
+  const double inverse_bias_correction2_sqrt = 1.0 / options->bias_correction2_sqrt;
+  launch.inverse_bias_correction2_sqrt = static_cast<float>(inverse_bias_correction2_sqrt);
+  launch.inverse_bias_correction2_sqrt_low =
+      static_cast<float>(inverse_bias_correction2_sqrt - launch.inverse_bias_correction2_sqrt);
+  // sqrt of a subnormal v is below 2^-63: where eps exceeds 2^-37 times what it is multiplied by, fmaf(sqrt(v),
+  // 1 / bias_correction2_sqrt, eps) rounds to eps whether sqrt flushes it or not (half an ulp of eps is >=
+  // eps * 2^-25), and the fast update's flushing square root and reciprocal give the general update's values.
+  launch.subnormal_v_matters = !(options->eps >= std::ldexp(inverse_bias_correction2_sqrt, -37));
+  const int group_shift = __builtin_ctzll(options->group_size);
+  launch.layout.group_shift = group_shift;
+  launch.layout.lanes_per_group = static_cast<int>(options->group_size / kValuesPerLane);
+  launch.layout.split = launch.layout.lanes_per_group >= 2;
+  launch.batch.job_shift = 10 - group_shift;  // 2 * 512 = 2^10
+  launch.batch.tiles = std::max(kWarpSize >> launch.batch.job_shift, 1);
+  launch.batch.jobs_per_lane = std::max((1 << launch.batch.job_shift) / kWarpSize, 1);
   launch.count = 0;
   int64_t total_tiles = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -643,6 +898,7 @@ extern "C" coat_status coat_fp8_adamw_step_cuda(const coat_adamw_tensor* tensors
     TensorPlan plan;
     if (!make_plan(t.rows, t.cols, &plan)) return COAT_ERROR_INVALID_ARGUMENT;
     if (plan.tiles == 0) continue;
+    plan.groups_per_row = coat_ceil_div(t.cols, options->group_size);
     plan.vector = t.cols % kValuesPerLane == 0 && aligned(t.param, 16) && aligned(t.grad, 16) &&
                   aligned(t.exp_avg, 16) && aligned(t.exp_avg_sq, 16);
     launch.tensors[launch.count] = t;

@@ -1,8 +1,8 @@
 // CPU emulation of the CUDA features csrc/cuda/adamw.cu uses, for tools/cuda_emulation/run.sh: one std::thread
-// per CUDA thread, blocks one after another, barriers for __syncthreads and warp shuffles (which abort on a
-// divergent shuffle), __shared__ as a static shared by the block's threads, inline asm as a no-op (the kernels
-// use it only as an optimisation barrier). emu_sms and emu_blocks_per_sm set what the occupancy queries
-// answer, and so the persistent grid's size.
+// per CUDA thread, blocks one after another, barriers for __syncthreads, __syncwarp, warp shuffles and votes (which abort when
+// the warp has diverged), __shared__ as a static shared by the block's threads. The kernel's inline assembly lives
+// in adamw_fast_math.cuh, which this directory replaces by a CPU model. emu_sms and emu_blocks_per_sm set what the
+// occupancy queries answer, and so the persistent grid's size.
 #pragma once
 #include <stdint.h>
 #include <math.h>
@@ -23,6 +23,7 @@ struct float2 { float x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
 typedef struct CUstream_st* cudaStream_t;
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9 };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
@@ -36,12 +37,14 @@ inline dim3 gridDim, blockDim;
 #define __grid_constant__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
 #define __restrict__
-#define asm(...) ((void)0)
 
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 
 struct EmuBlock {
   std::unique_ptr<std::barrier<>> block;
@@ -56,6 +59,7 @@ int emu_sms = 2, emu_blocks_per_sm = 1;  // one translation unit includes this h
 inline long emu_shuffles = 0;
 
 inline void __syncthreads() { emu_block->block->arrive_and_wait(); }
+inline void __syncwarp() { emu_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
 inline uint32_t emu_shfl(uint32_t v, int lane_mask) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   emu_block->slots[w][lane] = v;
@@ -76,6 +80,21 @@ inline uint32_t emu_shfl_idx(uint32_t v, int src) {
   emu_block->warps[w]->arrive_and_wait();
   return r;
 }
+// __any_sync: every lane of the warp must take part (a vote, like a shuffle, aborts when the warp has diverged).
+inline bool __any_sync(unsigned mask, bool predicate) {
+  assert(mask == 0xFFFFFFFFu);
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  emu_block->slots[w][lane] = predicate;
+  emu_block->masks[w][lane] = -2000;  // vote marker
+  emu_block->warps[w]->arrive_and_wait();
+  bool any = false;
+  for (int l = 0; l < 32; ++l) {
+    if (emu_block->masks[w][l] != -2000) { fprintf(stderr, "divergent vote\n"); abort(); }
+    any = any || emu_block->slots[w][l] != 0;
+  }
+  emu_block->warps[w]->arrive_and_wait();
+  return any;
+}
 inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) { assert(mask == 0xFFFFFFFFu); return __uint_as_float(emu_shfl(__float_as_uint(v), lane_mask)); }
@@ -91,6 +110,7 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned sel) {
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
 inline cudaError_t cudaPeekAtLastError() { return emu_error; }
 inline cudaError_t cudaGetDevice(int* d) { *d = emu_sms; return cudaSuccess; }  // a "device" per SM count: the launcher caches per device
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) { *v = emu_sms; return cudaSuccess; }

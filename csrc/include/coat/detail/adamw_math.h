@@ -1,7 +1,8 @@
 /*
- * Element-level steps of the FP8 AdamW optimizer and of dynamic range expansion, shared by the C and CUDA
- * implementations so that both compute the same values by construction (formulas in coat/adamw.h).
- * Internal: not part of the C API.
+ * Element-level steps of the FP8 AdamW optimizer and of dynamic range expansion: the C core's, also run by CUDA's
+ * quantize_expanded and dequantize_expanded, which therefore compute the same values by construction, and by
+ * CUDA's fp8_adamw_step for its per-group decoder (its element steps use hardware approximations instead; formulas
+ * and tolerance in coat/adamw.h). Internal: not part of the C API.
  *
  * Only IEEE-exact operations are used: integer bit operations, +, -, *, /, sqrtf, fmaf, fminf / fmaxf and
  * copysignf, which C99 (not contracted into FMA) and CUDA (-fmad=false -prec-div=true -prec-sqrt=true
