@@ -4,7 +4,8 @@
 # and are packed into OUTDIR/gpu_check.tgz; the tail of each stage is printed.
 #
 #   usage: scripts/gpu_check.sh OUTDIR [STAGE...]
-#   stages: build, tests, tests:PATTERN (pytest -k), bench (every benchmarks/*.py), bench:NAME[:ARGS] (one script,
+#   stages: build, tests, tests:PATTERN (pytest -k), test:NAME (tests/test_NAME.py alone),
+#           bench (every benchmarks/*.py), bench:NAME[:ARGS] (one script,
 #           extra ARGS comma-separated, e.g. bench:layer:--settings,4096x2048,--profile),
 #           torchrun:NAME (benchmarks/NAME.py on every visible GPU under torchrun),
 #           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side: on
@@ -66,6 +67,13 @@ for stage in "${stages[@]}"; do
         echo "$file: $(tail -n 1 "$out/logs/tests_file.log")"
       done
       rm -f "$out/logs/tests_file.log" ;;
+    test:*)
+      name=${stage#test:}
+      echo "== tests/test_$name.py =="
+      python3 -m pytest "tests/test_$name.py" -q -rfEs -p no:cacheprovider > "$out/logs/test_$name.log" 2>&1
+      code=$?
+      [ $code -eq 0 ] || { status=1; echo "exit $code"; grep -E "^(FAILED|ERROR)|Fatal Python" "$out/logs/test_$name.log" | head -n 20; }
+      tail -n 1 "$out/logs/test_$name.log" ;;
     bench)
       for script in benchmarks/[a-z]*.py; do run_bench "$(basename "$script" .py)"; done ;;
     bench:*)
