@@ -1,8 +1,10 @@
-// CPU emulation of the CUDA features csrc/cuda/adamw.cu uses, for tools/cuda_emulation/run.sh: one std::thread
-// per CUDA thread, blocks one after another, barriers for __syncthreads and warp shuffles (which abort on a
-// divergent shuffle), __shared__ as a static shared by the block's threads, inline asm as a no-op (the kernels
-// use it only as an optimisation barrier). emu_sms and emu_blocks_per_sm set what the occupancy queries
-// answer, and so the persistent grid's size.
+// CPU emulation of the CUDA features csrc/cuda/adamw.cu and norm_act.cu use, for tools/cuda_emulation/run.sh:
+// one std::thread per CUDA thread, blocks one after another, barriers for __syncthreads and warp shuffles
+// (which abort on a divergent shuffle), __shared__ as a static shared by the block's threads, dynamic shared
+// memory as a per-launch buffer filled with 0xFF bytes (NaN as floats, so that a read before a write shows),
+// inline asm as a no-op (the kernels guard their asm by __CUDA_ARCH__ or use it only as an optimisation
+// barrier). emu_sms and emu_blocks_per_sm set what the occupancy queries answer, and so the persistent
+// grids' sizes.
 #pragma once
 #include <stdint.h>
 #include <math.h>
@@ -10,6 +12,7 @@
 #include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <atomic>
 #include <barrier>
 #include <thread>
 #include <vector>
@@ -23,9 +26,11 @@ struct float2 { float x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
 typedef struct CUstream_st* cudaStream_t;
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9 };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 
 inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 gridDim, blockDim;
@@ -42,6 +47,8 @@ inline dim3 gridDim, blockDim;
 
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 
 struct EmuBlock {
   std::unique_ptr<std::barrier<>> block;
@@ -50,6 +57,8 @@ struct EmuBlock {
   int masks[64][32];
 };
 inline EmuBlock* emu_block = nullptr;
+inline std::vector<float4> emu_dynamic_shared_memory;
+inline void* emu_dynamic_shared() { return emu_dynamic_shared_memory.data(); }
 inline cudaError_t emu_error = cudaSuccess;
 inline long emu_launches = 0;
 int emu_sms = 2, emu_blocks_per_sm = 1;  // one translation unit includes this header
@@ -91,13 +100,22 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned sel) {
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline unsigned atomicMax(unsigned* address, unsigned value) {
+  std::atomic_ref<unsigned> target(*address);
+  unsigned old = target.load();
+  while (old < value && !target.compare_exchange_weak(old, value)) {}
+  return old;
+}
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) { memset(p, value, bytes); return cudaSuccess; }
+template <class K> cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) { return cudaSuccess; }
 inline cudaError_t cudaPeekAtLastError() { return emu_error; }
 inline cudaError_t cudaGetDevice(int* d) { *d = emu_sms; return cudaSuccess; }  // a "device" per SM count: the launcher caches per device
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) { *v = emu_sms; return cudaSuccess; }
 template <class K> cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, K, int, size_t) { *n = emu_blocks_per_sm; return cudaSuccess; }
 
 template <class F>
-void emu_launch(dim3 grid, dim3 block, F&& body) {
+void emu_launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, F&& body) {
   ++emu_launches;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 2147483647u || grid.y > 65535 || block.x > 1024) {
     fprintf(stderr, "bad launch config %u %u %u\n", grid.x, grid.y, grid.z);
@@ -106,6 +124,8 @@ void emu_launch(dim3 grid, dim3 block, F&& body) {
   }
   gridDim = grid; blockDim = block;
   for (unsigned bx = 0; bx < grid.x; ++bx) {
+    emu_dynamic_shared_memory.assign((dynamic_shared_bytes + sizeof(float4) - 1) / sizeof(float4), float4{});
+    memset(emu_dynamic_shared_memory.data(), 0xFF, emu_dynamic_shared_memory.size() * sizeof(float4));
     EmuBlock ctx;
     ctx.block = std::make_unique<std::barrier<>>(block.x);
     for (unsigned w = 0; w < (block.x + 31) / 32; ++w) ctx.warps.push_back(std::make_unique<std::barrier<>>(32));
