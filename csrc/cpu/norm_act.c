@@ -155,7 +155,7 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
     save_row(up_row, dtype, cols, save_group_size, up_saved + r * cols, up_scales + r * ngroups);
     for (int64_t c = 0; c < cols; ++c) {
       const float g = coat_load_f32(gate_row, dtype, c);
-      amax = coat_amax_step(amax, coat_silu_mul(g, coat_sigmoid(g), coat_load_f32(up_row, dtype, c),
+      amax = coat_amax_step(amax, coat_silu_mul(coat_silu(g, coat_sigmoid(g)), coat_load_f32(up_row, dtype, c),
                                                 smooth_scale ? smooth_scale[c] : 1.0f));
     }
   }
@@ -169,7 +169,8 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
     const void* up_row = row_at(up, dtype, r, up_row_stride);
     for (int64_t c = 0; c < cols; ++c) {
       const float g = coat_load_f32(gate_row, dtype, c);
-      const float value = coat_canonical_nan(coat_silu_mul(g, coat_sigmoid(g), coat_load_f32(up_row, dtype, c),
+      const float value = coat_canonical_nan(coat_silu_mul(coat_silu(g, coat_sigmoid(g)),
+                                                           coat_load_f32(up_row, dtype, c),
                                                            smooth_scale ? smooth_scale[c] : 1.0f));
       put_code(coat_quantize_value(value, scale, y_format), r, c, rows, cols, y, y_t);
     }

@@ -99,6 +99,16 @@ __device__ __forceinline__ float reciprocal_of_normal(float d) {
 #endif
 }
 
+// coat_scale_from_amax(amax, COAT_E4M3) = max(amax / 448, 2^-126) for an amax >= 0 (not NaN), by the
+// reciprocal of 448 and one Markstein correction: equal on every such float (tools/cuda_emulation checks
+// them all). An Inf amax keeps its product, Inf.
+__device__ __forceinline__ float save_scale(float amax) {
+  constexpr float kInverse = 1.0f / COAT_E4M3_MAX;
+  const float q = amax * kInverse;
+  const float corrected = __fmaf_rn(__fmaf_rn(-q, COAT_E4M3_MAX, amax), kInverse, q);
+  return fmaxf(amax < INFINITY ? corrected : q, COAT_MIN_SCALE);
+}
+
 // x / scale rounded to nearest, given reciprocal = 1 / scale rounded to nearest: the Markstein correction of
 // coat_divide_by_scale, q - (q * scale - x) * reciprocal, in the form whose zero result keeps the sign of x
 // (x - q * scale turns -0 into +0). For scale >= COAT_MIN_FAST_DIVISION_SCALE its FP8 code is that of
@@ -331,6 +341,32 @@ __device__ __forceinline__ void load_smooth(const float* smooth_scale, int col, 
   }
 }
 
+// The RMSNorm weight as fp32 in shared memory, staged once per block: two planes of float4, the first and the
+// second half of each chunk, so that lanes reading consecutive chunks hit consecutive banks.
+struct WeightPlanes {
+  float4* planes;
+  int chunks;
+
+  __host__ __device__ static size_t bytes(int cols) { return sizeof(float4) * 2 * ((cols + kChunk - 1) / kChunk); }
+
+  // All threads of the block must call it (it synchronizes). Columns past cols hold 0.
+  __device__ __forceinline__ void stage(const void* weight, coat_dtype dtype, int cols, bool vector) const {
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float w[kChunk];
+      load_chunk(weight, dtype, c * kChunk, chunk_count(c * kChunk, cols), vector, w);
+      planes[c] = make_float4(w[0], w[1], w[2], w[3]);
+      planes[chunks + c] = make_float4(w[4], w[5], w[6], w[7]);
+    }
+    __syncthreads();
+  }
+
+  // The weight of the chunk from col (< cols).
+  __device__ __forceinline__ void chunk(int col, float w[kChunk]) const {
+    const float4 low = planes[col / kChunk], high = planes[chunks + col / kChunk];
+    w[0] = low.x, w[1] = low.y, w[2] = low.z, w[3] = low.w, w[4] = high.x, w[5] = high.y, w[6] = high.z, w[7] = high.w;
+  }
+};
+
 // The 16-byte path for one dtype. A chunk is loaded as Raw (16-bit values stay packed, so that a prefetched
 // row costs half the registers) and unpacked where it is used; count is 0 (past the row: zeros, no access)
 // or 8. Stores round with pack_16bit_not_nan unless the chunk holds a NaN.
@@ -341,12 +377,14 @@ struct VectorIo {
   struct Raw {
     uint4 words[kWords];
   };
+  // Indexing with the element type and an int column keeps the address one multiply-add.
+  using Element = typename std::conditional<kDtype == COAT_FLOAT32, float, uint16_t>::type;
   coat_dtype dtype;
 
-  __device__ __forceinline__ size_t element_size() const { return kDtype == COAT_FLOAT32 ? 4 : 2; }
+  __device__ __forceinline__ size_t element_size() const { return sizeof(Element); }
 
   __device__ __forceinline__ Raw load(const void* row, int col, int count) const {
-    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const char*>(row) + col * element_size());
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const Element*>(row) + col);
     Raw raw;
 #pragma unroll
     for (int w = 0; w < kWords; ++w) raw.words[w] = count > 0 ? p[w] : make_uint4(0u, 0u, 0u, 0u);
@@ -370,7 +408,7 @@ struct VectorIo {
     bool nan = false;
 #pragma unroll
     for (int e = 0; e < kChunk; e += 2) nan |= (v[e] != v[e]) | (v[e + 1] != v[e + 1]);
-    uint4* p = reinterpret_cast<uint4*>(static_cast<char*>(row) + col * element_size());
+    uint4* p = reinterpret_cast<uint4*>(static_cast<Element*>(row) + col);
     if constexpr (kDtype == COAT_FLOAT32) {
       float out[kChunk];
 #pragma unroll
@@ -419,6 +457,65 @@ struct ElementIo {
 };
 
 // ---------------------------------------------------------------------------------------------------
+// silu(g) of a chunk of gates
+
+// The table of silu(g) for bf16 g with 2^-24 <= |g| < 2^8: entry (sign << 12) | (bits - 0x3380) for the
+// 15 low bits of g in [0x3380, 0x4380), 32 binades of 128 values in one 4096-entry plane per sign.
+constexpr uint32_t kSiluTableFirst = 0x3380;  // the bf16 bits of 2^-24
+constexpr int kSiluTablePlane = 4096;
+
+// silu[e] = coat_silu(g[e], coat_sigmoid(g[e])) for gates of any dtype (Table is empty, fill does nothing).
+template <class Io>
+struct SiluOfGates {
+  struct Table {};
+  __device__ __forceinline__ static void fill(Table&) {}
+  __device__ __forceinline__ static void chunk(const Table&, const float g[kChunk], float silu[kChunk]) {
+    float s[kChunk];
+    sigmoid_chunk(g, s);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) silu[e] = coat_silu(g[e], s[e]);
+  }
+};
+
+// bf16 gates: read from the table (32 KB of shared memory) that each block fills once with the exact
+// formula, for a chunk whose gates are all in its range; computed otherwise.
+template <>
+struct SiluOfGates<VectorIo<COAT_BFLOAT16>> {
+  struct Table {
+    float silu[2 * kSiluTablePlane];
+  };
+
+  // All threads of the block must call it (it synchronizes).
+  __device__ __forceinline__ static void fill(Table& table) {
+    for (int i = threadIdx.x; i < 2 * kSiluTablePlane; i += blockDim.x) {
+      const uint32_t bits = (static_cast<uint32_t>(i / kSiluTablePlane) << 15) | (kSiluTableFirst + i % kSiluTablePlane);
+      const float g = coat_bf16_to_f32(static_cast<uint16_t>(bits));
+      table.silu[i] = coat_silu(g, coat_sigmoid(g));
+    }
+    __syncthreads();
+  }
+
+  __device__ __forceinline__ static void chunk(const Table& table, const float g[kChunk], float silu[kChunk]) {
+    uint32_t index[kChunk];
+    bool in_range = true;
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) {
+      // The bf16 bits minus the first entry's, mod 2^16: the sign in bit 15, below it the offset in the plane,
+      // which is in range when bits 12 ... 14 are 0.
+      const uint32_t offset = (__float_as_uint(g[e]) >> 16) - kSiluTableFirst;
+      in_range &= (offset & 0x7000u) == 0;
+      index[e] = (offset & 0x0FFFu) | ((offset >> 3) & 0x1000u);
+    }
+    if (in_range) {
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) silu[e] = table.silu[index[e]];
+    } else {
+      SiluOfGates<ElementIo>::chunk({}, g, silu);
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
 // Reductions
 
 __device__ __forceinline__ float warp_max(float v) { return group_amax_reduce(v, kWarpSize); }
@@ -462,7 +559,7 @@ __device__ __forceinline__ void save_chunks(const float (&v)[kChunks][kChunk], i
     for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, v[c][e]);
   amax = group_amax_reduce(amax, lanes_per_group);
   if (col >= valid_cols) return;
-  const float scale = coat_scale_from_amax(amax, COAT_E4M3);
+  const float scale = save_scale(amax);
   const float reciprocal = reciprocal_of_normal(scale);
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
@@ -513,13 +610,20 @@ __device__ __forceinline__ LaneChunks<Io> load_lane_chunks(const Io& io, const v
   return chunks;
 }
 
+// Blocks of rmsnorm_stats_kernel per SM to hold registers for: 256-thread blocks of bf16 fit 3 without
+// spilling (80 registers; ptxas's own choice would spill 8 bytes).
+template <int kMaxThreads, class Io>
+constexpr int kStatsMinBlocks = kMaxThreads == 256 && std::is_same<Io, VectorIo<COAT_BFLOAT16>>::value ? 3 : 1;
+
 // Block b reduces row groups b, b + gridDim.x, ... (kMaxThreads / L rows each, L lanes per row); with
 // kPrefetch the next group's x is in flight while this group is reduced.
 template <int kMaxThreads, class Io>
-__global__ void __launch_bounds__(kMaxThreads) rmsnorm_stats_kernel(RmsnormStatsArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>)) rmsnorm_stats_kernel(RmsnormStatsArgs a) {
   // 1024-thread blocks have 64 registers per thread: no room for a second row.
   constexpr bool kPrefetch = kMaxThreads <= 512;
   __shared__ float warp_sums[2][kMaxThreads / kWarpSize];
+  extern __shared__ float4 weight_planes[];  // WeightPlanes::bytes(cols)
+  const WeightPlanes weights{weight_planes, (a.cols + kChunk - 1) / kChunk};
   const Io io{a.x_dtype};
   const int lane = threadIdx.x % a.lanes, row_in_group = threadIdx.x / a.lanes;
   const int rows_per_group = kMaxThreads / a.lanes;
@@ -533,8 +637,10 @@ __global__ void __launch_bounds__(kMaxThreads) rmsnorm_stats_kernel(RmsnormStats
                             active ? a.cols : 0);
   };
 
+  // The first rows are in flight while the weight is staged.
   LaneChunks<Io> next;
   if constexpr (kPrefetch) next = load_row(blockIdx.x);
+  weights.stage(a.weight, a.weight_dtype, a.cols, Io::kVector);
   float amax = 0.0f;
   int parity = 0;
   for (int64_t group = blockIdx.x; group < a.row_groups; group += gridDim.x, parity ^= 1) {
@@ -576,7 +682,7 @@ __global__ void __launch_bounds__(kMaxThreads) rmsnorm_stats_kernel(RmsnormStats
       if (count == 0) continue;
       float x[kChunk], weight[kChunk];
       io.unpack(x_row.chunk[k], x);
-      load_chunk(a.weight, a.weight_dtype, col, count, Io::kVector, weight);
+      weights.chunk(col, weight);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, coat_rmsnorm_apply(x[e], rstd, weight[e]));
     }
@@ -589,10 +695,12 @@ __global__ void __launch_bounds__(kMaxThreads) rmsnorm_stats_kernel(RmsnormStats
 // Second pass of both forward ops: y recomputed from the inputs and quantized with the per-tensor scale
 
 // An op of the second pass loads a chunk's Inputs (prefetched a tile ahead), the per-column data of its
-// chunk column once (Column), and computes y from them.
+// chunk column once (Column), and computes y from them and a Table in shared memory that it fills once per
+// block (empty but for SiLU*mul of bf16).
 template <class Io>
 struct RmsnormApply {
   static constexpr bool kVector = Io::kVector;
+  struct Table {};
   Io io;
   const void* x;
   int64_t row_stride;
@@ -616,7 +724,8 @@ struct RmsnormApply {
     load_chunk(weight, weight_dtype, col, count, Io::kVector, c.weight);
     return c;
   }
-  __device__ __forceinline__ void compute(const Inputs& in, const Column& c, float y[kChunk]) const {
+  __device__ __forceinline__ static void fill(Table&) {}
+  __device__ __forceinline__ void compute(const Table&, const Inputs& in, const Column& c, float y[kChunk]) const {
     float x_chunk[kChunk];
     io.unpack(in.x, x_chunk);
 #pragma unroll
@@ -627,6 +736,8 @@ struct RmsnormApply {
 template <class Io>
 struct SiluMulApply {
   static constexpr bool kVector = Io::kVector;
+  using Gates = SiluOfGates<Io>;
+  using Table = typename Gates::Table;
   Io io;
   const void* gate;
   const void* up;
@@ -649,13 +760,15 @@ struct SiluMulApply {
     load_smooth(smooth_scale, col, count, Io::kVector, c.smooth);
     return c;
   }
-  __device__ __forceinline__ void compute(const Inputs& in, const Column& c, float y[kChunk]) const {
-    float g[kChunk], u[kChunk], s[kChunk];
+  __device__ __forceinline__ static void fill(Table& table) { Gates::fill(table); }
+  __device__ __forceinline__ void compute(const Table& table, const Inputs& in, const Column& c,
+                                          float y[kChunk]) const {
+    float g[kChunk], u[kChunk], silu[kChunk];
     io.unpack(in.gate, g);
     io.unpack(in.up, u);
-    sigmoid_chunk(g, s);
+    Gates::chunk(table, g, silu);
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) y[e] = coat_silu_mul(g[e], s[e], u[e], c.smooth[e]);
+    for (int e = 0; e < kChunk; ++e) y[e] = coat_silu_mul(silu[e], u[e], c.smooth[e]);
   }
 };
 
@@ -680,6 +793,7 @@ __global__ void __launch_bounds__(kTileThreads)
   // 64 rows of 64 codes as 16 words, plus one word of padding so that the transposed reads of a warp
   // (8 row quads x 4 column quads) hit 32 different banks.
   __shared__ uint32_t tile[2][kTileRows][kTileCols / 4 + 1];
+  __shared__ typename Op::Table table;
   const float scale = coat_scale_from_amax(*y_amax, format);
   const float reciprocal = reciprocal_of_normal(scale);
   if (blockIdx.x == 0 && threadIdx.x == 0) *y_scale = scale;
@@ -703,9 +817,11 @@ __global__ void __launch_bounds__(kTileThreads)
     return in;
   };
 
+  // The first tile is in flight while the table is filled.
   int64_t row_tile = blockIdx.x / col_tiles;
   TileInputs next;
   if (row_tile < row_tiles) next = load_tile(row_tile);
+  Op::fill(table);
   for (int parity = 0; row_tile < row_tiles; row_tile += row_strands, parity ^= 1) {
     const TileInputs current = next;
     if (row_tile + row_strands < row_tiles) next = load_tile(row_tile + row_strands);
@@ -718,7 +834,7 @@ __global__ void __launch_bounds__(kTileThreads)
       Codes codes{0u, 0u};
       if (count > 0) {
         float values[kChunk];
-        op.compute(current.half[h], column, values);
+        op.compute(table, current.half[h], column, values);
         codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)
                                     : encode_chunk<COAT_E5M2, true>(values, scale, reciprocal);
         store_codes(y + row * cols + col, codes, count, Op::kVector);
@@ -764,7 +880,7 @@ struct SegmentLane {
   int64_t row_step;
 };
 
-__device__ __forceinline__ SegmentLane segment_lane(int segments, int64_t strands) {
+__device__ __forceinline__ SegmentLane segment_lane(int segments, int strands) {
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   return {static_cast<int>(blockIdx.x % segments) * kSegmentCols + lane * kUnit,
           static_cast<int64_t>(blockIdx.x / segments) * kElementwiseWarps + warp, strands * kElementwiseWarps};
@@ -780,7 +896,7 @@ struct SiluMulStatsArgs {
   const float* smooth_scale;
   int group_shift;  // log2 of the save group size
   int segments;     // ceil(cols / 512)
-  int64_t strands;  // blocks per segment
+  int strands;  // blocks per segment
   uint8_t* gate_saved;
   float* gate_scales;
   uint8_t* up_saved;
@@ -797,6 +913,7 @@ struct SiluMulStatsInputs {
 // columns, 16 per lane) never spans two warps.
 template <class Io>
 __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(SiluMulStatsArgs a) {
+  __shared__ typename SiluOfGates<Io>::Table silu_table;
   const Io io{a.dtype};
   const SegmentLane at = segment_lane(a.segments, a.strands);
   const int ngroups = ((a.cols - 1) >> a.group_shift) + 1;
@@ -814,9 +931,11 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(Sil
     return in;
   };
 
+  // The first row is in flight while the table is filled.
   float amax = 0.0f;
   SiluMulStatsInputs<Io> next;
   if (at.first_row < a.rows) next = load_row(at.first_row);
+  SiluOfGates<Io>::fill(silu_table);
   for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {
     const SiluMulStatsInputs<Io> current = next;
     if (row + at.row_step < a.rows) next = load_row(row + at.row_step);
@@ -833,12 +952,12 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(Sil
     // Past the row gate and up are 0, and so is y.
 #pragma unroll
     for (int c = 0; c < kUnitChunks; ++c) {
-      float s[kChunk], smooth[kChunk];
-      sigmoid_chunk(gate[c], s);
+      float silu[kChunk], smooth[kChunk];
+      SiluOfGates<Io>::chunk(silu_table, gate[c], silu);
       load_smooth(a.smooth_scale, at.col + c * kChunk, chunk_count(at.col + c * kChunk, a.cols), Io::kVector,
                   smooth);
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, coat_silu_mul(gate[c][e], s[e], up[c][e], smooth[e]));
+      for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, coat_silu_mul(silu[e], up[c][e], smooth[e]));
     }
   }
   amax = warp_max(amax);
@@ -878,15 +997,37 @@ struct BackwardRow {
 // Bytes of shared memory per thread for its dweight partial sums (kChunksPerLane x 8 floats).
 constexpr size_t kDweightBytesPerThread = sizeof(float) * kChunksPerLane * kChunk;
 
+// Whether rmsnorm_backward_kernel stages the weight in shared memory: not beside the 128 KB of dweight
+// partials of 1024-thread blocks.
+template <int kMaxThreads>
+constexpr bool kBackwardWeightShared = kMaxThreads <= 512;
+
+template <int kMaxThreads>
+size_t backward_shared_bytes(int cols) {
+  return kDweightBytesPerThread * kMaxThreads + (kBackwardWeightShared<kMaxThreads> ? WeightPlanes::bytes(cols) : 0);
+}
+
 // L threads per slice of rows; each lane accumulates the dweight partial sums of its own columns across the
 // slice's rows, in shared memory (float4 (k, half) of thread t at [(2 k + half) * blockDim.x + t], so that
 // a warp's accesses are conflict-free), and writes them to the slice's workspace row at the end. Rows are
 // walked with the next one in flight, except in 1024-thread blocks (64 registers per thread).
+// Blocks of rmsnorm_backward_kernel per SM to hold registers for: two 256-thread blocks (the slices' one wave)
+// when a row's inputs stay packed (16-bit dy), else one, which fp32 or element-wise dy needs to hold two rows
+// in registers without spilling (the slices then take two waves).
 template <int kMaxThreads, class Io>
-__global__ void __launch_bounds__(kMaxThreads, kMaxThreads <= kRowBlockThreads ? 2 : 1) rmsnorm_backward_kernel(RmsnormBackwardArgs a) {
+constexpr int kBackwardMinBlocks = kMaxThreads == 256 && sizeof(typename Io::Raw) == 16 ? 2 : 1;
+
+template <int kMaxThreads, class Io>
+__global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, Io>)) rmsnorm_backward_kernel(RmsnormBackwardArgs a) {
   constexpr bool kPrefetch = kMaxThreads <= 512;
   __shared__ float warp_sums[2][kMaxThreads / kWarpSize];
-  extern __shared__ float4 dweight_partials[];
+  extern __shared__ float4 dweight_partials[];  // backward_shared_bytes(cols): the partials, then the weight
+  const WeightPlanes weights{dweight_partials + kChunksPerLane * 2 * kMaxThreads, (a.cols + kChunk - 1) / kChunk};
+  // The weight of a chunk of the row.
+  const auto weight_of = [&](int col, int count, float w[kChunk]) {
+    if constexpr (kBackwardWeightShared<kMaxThreads>) weights.chunk(col, w);
+    else load_chunk(a.weight, a.weight_dtype, col, count, Io::kVector, w);
+  };
   const Io io{a.dy_dtype};
   const int lane = threadIdx.x % a.lanes;
   const int64_t slice = static_cast<int64_t>(blockIdx.x) * (kMaxThreads / a.lanes) + threadIdx.x / a.lanes;
@@ -924,8 +1065,10 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxThreads <= kRowBlockThreads ?
     for (int e = 0; e < kChunk; ++e) xhat[e] = (xhat[e] * in.scales[k]) * in.rstd;
   };
 
+  // The first row is in flight while the weight is staged.
   BackwardRow<Io> next;
   if constexpr (kPrefetch) next = load_row(0);
+  if constexpr (kBackwardWeightShared<kMaxThreads>) weights.stage(a.weight, a.weight_dtype, a.cols, Io::kVector);
   for (int64_t i = 0; i < a.rows_per_slice; ++i) {  // the same trip count for every thread of the block
     BackwardRow<Io> current;
     if constexpr (kPrefetch) {
@@ -937,15 +1080,18 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxThreads <= kRowBlockThreads ?
     const int64_t row = slice * a.rows_per_slice + i;
     const bool active = slice < a.slices && row < a.rows;
     void* dx_row = row_at(a.dx, io.element_size(), active ? row : 0, a.cols);
-    // Terms past the row are +0 (as in the forward, adding them changes nothing).
+    // Chunks past the row add nothing; in a short chunk the terms past the row are +0 (as in the forward,
+    // adding them changes nothing).
     float partial = 0.0f;
 #pragma unroll
     for (int k = 0; k < kChunksPerLane; ++k) {
       if (k * a.lanes >= chunks) break;  // uniform over the block
       const int col = (lane + k * a.lanes) * kChunk;
+      const int count = active ? chunk_count(col, a.cols) : 0;
+      if (count == 0) continue;
       float dy[kChunk], weight[kChunk], xhat[kChunk];
       io.unpack(current.dy[k], dy);
-      load_chunk(a.weight, a.weight_dtype, col, active ? chunk_count(col, a.cols) : 0, Io::kVector, weight);
+      weight_of(col, count, weight);
       xhat_of(current, k, xhat);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) partial = partial + (dy[e] * weight[e]) * xhat[e];
@@ -959,7 +1105,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxThreads <= kRowBlockThreads ?
       if (count == 0) continue;
       float dy[kChunk], weight[kChunk], xhat[kChunk], dx[kChunk];
       io.unpack(current.dy[k], dy);
-      load_chunk(a.weight, a.weight_dtype, col, count, Io::kVector, weight);
+      weight_of(col, count, weight);
       xhat_of(current, k, xhat);
       float4& low = partials_at(k, 0);
       float4& high = partials_at(k, 1);
@@ -990,9 +1136,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMaxThreads <= kRowBlockThreads ?
 }
 
 // dweight[c] = the slices' partial sums in the documented order: phase p (warp p of the block) adds slices
-// p, p + 16, ... in increasing order, eight loads at a time in flight, then the 16 phases are combined
-// pairwise.
-constexpr int kFinishLoads = 8;
+// p, p + 16, ... in increasing order, 16 loads at a time in flight, then the 16 phases are combined pairwise.
+constexpr int kFinishLoads = 16;
 
 __global__ void __launch_bounds__(kWarpSize * COAT_DWEIGHT_PHASES)
     dweight_finish_kernel(const float* workspace, int64_t slices, int cols, float* dweight) {
@@ -1038,7 +1183,7 @@ struct SiluMulBackwardArgs {
   const float* smooth_scale;
   int group_shift;  // log2 of the save group size
   int segments;
-  int64_t strands;
+  int strands;
   void* dgate;
   void* dup;
 };
@@ -1124,22 +1269,32 @@ void with_io(coat_dtype dtype, bool vector, Launch&& launch) {
   else launch(VectorIo<COAT_FLOAT16>{dtype});
 }
 
-// Blocks of kKernel resident at once on the current device (SMs x blocks per SM, cached per device and
-// kernel; host queries only, no synchronisation), or 0 if the queries fail. The persistent kernels launch
-// no more than this.
+// Blocks of kKernel, with shared_bytes of dynamic shared memory, resident at once on the current device (SMs x
+// blocks per SM; host queries only, no synchronisation; cached per device for the last shared size asked), or 0
+// if the queries fail. The persistent kernels launch no more than this. Allows kernels more than the default
+// 48 KB of dynamic shared memory first.
 template <auto kKernel>
-int64_t resident_blocks(int threads) {
+int64_t resident_blocks(int threads, size_t shared_bytes) {
   constexpr int kMaxDevices = 64;
-  static int cached[kMaxDevices];
+  struct Entry {
+    size_t shared_bytes;
+    int blocks;
+  };
+  static Entry cached[kMaxDevices];
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0) return 0;
-  if (device < kMaxDevices && cached[device] > 0) return cached[device];
+  if (device < kMaxDevices && cached[device].blocks > 0 && cached[device].shared_bytes == shared_bytes)
+    return cached[device].blocks;
+  if (shared_bytes > 48 * 1024 &&
+      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)) !=
+          cudaSuccess)
+    return 0;
   int sms = 0, per_sm = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, 0) != cudaSuccess)
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, shared_bytes) != cudaSuccess)
     return 0;
   const int blocks = sms * (per_sm > 0 ? per_sm : 1);
-  if (device < kMaxDevices) cached[device] = blocks;
+  if (device < kMaxDevices) cached[device] = {shared_bytes, blocks};
   return blocks;
 }
 
@@ -1155,7 +1310,7 @@ int64_t strands_for(int64_t resident, int64_t columns, int64_t row_items) {
 template <class Op>
 coat_status launch_apply_quantize(const Op& op, int64_t rows, int cols, const float* y_amax, coat_fp8_format format,
                                   uint8_t* y, float* y_scale, uint8_t* y_t, cudaStream_t stream) {
-  const int64_t resident = resident_blocks<apply_quantize_kernel<Op>>(kTileThreads);
+  const int64_t resident = resident_blocks<apply_quantize_kernel<Op>>(kTileThreads, 0);
   if (resident <= 0) return COAT_ERROR_CUDA;
   const int64_t col_tiles = cols > 0 ? coat_ceil_div(cols, kTileCols) : 1;
   const int64_t strands = strands_for(resident, col_tiles, coat_ceil_div(rows, kTileRows));
@@ -1167,18 +1322,19 @@ coat_status launch_apply_quantize(const Op& op, int64_t rows, int cols, const fl
 
 template <int kMaxThreads, class Io>
 coat_status launch_rmsnorm_stats(RmsnormStatsArgs args, cudaStream_t stream) {
-  const int64_t resident = resident_blocks<rmsnorm_stats_kernel<kMaxThreads, Io>>(kMaxThreads);
+  const size_t shared_bytes = WeightPlanes::bytes(args.cols);
+  const int64_t resident = resident_blocks<rmsnorm_stats_kernel<kMaxThreads, Io>>(kMaxThreads, shared_bytes);
   if (resident <= 0) return COAT_ERROR_CUDA;
   args.row_groups = coat_ceil_div(args.rows, kMaxThreads / args.lanes);
   const unsigned blocks = static_cast<unsigned>(args.row_groups < resident ? args.row_groups : resident);
-  rmsnorm_stats_kernel<kMaxThreads, Io><<<blocks, kMaxThreads, 0, stream>>>(args);
+  rmsnorm_stats_kernel<kMaxThreads, Io><<<blocks, kMaxThreads, shared_bytes, stream>>>(args);
   return launch_status();
 }
 
 template <int kMaxThreads, class Io>
 void launch_rmsnorm_backward(const RmsnormBackwardArgs& args, cudaStream_t stream) {
-  constexpr size_t shared_bytes = kDweightBytesPerThread * kMaxThreads;
-  if constexpr (shared_bytes > 48 * 1024)
+  const size_t shared_bytes = backward_shared_bytes<kMaxThreads>(args.cols);
+  if (shared_bytes > 48 * 1024)
     cudaFuncSetAttribute(rmsnorm_backward_kernel<kMaxThreads, Io>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          static_cast<int>(shared_bytes));
   const unsigned blocks = static_cast<unsigned>(coat_ceil_div(args.slices, kMaxThreads / args.lanes));
@@ -1187,11 +1343,11 @@ void launch_rmsnorm_backward(const RmsnormBackwardArgs& args, cudaStream_t strea
 
 // The SiLU*mul kernels' grid: segments of 512 columns times strands of 8-row blocks.
 template <auto kKernel>
-bool silu_mul_grid(int64_t rows, int cols, int* segments, int64_t* strands, unsigned* blocks) {
-  const int64_t resident = resident_blocks<kKernel>(kElementwiseThreads);
+bool silu_mul_grid(int64_t rows, int cols, int* segments, int* strands, unsigned* blocks) {
+  const int64_t resident = resident_blocks<kKernel>(kElementwiseThreads, 0);
   if (resident <= 0) return false;
   *segments = static_cast<int>(coat_ceil_div(cols, kSegmentCols));
-  *strands = strands_for(resident, *segments, coat_ceil_div(rows, kElementwiseWarps));
+  *strands = static_cast<int>(strands_for(resident, *segments, coat_ceil_div(rows, kElementwiseWarps)));
   *blocks = static_cast<unsigned>(*segments * *strands);
   return true;
 }

@@ -1,7 +1,8 @@
 // CPU emulation of the CUDA features csrc/cuda/adamw.cu and norm_act.cu use, for tools/cuda_emulation/run.sh:
 // one std::thread per CUDA thread, blocks one after another, barriers for __syncthreads and warp shuffles
 // (which abort on a divergent shuffle), __shared__ as a static shared by the block's threads, dynamic shared
-// memory as a per-launch buffer filled with 0xFF bytes (NaN as floats, so that a read before a write shows),
+// memory as a per-block buffer filled with 0xFF bytes (NaN as floats, so that a read before a write shows)
+// and followed by a 64 KB guard of the same bytes (reads past the end give NaN; writes there abort),
 // inline asm as a no-op (the kernels guard their asm by __CUDA_ARCH__ or use it only as an optimisation
 // barrier). emu_sms and emu_blocks_per_sm set what the occupancy queries answer, and so the persistent
 // grids' sizes.
@@ -58,6 +59,7 @@ struct EmuBlock {
 };
 inline EmuBlock* emu_block = nullptr;
 inline std::vector<float4> emu_dynamic_shared_memory;
+constexpr size_t kEmuSharedGuard = 65536;
 inline void* emu_dynamic_shared() { return emu_dynamic_shared_memory.data(); }
 inline cudaError_t emu_error = cudaSuccess;
 inline long emu_launches = 0;
@@ -124,7 +126,8 @@ void emu_launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, F&& body) {
   }
   gridDim = grid; blockDim = block;
   for (unsigned bx = 0; bx < grid.x; ++bx) {
-    emu_dynamic_shared_memory.assign((dynamic_shared_bytes + sizeof(float4) - 1) / sizeof(float4), float4{});
+    const size_t requested = (dynamic_shared_bytes + sizeof(float4) - 1) / sizeof(float4);
+    emu_dynamic_shared_memory.assign(requested + kEmuSharedGuard / sizeof(float4), float4{});
     memset(emu_dynamic_shared_memory.data(), 0xFF, emu_dynamic_shared_memory.size() * sizeof(float4));
     EmuBlock ctx;
     ctx.block = std::make_unique<std::barrier<>>(block.x);
@@ -135,5 +138,8 @@ void emu_launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, F&& body) {
       threads.emplace_back([&, t, bx] { threadIdx = dim3(t); blockIdx = dim3(bx); body(); });
     for (auto& th : threads) th.join();
     emu_block = nullptr;
+    const unsigned char* guard = reinterpret_cast<const unsigned char*>(emu_dynamic_shared_memory.data() + requested);
+    for (size_t i = 0; i < kEmuSharedGuard; ++i)
+      if (guard[i] != 0xFF) { fprintf(stderr, "dynamic shared memory written past its size\n"); abort(); }
   }
 }

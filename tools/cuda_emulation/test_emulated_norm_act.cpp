@@ -4,8 +4,9 @@
 // three dtypes, every save group size, both FP8 formats, with and without the transpose, NaN / Inf / zero /
 // subnormal / huge inputs and gates past the fast sigmoid's range, on 1 to 3 emulated SMs (so that the
 // persistent kernels walk several rows or tiles per block and their prefetch paths run). It also checks
-// the fast sigmoid against coat_sigmoid on every float it accepts (`full`) or on a sample. Built and run
-// by run.sh, which generates norm_act_emulated.cpp from the .cu file.
+// the fast sigmoid against coat_sigmoid and the save scale against coat_scale_from_amax on every float they
+// take (`full`) or on a sample, and the fast quotient's codes on random values. Built and run by run.sh,
+// which generates norm_act_emulated.cpp from the .cu file.
 #include "norm_act_emulated.cpp"
 
 #include <math.h>
@@ -54,10 +55,12 @@ float value(int specials, double scale) {
     if (r < 0.015) return u2f(static_cast<uint32_t>(rng() & 0x807FFFFFu));  // subnormal
     if (r < 0.02) return (r < 0.0175 ? 1 : -1) * 3.0e38f;
   }
-  if (specials & kFarGates) {  // around the fast sigmoid's bound and coat_exp's range ends
+  if (specials & kFarGates) {  // around the fast sigmoid's bound, coat_exp's range ends, the bf16 table's edges
+    static const float edges[] = {0x1p-24f, 0x1.fep-25f, 255.0f, 256.0f, 1e-30f, 1e-39f};
     if (r < 0.01) return static_cast<float>(-80.0 + 2 * uniform() - 1);
     if (r < 0.02) return static_cast<float>(-88.0 - 16 * uniform());
     if (r < 0.025) return static_cast<float>(80.0 + 30 * uniform());
+    if (r < 0.03) return (rng() & 1 ? -1 : 1) * edges[rng() % (sizeof edges / sizeof edges[0])];
   }
   if (r < 0.03) return 0.0f;
   if (r < 0.035) return -0.0f;
@@ -258,6 +261,17 @@ void check_sigmoid_near(uint32_t step) {
   printf("sigmoid_near checked on every %u-th float >= -80: %ld mismatches\n", step, total);
 }
 
+// save_scale(amax) == coat_scale_from_amax(amax, COAT_E4M3) for every float amax in [0, Inf] (every `step`-th).
+void check_save_scale(uint32_t step) {
+  long mismatches = 0;
+  for (uint64_t bits = 0; bits <= 0x7F800000u; bits += step) {
+    const float amax = u2f(static_cast<uint32_t>(bits));
+    if (f2u(save_scale(amax)) != f2u(coat_scale_from_amax(amax, COAT_E4M3))) ++mismatches;
+  }
+  CHECK(mismatches == 0, "save_scale != coat_scale_from_amax on %ld floats", mismatches);
+  printf("save_scale checked on every %u-th amax in [0, Inf]: %ld mismatches\n", step, mismatches);
+}
+
 // The codes of quotient() against coat_quantize_value (the IEEE division) in both formats, for scales from
 // amax over the whole range down to COAT_MIN_FAST_DIVISION_SCALE and values whose quotients cover the FP8
 // range and below: the fast path of encode_chunk.
@@ -283,6 +297,7 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
   check_sigmoid_near(full ? 1u : 4099u);
   check_quotient(full ? 100000000L : 2000000L);
+  check_save_scale(full ? 1u : 997u);
 
   const coat_dtype dtypes[] = {COAT_BFLOAT16, COAT_FLOAT32, COAT_FLOAT16};
   const int64_t groups[] = {16, 32, 64, 128};

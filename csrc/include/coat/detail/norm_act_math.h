@@ -162,12 +162,13 @@ COAT_INLINE float coat_exp(float x) {
 /** sigmoid(g) = 1 / (1 + e^-g): 0 for g < -88.7 (and -Inf), 1 for g > 16.6. */
 COAT_INLINE float coat_sigmoid(float g) { return coat_div_rn(1.0f, 1.0f + coat_exp(-g)); }
 
-/** y = (silu(g) * up) * smooth, with silu(g) = g * sigmoid(g) and sigmoid_g = coat_sigmoid(g), so
- *  silu(-Inf) = -Inf * 0 = NaN as in PyTorch. smooth is the Smooth-SwiGLU channel scale, 1 without one
- *  (multiplying by 1 is exact). A NaN result is made canonical where it is quantized. */
-COAT_INLINE float coat_silu_mul(float gate, float sigmoid_gate, float up, float smooth) {
-  return ((gate * sigmoid_gate) * up) * smooth;
-}
+/** silu(g) = g * sigmoid(g), given sigmoid_gate = coat_sigmoid(gate); silu(-Inf) = -Inf * 0 = NaN as in
+ *  PyTorch. */
+COAT_INLINE float coat_silu(float gate, float sigmoid_gate) { return gate * sigmoid_gate; }
+
+/** y = (silu * up) * smooth, silu = coat_silu(gate, ...). smooth is the Smooth-SwiGLU channel scale, 1
+ *  without one (multiplying by 1 is exact). A NaN result is made canonical where it is quantized. */
+COAT_INLINE float coat_silu_mul(float silu, float up, float smooth) { return (silu * up) * smooth; }
 
 /** Gradients of coat_silu_mul at (gate, up) for the output gradient dy (see coat_silu_mul_backward_cpu);
  *  s = coat_sigmoid(gate). */
