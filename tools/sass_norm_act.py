@@ -90,7 +90,8 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
     cold_lines(math, "COAT_INLINE float coat_sigmoid(float g)")
     quantize = headers["quantize_math.h"]
     cold_lines(quantize, "COAT_INLINE float coat_divide_by_scale(", "return x / scale;")
-    cold_lines(quantize, "COAT_INLINE uint8_t coat_quantize_scaled(", "return coat_quantize_scaled(x, scale, 1.0f / scale, format);")
+    cold_lines(quantize, "COAT_INLINE uint8_t coat_quantize_scaled(",
+               "return coat_quantize_scaled(x, scale, 1.0f / scale, format);")
     fp8 = headers["fp8.h"]
     cold_lines(fp8, "COAT_INLINE uint8_t coat_f32_to_e4m3(float f) {", "return (uint8_t)(sign | code);")
     bits = headers["float_bits.h"]

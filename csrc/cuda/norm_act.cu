@@ -21,9 +21,10 @@
 //
 // Fast paths. The arithmetic that used to dominate (IEEE divisions, coat's exp with its range checks, FP8,
 // bf16 and fp16 conversions with their special cases) runs in forms that give the same bits on the values
-// that occur in training, behind one test per chunk that sends every other chunk (NaN, Inf, gates below
-// -80) through the plain formulas: see quotient, reciprocal_of_normal, encode_chunk, decode_e4m3,
-// sigmoid_near and the Io stores. tools/cuda_emulation runs these kernels on the CPU against the C core.
+// that occur in training, behind one test per chunk that sends every other chunk (NaN, Inf, scales below
+// 2^-80, gates below -80) through the plain formulas: see save_scale, quotient, reciprocal_of_normal,
+// encode_chunk, decode_e4m3, sigmoid_near, SiluOfGates (a table of silu for bf16 gates) and the Io stores.
+// tools/cuda_emulation runs these kernels on the CPU against the C core.
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -459,21 +460,26 @@ struct ElementIo {
 // ---------------------------------------------------------------------------------------------------
 // silu(g) of a chunk of gates
 
-// The table of silu(g) for bf16 g with 2^-24 <= |g| < 2^8: entry (sign << 12) | (bits - 0x3380) for the
-// 15 low bits of g in [0x3380, 0x4380), 32 binades of 128 values in one 4096-entry plane per sign.
+// The table of silu(g) for bf16 g with 2^-24 <= |g| < 2^8: entry (sign << 12) | (bits - 0x3380), bits the
+// 15 low bits of g's, in [0x3380, 0x4380): 32 binades of 128 values in one 4096-entry plane per sign.
 constexpr uint32_t kSiluTableFirst = 0x3380;  // the bf16 bits of 2^-24
 constexpr int kSiluTablePlane = 4096;
 
-// silu[e] = coat_silu(g[e], coat_sigmoid(g[e])) for gates of any dtype (Table is empty, fill does nothing).
+// silu[e] = coat_silu(g[e], coat_sigmoid(g[e])), computed.
+__device__ __forceinline__ void silu_chunk(const float g[kChunk], float silu[kChunk]) {
+  float s[kChunk];
+  sigmoid_chunk(g, s);
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) silu[e] = coat_silu(g[e], s[e]);
+}
+
+// silu_chunk for gates of any dtype (Table is empty, fill does nothing).
 template <class Io>
 struct SiluOfGates {
   struct Table {};
   __device__ __forceinline__ static void fill(Table&) {}
   __device__ __forceinline__ static void chunk(const Table&, const float g[kChunk], float silu[kChunk]) {
-    float s[kChunk];
-    sigmoid_chunk(g, s);
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) silu[e] = coat_silu(g[e], s[e]);
+    silu_chunk(g, silu);
   }
 };
 
@@ -488,7 +494,8 @@ struct SiluOfGates<VectorIo<COAT_BFLOAT16>> {
   // All threads of the block must call it (it synchronizes).
   __device__ __forceinline__ static void fill(Table& table) {
     for (int i = threadIdx.x; i < 2 * kSiluTablePlane; i += blockDim.x) {
-      const uint32_t bits = (static_cast<uint32_t>(i / kSiluTablePlane) << 15) | (kSiluTableFirst + i % kSiluTablePlane);
+      const uint32_t sign = static_cast<uint32_t>(i / kSiluTablePlane) << 15;
+      const uint32_t bits = sign | (kSiluTableFirst + i % kSiluTablePlane);
       const float g = coat_bf16_to_f32(static_cast<uint16_t>(bits));
       table.silu[i] = coat_silu(g, coat_sigmoid(g));
     }
@@ -510,7 +517,7 @@ struct SiluOfGates<VectorIo<COAT_BFLOAT16>> {
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) silu[e] = table.silu[index[e]];
     } else {
-      SiluOfGates<ElementIo>::chunk({}, g, silu);
+      silu_chunk(g, silu);
     }
   }
 };
@@ -546,8 +553,8 @@ __device__ __forceinline__ void atomic_max_nonnegative(float* amax, float value)
 
 // Saves kChunks consecutive chunks of an input (columns [col, col + 8 kChunks) of the row) as E4M3 with
 // 1 x G groups, G = 2^group_shift, held by lanes_per_group consecutive lanes: the codes, and from the
-// group's first lane the scale. valid_cols is the row's width, or 0 for a row past the matrix (nothing is stored). All
-// lanes of the warp must call it.
+// group's first lane the scale. valid_cols is the row's width, or 0 for a row past the matrix (nothing is
+// stored). All lanes of the warp must call it.
 template <int kChunks>
 __device__ __forceinline__ void save_chunks(const float (&v)[kChunks][kChunk], int col, int valid_cols,
                                             int lanes_per_group, int group_shift, bool vector, uint8_t* saved_row,
@@ -618,7 +625,8 @@ constexpr int kStatsMinBlocks = kMaxThreads == 256 && std::is_same<Io, VectorIo<
 // Block b reduces row groups b, b + gridDim.x, ... (kMaxThreads / L rows each, L lanes per row); with
 // kPrefetch the next group's x is in flight while this group is reduced.
 template <int kMaxThreads, class Io>
-__global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>)) rmsnorm_stats_kernel(RmsnormStatsArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>))
+    rmsnorm_stats_kernel(RmsnormStatsArgs a) {
   // 1024-thread blocks have 64 registers per thread: no room for a second row.
   constexpr bool kPrefetch = kMaxThreads <= 512;
   __shared__ float warp_sums[2][kMaxThreads / kWarpSize];
@@ -667,8 +675,8 @@ __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>
       io.unpack(x_row.chunk[k], x[0]);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) partial = partial + x[0][e] * x[0][e];
-      save_chunks<1>(x, (lane + k * a.lanes) * kChunk, valid_cols, (1 << a.group_shift) / kChunk, a.group_shift, Io::kVector,
-                     saved_row, scales_row);
+      save_chunks<1>(x, (lane + k * a.lanes) * kChunk, valid_cols, (1 << a.group_shift) / kChunk, a.group_shift,
+                     Io::kVector, saved_row, scales_row);
     }
     const float rstd = coat_rmsnorm_rstd(row_sum(partial, a.lanes, warp_sums[parity]), a.cols, a.eps);
     if (active && lane == 0) a.rstd[row] = coat_canonical_nan(rstd);
@@ -1018,7 +1026,8 @@ template <int kMaxThreads, class Io>
 constexpr int kBackwardMinBlocks = kMaxThreads == 256 && sizeof(typename Io::Raw) == 16 ? 2 : 1;
 
 template <int kMaxThreads, class Io>
-__global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, Io>)) rmsnorm_backward_kernel(RmsnormBackwardArgs a) {
+__global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, Io>))
+    rmsnorm_backward_kernel(RmsnormBackwardArgs a) {
   constexpr bool kPrefetch = kMaxThreads <= 512;
   __shared__ float warp_sums[2][kMaxThreads / kWarpSize];
   extern __shared__ float4 dweight_partials[];  // backward_shared_bytes(cols): the partials, then the weight
@@ -1471,8 +1480,9 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
   args.y_amax = y_amax;
   // The saved codes move 8 bytes at a time: rows of cols % 8 == 0 codes keep them 8-byte aligned.
   const bool vector = cols % kChunk == 0 && rows_aligned16(gate, dtype, gate_row_stride) &&
-                      rows_aligned16(up, dtype, up_row_stride) && (smooth_scale == nullptr || aligned(smooth_scale, 16)) &&
-                      aligned(gate_saved, 8) && aligned(up_saved, 8);
+                      rows_aligned16(up, dtype, up_row_stride) &&
+                      (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(gate_saved, 8) &&
+                      aligned(up_saved, 8);
   coat_status status = COAT_SUCCESS;
   with_io(dtype, vector, [&](auto io) {
     using Io = decltype(io);
@@ -1515,8 +1525,8 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
   args.dgate = dgate;
   args.dup = dup;
   const bool vector = cols % kChunk == 0 && rows_aligned16(dy, dy_dtype, row_stride) &&
-                      (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(dgate, 16) && aligned(dup, 16) &&
-                      aligned(gate_saved, 8) && aligned(up_saved, 8);
+                      (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(dgate, 16) &&
+                      aligned(dup, 16) && aligned(gate_saved, 8) && aligned(up_saved, 8);
   coat_status status = COAT_SUCCESS;
   with_io(dy_dtype, vector, [&](auto io) {
     using Io = decltype(io);

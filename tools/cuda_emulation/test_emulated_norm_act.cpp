@@ -316,19 +316,21 @@ int main(int argc, char** argv) {
                    variant == 2 ? 0.0f : 1e-6f);
     }
   }
+  // Slices of several rows in the backward: 4 rows of one warp (L = 32), 2 rows of two warps (L = 64).
   emu_sms = 1;
-  rmsnorm_case(3 * 2048 + 5, 64, 64, 0, COAT_BFLOAT16, COAT_BFLOAT16, 16, COAT_E4M3, true, kPlain, 1e-6f);  // 4 rows a slice
+  rmsnorm_case(3 * 2048 + 5, 64, 64, 0, COAT_BFLOAT16, COAT_BFLOAT16, 16, COAT_E4M3, true, kPlain, 1e-6f);
   emu_sms = 2;
-  rmsnorm_case(1029, 1024, 1024, 0, COAT_BFLOAT16, COAT_FLOAT32, 32, COAT_E4M3, true, kSpecial, 1e-6f);  // 2 rows a slice
+  rmsnorm_case(1029, 2048, 2048, 0, COAT_BFLOAT16, COAT_FLOAT32, 32, COAT_E4M3, true, kSpecial, 1e-6f);
 
-  const int64_t silu_shapes[][2] = {{5, 64}, {37, 176}, {9, 1000}, {3, 7}, {4, 100}, {6, 1032}, {3, 2048}, {70, 16}, {1, 8}};
+  const int64_t silu_shapes[][2] = {{5, 64},   {37, 176}, {9, 1000}, {3, 7}, {4, 100},
+                                    {6, 1032}, {3, 2048}, {70, 16},  {1, 8}};
   i = 0;
   for (const auto& shape : silu_shapes) {
     for (int variant = 0; variant < (quick ? 1 : 4); ++variant, ++i) {
       emu_sms = 1 + i % 3;
-      silu_case(shape[0], shape[1], variant == 2 ? 8 : 0, variant == 3 ? 1 : 0, dtypes[(i + variant) % 3], variant != 1,
-                variant % 2 == 1, groups[(i + variant) % 4], (i + variant) % 2 ? COAT_E5M2 : COAT_E4M3, variant != 2,
-                variant == 0 ? kSpecial : kPlain);
+      silu_case(shape[0], shape[1], variant == 2 ? 8 : 0, variant == 3 ? 1 : 0, dtypes[(i + variant) % 3],
+                variant != 1, variant % 2 == 1, groups[(i + variant) % 4], (i + variant) % 2 ? COAT_E5M2 : COAT_E4M3,
+                variant != 2, variant == 0 ? kSpecial : kPlain);
     }
   }
   printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
