@@ -488,6 +488,95 @@ def test_coat_exp_accuracy():
 
 
 # ----------------------------------------------------------------------------------------------------
+# Kernel paths: values and shapes that send the CUDA kernels down their other paths (the chunk-wise fast
+# paths' fallbacks, the bf16 silu table's edges, several rounds of the persistent kernels); on CUDA every
+# output is compared with the C core's bit for bit (run).
+
+# Gates around the edges of the kernels' fast paths: the bf16 silu table holds 2^-24 <= |g| < 2^8; the
+# computed sigmoid takes g >= -80 and sends smaller ones through coat_exp's full range (-88.7, -103.3).
+EDGE_GATES = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-24 * (1 - 2.0**-8), 1e-30, 1e-39, 255.0, -255.0, 256.0,
+              -256.0, 300.0, -80.0, -80.5, -81.0, -87.5, -88.5, -89.0, -103.0, -104.0, -200.0, 80.5, 88.5, 100.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_silu_mul_gate_edges(device, dtype):
+    gate, up = gate_up((16, 256), dtype, seed=51)
+    edges = torch.tensor(EDGE_GATES, dtype=torch.float64).to(dtype)
+    positions = torch.randperm(gate.numel(), generator=torch.Generator().manual_seed(52))[: 8 * edges.numel()]
+    flat = gate.reshape(-1).clone()
+    flat[positions] = edges.repeat(8)
+    gate.copy_(flat.view(gate.shape))
+    outputs = silu_mul_forward(gate, up, device=device)
+    check_silu_mul_forward(gate, up, None, outputs)
+    dy = activations((16, 256), dtype, seed=53, outliers=False)
+    run(torch.ops.coat.silu_mul_backward, dy, *outputs[3:], None, 16, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tiny_groups(device, dtype):
+    """Groups whose scales are under 2^-80 (values below about 1e-22), where the kernels divide instead of
+    taking their fast quotient: half the rows of an RMSNorm input, and a SiLU*mul gate (and so y and its
+    per-tensor scale)."""
+    x = activations((9, 256), dtype, seed=54)
+    x[::2] *= 1e-30
+    weight = torch.ones(256, dtype=torch.bfloat16)
+    y, y_scale, y_t, x_saved, x_saved_scales, rstd = rmsnorm_forward(x, weight, device=device)
+    check_tied_to_quantize_group(x_saved, x_saved_scales, x, 16)
+    gate, up = gate_up((9, 256), dtype, seed=55)
+    gate *= 1e-23
+    outputs = silu_mul_forward(gate, up, device=device)
+    check_tied_to_quantize_tensor(outputs[0], outputs[1], ref.silu_mul_f32(gate.float(), up.float()), outputs[2])
+    check_tied_to_quantize_group(outputs[3], outputs[4], gate, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_backward_special_values(device, dtype):
+    """NaN / Inf in the saved inputs (NaN codes) and in dy, and dy so small that the gradients are subnormal
+    in dy's dtype (the kernels' 16-bit stores round them in hardware)."""
+    x = activations((8, 512), torch.bfloat16, seed=56)
+    x[1, 3], x[2, 40], x[3, 100] = math.nan, math.inf, -math.inf
+    weight = (1 + 0.2 * torch.randn(512, generator=torch.Generator().manual_seed(57))).bfloat16()
+    _, _, _, x_saved, x_saved_scales, rstd = rmsnorm_forward(x, weight, transpose=False)
+    dy = activations((8, 512), dtype, seed=58, outliers=False)
+    dy[4, 7], dy[5, 9] = math.nan, math.inf
+    dy[6] *= 1e-38 if dtype != torch.float16 else 1e-6
+    run(torch.ops.coat.rmsnorm_backward, dy, x_saved, x_saved_scales, rstd, weight, 16, device=device)
+
+    gate, up = gate_up((8, 512), torch.bfloat16, seed=59)
+    gate[1, 3], up[2, 40], gate[3, 100] = math.nan, math.inf, -math.inf
+    saved = silu_mul_forward(gate, up, transpose=False)[3:]
+    run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, device=device)
+
+
+def several_rounds(rows_per_sm: int) -> int:
+    """Rows enough for three rounds of a persistent kernel that takes at most rows_per_sm rows per SM and
+    round on this GPU: only then does a block walk several rows or tiles with the next ones in flight."""
+    return 3 * torch.cuda.get_device_properties(0).multi_processor_count * rows_per_sm + 5
+
+
+@pytest.mark.parametrize("cols", [256, 4096])
+def test_rmsnorm_several_rounds(cuda_device, cols):
+    """Every block of the persistent kernels takes several rounds: the statistics pass reduces at most
+    8 blocks x 256 / L rows per SM and round, the second pass 8 blocks x 64 x 64 / cols rows; the backward
+    walks several rows per slice."""
+    rows = several_rounds(max(8 * 256 // ref.rmsnorm_lanes(cols), 8 * 64 * 64 // cols))
+    x = activations((rows, cols), torch.bfloat16, seed=cols)
+    weight = (1 + 0.2 * torch.randn(cols, generator=torch.Generator().manual_seed(60))).float()
+    _, _, _, x_saved, x_saved_scales, rstd = rmsnorm_forward(x, weight, device=cuda_device)
+    assert ref.rmsnorm_backward_rows_per_slice(rows, cols) > 2
+    dy = activations((rows, cols), torch.bfloat16, seed=cols + 1, outliers=False)
+    run(torch.ops.coat.rmsnorm_backward, dy, x_saved, x_saved_scales, rstd, weight, 16, device=cuda_device)
+
+
+def test_silu_mul_several_rounds(cuda_device):
+    """Blocks of 8 rows over 2 segments of 512 columns, at most 8 blocks per SM: 32 rows per SM and round."""
+    gate, up = gate_up((several_rounds(32), 1000), torch.bfloat16, seed=61)
+    outputs = silu_mul_forward(gate, up, device=cuda_device)
+    dy = activations(tuple(gate.shape), torch.bfloat16, seed=62, outliers=False)
+    run(torch.ops.coat.silu_mul_backward, dy, *outputs[3:], None, 16, device=cuda_device)
+
+
+# ----------------------------------------------------------------------------------------------------
 # opcheck and errors
 
 

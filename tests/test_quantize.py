@@ -411,6 +411,19 @@ def test_subnormal_inputs(run, rng, fmt, dtype):
     check_quantize_tensor(run, x, fmt, 16)
 
 
+def test_tiny_group_scales(run):
+    """Groups with amax a few times 2^-117: scales that are not powers of two, and values below 2^-103, where
+    dividing by the rounded reciprocal and one correction is no longer exact. Each (amax, value) pair is
+    one where that gave another E4M3 code than the division (found by a CPU replay; CUDA now divides when
+    the scale is below 2^-80)."""
+    pairs = [("0x1.4bc0c4p-114", "0x1.5799fp-127"), ("0x1.cfaaf6p-117", "0x1.e03a36p-125"),
+             ("0x1.701de2p-114", "0x1.d94bp-130")]
+    x = torch.zeros(len(pairs), 16)
+    for row, (amax, value) in enumerate(pairs):
+        x[row, 0], x[row, 1] = float.fromhex(amax), float.fromhex(value)
+    check_quantize_group(run, x, 16, "e4m3")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", EDGE_DTYPES)
 def test_tiny_and_huge_magnitudes(run, rng, fmt, dtype):

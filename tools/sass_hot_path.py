@@ -170,7 +170,15 @@ def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str,
     return cold, rules
 
 
-def walk(ins: list[dict], cu: Source, cold: set[str], rules: dict[str, str]):
+def walk(ins: list[dict], cold: set[str], rules: dict[str, str], loop_line: str, header_line: str):
+    """The hot path of one iteration of the loop whose back-edge comes from source line loop_line and whose
+    body holds header_line (both "file:line"): every instruction from the loop's head to its back-edge,
+    conditional branches decided by `rules` (source line -> "taken", "fallthrough", "to:LINE|LINE" toward
+    the nearer of those lines, "into:LINE|LINE" toward more instructions from those lines (of the next 60, up to the
+    branch's own line),
+    "away:LINE|LINE" toward fewer, "text:TEXT" toward the nearer instruction holding TEXT, or
+    "seq:DIR,DIR,..." one per visit) after two defaults: away from a block that calls a slow path, away
+    from a block whose instructions mostly come from `cold` lines."""
     label_at = {label: k for k, i in enumerate(ins) for label in i["labels"]}
 
     def chain(i):
@@ -193,9 +201,25 @@ def walk(ins: list[dict], cu: Source, cold: set[str], rules: dict[str, str]):
         b = block(k)
         return 2 * sum(any(c in cold for c in chain(i)) for i in b) > len(b)
 
-    def distance(k, wanted):
-        for q in range(k, min(k + 80, len(ins))):
-            if any(w in chain(ins[q]) for w in wanted):
+    def distance(k, wanted):  # (a BSYNC closes a region and carries its lines, wherever it leads)
+        for q in range(k, min(k + 300, len(ins))):
+            if opcode(ins[q]["text"]) != "BSYNC" and any(w in chain(ins[q]) for w in wanted):
+                return q - k
+        return 1 << 30
+
+    def share(k, wanted, own):  # of the next 60 instructions, until the branch's own line comes back after
+        count, left = 0, False  # others (the next visit of the statement: the next iteration of an unrolled
+        for q in range(k, min(k + 60, len(ins))):  # loop), those from the wanted lines
+            mine = own in chain(ins[q])
+            if mine and left:
+                break
+            left = left or not mine
+            count += any(w in chain(ins[q]) for w in wanted)
+        return count
+
+    def text_distance(k, wanted):
+        for q in range(k, min(k + 300, len(ins))):
+            if wanted in ins[q]["text"]:
                 return q - k
         return 1 << 30
 
@@ -210,6 +234,20 @@ def walk(ins: list[dict], cu: Source, cold: set[str], rules: dict[str, str]):
         for c in chain(i):
             if c in rules:
                 rule = rules[c]
+                if rule.startswith("away:"):  # away from the lines: into the other direction
+                    rule, taken, fallthrough = "into:" + rule[5:], fallthrough, taken
+                if rule.startswith(("to:", "into:", "text:")):
+                    if rule.startswith("to:"):
+                        wanted = rule[3:].split("|")
+                        dt, df = distance(taken, wanted), distance(fallthrough, wanted)
+                    elif rule.startswith("into:"):
+                        wanted = rule[5:].split("|")
+                        dt, df = -share(taken, wanted, c), -share(fallthrough, wanted, c)
+                    else:
+                        dt, df = text_distance(taken, rule[5:]), text_distance(fallthrough, rule[5:])
+                    if dt == df:
+                        raise RuntimeError(f"rule {c}={rule} does not separate the branch at {i['addr']:#x}")
+                    return taken if dt < df else fallthrough
                 if rule.startswith("seq:"):  # one direction per visit of this branch, in order
                     directions = rule[4:].split(",")
                     rule = directions[min(visits[c], len(directions) - 1)]
@@ -223,17 +261,17 @@ def walk(ins: list[dict], cu: Source, cold: set[str], rules: dict[str, str]):
                 return taken if rule == "taken" else fallthrough
         raise RuntimeError(f"no rule for the branch at {i['addr']:#x} {i['text']} ({' <- '.join(chain(i)[:4])})")
 
-    loop_line = cu.key("for (int slot = 0; tile < plan.tiles; tile += warps")
-    header_line = cu.key("const LaneSpan span = lane_span(tile, plan, t.cols);")
-    header = next(k for k, i in enumerate(ins) if header_line in chain(i))
-    backedge = None
+    # the back-edge: a conditional branch of loop_line to an earlier instruction, with header_line in between
+    # (the widest such loop)
+    backedge = header = None
     for k, i in enumerate(ins):
         if opcode(i["text"]) == "BRA" and i["text"].startswith("@") and loop_line in chain(i):
             target = label_at[TARGET.search(i["text"]).group(1)]
-            if target <= header:
+            if target < k and (header is None or target < header) and any(
+                    header_line in chain(ins[q]) for q in range(target, k)):
                 backedge, header = k, target
     if backedge is None:
-        raise RuntimeError("tile loop not found")
+        raise RuntimeError("loop not found")
     path, k = [], header
     while True:
         i = ins[k]
@@ -291,7 +329,9 @@ def main():
     ins = next(v for k, v in functions.items() if "fp8_adamw_step_kernel" in k)
     cu, h = Source(KERNEL), Source(MATH)
     batch_tiles = max(args.group_size // 32, 1)  # tiles per decoder batch (csrc/cuda/adamw.cu, DecoderBatch)
-    paths = [walk(ins, cu, *rules_for(cu, h, args.dtypes, args.group_size, args.formats, first))
+    loop_line = cu.key("for (int slot = 0; tile < plan.tiles; tile += warps")
+    header_line = cu.key("const LaneSpan span = lane_span(tile, plan, t.cols);")
+    paths = [walk(ins, *rules_for(cu, h, args.dtypes, args.group_size, args.formats, first), loop_line, header_line)
              for first in (True, False)]
     path = paths[0] + paths[1] * (batch_tiles - 1)
 

@@ -74,8 +74,8 @@ coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     const void* row = row_at(x, x_dtype, r, row_stride);
     for (int64_t c = 0; c < cols; ++c) {
-      const float value =
-          coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), rstd[r], coat_load_f32(weight, weight_dtype, c));
+      const float value = coat_canonical_nan(
+          coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), rstd[r], coat_load_f32(weight, weight_dtype, c)));
       put_code(coat_quantize_value(value, scale, y_format), r, c, rows, cols, y, y_t);
     }
   }
@@ -153,9 +153,11 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
     const void* up_row = row_at(up, dtype, r, up_row_stride);
     save_row(gate_row, dtype, cols, save_group_size, gate_saved + r * cols, gate_scales + r * ngroups);
     save_row(up_row, dtype, cols, save_group_size, up_saved + r * cols, up_scales + r * ngroups);
-    for (int64_t c = 0; c < cols; ++c)
-      amax = coat_amax_step(amax, coat_silu_mul(coat_load_f32(gate_row, dtype, c), coat_load_f32(up_row, dtype, c),
+    for (int64_t c = 0; c < cols; ++c) {
+      const float g = coat_load_f32(gate_row, dtype, c);
+      amax = coat_amax_step(amax, coat_silu_mul(coat_silu(g, coat_sigmoid(g)), coat_load_f32(up_row, dtype, c),
                                                 smooth_scale ? smooth_scale[c] : 1.0f));
+    }
   }
   *y_amax = amax;
   const float scale = coat_scale_from_amax(amax, y_format);
@@ -166,8 +168,10 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
     const void* gate_row = row_at(gate, dtype, r, gate_row_stride);
     const void* up_row = row_at(up, dtype, r, up_row_stride);
     for (int64_t c = 0; c < cols; ++c) {
-      const float value = coat_silu_mul(coat_load_f32(gate_row, dtype, c), coat_load_f32(up_row, dtype, c),
-                                        smooth_scale ? smooth_scale[c] : 1.0f);
+      const float g = coat_load_f32(gate_row, dtype, c);
+      const float value = coat_canonical_nan(coat_silu_mul(coat_silu(g, coat_sigmoid(g)),
+                                                           coat_load_f32(up_row, dtype, c),
+                                                           smooth_scale ? smooth_scale[c] : 1.0f));
       put_code(coat_quantize_value(value, scale, y_format), r, c, rows, cols, y, y_t);
     }
   }
@@ -192,7 +196,7 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
       const float gate_value = coat_e4m3_to_f32(gate_saved[r * cols + c]) * gate_scales[scale_index];
       const float up_value = coat_e4m3_to_f32(up_saved[r * cols + c]) * up_scales[scale_index];
       float dgate_value, dup_value;
-      coat_silu_mul_grads(coat_load_f32(dy_row, dy_dtype, c), gate_value, up_value,
+      coat_silu_mul_grads(coat_load_f32(dy_row, dy_dtype, c), gate_value, coat_sigmoid(gate_value), up_value,
                           smooth_scale ? smooth_scale[c] : 1.0f, &dgate_value, &dup_value);
       coat_store_as(dgate, dy_dtype, r * cols + c, dgate_value);
       coat_store_as(dup, dy_dtype, r * cols + c, dup_value);

@@ -1,19 +1,30 @@
 // CUDA implementation of coat/norm_act.h. Element math and reduction orders come from
 // coat/detail/norm_act_math.h, so every output equals the C core's (csrc/cpu/norm_act.c) bit for bit.
 //
-// Work is cut into chunks of 8 consecutive elements of a row (one 16-byte load of bf16/fp16, two of
-// fp32). The vectorized path needs cols % 8 == 0 and 16-byte aligned rows; otherwise the same kernels load
-// element by element, which changes the speed but not a single result bit.
+// Work is cut into chunks of 8 consecutive elements of a row (one 16-byte access of bf16/fp16, two of fp32).
+// Every kernel is instantiated for an Io, the way it reads and writes the high-precision tensors:
+// VectorIo<dtype> (16-byte accesses; cols % 8 == 0 and 16-byte aligned rows) or ElementIo (any dtype,
+// element by element: odd widths, misaligned views), which changes the speed but not a single result bit.
 //
 // Kernels:
-//   rmsnorm_stats_kernel     L threads per row (L = coat_rmsnorm_lanes(cols)): rstd, the FP8-saved x,
-//                            the amax of y (one guarded atomicMax per warp)
-//   silu_mul_stats_kernel    one thread per chunk: the FP8-saved gate and up, the amax of y
-//   apply_quantize_kernel    64 x 64 tiles: recomputes y from the inputs, writes y in FP8 and, through a
-//                            shared-memory tile, its transpose
-//   rmsnorm_backward_kernel  L threads per slice of rows: dx, and one partial dweight row per slice
+//   rmsnorm_stats_kernel     persistent; L threads per row (L = coat_rmsnorm_lanes(cols)): rstd, the FP8-saved
+//                            x, the amax of y (one guarded atomicMax per warp); the next rows' x is loaded
+//                            while these are reduced
+//   silu_mul_stats_kernel    persistent; 16 consecutive elements per lane, a warp per 512 columns of a row:
+//                            the FP8-saved gate and up, the amax of y; the warp's next row in flight
+//   apply_quantize_kernel    persistent over 64 x 64 tiles, the next tile in flight: recomputes y from the
+//                            inputs, writes it in FP8 and, through a shared-memory tile, its transpose
+//   rmsnorm_backward_kernel  L threads per slice of rows, the next row in flight: dx, and one partial dweight
+//                            row per slice
 //   dweight_finish_kernel    the slices' partial dweight rows summed in the documented order
-//   silu_mul_backward_kernel one thread per chunk: dgate, dup
+//   silu_mul_backward_kernel persistent, laid out as silu_mul_stats_kernel: dgate, dup
+//
+// Fast paths. The arithmetic that used to dominate (IEEE divisions, coat's exp with its range checks, FP8,
+// bf16 and fp16 conversions with their special cases) runs in forms that give the same bits on the values
+// that occur in training, behind one test per chunk that sends every other chunk (NaN, Inf, scales below
+// 2^-80, gates below -80) through the plain formulas: see save_scale, quotient, reciprocal_of_normal,
+// encode_chunk, decode_e4m3, sigmoid_near, SiluOfGates (a table of silu for bf16 gates) and the Io stores.
+// tools/cuda_emulation runs these kernels on the CPU against the C core.
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -34,26 +45,222 @@ constexpr unsigned kFullMask = 0xFFFFFFFFu;
 constexpr int kWarpSize = 32;
 // Rows of L <= 256 lanes share 256-thread blocks; wider rows get a block of their own.
 constexpr int kRowBlockThreads = 256;
+// The second pass: 64 x 64 tiles, each thread two chunks of one chunk column, 32 rows apart.
 constexpr int kTileRows = 64;
 constexpr int kTileCols = 64;
 constexpr int kTileThreads = 256;
-constexpr int kMaxGridY = 65535;
+constexpr int kTileChunksPerRow = kTileCols / kChunk;
+constexpr int kTileRowsApart = kTileThreads / kTileChunksPerRow;
+// The SiLU*mul kernels: a lane holds 16 consecutive elements (one save group when G = 16), a warp 512
+// columns of one row, a block 8 rows.
+constexpr int kUnitChunks = 2;
+constexpr int kUnit = kUnitChunks * kChunk;
+constexpr int kSegmentCols = kWarpSize * kUnit;
+constexpr int kElementwiseThreads = 256;
+constexpr int kElementwiseWarps = kElementwiseThreads / kWarpSize;
 
 static_assert(kChunk == 8, "the loads and stores below move 8 elements per chunk");
 
-// ---------------------------------------------------------------------------------------------------
-// Loads and stores of one chunk
-
-__device__ __forceinline__ size_t element_size(coat_dtype dtype) { return dtype == COAT_FLOAT32 ? 4 : 2; }
+__device__ __forceinline__ int chunk_count(int col, int cols) { return col < cols ? min(cols - col, kChunk) : 0; }
 
 // Row `row` of a matrix whose rows start row_stride elements apart. Offsets within a row are ints
 // (cols <= COAT_NORM_ACT_MAX_COLS); row offsets are 64-bit.
 template <class T>
-__device__ __forceinline__ T* row_at(T* base, coat_dtype dtype, int64_t row, int64_t row_stride) {
+__device__ __forceinline__ T* row_at(T* base, size_t element_size, int64_t row, int64_t row_stride) {
   using Byte = typename std::conditional<std::is_const<T>::value, const char, char>::type;
-  const size_t offset = static_cast<size_t>(row) * static_cast<size_t>(row_stride) * element_size(dtype);
+  const size_t offset = static_cast<size_t>(row) * static_cast<size_t>(row_stride) * element_size;
   return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + offset);
 }
+
+__device__ __forceinline__ size_t element_size(coat_dtype dtype) { return dtype == COAT_FLOAT32 ? 4 : 2; }
+
+// ---------------------------------------------------------------------------------------------------
+// Arithmetic: cheaper forms of coat/detail steps, each equal bit for bit to the step it replaces
+
+// max(amax, |v|) with a NaN v ignored, as coat_amax_step: on the GPU one FMNMX, which returns the operand
+// that is not NaN (amax never is).
+__device__ __forceinline__ float amax_step(float amax, float v) {
+#ifdef __CUDA_ARCH__
+  return fmaxf(amax, fabsf(v));
+#else
+  return coat_amax_step(amax, v);
+#endif
+}
+
+// 1 / d rounded to nearest, for 2^-126 <= d < 2^126 (exponent field 1 ... 252): the sequence ptxas emits for
+// rcp.rn.f32 on sm_80 ... sm_120 (MUFU.RCP, one Newton step) without its range test and slow-path branch.
+// Given an Inf d it returns NaN, which every caller sends to a slow path.
+__device__ __forceinline__ float reciprocal_of_normal(float d) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
+  return __fmaf_rn(y, __fmaf_rn(-d, y, 1.0f), y);
+#else
+  return 1.0f / d;
+#endif
+}
+
+// coat_scale_from_amax(amax, COAT_E4M3) = max(amax / 448, 2^-126) for an amax >= 0 (not NaN), by the
+// reciprocal of 448 and one Markstein correction: equal on every such float (tools/cuda_emulation checks
+// them all). An Inf amax keeps its product, Inf.
+__device__ __forceinline__ float save_scale(float amax) {
+  constexpr float kInverse = 1.0f / COAT_E4M3_MAX;
+  const float q = amax * kInverse;
+  const float corrected = __fmaf_rn(__fmaf_rn(-q, COAT_E4M3_MAX, amax), kInverse, q);
+  return fmaxf(amax < INFINITY ? corrected : q, COAT_MIN_SCALE);
+}
+
+// x / scale rounded to nearest, given reciprocal = 1 / scale rounded to nearest: the Markstein correction of
+// coat_divide_by_scale, q - (q * scale - x) * reciprocal, in the form whose zero result keeps the sign of x
+// (x - q * scale turns -0 into +0). For scale >= COAT_MIN_FAST_DIVISION_SCALE its FP8 code is that of
+// copysign(coat_divide_by_scale(x, scale, reciprocal), x), which coat_quantize_scaled encodes, whenever it
+// is finite; it is NaN or Inf when x or scale is not finite.
+__device__ __forceinline__ float quotient(float x, float scale, float reciprocal) {
+  const float q = x * reciprocal;
+  return __fmaf_rn(__fmaf_rn(q, scale, -x), -reciprocal, q);
+}
+
+// coat_sigmoid(g) for g >= -80, bit for bit (tools/cuda_emulation checks every such float). e^-g as
+// coat_exp computes it, but with 2^n added to the exponent field: for -g in [-80, 80], n is in [-115, 115]
+// and p * 2^n is normal, so coat_exp's two scalings are exact and give the same. -g below -80 is raised to
+// -80: e^-80 < 2^-115, and 1 + e = 1 for it as for coat_exp's smaller (or zero) result. 1 / (1 + e), with
+// 1 + e in [1, 2^117), by reciprocal_of_normal.
+__device__ __forceinline__ float sigmoid_near(float g) {
+  float n;
+  const float p = coat_exp_reduced(fmaxf(-g, -80.0f), &n);
+  // n + 1.5 * 2^23 holds n in its low mantissa bits; shifted left by 23 they add n to p's exponent field.
+  const uint32_t exponent_shift = coat_f32_to_bits(n + 12582912.0f) << 23;
+  return reciprocal_of_normal(1.0f + coat_f32_from_bits(coat_f32_to_bits(p) + exponent_shift));
+}
+
+// s[e] = coat_sigmoid(g[e]): sigmoid_near when every gate of the chunk is >= -80 (NaN is not), the plain
+// formula otherwise.
+__device__ __forceinline__ void sigmoid_chunk(const float g[kChunk], float s[kChunk]) {
+  bool near = true;
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) near &= g[e] >= -80.0f;
+  if (near) {
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) s[e] = sigmoid_near(g[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) s[e] = coat_sigmoid(g[e]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// FP8 codes of a chunk
+
+// Eight FP8 codes, byte e of the chunk in byte e % 4 of word e / 4.
+struct Codes {
+  uint32_t lo;
+  uint32_t hi;
+};
+
+__device__ __forceinline__ uint8_t code_at(Codes codes, int e) {
+  return static_cast<uint8_t>((e < 4 ? codes.lo >> (8 * e) : codes.hi >> (8 * (e - 4))) & 0xFFu);
+}
+
+// `vector`: count is 0 or 8 and the codes are 8-byte aligned; otherwise byte by byte.
+__device__ __forceinline__ Codes load_codes(const uint8_t* src, int count, bool vector) {
+  if (vector) {
+    if (count == 0) return {0u, 0u};
+    const uint2 raw = *reinterpret_cast<const uint2*>(src);
+    return {raw.x, raw.y};
+  }
+  Codes codes{0u, 0u};
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) {
+    if (e < count) {
+      if (e < 4) codes.lo |= static_cast<uint32_t>(src[e]) << (8 * e);
+      else codes.hi |= static_cast<uint32_t>(src[e]) << (8 * (e - 4));
+    }
+  }
+  return codes;
+}
+
+__device__ __forceinline__ void store_codes(uint8_t* dst, Codes codes, int count, bool vector) {
+  if (vector) {
+    if (count > 0) *reinterpret_cast<uint2*>(dst) = make_uint2(codes.lo, codes.hi);
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e)
+    if (e < count) dst[e] = code_at(codes, e);
+}
+
+// The codes of eight finite quotients: on sm_89+ converted in pairs by the hardware (which equals coat's
+// encoder on finite values: the two differ on NaN and, for E5M2, Inf only), elsewhere by coat's encoder.
+template <coat_fp8_format kFormat>
+__device__ __forceinline__ Codes codes_of_finite(const float q[kChunk]) {
+#ifdef COAT_HARDWARE_FP8_CONVERT
+  constexpr __nv_fp8_interpretation_t kKind = kFormat == COAT_E4M3 ? __NV_E4M3 : __NV_E5M2;
+  uint32_t words[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(q[4 * w], q[4 * w + 1]), __NV_SATFINITE, kKind);
+    const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(q[4 * w + 2], q[4 * w + 3]), __NV_SATFINITE, kKind);
+    words[w] = low | (high << 16);
+  }
+  return {words[0], words[1]};
+#else
+  Codes codes{0u, 0u};
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) {
+    const uint32_t code = coat_f32_to_fp8(q[e], kFormat);
+    if (e < 4) codes.lo |= code << (8 * e);
+    else codes.hi |= code << (8 * (e - 4));
+  }
+  return codes;
+#endif
+}
+
+// codes[e] = coat_quantize_value(v[e], scale), reciprocal = 1 / scale (garbage is fine when scale is Inf).
+// A chunk whose quotients are all finite takes quotient() and codes_of_finite(); any other (a NaN or Inf
+// value, an Inf scale, a scale below 2^-80) goes through coat_quantize_value itself, with NaN made canonical
+// first when kCanonicalNan (op results, as the C core does; saved inputs keep their NaN's sign).
+template <coat_fp8_format kFormat, bool kCanonicalNan>
+__device__ __forceinline__ Codes encode_chunk(const float v[kChunk], float scale, float reciprocal) {
+  float q[kChunk];
+  bool finite = scale >= COAT_MIN_FAST_DIVISION_SCALE;
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) {
+    q[e] = quotient(v[e], scale, reciprocal);
+    finite &= fabsf(q[e]) < INFINITY;
+  }
+  if (finite) return codes_of_finite<kFormat>(q);
+  Codes codes{0u, 0u};
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) {
+    const uint32_t code = coat_quantize_value(kCanonicalNan ? coat_canonical_nan(v[e]) : v[e], scale, kFormat);
+    if (e < 4) codes.lo |= code << (8 * e);
+    else codes.hi |= code << (8 * (e - 4));
+  }
+  return codes;
+}
+
+// v[e] = coat_e4m3_to_f32(code e): on sm_89+ converted in pairs to fp16 by the hardware (exact) and widened.
+// The two agree on every code but NaN, where both give a NaN of another payload; every output a NaN reaches
+// is stored canonically.
+__device__ __forceinline__ void decode_e4m3(Codes codes, float v[kChunk]) {
+#ifdef COAT_HARDWARE_FP8_CONVERT
+#pragma unroll
+  for (int pair = 0; pair < 4; ++pair) {
+    const uint32_t word = pair < 2 ? codes.lo : codes.hi;
+    const __half2_raw halves = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(word >> (16 * (pair % 2))), __NV_E4M3);
+    const float2 widened = __half22float2(__half2(halves));
+    v[2 * pair] = widened.x;
+    v[2 * pair + 1] = widened.y;
+  }
+#else
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) v[e] = coat_e4m3_to_f32(code_at(codes, e));
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// High-precision chunks: the Io types, and loads of per-column vectors (weight, smooth scale)
 
 __device__ __forceinline__ void unpack_16bit(uint32_t pair, coat_dtype dtype, float* out) {
   if (dtype == COAT_BFLOAT16) {
@@ -65,11 +272,32 @@ __device__ __forceinline__ void unpack_16bit(uint32_t pair, coat_dtype dtype, fl
   }
 }
 
-// The chunk helpers take `vector` when cols % 8 == 0 and rows are 16-byte aligned: then every chunk is
-// either whole (count == 8) or past the row (count == 0), and whole chunks move with 16-byte accesses
-// (8-byte for FP8 codes). Otherwise they go element by element.
+template <coat_dtype kDtype>
+__device__ __forceinline__ uint32_t pack_16bit(float a, float b) {
+  if constexpr (kDtype == COAT_BFLOAT16)
+    return static_cast<uint32_t>(coat_f32_to_bf16(a)) | (static_cast<uint32_t>(coat_f32_to_bf16(b)) << 16);
+  else
+    return static_cast<uint32_t>(coat_f32_to_f16(a)) | (static_cast<uint32_t>(coat_f32_to_f16(b)) << 16);
+}
 
-// v[0..8) = elements [offset, offset + count) of `data` as fp32, zeros past count.
+// pack_16bit for a and b that are not NaN: one cvt.rn instruction on sm_80+, which rounds as coat's
+// conversions do (to nearest even, overflow to Inf, subnormals kept) and differs on NaN only.
+template <coat_dtype kDtype>
+__device__ __forceinline__ uint32_t pack_16bit_not_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t packed;
+  if constexpr (kDtype == COAT_BFLOAT16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(b), "f"(a));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(b), "f"(a));
+  return packed;
+#else
+  return pack_16bit<kDtype>(a, b);
+#endif
+}
+
+// v[0..8) = elements [offset, offset + count) of `data` as fp32, zeros past count; `vector`: count is 0 or 8
+// and the chunk is 16-byte aligned. For the per-column vectors, whose dtype is only known at run time.
 __device__ __forceinline__ void load_chunk(const void* data, coat_dtype dtype, int offset, int count, bool vector,
                                            float v[kChunk]) {
   if (vector) {
@@ -89,7 +317,6 @@ __device__ __forceinline__ void load_chunk(const void* data, coat_dtype dtype, i
     }
     return;
   }
-  // One dtype branch per chunk, not per element.
   if (dtype == COAT_FLOAT32) {
     const float* p = static_cast<const float*>(data) + offset;
 #pragma unroll
@@ -104,112 +331,203 @@ __device__ __forceinline__ void load_chunk(const void* data, coat_dtype dtype, i
   }
 }
 
-// Eight FP8 codes, byte e of the chunk in byte e % 4 of word e / 4.
-struct Codes {
-  uint32_t lo;
-  uint32_t hi;
+// The Smooth-SwiGLU scales of a chunk, or ones (multiplying by 1 is exact) without them.
+__device__ __forceinline__ void load_smooth(const float* smooth_scale, int col, int count, bool vector,
+                                            float v[kChunk]) {
+  if (smooth_scale != nullptr) {
+    load_chunk(smooth_scale, COAT_FLOAT32, col, count, vector, v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) v[e] = 1.0f;
+  }
+}
+
+// The RMSNorm weight as fp32 in shared memory, staged once per block: two planes of float4, the first and the
+// second half of each chunk, so that lanes reading consecutive chunks hit consecutive banks.
+struct WeightPlanes {
+  float4* planes;
+  int chunks;
+
+  __host__ __device__ static size_t bytes(int cols) { return sizeof(float4) * 2 * ((cols + kChunk - 1) / kChunk); }
+
+  // All threads of the block must call it (it synchronizes). Columns past cols hold 0.
+  __device__ __forceinline__ void stage(const void* weight, coat_dtype dtype, int cols, bool vector) const {
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      float w[kChunk];
+      load_chunk(weight, dtype, c * kChunk, chunk_count(c * kChunk, cols), vector, w);
+      planes[c] = make_float4(w[0], w[1], w[2], w[3]);
+      planes[chunks + c] = make_float4(w[4], w[5], w[6], w[7]);
+    }
+    __syncthreads();
+  }
+
+  // The weight of the chunk from col (< cols).
+  __device__ __forceinline__ void chunk(int col, float w[kChunk]) const {
+    const float4 low = planes[col / kChunk], high = planes[chunks + col / kChunk];
+    w[0] = low.x, w[1] = low.y, w[2] = low.z, w[3] = low.w, w[4] = high.x, w[5] = high.y, w[6] = high.z, w[7] = high.w;
+  }
 };
 
-__device__ __forceinline__ Codes load_codes(const uint8_t* src, int count, bool vector) {
-  if (vector) {
-    if (count == 0) return {0u, 0u};
-    const uint2 raw = *reinterpret_cast<const uint2*>(src);
-    return {raw.x, raw.y};
-  }
-  Codes codes{0u, 0u};
-#pragma unroll
-  for (int e = 0; e < kChunk; ++e) {
-    if (e < count) {
-      if (e < 4) codes.lo |= static_cast<uint32_t>(src[e]) << (8 * e);
-      else codes.hi |= static_cast<uint32_t>(src[e]) << (8 * (e - 4));
-    }
-  }
-  return codes;
-}
-
-__device__ __forceinline__ uint8_t code_at(Codes codes, int e) {
-  return static_cast<uint8_t>((e < 4 ? codes.lo >> (8 * e) : codes.hi >> (8 * (e - 4))) & 0xFFu);
-}
-
-__device__ __forceinline__ void store_codes(uint8_t* dst, Codes codes, int count, bool vector) {
-  if (vector) {
-    if (count > 0) *reinterpret_cast<uint2*>(dst) = make_uint2(codes.lo, codes.hi);
-    return;
-  }
-#pragma unroll
-  for (int e = 0; e < kChunk; ++e)
-    if (e < count) dst[e] = code_at(codes, e);
-}
-
-// Encodes v / scale; elements past count encode 0 (their codes are never stored, but a tile holds them).
-__device__ __forceinline__ Codes encode_chunk(const float v[kChunk], int count, float scale, coat_fp8_format format) {
-  Codes codes{0u, 0u};
-  const float reciprocal = 1.0f / scale;
-  // One branch per chunk on the format, so that the per-element encoder is the straight-line one.
-  if (format == COAT_E4M3) {
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) {
-      const uint32_t code = e < count ? coat_quantize_scaled(v[e], scale, reciprocal, COAT_E4M3) : 0u;
-      if (e < 4) codes.lo |= code << (8 * e);
-      else codes.hi |= code << (8 * (e - 4));
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) {
-      const uint32_t code = e < count ? coat_quantize_scaled(v[e], scale, reciprocal, COAT_E5M2) : 0u;
-      if (e < 4) codes.lo |= code << (8 * e);
-      else codes.hi |= code << (8 * (e - 4));
-    }
-  }
-  return codes;
-}
-
+// The 16-byte path for one dtype. A chunk is loaded as Raw (16-bit values stay packed, so that a prefetched
+// row costs half the registers) and unpacked where it is used; count is 0 (past the row: zeros, no access)
+// or 8. Stores round with pack_16bit_not_nan unless the chunk holds a NaN.
 template <coat_dtype kDtype>
-__device__ __forceinline__ uint32_t pack_16bit(float a, float b) {
-  if constexpr (kDtype == COAT_BFLOAT16)
-    return static_cast<uint32_t>(coat_f32_to_bf16(a)) | (static_cast<uint32_t>(coat_f32_to_bf16(b)) << 16);
-  else
-    return static_cast<uint32_t>(coat_f32_to_f16(a)) | (static_cast<uint32_t>(coat_f32_to_f16(b)) << 16);
-}
+struct VectorIo {
+  static constexpr bool kVector = true;
+  static constexpr int kWords = kDtype == COAT_FLOAT32 ? 2 : 1;
+  struct Raw {
+    uint4 words[kWords];
+  };
+  // Indexing with the element type and an int column keeps the address one multiply-add.
+  using Element = typename std::conditional<kDtype == COAT_FLOAT32, float, uint16_t>::type;
+  coat_dtype dtype;
 
-template <coat_dtype kDtype>
-__device__ __forceinline__ uint4 pack_chunk(const float v[kChunk]) {
-  return make_uint4(pack_16bit<kDtype>(v[0], v[1]), pack_16bit<kDtype>(v[2], v[3]), pack_16bit<kDtype>(v[4], v[5]),
-                    pack_16bit<kDtype>(v[6], v[7]));
-}
+  __device__ __forceinline__ size_t element_size() const { return sizeof(Element); }
 
-// Stores v[0..count) as elements [offset, offset + count) of `out` in `dtype` (NaN canonical).
-__device__ __forceinline__ void store_chunk(void* out, coat_dtype dtype, int offset, int count, bool vector,
-                                            const float v[kChunk]) {
-  if (vector) {
+  __device__ __forceinline__ Raw load(const void* row, int col, int count) const {
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const Element*>(row) + col);
+    Raw raw;
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) raw.words[w] = count > 0 ? p[w] : make_uint4(0u, 0u, 0u, 0u);
+    return raw;
+  }
+
+  __device__ __forceinline__ void unpack(const Raw& raw, float v[kChunk]) const {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) {
+      const uint32_t word[4] = {raw.words[w].x, raw.words[w].y, raw.words[w].z, raw.words[w].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (kDtype == COAT_FLOAT32) v[4 * w + i] = __uint_as_float(word[i]);
+        else unpack_16bit(word[i], kDtype, v + 2 * i);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void store(void* row, int col, int count, const float v[kChunk]) const {
     if (count == 0) return;
-    if (dtype == COAT_FLOAT32) {
-      float4* p = reinterpret_cast<float4*>(static_cast<float*>(out) + offset);
-      p[0] = make_float4(coat_canonical_nan(v[0]), coat_canonical_nan(v[1]), coat_canonical_nan(v[2]),
-                         coat_canonical_nan(v[3]));
-      p[1] = make_float4(coat_canonical_nan(v[4]), coat_canonical_nan(v[5]), coat_canonical_nan(v[6]),
-                         coat_canonical_nan(v[7]));
+    bool nan = false;
+#pragma unroll
+    for (int e = 0; e < kChunk; e += 2) nan |= (v[e] != v[e]) | (v[e + 1] != v[e + 1]);
+    uint4* p = reinterpret_cast<uint4*>(static_cast<Element*>(row) + col);
+    if constexpr (kDtype == COAT_FLOAT32) {
+      float out[kChunk];
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) out[e] = nan ? coat_canonical_nan(v[e]) : v[e];
+      p[0] = make_uint4(__float_as_uint(out[0]), __float_as_uint(out[1]), __float_as_uint(out[2]),
+                        __float_as_uint(out[3]));
+      p[1] = make_uint4(__float_as_uint(out[4]), __float_as_uint(out[5]), __float_as_uint(out[6]),
+                        __float_as_uint(out[7]));
+    } else if (nan) {
+      p[0] = make_uint4(pack_16bit<kDtype>(v[0], v[1]), pack_16bit<kDtype>(v[2], v[3]),
+                        pack_16bit<kDtype>(v[4], v[5]), pack_16bit<kDtype>(v[6], v[7]));
     } else {
-      uint4* p = reinterpret_cast<uint4*>(static_cast<uint16_t*>(out) + offset);
-      *p = dtype == COAT_BFLOAT16 ? pack_chunk<COAT_BFLOAT16>(v) : pack_chunk<COAT_FLOAT16>(v);
+      p[0] = make_uint4(pack_16bit_not_nan<kDtype>(v[0], v[1]), pack_16bit_not_nan<kDtype>(v[2], v[3]),
+                        pack_16bit_not_nan<kDtype>(v[4], v[5]), pack_16bit_not_nan<kDtype>(v[6], v[7]));
     }
-    return;
   }
-  if (dtype == COAT_FLOAT32) {
-    float* p = static_cast<float*>(out) + offset;
+};
+
+// Element by element, any dtype: chunks may be short (count < 8), rows need no alignment.
+struct ElementIo {
+  static constexpr bool kVector = false;
+  struct Raw {
+    float v[kChunk];
+  };
+  coat_dtype dtype;
+
+  __device__ __forceinline__ size_t element_size() const { return ::element_size(dtype); }
+
+  __device__ __forceinline__ Raw load(const void* row, int col, int count) const {
+    Raw raw;
+    load_chunk(static_cast<const char*>(row) + col * element_size(), dtype, 0, count, false, raw.v);
+    return raw;
+  }
+
+  __device__ __forceinline__ void unpack(const Raw& raw, float v[kChunk]) const {
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) v[e] = raw.v[e];
+  }
+
+  __device__ __forceinline__ void store(void* row, int col, int count, const float v[kChunk]) const {
+    char* p = static_cast<char*>(row) + col * element_size();
 #pragma unroll
     for (int e = 0; e < kChunk; ++e)
-      if (e < count) p[e] = coat_canonical_nan(v[e]);
-  } else {
-    uint16_t* p = static_cast<uint16_t*>(out) + offset;
-    const bool bf16 = dtype == COAT_BFLOAT16;
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e)
-      if (e < count) p[e] = bf16 ? coat_f32_to_bf16(v[e]) : coat_f32_to_f16(v[e]);
+      if (e < count) coat_store_as(p, dtype, e, v[e]);
   }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// silu(g) of a chunk of gates
+
+// The table of silu(g) for bf16 g with 2^-24 <= |g| < 2^8: entry (sign << 12) | (bits - 0x3380), bits the
+// 15 low bits of g's, in [0x3380, 0x4380): 32 binades of 128 values in one 4096-entry plane per sign.
+constexpr uint32_t kSiluTableFirst = 0x3380;  // the bf16 bits of 2^-24
+constexpr int kSiluTablePlane = 4096;
+
+// silu[e] = coat_silu(g[e], coat_sigmoid(g[e])), computed.
+__device__ __forceinline__ void silu_chunk(const float g[kChunk], float silu[kChunk]) {
+  float s[kChunk];
+  sigmoid_chunk(g, s);
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) silu[e] = coat_silu(g[e], s[e]);
 }
 
-__device__ __forceinline__ int chunk_count(int col, int cols) { return col < cols ? min(cols - col, kChunk) : 0; }
+// silu_chunk for gates of any dtype (Table is empty, fill does nothing).
+template <class Io>
+struct SiluOfGates {
+  struct Table {};
+  __device__ __forceinline__ static void fill(Table&) {}
+  __device__ __forceinline__ static void chunk(const Table&, const float g[kChunk], float silu[kChunk]) {
+    silu_chunk(g, silu);
+  }
+};
+
+// bf16 gates: read from the table (32 KB of shared memory) that each block fills once with the exact
+// formula, for a chunk whose gates are all in its range; computed otherwise.
+template <>
+struct SiluOfGates<VectorIo<COAT_BFLOAT16>> {
+  struct Table {
+    float silu[2 * kSiluTablePlane];
+  };
+
+  // All threads of the block must call it (it synchronizes). Eight consecutive entries at a time, by
+  // silu_chunk.
+  __device__ __forceinline__ static void fill(Table& table) {
+    for (int first = threadIdx.x * kChunk; first < 2 * kSiluTablePlane; first += blockDim.x * kChunk) {
+      float g[kChunk], silu[kChunk];
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) {
+        const int i = first + e;
+        const uint32_t sign = static_cast<uint32_t>(i / kSiluTablePlane) << 15;
+        g[e] = coat_bf16_to_f32(static_cast<uint16_t>(sign | (kSiluTableFirst + i % kSiluTablePlane)));
+      }
+      silu_chunk(g, silu);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) table.silu[first + e] = silu[e];
+    }
+    __syncthreads();
+  }
+
+  __device__ __forceinline__ static void chunk(const Table& table, const float g[kChunk], float silu[kChunk]) {
+    uint32_t index[kChunk];
+    bool in_range = true;
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) {
+      // The bf16 bits minus the first entry's, mod 2^16: the sign in bit 15, below it the offset in the plane,
+      // which is in range when bits 12 ... 14 are 0.
+      const uint32_t offset = (__float_as_uint(g[e]) >> 16) - kSiluTableFirst;
+      in_range &= (offset & 0x7000u) == 0;
+      index[e] = (offset & 0x0FFFu) | ((offset >> 3) & 0x1000u);
+    }
+    if (in_range) {
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) silu[e] = table.silu[index[e]];
+    } else {
+      silu_chunk(g, silu);
+    }
+  }
+};
 
 // ---------------------------------------------------------------------------------------------------
 // Reductions
@@ -218,7 +536,8 @@ __device__ __forceinline__ float warp_max(float v) { return group_amax_reduce(v,
 
 // The row's sum of one partial per lane, in the order of coat_combine_lane_partials: xor butterfly in each
 // warp (lane l adds lane l + 16, + 8, ..., + 1), then across the row's warps the same way. Every thread of
-// the block must call it (it synchronizes when a row spans warps); warp_sums holds one float per warp.
+// the block must call it (it synchronizes when a row spans warps); warp_sums holds one float per warp, and
+// must not be the buffer of the previous call (whose readers may still be at it).
 __device__ __forceinline__ float row_sum(float partial, int lanes, float* warp_sums) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) partial = partial + __shfl_xor_sync(kFullMask, partial, offset);
@@ -227,7 +546,7 @@ __device__ __forceinline__ float row_sum(float partial, int lanes, float* warp_s
   const int warps_per_row = lanes / kWarpSize;
   if (lane == 0) warp_sums[warp] = partial;
   __syncthreads();
-  float v = lane < warps_per_row ? warp_sums[warp - warp % warps_per_row + lane] : 0.0f;
+  float v = lane < warps_per_row ? warp_sums[(warp & -warps_per_row) + lane] : 0.0f;  // the row's first warp + lane
   for (int offset = warps_per_row / 2; offset > 0; offset >>= 1) v = v + __shfl_xor_sync(kFullMask, v, offset);
   return __shfl_sync(kFullMask, v, 0);
 }
@@ -239,22 +558,35 @@ __device__ __forceinline__ void atomic_max_nonnegative(float* amax, float value)
     atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(value));
 }
 
-// Saves one chunk of an input as E4M3 with 1 x group_size groups (group_size / 8 consecutive lanes hold a
-// group); the group's first lane stores the scale. All lanes of the warp must call it.
-__device__ __forceinline__ void save_chunk(const float v[kChunk], int count, int col, int lanes_per_group,
-                                           int group_size, uint8_t* saved_row, float* scales_row, bool vector) {
+// Saves kChunks consecutive chunks of an input (columns [col, col + 8 kChunks) of the row) as E4M3 with
+// 1 x G groups, G = 2^group_shift, held by lanes_per_group consecutive lanes: the codes, and from the
+// group's first lane the scale. valid_cols is the row's width, or 0 for a row past the matrix (nothing is
+// stored). All lanes of the warp must call it.
+template <int kChunks>
+__device__ __forceinline__ void save_chunks(const float (&v)[kChunks][kChunk], int col, int valid_cols,
+                                            int lanes_per_group, int group_shift, bool vector, uint8_t* saved_row,
+                                            float* scales_row) {
   float amax = 0.0f;
 #pragma unroll
-  for (int e = 0; e < kChunk; ++e) amax = coat_amax_step(amax, v[e]);
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, v[c][e]);
   amax = group_amax_reduce(amax, lanes_per_group);
-  if (count == 0) return;
-  const float scale = coat_scale_from_amax(amax, COAT_E4M3);
-  store_codes(saved_row + col, encode_chunk(v, count, scale, COAT_E4M3), count, vector);
-  if (col % group_size == 0) scales_row[col / group_size] = scale;
+  if (col >= valid_cols) return;
+  const float scale = save_scale(amax);
+  const float reciprocal = reciprocal_of_normal(scale);
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int count = chunk_count(col + c * kChunk, valid_cols);
+    if (count > 0)
+      store_codes(saved_row + col + c * kChunk, encode_chunk<COAT_E4M3, false>(v[c], scale, reciprocal), count,
+                  vector);
+  }
+  if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;
 }
 
 // ---------------------------------------------------------------------------------------------------
-// RMSNorm forward
+// RMSNorm forward, first pass
 
 struct RmsnormStatsArgs {
   const void* x;
@@ -265,101 +597,193 @@ struct RmsnormStatsArgs {
   const void* weight;
   coat_dtype weight_dtype;
   float eps;
-  int group_size;
+  int group_shift;  // log2 of the save group size
   int lanes;
-  bool vector;
+  int64_t row_groups;  // groups of kMaxThreads / lanes rows, one per block and iteration
   uint8_t* x_saved;
   float* x_saved_scales;
   float* rstd;
   float* y_amax;
 };
 
-template <int kMaxThreads>
-__global__ void __launch_bounds__(kMaxThreads, 1) rmsnorm_stats_kernel(RmsnormStatsArgs a) {
-  __shared__ float warp_sums[kMaxThreads / kWarpSize];
-  const int lane = threadIdx.x % a.lanes;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / a.lanes) + threadIdx.x / a.lanes;
-  const bool row_active = row < a.rows;
-  const int64_t safe_row = row_active ? row : 0;
-  const int chunks = (a.cols + kChunk - 1) / kChunk;
-  const int ngroups = (a.cols + a.group_size - 1) / a.group_size;
-  const void* x_row = row_at(a.x, a.x_dtype, safe_row, a.row_stride);
-  uint8_t* saved_row = a.x_saved + safe_row * a.cols;
-  float* scales_row = a.x_saved_scales + safe_row * ngroups;
+// A lane's chunks of one row (lane + k L for k < kChunksPerLane), as loaded.
+template <class Io>
+struct LaneChunks {
+  typename Io::Raw chunk[kChunksPerLane];
+};
 
-  // The row stays in registers: x^2 for rstd, and the FP8 copy saved for backward, in one read.
-  float x[kChunksPerLane][kChunk];
-  float partial = 0.0f;
+template <class Io>
+__device__ __forceinline__ LaneChunks<Io> load_lane_chunks(const Io& io, const void* row, int lane, int lanes,
+                                                           int valid_cols) {
+  LaneChunks<Io> chunks;
 #pragma unroll
   for (int k = 0; k < kChunksPerLane; ++k) {
-    if (k * a.lanes >= chunks) break;  // uniform over the block
-    const int col = (lane + k * a.lanes) * kChunk;
-    const int count = row_active ? chunk_count(col, a.cols) : 0;
-    load_chunk(x_row, a.x_dtype, col, count, a.vector, x[k]);
-    // Terms past the row are +0; adding them changes nothing, as a partial is never -0.
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) partial = partial + x[k][e] * x[k][e];
-    save_chunk(x[k], count, col, a.group_size / kChunk, a.group_size, saved_row, scales_row, a.vector);
+    const int col = (lane + k * lanes) * kChunk;
+    chunks.chunk[k] = io.load(row, col, chunk_count(col, valid_cols));
   }
-  const float rstd = coat_rmsnorm_rstd(row_sum(partial, a.lanes, warp_sums), a.cols, a.eps);
-  if (row_active && lane == 0) a.rstd[row] = coat_canonical_nan(rstd);
+  return chunks;
+}
 
+// Blocks of rmsnorm_stats_kernel per SM to hold registers for: 256-thread blocks of bf16 fit 3 without
+// spilling (80 registers; ptxas's own choice would spill 8 bytes).
+template <int kMaxThreads, class Io>
+constexpr int kStatsMinBlocks = kMaxThreads == 256 && std::is_same<Io, VectorIo<COAT_BFLOAT16>>::value ? 3 : 1;
+
+// Block b reduces row groups b, b + gridDim.x, ... (kMaxThreads / L rows each, L lanes per row); with
+// kPrefetch the next group's x is in flight while this group is reduced.
+template <int kMaxThreads, class Io>
+__global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>))
+    rmsnorm_stats_kernel(RmsnormStatsArgs a) {
+  // 1024-thread blocks have 64 registers per thread: no room for a second row.
+  constexpr bool kPrefetch = kMaxThreads <= 512;
+  __shared__ float warp_sums[2][kMaxThreads / kWarpSize];
+  extern __shared__ float4 weight_planes[];  // WeightPlanes::bytes(cols)
+  const WeightPlanes weights{weight_planes, (a.cols + kChunk - 1) / kChunk};
+  const Io io{a.x_dtype};
+  const int lane = threadIdx.x % a.lanes, row_in_group = threadIdx.x / a.lanes;
+  const int rows_per_group = kMaxThreads / a.lanes;
+  const int chunks = (a.cols + kChunk - 1) / kChunk;
+  const int ngroups = ((a.cols - 1) >> a.group_shift) + 1;
+  const auto row_of = [&](int64_t group) { return group * rows_per_group + row_in_group; };
+  const auto load_row = [&](int64_t group) {
+    const int64_t row = row_of(group);
+    const bool active = row < a.rows;
+    return load_lane_chunks(io, row_at(a.x, io.element_size(), active ? row : 0, a.row_stride), lane, a.lanes,
+                            active ? a.cols : 0);
+  };
+
+  // The first rows are in flight while the weight is staged.
+  LaneChunks<Io> next;
+  if constexpr (kPrefetch) next = load_row(blockIdx.x);
+  weights.stage(a.weight, a.weight_dtype, a.cols, Io::kVector);
   float amax = 0.0f;
+  int parity = 0;
+  for (int64_t group = blockIdx.x; group < a.row_groups; group += gridDim.x, parity ^= 1) {
+    LaneChunks<Io> x_row;
+    if constexpr (kPrefetch) {
+      x_row = next;
+      if (group + gridDim.x < a.row_groups) next = load_row(group + gridDim.x);
+    } else {
+      x_row = load_row(group);
+    }
+    const int64_t row = row_of(group);
+    const bool active = row < a.rows;
+    const int valid_cols = active ? a.cols : 0;
+    uint8_t* saved_row = a.x_saved + (active ? row : 0) * a.cols;
+    float* scales_row = a.x_saved_scales + (active ? row : 0) * ngroups;
+
+    // x^2 for rstd and the FP8 copy saved for backward. Terms past the row are +0; adding them changes
+    // nothing, as a partial is never -0.
+    float partial = 0.0f;
 #pragma unroll
-  for (int k = 0; k < kChunksPerLane; ++k) {
-    if (k * a.lanes >= chunks) break;
-    const int col = (lane + k * a.lanes) * kChunk;
-    const int count = row_active ? chunk_count(col, a.cols) : 0;
-    if (count == 0) continue;
-    float weight[kChunk];
-    load_chunk(a.weight, a.weight_dtype, col, count, a.vector, weight);
+    for (int k = 0; k < kChunksPerLane; ++k) {
+      if (k * a.lanes >= chunks) break;  // uniform over the block
+      float x[1][kChunk];
+      io.unpack(x_row.chunk[k], x[0]);
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e)
-      if (e < count) amax = coat_amax_step(amax, coat_rmsnorm_apply(x[k][e], rstd, weight[e]));
+      for (int e = 0; e < kChunk; ++e) partial = partial + x[0][e] * x[0][e];
+      save_chunks<1>(x, (lane + k * a.lanes) * kChunk, valid_cols, (1 << a.group_shift) / kChunk, a.group_shift,
+                     Io::kVector, saved_row, scales_row);
+    }
+    const float rstd = coat_rmsnorm_rstd(row_sum(partial, a.lanes, warp_sums[parity]), a.cols, a.eps);
+    if (active && lane == 0) a.rstd[row] = coat_canonical_nan(rstd);
+
+    // The amax of y. Past a short chunk x and the weight are 0, so y is 0 or NaN there, which changes no amax.
+#pragma unroll
+    for (int k = 0; k < kChunksPerLane; ++k) {
+      if (k * a.lanes >= chunks) break;
+      const int col = (lane + k * a.lanes) * kChunk;
+      const int count = chunk_count(col, valid_cols);
+      if (count == 0) continue;
+      float x[kChunk], weight[kChunk];
+      io.unpack(x_row.chunk[k], x);
+      weights.chunk(col, weight);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, coat_rmsnorm_apply(x[e], rstd, weight[e]));
+    }
   }
   amax = warp_max(amax);
   if (threadIdx.x % kWarpSize == 0) atomic_max_nonnegative(a.y_amax, amax);
 }
 
-// y recomputed for the chunk at (row, col): RMSNorm from x, rstd and weight.
+// ---------------------------------------------------------------------------------------------------
+// Second pass of both forward ops: y recomputed from the inputs and quantized with the per-tensor scale
+
+// An op of the second pass loads a chunk's Inputs (prefetched a tile ahead), the per-column data of its
+// chunk column once (Column), and computes y from them and a Table in shared memory that it fills once per
+// block (empty but for SiLU*mul of bf16).
+template <class Io>
 struct RmsnormApply {
+  static constexpr bool kVector = Io::kVector;
+  struct Table {};
+  Io io;
   const void* x;
-  coat_dtype x_dtype;
   int64_t row_stride;
   const float* rstd;
   const void* weight;
   coat_dtype weight_dtype;
 
-  __device__ __forceinline__ void operator()(int64_t row, int col, int count, bool vector, float y[kChunk]) const {
-    float x_chunk[kChunk], weight_chunk[kChunk];
-    load_chunk(row_at(x, x_dtype, row, row_stride), x_dtype, col, count, vector, x_chunk);
-    load_chunk(weight, weight_dtype, col, count, vector, weight_chunk);
-    const float row_rstd = rstd[row];
+  struct Inputs {
+    typename Io::Raw x;
+    float rstd;
+  };
+  struct Column {
+    float weight[kChunk];
+  };
+
+  __device__ __forceinline__ Inputs load(int64_t row, int col, int count) const {
+    return {io.load(row_at(x, io.element_size(), row, row_stride), col, count), count > 0 ? rstd[row] : 0.0f};
+  }
+  __device__ __forceinline__ Column column(int col, int count) const {
+    Column c;
+    load_chunk(weight, weight_dtype, col, count, Io::kVector, c.weight);
+    return c;
+  }
+  __device__ __forceinline__ static void fill(Table&) {}
+  __device__ __forceinline__ void compute(const Table&, const Inputs& in, const Column& c, float y[kChunk]) const {
+    float x_chunk[kChunk];
+    io.unpack(in.x, x_chunk);
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) y[e] = coat_rmsnorm_apply(x_chunk[e], row_rstd, weight_chunk[e]);
+    for (int e = 0; e < kChunk; ++e) y[e] = coat_rmsnorm_apply(x_chunk[e], in.rstd, c.weight[e]);
   }
 };
 
-// y recomputed for the chunk at (row, col): SiLU*mul from gate, up and the optional smooth scale.
+template <class Io>
 struct SiluMulApply {
+  static constexpr bool kVector = Io::kVector;
+  using Gates = SiluOfGates<Io>;
+  using Table = typename Gates::Table;
+  Io io;
   const void* gate;
   const void* up;
-  coat_dtype dtype;
   int64_t gate_row_stride, up_row_stride;
   const float* smooth_scale;
 
-  __device__ __forceinline__ void operator()(int64_t row, int col, int count, bool vector, float y[kChunk]) const {
-    float gate_chunk[kChunk], up_chunk[kChunk], smooth[kChunk];
-    load_chunk(row_at(gate, dtype, row, gate_row_stride), dtype, col, count, vector, gate_chunk);
-    load_chunk(row_at(up, dtype, row, up_row_stride), dtype, col, count, vector, up_chunk);
-    if (smooth_scale != nullptr) {
-      load_chunk(smooth_scale, COAT_FLOAT32, col, count, vector, smooth);
-    } else {
+  struct Inputs {
+    typename Io::Raw gate, up;
+  };
+  struct Column {
+    float smooth[kChunk];
+  };
+
+  __device__ __forceinline__ Inputs load(int64_t row, int col, int count) const {
+    return {io.load(row_at(gate, io.element_size(), row, gate_row_stride), col, count),
+            io.load(row_at(up, io.element_size(), row, up_row_stride), col, count)};
+  }
+  __device__ __forceinline__ Column column(int col, int count) const {
+    Column c;
+    load_smooth(smooth_scale, col, count, Io::kVector, c.smooth);
+    return c;
+  }
+  __device__ __forceinline__ static void fill(Table& table) { Gates::fill(table); }
+  __device__ __forceinline__ void compute(const Table& table, const Inputs& in, const Column& c,
+                                          float y[kChunk]) const {
+    float g[kChunk], u[kChunk], silu[kChunk];
+    io.unpack(in.gate, g);
+    io.unpack(in.up, u);
+    Gates::chunk(table, g, silu);
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) smooth[e] = 1.0f;
-    }
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) y[e] = coat_silu_mul(gate_chunk[e], up_chunk[e], smooth[e]);
+    for (int e = 0; e < kChunk; ++e) y[e] = coat_silu_mul(silu[e], u[e], c.smooth[e]);
   }
 };
 
@@ -373,38 +797,67 @@ __device__ __forceinline__ void transpose_4x4(uint32_t w0, uint32_t w1, uint32_t
   out[3] = __byte_perm(rows01_high, rows23_high, 0x7632);
 }
 
-// Second pass of both forward ops: y = op(inputs) for a 64 x 64 tile, quantized with the per-tensor scale
-// derived from y_amax, written row-major and, when y_t is set, transposed through shared memory.
+// Block b takes column tile b % col_tiles and row tiles b / col_tiles, + row_strands, ...; each thread two
+// chunks of one chunk column (rows r and r + 32 of the tile), the next tile's inputs in flight. y is
+// written row-major from registers and, when y_t is set, transposed through shared memory (two tile
+// buffers, alternating, so that one barrier per tile suffices).
 template <class Op>
 __global__ void __launch_bounds__(kTileThreads)
-    apply_quantize_kernel(Op op, int64_t rows, int cols, bool vector, const float* y_amax, coat_fp8_format format,
-                          uint8_t* y, float* y_scale, uint8_t* y_t) {
+    apply_quantize_kernel(Op op, int64_t rows, int cols, int col_tiles, int64_t row_strands, const float* y_amax,
+                          coat_fp8_format format, uint8_t* y, float* y_scale, uint8_t* y_t) {
   // 64 rows of 64 codes as 16 words, plus one word of padding so that the transposed reads of a warp
   // (8 row quads x 4 column quads) hit 32 different banks.
-  __shared__ uint32_t tile[kTileRows][kTileCols / 4 + 1];
+  __shared__ uint32_t tile[2][kTileRows][kTileCols / 4 + 1];
+  __shared__ typename Op::Table table;
   const float scale = coat_scale_from_amax(*y_amax, format);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *y_scale = scale;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
-  const int col_tiles = (cols + kTileCols - 1) / kTileCols;
-  const int chunk_in_row = threadIdx.x % (kTileCols / kChunk);
+  const float reciprocal = reciprocal_of_normal(scale);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *y_scale = scale;
+  const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
+  const int col0 = static_cast<int>(blockIdx.x % col_tiles) * kTileCols;
+  const int chunk_in_row = threadIdx.x % kTileChunksPerRow;
+  const int first_row = threadIdx.x / kTileChunksPerRow;
+  const int col = col0 + chunk_in_row * kChunk;
+  const typename Op::Column column = op.column(col, chunk_count(col, cols));
 
-  for (int col_tile = blockIdx.y; col_tile < col_tiles; col_tile += gridDim.y) {
-    const int col0 = col_tile * kTileCols;
+  struct TileInputs {
+    typename Op::Inputs half[2];
+  };
+  const auto load_tile = [&](int64_t row_tile) {
+    TileInputs in;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = threadIdx.x / (kTileCols / kChunk) + half * (kTileThreads * kChunk / kTileCols);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t row = row_tile * kTileRows + first_row + h * kTileRowsApart;
+      in.half[h] = op.load(row, col, row < rows ? chunk_count(col, cols) : 0);
+    }
+    return in;
+  };
+
+  // The first tile is in flight while the table is filled.
+  int64_t row_tile = blockIdx.x / col_tiles;
+  TileInputs next;
+  if (row_tile < row_tiles) next = load_tile(row_tile);
+  Op::fill(table);
+  for (int parity = 0; row_tile < row_tiles; row_tile += row_strands, parity ^= 1) {
+    const TileInputs current = next;
+    if (row_tile + row_strands < row_tiles) next = load_tile(row_tile + row_strands);
+    const int64_t row0 = row_tile * kTileRows;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = first_row + h * kTileRowsApart;
       const int64_t row = row0 + r;
-      const int col = col0 + chunk_in_row * kChunk;
       const int count = row < rows ? chunk_count(col, cols) : 0;
       Codes codes{0u, 0u};
       if (count > 0) {
         float values[kChunk];
-        op(row, col, count, vector, values);
-        codes = encode_chunk(values, count, scale, format);
-        store_codes(y + row * cols + col, codes, count, vector);
+        op.compute(table, current.half[h], column, values);
+        codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)
+                                    : encode_chunk<COAT_E5M2, true>(values, scale, reciprocal);
+        store_codes(y + row * cols + col, codes, count, Op::kVector);
       }
-      tile[r][2 * chunk_in_row] = codes.lo;
-      tile[r][2 * chunk_in_row + 1] = codes.hi;
+      if (y_t != nullptr) {
+        tile[parity][r][2 * chunk_in_row] = codes.lo;
+        tile[parity][r][2 * chunk_in_row + 1] = codes.hi;
+      }
     }
     if (y_t == nullptr) continue;  // uniform over the grid
     __syncthreads();
@@ -413,26 +866,40 @@ __global__ void __launch_bounds__(kTileThreads)
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     const int col_quad = (warp % 4) * 4 + lane / 8, row_quad = (warp / 4) * 8 + lane % 8;
     uint32_t columns[4];
-    transpose_4x4(tile[4 * row_quad][col_quad], tile[4 * row_quad + 1][col_quad], tile[4 * row_quad + 2][col_quad],
-                  tile[4 * row_quad + 3][col_quad], columns);
+    transpose_4x4(tile[parity][4 * row_quad][col_quad], tile[parity][4 * row_quad + 1][col_quad],
+                  tile[parity][4 * row_quad + 2][col_quad], tile[parity][4 * row_quad + 3][col_quad], columns);
     const int64_t row = row0 + 4 * row_quad;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int col = col0 + 4 * col_quad + j;
-      if (col >= cols || row >= rows) continue;
-      uint8_t* dst = y_t + col * rows + row;
+      const int out_col = col0 + 4 * col_quad + j;
+      if (out_col >= cols || row >= rows) continue;
+      uint8_t* dst = y_t + out_col * rows + row;
       if (rows % 4 == 0) {  // then row + 3 < rows and dst is 4-byte aligned
         *reinterpret_cast<uint32_t*>(dst) = columns[j];
       } else {
         for (int i = 0; i < 4 && row + i < rows; ++i) dst[i] = static_cast<uint8_t>(columns[j] >> (8 * i));
       }
     }
-    __syncthreads();  // the tile is rewritten for the next column tile
   }
 }
 
 // ---------------------------------------------------------------------------------------------------
-// SiLU*mul forward, first pass
+// SiLU*mul: the lanes' layout, and the forward's first pass
+
+// Where a lane of silu_mul_stats_kernel / silu_mul_backward_kernel works: block b covers the 512-column
+// segment b % segments of rows (b / segments) * 8 + warp, then + row_step, ...; the lane has the 16 columns
+// from col.
+struct SegmentLane {
+  int col;
+  int64_t first_row;
+  int64_t row_step;
+};
+
+__device__ __forceinline__ SegmentLane segment_lane(int segments, int strands) {
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  return {static_cast<int>(blockIdx.x % segments) * kSegmentCols + lane * kUnit,
+          static_cast<int64_t>(blockIdx.x / segments) * kElementwiseWarps + warp, strands * kElementwiseWarps};
+}
 
 struct SiluMulStatsArgs {
   const void* gate;
@@ -442,8 +909,9 @@ struct SiluMulStatsArgs {
   int cols;
   int64_t gate_row_stride, up_row_stride;
   const float* smooth_scale;
-  int group_size;
-  bool vector;
+  int group_shift;  // log2 of the save group size
+  int segments;     // ceil(cols / 512)
+  int strands;  // blocks per segment
   uint8_t* gate_saved;
   float* gate_scales;
   uint8_t* up_saved;
@@ -451,35 +919,64 @@ struct SiluMulStatsArgs {
   float* y_amax;
 };
 
-// Blocks of 32 chunks x 8 rows; a warp is 32 consecutive chunks of one row, so the group_size / 8 lanes of
-// a quantization group are always in one warp. Rows are strided over gridDim.y.
-__global__ void __launch_bounds__(256) silu_mul_stats_kernel(SiluMulStatsArgs a) {
-  const int col = (blockIdx.x * kWarpSize + threadIdx.x) * kChunk;
-  const int count = chunk_count(col, a.cols);
-  const int ngroups = (a.cols + a.group_size - 1) / a.group_size;
-  float smooth[kChunk];
-  if (a.smooth_scale != nullptr) {
-    load_chunk(a.smooth_scale, COAT_FLOAT32, col, count, a.vector, smooth);
-  } else {
+template <class Io>
+struct SiluMulStatsInputs {
+  typename Io::Raw gate[kUnitChunks], up[kUnitChunks];
+};
+
+// Each warp walks its rows with the next row's gate and up in flight; a quantization group (G <= 128
+// columns, 16 per lane) never spans two warps.
+template <class Io>
+__global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(SiluMulStatsArgs a) {
+  __shared__ typename SiluOfGates<Io>::Table silu_table;
+  const Io io{a.dtype};
+  const SegmentLane at = segment_lane(a.segments, a.strands);
+  const int ngroups = ((a.cols - 1) >> a.group_shift) + 1;
+  const int lanes_per_group = (1 << a.group_shift) / kUnit;
+  const auto load_row = [&](int64_t row) {
+    SiluMulStatsInputs<Io> in;
+    const void* gate_row = row_at(a.gate, io.element_size(), row, a.gate_row_stride);
+    const void* up_row = row_at(a.up, io.element_size(), row, a.up_row_stride);
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) smooth[e] = 1.0f;
-  }
+    for (int c = 0; c < kUnitChunks; ++c) {
+      const int col = at.col + c * kChunk, count = chunk_count(col, a.cols);
+      in.gate[c] = io.load(gate_row, col, count);
+      in.up[c] = io.load(up_row, col, count);
+    }
+    return in;
+  };
+
+  // The first row is in flight while the table is filled.
   float amax = 0.0f;
-  for (int64_t row = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row < a.rows;
-       row += static_cast<int64_t>(gridDim.y) * blockDim.y) {
-    float gate[kChunk], up[kChunk];
-    load_chunk(row_at(a.gate, a.dtype, row, a.gate_row_stride), a.dtype, col, count, a.vector, gate);
-    load_chunk(row_at(a.up, a.dtype, row, a.up_row_stride), a.dtype, col, count, a.vector, up);
-    save_chunk(gate, count, col, a.group_size / kChunk, a.group_size, a.gate_saved + row * a.cols,
-               a.gate_scales + row * ngroups, a.vector);
-    save_chunk(up, count, col, a.group_size / kChunk, a.group_size, a.up_saved + row * a.cols,
-               a.up_scales + row * ngroups, a.vector);
+  SiluMulStatsInputs<Io> next;
+  if (at.first_row < a.rows) next = load_row(at.first_row);
+  SiluOfGates<Io>::fill(silu_table);
+  for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {
+    const SiluMulStatsInputs<Io> current = next;
+    if (row + at.row_step < a.rows) next = load_row(row + at.row_step);
+    float gate[kUnitChunks][kChunk], up[kUnitChunks][kChunk];
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e)
-      if (e < count) amax = coat_amax_step(amax, coat_silu_mul(gate[e], up[e], smooth[e]));
+    for (int c = 0; c < kUnitChunks; ++c) {
+      io.unpack(current.gate[c], gate[c]);
+      io.unpack(current.up[c], up[c]);
+    }
+    save_chunks(gate, at.col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.gate_saved + row * a.cols,
+                a.gate_scales + row * ngroups);
+    save_chunks(up, at.col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.up_saved + row * a.cols,
+                a.up_scales + row * ngroups);
+    // Past the row gate and up are 0, and so is y.
+#pragma unroll
+    for (int c = 0; c < kUnitChunks; ++c) {
+      float silu[kChunk], smooth[kChunk];
+      SiluOfGates<Io>::chunk(silu_table, gate[c], silu);
+      load_smooth(a.smooth_scale, at.col + c * kChunk, chunk_count(at.col + c * kChunk, a.cols), Io::kVector,
+                  smooth);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, coat_silu_mul(silu[e], up[c][e], smooth[e]));
+    }
   }
   amax = warp_max(amax);
-  if (threadIdx.x == 0) atomic_max_nonnegative(a.y_amax, amax);
+  if (threadIdx.x % kWarpSize == 0) atomic_max_nonnegative(a.y_amax, amax);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -493,7 +990,7 @@ struct RmsnormBackwardArgs {
   int64_t row_stride;
   const uint8_t* x_saved;
   const float* x_saved_scales;
-  int group_size;
+  int group_shift;  // log2 of the save group size
   const float* rstd;
   const void* weight;
   coat_dtype weight_dtype;
@@ -503,102 +1000,117 @@ struct RmsnormBackwardArgs {
   float* workspace;
 };
 
-// What a lane keeps of a row between the two sweeps: xhat itself or, where registers are short (1024-thread
-// blocks have 64 per thread), the 8-bit codes and the scale, from which the second sweep recomputes it.
-template <bool kCompact>
-struct RowXhat {
-  float xhat[kChunksPerLane][kChunk];
-  __device__ __forceinline__ void keep(int k, Codes, float, const float chunk_xhat[kChunk]) {
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) xhat[k][e] = chunk_xhat[e];
-  }
-  __device__ __forceinline__ float at(int k, int e, int, float) const { return xhat[k][e]; }
-};
-
-template <>
-struct RowXhat<true> {
+// What a lane reads of one row: its chunks of dy and of the saved codes, their scales, and rstd.
+template <class Io>
+struct BackwardRow {
+  typename Io::Raw dy[kChunksPerLane];
   Codes codes[kChunksPerLane];
   float scales[kChunksPerLane];
-  __device__ __forceinline__ void keep(int k, Codes chunk_codes, float scale, const float*) {
-    codes[k] = chunk_codes;
-    scales[k] = scale;
-  }
-  __device__ __forceinline__ float at(int k, int e, int count, float rstd) const {
-    return e < count ? coat_rmsnorm_xhat(code_at(codes[k], e), scales[k], rstd) : 0.0f;
-  }
+  float rstd;
 };
 
-// A lane's dweight partial sums (kChunksPerLane x 8 columns) across the rows of its slice: in registers or,
-// again where registers are short, in a thread-private part of dynamic shared memory, laid out so that a
-// warp's accesses hit 32 different banks.
-template <bool kInShared>
-struct DweightPartials {
-  float values[kChunksPerLane][kChunk];
-  __device__ __forceinline__ float& at(int k, int e) { return values[k][e]; }
-};
+// Bytes of shared memory per thread for its dweight partial sums (kChunksPerLane x 8 floats).
+constexpr size_t kDweightBytesPerThread = sizeof(float) * kChunksPerLane * kChunk;
 
-template <>
-struct DweightPartials<true> {
-  float* mine;  // element (k, e) at mine[(k * kChunk + e) * blockDim.x]
-  __device__ __forceinline__ float& at(int k, int e) { return mine[(k * kChunk + e) * blockDim.x]; }
-};
+// Whether rmsnorm_backward_kernel stages the weight in shared memory: not beside the 128 KB of dweight
+// partials of 1024-thread blocks.
+template <int kMaxThreads>
+constexpr bool kBackwardWeightShared = kMaxThreads <= 512;
 
 template <int kMaxThreads>
-constexpr bool kRegistersShort = kMaxThreads > 512;
-
-template <int kMaxThreads>
-constexpr size_t kDweightSharedBytes =
-    kRegistersShort<kMaxThreads> ? sizeof(float) * kChunksPerLane * kChunk * kMaxThreads : 0;
+size_t backward_shared_bytes(int cols) {
+  return kDweightBytesPerThread * kMaxThreads + (kBackwardWeightShared<kMaxThreads> ? WeightPlanes::bytes(cols) : 0);
+}
 
 // L threads per slice of rows; each lane accumulates the dweight partial sums of its own columns across the
-// slice's rows and writes them to the slice's workspace row at the end. kVector: the 16-byte path only
-// (cols % 8 == 0, aligned rows), which keeps the hot variant free of the element-wise code and its registers.
-template <int kMaxThreads, bool kVector>
-__global__ void __launch_bounds__(kMaxThreads, 1) rmsnorm_backward_kernel(RmsnormBackwardArgs a) {
-  // Two buffers, alternating by row, so that a row's reads and the next row's writes never race.
-  __shared__ float warp_sums[2][kMaxThreads / kWarpSize];
-  extern __shared__ float shared_partials[];
-  const int lane = threadIdx.x % a.lanes;
-  const int64_t slice = static_cast<int64_t>(blockIdx.x) * (blockDim.x / a.lanes) + threadIdx.x / a.lanes;
-  const int chunks = (a.cols + kChunk - 1) / kChunk;
-  const int ngroups = (a.cols + a.group_size - 1) / a.group_size;
-  DweightPartials<kRegistersShort<kMaxThreads>> dweight;
-  if constexpr (kRegistersShort<kMaxThreads>) dweight.mine = shared_partials + threadIdx.x;
-#pragma unroll
-  for (int k = 0; k < kChunksPerLane; ++k)
-#pragma unroll
-    for (int e = 0; e < kChunk; ++e) dweight.at(k, e) = 0.0f;
+// slice's rows, in shared memory (float4 (k, half) of thread t at [(2 k + half) * blockDim.x + t], so that
+// a warp's accesses are conflict-free), and writes them to the slice's workspace row at the end. Rows are
+// walked with the next one in flight, except in 1024-thread blocks (64 registers per thread).
+// Blocks of rmsnorm_backward_kernel per SM to hold registers for: two 256-thread blocks (the slices' one wave)
+// when a row's inputs stay packed (16-bit dy), else one, which fp32 or element-wise dy needs to hold two rows
+// in registers without spilling (the slices then take two waves).
+template <int kMaxThreads, class Io>
+constexpr int kBackwardMinBlocks = kMaxThreads == 256 && sizeof(typename Io::Raw) == 16 ? 2 : 1;
 
-  for (int64_t i = 0; i < a.rows_per_slice; ++i) {  // the same trip count for every thread of the block
+template <int kMaxThreads, class Io>
+__global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, Io>))
+    rmsnorm_backward_kernel(RmsnormBackwardArgs a) {
+  constexpr bool kPrefetch = kMaxThreads <= 512;
+  __shared__ float warp_sums[2][kMaxThreads / kWarpSize];
+  extern __shared__ float4 dweight_partials[];  // backward_shared_bytes(cols): the partials, then the weight
+  const WeightPlanes weights{dweight_partials + kChunksPerLane * 2 * kMaxThreads, (a.cols + kChunk - 1) / kChunk};
+  // The weight of a chunk of the row.
+  const auto weight_of = [&](int col, int count, float w[kChunk]) {
+    if constexpr (kBackwardWeightShared<kMaxThreads>) weights.chunk(col, w);
+    else load_chunk(a.weight, a.weight_dtype, col, count, Io::kVector, w);
+  };
+  const Io io{a.dy_dtype};
+  const int lane = threadIdx.x % a.lanes;
+  const int64_t slice = static_cast<int64_t>(blockIdx.x) * (kMaxThreads / a.lanes) + threadIdx.x / a.lanes;
+  const int chunks = (a.cols + kChunk - 1) / kChunk;
+  const int ngroups = ((a.cols - 1) >> a.group_shift) + 1;
+  const auto partials_at = [&](int k, int half) -> float4& {
+    return dweight_partials[(2 * k + half) * kMaxThreads + threadIdx.x];
+  };
+#pragma unroll
+  for (int k = 0; k < kChunksPerLane; ++k) partials_at(k, 0) = partials_at(k, 1) = make_float4(0.f, 0.f, 0.f, 0.f);
+
+  const auto load_row = [&](int64_t i) {
     const int64_t row = slice * a.rows_per_slice + i;
     const bool active = slice < a.slices && row < a.rows;
     const int64_t safe_row = active ? row : 0;
-    const void* dy_row = row_at(a.dy, a.dy_dtype, safe_row, a.row_stride);
+    const void* dy_row = row_at(a.dy, io.element_size(), safe_row, a.row_stride);
     const uint8_t* codes_row = a.x_saved + safe_row * a.cols;
     const float* scales_row = a.x_saved_scales + safe_row * ngroups;
-    void* dx_row = row_at(a.dx, a.dy_dtype, safe_row, a.cols);
-    const float rstd = active ? a.rstd[row] : 0.0f;
-    // xhat stays in registers between the two sweeps; dy and weight are read again in the second (L1
-    // hits), which halves the registers the row needs.
-    RowXhat<kRegistersShort<kMaxThreads>> row_xhat;
+    BackwardRow<Io> in;
+#pragma unroll
+    for (int k = 0; k < kChunksPerLane; ++k) {
+      const int col = (lane + k * a.lanes) * kChunk;
+      const int count = active ? chunk_count(col, a.cols) : 0;
+      in.dy[k] = io.load(dy_row, col, count);
+      in.codes[k] = load_codes(codes_row + col, count, Io::kVector);
+      in.scales[k] = count > 0 ? scales_row[col >> a.group_shift] : 0.0f;
+    }
+    in.rstd = active ? a.rstd[row] : 0.0f;
+    return in;
+  };
+  // xhat of chunk k, as coat_rmsnorm_xhat gives it (codes past the row are 0: xhat is 0 there).
+  const auto xhat_of = [&](const BackwardRow<Io>& in, int k, float xhat[kChunk]) {
+    decode_e4m3(in.codes[k], xhat);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) xhat[e] = (xhat[e] * in.scales[k]) * in.rstd;
+  };
+
+  // The first row is in flight while the weight is staged.
+  BackwardRow<Io> next;
+  if constexpr (kPrefetch) next = load_row(0);
+  if constexpr (kBackwardWeightShared<kMaxThreads>) weights.stage(a.weight, a.weight_dtype, a.cols, Io::kVector);
+  for (int64_t i = 0; i < a.rows_per_slice; ++i) {  // the same trip count for every thread of the block
+    BackwardRow<Io> current;
+    if constexpr (kPrefetch) {
+      current = next;
+      if (i + 1 < a.rows_per_slice) next = load_row(i + 1);
+    } else {
+      current = load_row(i);
+    }
+    const int64_t row = slice * a.rows_per_slice + i;
+    const bool active = slice < a.slices && row < a.rows;
+    void* dx_row = row_at(a.dx, io.element_size(), active ? row : 0, a.cols);
+    // Chunks past the row add nothing; in a short chunk the terms past the row are +0 (as in the forward,
+    // adding them changes nothing).
     float partial = 0.0f;
 #pragma unroll
     for (int k = 0; k < kChunksPerLane; ++k) {
       if (k * a.lanes >= chunks) break;  // uniform over the block
       const int col = (lane + k * a.lanes) * kChunk;
       const int count = active ? chunk_count(col, a.cols) : 0;
+      if (count == 0) continue;
       float dy[kChunk], weight[kChunk], xhat[kChunk];
-      load_chunk(dy_row, a.dy_dtype, col, count, kVector, dy);
-      load_chunk(a.weight, a.weight_dtype, col, count, kVector, weight);
-      const Codes codes = load_codes(codes_row + col, count, kVector);
-      const float scale = count > 0 ? scales_row[col / a.group_size] : 0.0f;
-      // Terms past the row are +0 (as in the forward, adding them changes nothing).
+      io.unpack(current.dy[k], dy);
+      weight_of(col, count, weight);
+      xhat_of(current, k, xhat);
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) {
-        xhat[e] = e < count ? coat_rmsnorm_xhat(code_at(codes, e), scale, rstd) : 0.0f;
-        partial = partial + (dy[e] * weight[e]) * xhat[e];
-      }
-      row_xhat.keep(k, codes, scale, xhat);
+      for (int e = 0; e < kChunk; ++e) partial = partial + (dy[e] * weight[e]) * xhat[e];
     }
     const float mean_dot = coat_div_rn(row_sum(partial, a.lanes, warp_sums[i % 2]), static_cast<float>(a.cols));
 #pragma unroll
@@ -607,16 +1119,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) rmsnorm_backward_kernel(Rmsnor
       const int col = (lane + k * a.lanes) * kChunk;
       const int count = active ? chunk_count(col, a.cols) : 0;
       if (count == 0) continue;
-      float dy[kChunk], weight[kChunk], dx[kChunk];
-      load_chunk(dy_row, a.dy_dtype, col, count, kVector, dy);
-      load_chunk(a.weight, a.weight_dtype, col, count, kVector, weight);
+      float dy[kChunk], weight[kChunk], xhat[kChunk], dx[kChunk];
+      io.unpack(current.dy[k], dy);
+      weight_of(col, count, weight);
+      xhat_of(current, k, xhat);
+      float4& low = partials_at(k, 0);
+      float4& high = partials_at(k, 1);
+      float sums[kChunk] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) {
-        const float xhat = row_xhat.at(k, e, count, rstd);
-        dx[e] = coat_rmsnorm_dx(dy[e] * weight[e], xhat, mean_dot, rstd);
-        dweight.at(k, e) = dweight.at(k, e) + dy[e] * xhat;
+        dx[e] = coat_rmsnorm_dx(dy[e] * weight[e], xhat[e], mean_dot, current.rstd);
+        sums[e] = sums[e] + dy[e] * xhat[e];
       }
-      store_chunk(dx_row, a.dy_dtype, col, count, kVector, dx);
+      low = make_float4(sums[0], sums[1], sums[2], sums[3]);
+      high = make_float4(sums[4], sums[5], sums[6], sums[7]);
+      io.store(dx_row, col, count, dx);
     }
   }
   if (slice >= a.slices) return;
@@ -626,48 +1143,43 @@ __global__ void __launch_bounds__(kMaxThreads, 1) rmsnorm_backward_kernel(Rmsnor
     const int col = (lane + k * a.lanes) * kChunk;
     const int count = chunk_count(col, a.cols);
     if (count == 0) continue;
-    float partials[kChunk];
+    const float4 low = partials_at(k, 0), high = partials_at(k, 1);
+    const float sums[kChunk] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) partials[e] = dweight.at(k, e);
-    store_chunk(workspace_row, COAT_FLOAT32, col, count, kVector, partials);
+    for (int e = 0; e < kChunk; ++e)
+      if (e < count) workspace_row[col + e] = sums[e];
   }
 }
 
-template <int kMaxThreads, bool kVector>
-void launch_rmsnorm_backward(const RmsnormBackwardArgs& args, unsigned blocks, cudaStream_t stream) {
-  constexpr size_t shared_bytes = kDweightSharedBytes<kMaxThreads>;
-  if constexpr (shared_bytes > 0)
-    cudaFuncSetAttribute(rmsnorm_backward_kernel<kMaxThreads, kVector>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(shared_bytes));
-  rmsnorm_backward_kernel<kMaxThreads, kVector><<<blocks, kMaxThreads, shared_bytes, stream>>>(args);
-}
+// dweight[c] = the slices' partial sums in the documented order: phase p (warp p of the block) adds slices
+// p, p + 16, ... in increasing order, 16 loads at a time in flight, then the 16 phases are combined pairwise.
+constexpr int kFinishLoads = 16;
 
-template <int kMaxThreads>
-void launch_rmsnorm_backward(const RmsnormBackwardArgs& args, bool vector, unsigned blocks, cudaStream_t stream) {
-  if (vector)
-    launch_rmsnorm_backward<kMaxThreads, true>(args, blocks, stream);
-  else
-    launch_rmsnorm_backward<kMaxThreads, false>(args, blocks, stream);
-}
-
-// dweight[c] = the slices' partial sums in the documented order: phase p (threadIdx.y) adds slices
-// p, p + 16, ... in increasing order, then the 16 phases are combined pairwise.
 __global__ void __launch_bounds__(kWarpSize * COAT_DWEIGHT_PHASES)
     dweight_finish_kernel(const float* workspace, int64_t slices, int cols, float* dweight) {
   __shared__ float phase_sums[COAT_DWEIGHT_PHASES][kWarpSize + 1];
-  const int col = blockIdx.x * kWarpSize + threadIdx.x;
+  const int lane = threadIdx.x % kWarpSize, phase = threadIdx.x / kWarpSize;
+  const int col = blockIdx.x * kWarpSize + lane;
   float sum = 0.0f;
   if (col < cols) {
-#pragma unroll 4
-    for (int64_t slice = threadIdx.y; slice < slices; slice += COAT_DWEIGHT_PHASES)
-      sum = sum + workspace[slice * cols + col];
+    for (int64_t first = phase; first < slices; first += kFinishLoads * COAT_DWEIGHT_PHASES) {
+      float terms[kFinishLoads];
+#pragma unroll
+      for (int j = 0; j < kFinishLoads; ++j) {
+        const int64_t slice = first + j * COAT_DWEIGHT_PHASES;
+        terms[j] = slice < slices ? workspace[slice * cols + col] : 0.0f;
+      }
+      // A phase sum starts at +0 and is never -0, so adding the +0 of a slice past the end changes nothing.
+#pragma unroll
+      for (int j = 0; j < kFinishLoads; ++j) sum = sum + terms[j];
+    }
   }
-  phase_sums[threadIdx.y][threadIdx.x] = sum;
+  phase_sums[phase][lane] = sum;
   __syncthreads();
-  if (threadIdx.y != 0 || col >= cols) return;
+  if (phase != 0 || col >= cols) return;
   float phases[COAT_DWEIGHT_PHASES];
 #pragma unroll
-  for (int p = 0; p < COAT_DWEIGHT_PHASES; ++p) phases[p] = phase_sums[p][threadIdx.x];
+  for (int p = 0; p < COAT_DWEIGHT_PHASES; ++p) phases[p] = phase_sums[p][lane];
   dweight[col] = coat_canonical_nan(coat_combine_dweight_phases(phases));
 }
 
@@ -685,39 +1197,68 @@ struct SiluMulBackwardArgs {
   const uint8_t* up_saved;
   const float* up_scales;
   const float* smooth_scale;
-  int group_size;
-  bool vector;
+  int group_shift;  // log2 of the save group size
+  int segments;
+  int strands;
   void* dgate;
   void* dup;
 };
 
-// Blocks of 32 chunks x 8 rows, rows strided over gridDim.y, as silu_mul_stats_kernel.
-__global__ void __launch_bounds__(256) silu_mul_backward_kernel(SiluMulBackwardArgs a) {
-  const int col = (blockIdx.x * kWarpSize + threadIdx.x) * kChunk;
-  const int count = chunk_count(col, a.cols);
-  if (count == 0) return;
-  const int ngroups = (a.cols + a.group_size - 1) / a.group_size;
-  float smooth[kChunk];
-  if (a.smooth_scale != nullptr) {
-    load_chunk(a.smooth_scale, COAT_FLOAT32, col, count, a.vector, smooth);
-  } else {
+// A lane's 16 columns of one row: dy, the saved codes and their scales (G >= 16 and the lane's columns start
+// at a multiple of 16, so they share one group).
+template <class Io>
+struct SiluMulBackwardInputs {
+  typename Io::Raw dy[kUnitChunks];
+  Codes gate[kUnitChunks], up[kUnitChunks];
+  float gate_scale, up_scale;
+};
+
+template <class Io>
+__global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(SiluMulBackwardArgs a) {
+  const Io io{a.dy_dtype};
+  const SegmentLane at = segment_lane(a.segments, a.strands);
+  const int ngroups = ((a.cols - 1) >> a.group_shift) + 1;
+  const auto load_row = [&](int64_t row) {
+    SiluMulBackwardInputs<Io> in;
+    const void* dy_row = row_at(a.dy, io.element_size(), row, a.row_stride);
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) smooth[e] = 1.0f;
-  }
-  for (int64_t row = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; row < a.rows;
-       row += static_cast<int64_t>(gridDim.y) * blockDim.y) {
-    float dy[kChunk], dgate[kChunk], dup[kChunk];
-    load_chunk(row_at(a.dy, a.dy_dtype, row, a.row_stride), a.dy_dtype, col, count, a.vector, dy);
-    const Codes gate_codes = load_codes(a.gate_saved + row * a.cols + col, count, a.vector);
-    const Codes up_codes = load_codes(a.up_saved + row * a.cols + col, count, a.vector);
-    const float gate_scale = a.gate_scales[row * ngroups + col / a.group_size];
-    const float up_scale = a.up_scales[row * ngroups + col / a.group_size];
+    for (int c = 0; c < kUnitChunks; ++c) {
+      const int col = at.col + c * kChunk, count = chunk_count(col, a.cols);
+      in.dy[c] = io.load(dy_row, col, count);
+      in.gate[c] = load_codes(a.gate_saved + row * a.cols + col, count, Io::kVector);
+      in.up[c] = load_codes(a.up_saved + row * a.cols + col, count, Io::kVector);
+    }
+    const bool any = at.col < a.cols;
+    in.gate_scale = any ? a.gate_scales[row * ngroups + (at.col >> a.group_shift)] : 0.0f;
+    in.up_scale = any ? a.up_scales[row * ngroups + (at.col >> a.group_shift)] : 0.0f;
+    return in;
+  };
+
+  SiluMulBackwardInputs<Io> next;
+  if (at.first_row < a.rows) next = load_row(at.first_row);
+  for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {
+    const SiluMulBackwardInputs<Io> current = next;
+    if (row + at.row_step < a.rows) next = load_row(row + at.row_step);
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e)
-      coat_silu_mul_grads(dy[e], coat_e4m3_to_f32(code_at(gate_codes, e)) * gate_scale,
-                          coat_e4m3_to_f32(code_at(up_codes, e)) * up_scale, smooth[e], &dgate[e], &dup[e]);
-    store_chunk(row_at(a.dgate, a.dy_dtype, row, a.cols), a.dy_dtype, col, count, a.vector, dgate);
-    store_chunk(row_at(a.dup, a.dy_dtype, row, a.cols), a.dy_dtype, col, count, a.vector, dup);
+    for (int c = 0; c < kUnitChunks; ++c) {
+      const int col = at.col + c * kChunk, count = chunk_count(col, a.cols);
+      if (count == 0) continue;
+      float dy[kChunk], gate[kChunk], up[kChunk], s[kChunk], smooth[kChunk], dgate[kChunk], dup[kChunk];
+      io.unpack(current.dy[c], dy);
+      decode_e4m3(current.gate[c], gate);
+      decode_e4m3(current.up[c], up);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) {
+        gate[e] = gate[e] * current.gate_scale;
+        up[e] = up[e] * current.up_scale;
+      }
+      sigmoid_chunk(gate, s);
+      load_smooth(a.smooth_scale, col, count, Io::kVector, smooth);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) coat_silu_mul_grads(dy[e], gate[e], s[e], up[e], smooth[e], &dgate[e], &dup[e]);
+      io.store(row_at(a.dgate, io.element_size(), row, a.cols), col, count, dgate);
+      io.store(row_at(a.dup, io.element_size(), row, a.cols), col, count, dup);
+    }
   }
 }
 
@@ -735,25 +1276,96 @@ bool valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride)
          (x != nullptr || rows * cols == 0);
 }
 
-// Blocks along a grid dimension that is limited to 65535 (kernels stride over the rest).
-unsigned limited_blocks(int64_t items, int64_t per_block) {
-  const int64_t blocks = coat_ceil_div(items, per_block);
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > kMaxGridY ? kMaxGridY : blocks));
+// Calls launch(io) with VectorIo<dtype> when `vector`, else with ElementIo.
+template <class Launch>
+void with_io(coat_dtype dtype, bool vector, Launch&& launch) {
+  if (!vector) launch(ElementIo{dtype});
+  else if (dtype == COAT_FLOAT32) launch(VectorIo<COAT_FLOAT32>{dtype});
+  else if (dtype == COAT_BFLOAT16) launch(VectorIo<COAT_BFLOAT16>{dtype});
+  else launch(VectorIo<COAT_FLOAT16>{dtype});
 }
 
-// The second pass of both forward ops, on 64 x 64 tiles: row tiles over grid.x, column tiles over grid.y.
+// Blocks of kKernel, with shared_bytes of dynamic shared memory, resident at once on the current device (SMs x
+// blocks per SM; host queries only, no synchronisation; cached per device for the last shared size asked), or 0
+// if the queries fail. The persistent kernels launch no more than this. Allows kernels more than the default
+// 48 KB of dynamic shared memory first.
+template <auto kKernel>
+int64_t resident_blocks(int threads, size_t shared_bytes) {
+  constexpr int kMaxDevices = 64;
+  struct Entry {
+    size_t shared_bytes;
+    int blocks;
+  };
+  static Entry cached[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0) return 0;
+  if (device < kMaxDevices && cached[device].blocks > 0 && cached[device].shared_bytes == shared_bytes)
+    return cached[device].blocks;
+  if (shared_bytes > 48 * 1024 &&
+      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)) !=
+          cudaSuccess)
+    return 0;
+  int sms = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, shared_bytes) != cudaSuccess)
+    return 0;
+  const int blocks = sms * (per_sm > 0 ? per_sm : 1);
+  if (device < kMaxDevices) cached[device] = {shared_bytes, blocks};
+  return blocks;
+}
+
+// Blocks per column of work (segment or tile column) for a persistent grid of at most `resident` blocks
+// over `columns` columns of `row_items` items each: at least 1, at most row_items.
+int64_t strands_for(int64_t resident, int64_t columns, int64_t row_items) {
+  int64_t strands = resident / columns;
+  if (strands > row_items) strands = row_items;
+  return strands < 1 ? 1 : strands;
+}
+
+// The second pass of both forward ops (at least one block, which writes y_scale even for an empty tensor).
 template <class Op>
-void launch_apply_quantize(const Op& op, int64_t rows, int cols, bool vector, const float* y_amax,
-                           coat_fp8_format format, uint8_t* y, float* y_scale, uint8_t* y_t, cudaStream_t stream) {
-  const int64_t row_tiles = coat_ceil_div(rows, kTileRows);
-  // At least one block, which writes y_scale even for an empty tensor.
-  const dim3 grid(static_cast<unsigned>(row_tiles < 1 ? 1 : row_tiles), limited_blocks(cols, kTileCols));
-  apply_quantize_kernel<Op><<<grid, kTileThreads, 0, stream>>>(op, rows, cols, vector, y_amax, format, y, y_scale, y_t);
+coat_status launch_apply_quantize(const Op& op, int64_t rows, int cols, const float* y_amax, coat_fp8_format format,
+                                  uint8_t* y, float* y_scale, uint8_t* y_t, cudaStream_t stream) {
+  const int64_t resident = resident_blocks<apply_quantize_kernel<Op>>(kTileThreads, 0);
+  if (resident <= 0) return COAT_ERROR_CUDA;
+  const int64_t col_tiles = cols > 0 ? coat_ceil_div(cols, kTileCols) : 1;
+  const int64_t strands = strands_for(resident, col_tiles, coat_ceil_div(rows, kTileRows));
+  const unsigned blocks = static_cast<unsigned>(col_tiles * strands);
+  apply_quantize_kernel<Op><<<blocks, kTileThreads, 0, stream>>>(op, rows, cols, static_cast<int>(col_tiles), strands,
+                                                                  y_amax, format, y, y_scale, y_t);
+  return launch_status();
 }
 
-template <int kMaxThreads>
-void launch_rmsnorm_stats(const RmsnormStatsArgs& args, unsigned blocks, cudaStream_t stream) {
-  rmsnorm_stats_kernel<kMaxThreads><<<blocks, kMaxThreads, 0, stream>>>(args);
+template <int kMaxThreads, class Io>
+coat_status launch_rmsnorm_stats(RmsnormStatsArgs args, cudaStream_t stream) {
+  const size_t shared_bytes = WeightPlanes::bytes(args.cols);
+  const int64_t resident = resident_blocks<rmsnorm_stats_kernel<kMaxThreads, Io>>(kMaxThreads, shared_bytes);
+  if (resident <= 0) return COAT_ERROR_CUDA;
+  args.row_groups = coat_ceil_div(args.rows, kMaxThreads / args.lanes);
+  const unsigned blocks = static_cast<unsigned>(args.row_groups < resident ? args.row_groups : resident);
+  rmsnorm_stats_kernel<kMaxThreads, Io><<<blocks, kMaxThreads, shared_bytes, stream>>>(args);
+  return launch_status();
+}
+
+template <int kMaxThreads, class Io>
+void launch_rmsnorm_backward(const RmsnormBackwardArgs& args, cudaStream_t stream) {
+  const size_t shared_bytes = backward_shared_bytes<kMaxThreads>(args.cols);
+  if (shared_bytes > 48 * 1024)
+    cudaFuncSetAttribute(rmsnorm_backward_kernel<kMaxThreads, Io>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(shared_bytes));
+  const unsigned blocks = static_cast<unsigned>(coat_ceil_div(args.slices, kMaxThreads / args.lanes));
+  rmsnorm_backward_kernel<kMaxThreads, Io><<<blocks, kMaxThreads, shared_bytes, stream>>>(args);
+}
+
+// The SiLU*mul kernels' grid: segments of 512 columns times strands of 8-row blocks.
+template <auto kKernel>
+bool silu_mul_grid(int64_t rows, int cols, int* segments, int* strands, unsigned* blocks) {
+  const int64_t resident = resident_blocks<kKernel>(kElementwiseThreads, 0);
+  if (resident <= 0) return false;
+  *segments = static_cast<int>(coat_ceil_div(cols, kSegmentCols));
+  *strands = static_cast<int>(strands_for(resident, *segments, coat_ceil_div(rows, kElementwiseWarps)));
+  *blocks = static_cast<unsigned>(*segments * *strands);
+  return true;
 }
 
 }  // namespace
@@ -779,26 +1391,27 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
   args.weight = weight;
   args.weight_dtype = weight_dtype;
   args.eps = eps;
-  args.group_size = static_cast<int>(save_group_size);
+  args.group_shift = coat::device::ceil_log2(save_group_size);
   args.lanes = static_cast<int>(coat_rmsnorm_lanes(cols));
-  args.vector = cols % kChunk == 0 && rows_aligned16(x, x_dtype, row_stride) && aligned(weight, 16);
+  args.row_groups = 0;
   args.x_saved = x_saved;
   args.x_saved_scales = x_saved_scales;
   args.rstd = rstd;
   args.y_amax = y_amax;
-  if (rows > 0) {
-    const int threads = args.lanes > kRowBlockThreads ? args.lanes : kRowBlockThreads;
-    const unsigned blocks = static_cast<unsigned>(coat_ceil_div(rows, threads / args.lanes));
-    if (threads == kRowBlockThreads)
-      launch_rmsnorm_stats<kRowBlockThreads>(args, blocks, cuda_stream);
-    else if (threads == 512)
-      launch_rmsnorm_stats<512>(args, blocks, cuda_stream);
-    else
-      launch_rmsnorm_stats<1024>(args, blocks, cuda_stream);
-  }
-  const RmsnormApply op{x, x_dtype, row_stride, rstd, weight, weight_dtype};
-  launch_apply_quantize(op, rows, args.cols, args.vector, y_amax, y_format, y, y_scale, y_t, cuda_stream);
-  return launch_status();
+  const bool vector = cols % kChunk == 0 && rows_aligned16(x, x_dtype, row_stride) && aligned(weight, 16);
+  coat_status status = COAT_SUCCESS;
+  with_io(x_dtype, vector, [&](auto io) {
+    using Io = decltype(io);
+    if (rows > 0) {
+      if (args.lanes <= kRowBlockThreads) status = launch_rmsnorm_stats<kRowBlockThreads, Io>(args, cuda_stream);
+      else if (args.lanes == 512) status = launch_rmsnorm_stats<512, Io>(args, cuda_stream);
+      else status = launch_rmsnorm_stats<1024, Io>(args, cuda_stream);
+    }
+    if (status != COAT_SUCCESS) return;
+    const RmsnormApply<Io> op{io, x, row_stride, rstd, weight, weight_dtype};
+    status = launch_apply_quantize(op, rows, args.cols, y_amax, y_format, y, y_scale, y_t, cuda_stream);
+  });
+  return status;
 }
 
 coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
@@ -820,7 +1433,7 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
   args.row_stride = row_stride;
   args.x_saved = x_saved;
   args.x_saved_scales = x_saved_scales;
-  args.group_size = static_cast<int>(save_group_size);
+  args.group_shift = coat::device::ceil_log2(save_group_size);
   args.rstd = rstd;
   args.weight = weight;
   args.weight_dtype = weight_dtype;
@@ -830,22 +1443,19 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
   args.dx = dx;
   args.workspace = workspace;
   if (rows > 0) {
-    // dx and the workspace are contiguous (16-byte aligned rows when cols % 8 == 0); codes move 8 bytes at
-    // a time.
+    // dx is contiguous (16-byte aligned rows when cols % 8 == 0); codes move 8 bytes at a time.
     const bool vector = cols % kChunk == 0 && rows_aligned16(dy, dy_dtype, row_stride) && aligned(weight, 16) &&
-                        aligned(dx, 16) && aligned(workspace, 16) && aligned(x_saved, 8);
-    const int threads = args.lanes > kRowBlockThreads ? args.lanes : kRowBlockThreads;
-    const unsigned blocks = static_cast<unsigned>(coat_ceil_div(args.slices, threads / args.lanes));
-    if (threads == kRowBlockThreads)
-      launch_rmsnorm_backward<kRowBlockThreads>(args, vector, blocks, cuda_stream);
-    else if (threads == 512)
-      launch_rmsnorm_backward<512>(args, vector, blocks, cuda_stream);
-    else
-      launch_rmsnorm_backward<1024>(args, vector, blocks, cuda_stream);
+                        aligned(dx, 16) && aligned(x_saved, 8);
+    with_io(dy_dtype, vector, [&](auto io) {
+      using Io = decltype(io);
+      if (args.lanes <= kRowBlockThreads) launch_rmsnorm_backward<kRowBlockThreads, Io>(args, cuda_stream);
+      else if (args.lanes == 512) launch_rmsnorm_backward<512, Io>(args, cuda_stream);
+      else launch_rmsnorm_backward<1024, Io>(args, cuda_stream);
+    });
   }
-  const dim3 finish_block(kWarpSize, COAT_DWEIGHT_PHASES);
-  dweight_finish_kernel<<<static_cast<unsigned>(coat_ceil_div(cols, kWarpSize)), finish_block, 0, cuda_stream>>>(
-      workspace, args.slices, args.cols, dweight);
+  const unsigned finish_blocks = static_cast<unsigned>(coat_ceil_div(cols, kWarpSize));
+  dweight_finish_kernel<<<finish_blocks, kWarpSize * COAT_DWEIGHT_PHASES, 0, cuda_stream>>>(workspace, args.slices,
+                                                                                            args.cols, dweight);
   return launch_status();
 }
 
@@ -869,23 +1479,32 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
   args.gate_row_stride = gate_row_stride;
   args.up_row_stride = up_row_stride;
   args.smooth_scale = smooth_scale;
-  args.group_size = static_cast<int>(save_group_size);
-  args.vector = cols % kChunk == 0 && rows_aligned16(gate, dtype, gate_row_stride) &&
-                rows_aligned16(up, dtype, up_row_stride) && (smooth_scale == nullptr || aligned(smooth_scale, 16));
+  args.group_shift = coat::device::ceil_log2(save_group_size);
   args.gate_saved = gate_saved;
   args.gate_scales = gate_scales;
   args.up_saved = up_saved;
   args.up_scales = up_scales;
   args.y_amax = y_amax;
-  if (rows > 0 && cols > 0) {
-    // Whole quantization groups per row, so that a group never spans two warps.
-    const int64_t chunks_per_row = coat_ceil_div(cols, save_group_size) * (save_group_size / kChunk);
-    const dim3 grid(static_cast<unsigned>(coat_ceil_div(chunks_per_row, kWarpSize)), limited_blocks(rows, 8));
-    silu_mul_stats_kernel<<<grid, dim3(kWarpSize, 8), 0, cuda_stream>>>(args);
-  }
-  const SiluMulApply op{gate, up, dtype, gate_row_stride, up_row_stride, smooth_scale};
-  launch_apply_quantize(op, rows, args.cols, args.vector, y_amax, y_format, y, y_scale, y_t, cuda_stream);
-  return launch_status();
+  // The saved codes move 8 bytes at a time: rows of cols % 8 == 0 codes keep them 8-byte aligned.
+  const bool vector = cols % kChunk == 0 && rows_aligned16(gate, dtype, gate_row_stride) &&
+                      rows_aligned16(up, dtype, up_row_stride) &&
+                      (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(gate_saved, 8) &&
+                      aligned(up_saved, 8);
+  coat_status status = COAT_SUCCESS;
+  with_io(dtype, vector, [&](auto io) {
+    using Io = decltype(io);
+    if (rows > 0 && cols > 0) {
+      unsigned blocks = 0;
+      if (!silu_mul_grid<silu_mul_stats_kernel<Io>>(rows, args.cols, &args.segments, &args.strands, &blocks)) {
+        status = COAT_ERROR_CUDA;
+        return;
+      }
+      silu_mul_stats_kernel<Io><<<blocks, kElementwiseThreads, 0, cuda_stream>>>(args);
+    }
+    const SiluMulApply<Io> op{io, gate, up, gate_row_stride, up_row_stride, smooth_scale};
+    status = launch_apply_quantize(op, rows, args.cols, y_amax, y_format, y, y_scale, y_t, cuda_stream);
+  });
+  return status;
 }
 
 coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
@@ -909,16 +1528,24 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
   args.up_saved = up_saved;
   args.up_scales = up_scales;
   args.smooth_scale = smooth_scale;
-  args.group_size = static_cast<int>(save_group_size);
-  args.vector = cols % kChunk == 0 && rows_aligned16(dy, dy_dtype, row_stride) &&
-                (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(dgate, 16) && aligned(dup, 16) &&
-                aligned(gate_saved, 8) && aligned(up_saved, 8);
+  args.group_shift = coat::device::ceil_log2(save_group_size);
   args.dgate = dgate;
   args.dup = dup;
-  const int64_t chunks_per_row = coat_ceil_div(cols, kChunk);
-  const dim3 grid(static_cast<unsigned>(coat_ceil_div(chunks_per_row, kWarpSize)), limited_blocks(rows, 8));
-  silu_mul_backward_kernel<<<grid, dim3(kWarpSize, 8), 0, reinterpret_cast<cudaStream_t>(stream)>>>(args);
-  return launch_status();
+  const bool vector = cols % kChunk == 0 && rows_aligned16(dy, dy_dtype, row_stride) &&
+                      (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(dgate, 16) &&
+                      aligned(dup, 16) && aligned(gate_saved, 8) && aligned(up_saved, 8);
+  coat_status status = COAT_SUCCESS;
+  with_io(dy_dtype, vector, [&](auto io) {
+    using Io = decltype(io);
+    unsigned blocks = 0;
+    if (!silu_mul_grid<silu_mul_backward_kernel<Io>>(rows, args.cols, &args.segments, &args.strands, &blocks)) {
+      status = COAT_ERROR_CUDA;
+      return;
+    }
+    silu_mul_backward_kernel<Io><<<blocks, kElementwiseThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(args);
+    status = launch_status();
+  });
+  return status;
 }
 
 }  // extern "C"

@@ -1,8 +1,12 @@
-// CPU emulation of the CUDA features csrc/cuda/adamw.cu uses, for tools/cuda_emulation/run.sh: one std::thread
-// per CUDA thread, blocks one after another, barriers for __syncthreads, __syncwarp, warp shuffles and votes (which abort when
-// the warp has diverged), __shared__ as a static shared by the block's threads. The kernel's inline assembly lives
-// in adamw_fast_math.cuh, which this directory replaces by a CPU model. emu_sms and emu_blocks_per_sm set what the
-// occupancy queries answer, and so the persistent grid's size.
+// CPU emulation of the CUDA features csrc/cuda/adamw.cu, norm_act.cu and rope.cu use, for
+// tools/cuda_emulation/run.sh: one std::thread per CUDA thread, blocks one after another, barriers for
+// __syncthreads, __syncwarp, warp shuffles and votes (which abort when the warp has diverged), __shared__ as a
+// static shared by the block's threads, dynamic shared memory as a per-block buffer filled with 0xFF bytes (NaN
+// as floats, so that a read before a write shows) and followed by a 64 KB guard of the same bytes (reads past
+// the end give NaN; writes there abort). adamw.cu's inline assembly lives in adamw_fast_math.cuh, which this
+// directory replaces by a CPU model; norm_act.cu guards its asm by __CUDA_ARCH__ or uses it only as an
+// optimisation barrier (a no-op here). emu_sms and emu_blocks_per_sm set what the occupancy queries answer,
+// and so the persistent grids' sizes.
 #pragma once
 #include <stdint.h>
 #include <math.h>
@@ -10,6 +14,7 @@
 #include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <atomic>
 #include <barrier>
 #include <thread>
 #include <vector>
@@ -27,6 +32,7 @@ inline float2 make_float2(float a, float b) { return {a, b}; }
 typedef struct CUstream_st* cudaStream_t;
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidConfiguration = 9 };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 
 inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 gridDim, blockDim;
@@ -40,6 +46,7 @@ inline dim3 gridDim, blockDim;
 #define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
 #define __restrict__
+#define asm(...) ((void)0)
 
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
@@ -53,6 +60,9 @@ struct EmuBlock {
   int masks[64][32];
 };
 inline EmuBlock* emu_block = nullptr;
+inline std::vector<float4> emu_dynamic_shared_memory;
+constexpr size_t kEmuSharedGuard = 65536;
+inline void* emu_dynamic_shared() { return emu_dynamic_shared_memory.data(); }
 inline cudaError_t emu_error = cudaSuccess;
 inline long emu_launches = 0;
 int emu_sms = 2, emu_blocks_per_sm = 1;  // one translation unit includes this header
@@ -111,13 +121,22 @@ inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline unsigned atomicMax(unsigned* address, unsigned value) {
+  std::atomic_ref<unsigned> target(*address);
+  unsigned old = target.load();
+  while (old < value && !target.compare_exchange_weak(old, value)) {}
+  return old;
+}
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) { memset(p, value, bytes); return cudaSuccess; }
+template <class K> cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) { return cudaSuccess; }
 inline cudaError_t cudaPeekAtLastError() { return emu_error; }
 inline cudaError_t cudaGetDevice(int* d) { *d = emu_sms; return cudaSuccess; }  // a "device" per SM count: the launcher caches per device
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) { *v = emu_sms; return cudaSuccess; }
 template <class K> cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, K, int, size_t) { *n = emu_blocks_per_sm; return cudaSuccess; }
 
 template <class F>
-void emu_launch(dim3 grid, dim3 block, F&& body) {
+void emu_launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, F&& body) {
   ++emu_launches;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 2147483647u || grid.y > 65535 || block.x > 1024) {
     fprintf(stderr, "bad launch config %u %u %u\n", grid.x, grid.y, grid.z);
@@ -126,6 +145,9 @@ void emu_launch(dim3 grid, dim3 block, F&& body) {
   }
   gridDim = grid; blockDim = block;
   for (unsigned bx = 0; bx < grid.x; ++bx) {
+    const size_t requested = (dynamic_shared_bytes + sizeof(float4) - 1) / sizeof(float4);
+    emu_dynamic_shared_memory.assign(requested + kEmuSharedGuard / sizeof(float4), float4{});
+    memset(emu_dynamic_shared_memory.data(), 0xFF, emu_dynamic_shared_memory.size() * sizeof(float4));
     EmuBlock ctx;
     ctx.block = std::make_unique<std::barrier<>>(block.x);
     for (unsigned w = 0; w < (block.x + 31) / 32; ++w) ctx.warps.push_back(std::make_unique<std::barrier<>>(32));
@@ -135,5 +157,8 @@ void emu_launch(dim3 grid, dim3 block, F&& body) {
       threads.emplace_back([&, t, bx] { threadIdx = dim3(t); blockIdx = dim3(bx); body(); });
     for (auto& th : threads) th.join();
     emu_block = nullptr;
+    const unsigned char* guard = reinterpret_cast<const unsigned char*>(emu_dynamic_shared_memory.data() + requested);
+    for (size_t i = 0; i < kEmuSharedGuard; ++i)
+      if (guard[i] != 0xFF) { fprintf(stderr, "dynamic shared memory written past its size\n"); abort(); }
   }
 }

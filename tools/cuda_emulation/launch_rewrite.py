@@ -1,5 +1,7 @@
 """Rewrites every CUDA launch `kernel<<<grid, block, smem, stream>>>(args);` of a .cu file into
-`emu_launch(grid, block, [&]() { kernel(args); });`, which cuda_runtime.h here runs on CPU threads.
+`emu_launch(grid, block, smem, [&]() { kernel(args); });`, which cuda_runtime.h here runs on CPU threads, and
+every dynamic shared-memory declaration `extern __shared__ T name[];` into a pointer to the launch's
+dynamic shared memory.
 
     python3 launch_rewrite.py IN.cu OUT.cpp
 """
@@ -26,7 +28,9 @@ def rewrite_launches(source: str) -> str:
         # The kernel name starts after the statement boundary before the launch.
         statement_start = max(source.rfind(c, 0, chevrons) for c in ";{}") + 1
         config_end = source.index(">>>", chevrons)
-        grid, block = (part.strip() for part in source[chevrons + 3 : config_end].split(",")[:2])
+        config = [part.strip() for part in source[chevrons + 3 : config_end].split(",")]
+        grid, block = config[:2]
+        shared_bytes = config[2] if len(config) > 2 else "0"
         arguments_open = config_end + 3
         assert source[arguments_open] == "(", "a launch's arguments follow >>> directly"
         arguments_close = matching_parenthesis(source, arguments_open)
@@ -35,14 +39,19 @@ def rewrite_launches(source: str) -> str:
         indent = re.match(r"\s*", kernel).group(0)
         arguments = source[arguments_open + 1 : arguments_close]
         pieces.append(source[position:statement_start])
-        pieces.append(f"{indent}emu_launch({grid}, {block}, [&]() {{ {kernel.strip()}({arguments}); }});")
+        pieces.append(f"{indent}emu_launch({grid}, {block}, {shared_bytes}, [&]() {{ {kernel.strip()}({arguments}); }});")
         position = arguments_close + 2
     pieces.append(source[position:])
     return "".join(pieces)
 
 
+def rewrite_dynamic_shared(source: str) -> str:
+    return re.sub(r"extern __shared__ (\w+) (\w+)\[\];",
+                  r"\1* const \2 = static_cast<\1*>(emu_dynamic_shared());", source)
+
+
 if __name__ == "__main__":
     with open(sys.argv[1]) as source_file:
-        rewritten = rewrite_launches(source_file.read())
+        rewritten = rewrite_dynamic_shared(rewrite_launches(source_file.read()))
     with open(sys.argv[2], "w") as output_file:
         output_file.write(rewritten)

@@ -1,35 +1,52 @@
 #!/bin/bash
-# Runs csrc/cuda/adamw.cu's kernels on the CPU (one std::thread per CUDA thread, cuda_runtime.h here) and checks
-# them (test_emulated_kernels.cpp says how): quantize_expanded and dequantize_expanded against the C core bit for
-# bit; fp8_adamw_step against the C core and a float64 oracle within tests/test_adamw_ops.py's tolerance, for
-# determinism and for independence of layout, over shapes, dtypes, formats, group sizes, misaligned tensors,
-# NaN / Inf / zero / subnormal gradients and multi-tensor launches. The step kernel's hardware approximations
-# (csrc/cuda/adamw_fast_math.cuh) are replaced by adamw_fast_math.cuh here: exact values moved by pseudo-random
-# errors up to the PTX ISA's bounds. It checks the kernels' logic (tiles, lanes, shuffles, votes, fast and
-# general paths) and their tolerance at the documented error bounds, not the GPU's own bits.
-# Then csrc/cuda/rope.cu (test_emulated_rope.cpp) against the C core bit for bit, built as a program of its own:
-# cuda_runtime.h is included by one translation unit.
-#   tools/cuda_emulation/run.sh [quick]
+# Runs coat's CUDA kernels on the CPU (one std::thread per CUDA thread, cuda_runtime.h here) and checks them
+# against the C core:
+#   adamw (test_emulated_kernels.cpp says how): quantize_expanded and dequantize_expanded bit for bit;
+#     fp8_adamw_step against the C core and a float64 oracle within tests/test_adamw_ops.py's tolerance, for
+#     determinism and for independence of layout, over shapes, dtypes, formats, group sizes, misaligned tensors,
+#     NaN / Inf / zero / subnormal gradients and multi-tensor launches. The step kernel's hardware
+#     approximations (csrc/cuda/adamw_fast_math.cuh) are replaced by adamw_fast_math.cuh here: exact values
+#     moved by pseudo-random errors up to the PTX ISA's bounds.
+#   norm_act: every output of rmsnorm_quantize / rmsnorm_backward / silu_mul_quantize / silu_mul_backward bit
+#     for bit (see test_emulated_norm_act.cpp), and the fast sigmoid against coat_sigmoid (on every float it
+#     accepts with `full`, about a minute on two cores). The few hardware instructions it uses on sm_80+ (FP8
+#     and bf16 conversions, MUFU.RCP in rcp.rn's own sequence) are replaced by the C core's functions they equal.
+#   rope: rotary_embedding forward and inverse bit for bit (test_emulated_rope.cpp).
+# It checks the kernels' logic (tiles, lanes, shuffles, votes, fast and general paths, prefetching), not the
+# GPU's own arithmetic.
+#   tools/cuda_emulation/run.sh [quick|full] [adamw|norm_act|rope]
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
+mode=${1:-default}
+only=${2:-}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-python3 "$here/launch_rewrite.py" "$root/csrc/cuda/adamw.cu" "$out/adamw_emulated.cpp"
-gcc -std=c99 -O2 -ffp-contract=off -c -I"$root/csrc/include" "$root/csrc/cpu/adamw.c" -o "$out/cpu_adamw.o"
-gcc -std=c99 -O2 -ffp-contract=off -c -I"$root/csrc/include" "$root/csrc/cpu/quantize.c" -o "$out/cpu_quantize.o"
-gcc -std=c99 -O2 -c -I"$root/csrc/include" "$root/csrc/common.c" -o "$out/common.o"
-g++ -std=c++20 -O2 -ffp-contract=off -fno-strict-aliasing -Wall -Wno-unused-function -Wno-unknown-pragmas \
-    -I"$here" -I"$root/csrc/include" -c "$out/adamw_emulated.cpp" -o "$out/emulated.o"
-g++ -std=c++20 -O2 -ffp-contract=off -I"$root/csrc/include" -c "$here/test_emulated_kernels.cpp" -o "$out/test.o"
-g++ "$out"/*.o -o "$out/test_emulated_kernels" -lpthread
-"$out/test_emulated_kernels" "$@"
-
-mkdir "$out/rope"
-python3 "$here/launch_rewrite.py" "$root/csrc/cuda/rope.cu" "$out/rope/rope_emulated.cpp"
-gcc -std=c99 -O2 -ffp-contract=off -c -I"$root/csrc/include" "$root/csrc/cpu/rope.c" -o "$out/rope/cpu_rope.o"
-g++ -std=c++20 -O2 -ffp-contract=off -fno-strict-aliasing -Wall -Wno-unused-function -Wno-unknown-pragmas \
-    -I"$here" -I"$root/csrc/include" -I"$root/csrc/cuda" -c "$out/rope/rope_emulated.cpp" -o "$out/rope/emulated.o"
-g++ -std=c++20 -O2 -ffp-contract=off -I"$root/csrc/include" -c "$here/test_emulated_rope.cpp" -o "$out/rope/test.o"
-g++ "$out"/rope/*.o "$out/common.o" -o "$out/rope/test_emulated_rope" -lpthread
-"$out/rope/test_emulated_rope"
+cflags="-std=c99 -O2 -ffp-contract=off -I$root/csrc/include"
+cxxflags="-std=c++20 -O2 -ffp-contract=off -fno-strict-aliasing -Wall -Wno-unused-function -Wno-unknown-pragmas -I$here -I$root/csrc/include -I$root/csrc/cuda"
+gcc $cflags -c "$root/csrc/cpu/quantize.c" -o "$out/cpu_quantize.o"
+gcc $cflags -c "$root/csrc/common.c" -o "$out/common.o"
+if [ -z "$only" ] || [ "$only" = adamw ]; then
+  python3 "$here/launch_rewrite.py" "$root/csrc/cuda/adamw.cu" "$out/adamw_emulated.cpp"
+  gcc $cflags -c "$root/csrc/cpu/adamw.c" -o "$out/cpu_adamw.o"
+  g++ $cxxflags -c "$out/adamw_emulated.cpp" -o "$out/adamw_emulated.o"
+  g++ -std=c++20 -O2 -ffp-contract=off -I"$root/csrc/include" -c "$here/test_emulated_kernels.cpp" -o "$out/adamw_test.o"
+  g++ "$out/adamw_emulated.o" "$out/adamw_test.o" "$out/cpu_adamw.o" "$out/cpu_quantize.o" "$out/common.o" \
+      -o "$out/test_emulated_adamw" -lpthread
+  if [ "$mode" = quick ]; then "$out/test_emulated_adamw" quick; else "$out/test_emulated_adamw"; fi
+fi
+if [ -z "$only" ] || [ "$only" = norm_act ]; then
+  python3 "$here/launch_rewrite.py" "$root/csrc/cuda/norm_act.cu" "$out/norm_act_emulated.cpp"
+  gcc $cflags -c "$root/csrc/cpu/norm_act.c" -o "$out/cpu_norm_act.o"
+  g++ $cxxflags -I"$out" -c "$here/test_emulated_norm_act.cpp" -o "$out/norm_act_test.o"
+  g++ "$out/norm_act_test.o" "$out/cpu_norm_act.o" "$out/cpu_quantize.o" "$out/common.o" -o "$out/test_emulated_norm_act" -lpthread
+  "$out/test_emulated_norm_act" "$mode"
+fi
+if [ -z "$only" ] || [ "$only" = rope ]; then
+  python3 "$here/launch_rewrite.py" "$root/csrc/cuda/rope.cu" "$out/rope_emulated.cpp"
+  gcc $cflags -c "$root/csrc/cpu/rope.c" -o "$out/cpu_rope.o"
+  g++ $cxxflags -c "$out/rope_emulated.cpp" -o "$out/rope_emulated.o"
+  g++ -std=c++20 -O2 -ffp-contract=off -I"$root/csrc/include" -c "$here/test_emulated_rope.cpp" -o "$out/rope_test.o"
+  g++ "$out/rope_emulated.o" "$out/rope_test.o" "$out/cpu_rope.o" "$out/common.o" -o "$out/test_emulated_rope" -lpthread
+  "$out/test_emulated_rope"
+fi

@@ -111,9 +111,9 @@ COAT_INLINE float coat_rmsnorm_rstd(float sum_sq, int64_t cols, float eps) {
   return coat_div_rn(1.0f, coat_sqrt_rn(coat_div_rn(sum_sq, (float)cols) + eps));
 }
 
-COAT_INLINE float coat_rmsnorm_apply(float x, float rstd, float weight) {
-  return coat_canonical_nan((x * rstd) * weight);
-}
+/** y = (x * rstd) * weight. A NaN result is made canonical (coat_canonical_nan) where it is quantized, the
+ *  one place its sign would show; the amax ignores it. */
+COAT_INLINE float coat_rmsnorm_apply(float x, float rstd, float weight) { return (x * rstd) * weight; }
 
 /** Backward of RMSNorm, per element: the normalized saved input, decoded as coat_dequantize does. */
 COAT_INLINE float coat_rmsnorm_xhat(uint8_t code, float scale, float rstd) {
@@ -128,18 +128,12 @@ COAT_INLINE float coat_rmsnorm_dx(float g, float xhat, float mean_dot, float rst
 /* ------------------------------------------------------------------------------------------------ */
 /* SiLU                                                                                               */
 
-/** e^x from + - * and exact scalings only, so that the C and CUDA results are the same bits (libm expf
- *  and CUDA's expf differ in the last place). Cephes' expf: x = n ln2 + r with |r| <= ln2/2 (ln2 split in
- *  two so that n * ln2_hi is exact), a degree-7 polynomial for e^r, then two exact power-of-two scalings
- *  (2^n is split so that subnormal results are rounded once). Error below 1 ulp for normal results
- *  (tests/test_norm_act.py measures it); +Inf above 88.72, +0 below -103.28, NaN for NaN. */
-COAT_INLINE float coat_exp(float x) {
-  if (x != x) return x;
-  if (x > 88.72283905206835f) return coat_f32_from_bits(0x7F800000u);
-  if (x < -103.278929903431851103f) return 0.0f;
-  const float n = floorf(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
+/** The core of coat_exp for a finite x: x = n ln2 + r with |r| <= ln2/2 (ln2 split in two so that n * ln2_hi
+ *  is exact), and p = e^r from a degree-7 polynomial; e^x = p * 2^n. Returns p, and n in *n. */
+COAT_INLINE float coat_exp_reduced(float x, float* n) {
+  *n = floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - *n * 0.693359375f;
+  r = r - *n * -2.12194440e-4f;
   const float r2 = r * r;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -147,25 +141,39 @@ COAT_INLINE float coat_exp(float x) {
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r2 + r + 1.0f;
+  return p * r2 + r + 1.0f;
+}
+
+/** e^x from + - * and exact scalings only, so that the C and CUDA results are the same bits (libm expf
+ *  and CUDA's expf differ in the last place). Cephes' expf: coat_exp_reduced, then two exact power-of-two
+ *  scalings (2^n is split so that subnormal results are rounded once). Error below 1 ulp for normal results
+ *  (tests/test_norm_act.py measures it); +Inf above 88.72, +0 below -103.28, NaN for NaN. */
+COAT_INLINE float coat_exp(float x) {
+  if (x != x) return x;
+  if (x > 88.72283905206835f) return coat_f32_from_bits(0x7F800000u);
+  if (x < -103.278929903431851103f) return 0.0f;
+  float n;
+  const float p = coat_exp_reduced(x, &n);
   const int exponent = (int)n;                 /* in [-150, 128] */
   const int first = exponent / 2, second = exponent - first; /* each in [-75, 64]: 2^k is a normal float */
-  p = p * coat_f32_from_bits((uint32_t)(first + 127) << 23);
-  return p * coat_f32_from_bits((uint32_t)(second + 127) << 23);
+  return (p * coat_f32_from_bits((uint32_t)(first + 127) << 23)) * coat_f32_from_bits((uint32_t)(second + 127) << 23);
 }
 
 /** sigmoid(g) = 1 / (1 + e^-g): 0 for g < -88.7 (and -Inf), 1 for g > 16.6. */
 COAT_INLINE float coat_sigmoid(float g) { return coat_div_rn(1.0f, 1.0f + coat_exp(-g)); }
 
-/** y = (silu(g) * up) * smooth, with silu(g) = g * sigmoid(g), so silu(-Inf) = -Inf * 0 = NaN as in
- *  PyTorch. smooth is the Smooth-SwiGLU channel scale, 1 without one (multiplying by 1 is exact). */
-COAT_INLINE float coat_silu_mul(float gate, float up, float smooth) {
-  return coat_canonical_nan(((gate * coat_sigmoid(gate)) * up) * smooth);
-}
+/** silu(g) = g * sigmoid(g), given sigmoid_gate = coat_sigmoid(gate); silu(-Inf) = -Inf * 0 = NaN as in
+ *  PyTorch. */
+COAT_INLINE float coat_silu(float gate, float sigmoid_gate) { return gate * sigmoid_gate; }
 
-/** Gradients of coat_silu_mul at (gate, up) for the output gradient dy (see coat_silu_mul_backward_cpu). */
-COAT_INLINE void coat_silu_mul_grads(float dy, float gate, float up, float smooth, float* dgate, float* dup) {
-  const float s = coat_sigmoid(gate);
+/** y = (silu * up) * smooth, silu = coat_silu(gate, ...). smooth is the Smooth-SwiGLU channel scale, 1
+ *  without one (multiplying by 1 is exact). A NaN result is made canonical where it is quantized. */
+COAT_INLINE float coat_silu_mul(float silu, float up, float smooth) { return (silu * up) * smooth; }
+
+/** Gradients of coat_silu_mul at (gate, up) for the output gradient dy (see coat_silu_mul_backward_cpu);
+ *  s = coat_sigmoid(gate). */
+COAT_INLINE void coat_silu_mul_grads(float dy, float gate, float s, float up, float smooth, float* dgate,
+                                     float* dup) {
   const float dy_s = dy * smooth;
   *dup = dy_s * (gate * s);
   *dgate = (dy_s * up) * (s * (1.0f + gate * (1.0f - s)));

@@ -39,14 +39,19 @@ COAT_INLINE float coat_scale_from_amax(float amax, coat_fp8_format format) {
   return fmaxf(amax / coat_fp8_max(format), COAT_MIN_SCALE);
 }
 
+/* Scales from which coat_divide_by_scale's CUDA fast path gives every FP8 code right (see there). */
+#define COAT_MIN_FAST_DIVISION_SCALE 0x1p-80f
+
 /* x / scale rounded to nearest even, given reciprocal = 1 / scale (rounded to nearest, once per group).
  * C divides. CUDA runs the fast path of its own IEEE division without the slow-path check and branch:
- * q = RN(x * reciprocal) corrected once with the exact residual x - q * scale (one FMA), which is the
- * correctly rounded quotient whenever it is a normal number (Markstein). A quotient below 2^-126 encodes
- * to FP8 zero however it rounds. Where x or scale is not finite the residual is NaN and the product is
- * what the division gives (+-Inf, +-0, or NaN). */
+ * q = RN(x * reciprocal) corrected once with the residual x - q * scale (one FMA), which is the correctly
+ * rounded quotient whenever the residual is exact (Markstein), i.e. for |x| >= 2^-103. Smaller x are
+ * quotients below 2^-20, which encode to FP8 zero however they round, as long as scale >= 2^-80; smaller
+ * scales (groups whose amax is below about 2^-71) divide. Where x or scale is not finite the residual is
+ * NaN and the product is what the division gives (+-Inf, +-0, or NaN). */
 COAT_INLINE float coat_divide_by_scale(float x, float scale, float reciprocal) {
 #ifdef __CUDA_ARCH__
+  if (scale < COAT_MIN_FAST_DIVISION_SCALE) return __fdiv_rn(x, scale);
   const float q = __fmul_rn(x, reciprocal);
   const float corrected = __fmaf_rn(__fmaf_rn(-q, scale, x), reciprocal, q);
   return isfinite(corrected) ? corrected : q;

@@ -1,0 +1,338 @@
+// Runs csrc/cuda/norm_act.cu's kernels under the CPU emulation (cuda_runtime.h here) and compares every output
+// with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward and backward, over row
+// widths of every lane count, odd widths and misaligned views (the element-wise path), row strides, the
+// three dtypes, every save group size, both FP8 formats, with and without the transpose, NaN / Inf / zero /
+// subnormal / huge inputs and gates past the fast sigmoid's range, on 1 to 3 emulated SMs (so that the
+// persistent kernels walk several rows or tiles per block and their prefetch paths run). It also checks
+// the fast sigmoid against coat_sigmoid and the save scale against coat_scale_from_amax on every float they
+// take (`full`) or on a sample, and the fast quotient's codes on random values. Built and run by run.sh,
+// which generates norm_act_emulated.cpp from the .cu file.
+#include "norm_act_emulated.cpp"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "coat/norm_act.h"
+
+extern int emu_sms;  // cuda_runtime.h: the emulated GPU's SM count
+
+namespace {
+
+std::mt19937_64 rng(2026);
+int failures = 0;
+#define CHECK(cond, ...)                                      \
+  do {                                                        \
+    if (!(cond)) {                                            \
+      ++failures;                                             \
+      if (failures < 40) {                                    \
+        printf("FAIL %s:%d: ", __FILE__, __LINE__);           \
+        printf(__VA_ARGS__);                                  \
+        printf("\n");                                         \
+      }                                                       \
+    }                                                         \
+  } while (0)
+
+float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+double uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng); }
+double normal() { return std::normal_distribution<double>(0.0, 1.0)(rng); }
+
+// Which special values a generated tensor holds.
+enum Specials { kPlain = 0, kSpecial = 1, kFarGates = 2 };
+
+float value(int specials, double scale) {
+  const double r = uniform();
+  if (specials & kSpecial) {
+    if (r < 0.002) return NAN;
+    if (r < 0.004) return INFINITY;
+    if (r < 0.005) return -INFINITY;
+    if (r < 0.015) return u2f(static_cast<uint32_t>(rng() & 0x807FFFFFu));  // subnormal
+    if (r < 0.02) return (r < 0.0175 ? 1 : -1) * 3.0e38f;
+  }
+  if (specials & kFarGates) {  // around the fast sigmoid's bound, coat_exp's range ends, the bf16 table's edges
+    static const float edges[] = {0x1p-24f, 0x1.fep-25f, 255.0f, 256.0f, 1e-30f, 1e-39f};
+    if (r < 0.01) return static_cast<float>(-80.0 + 2 * uniform() - 1);
+    if (r < 0.02) return static_cast<float>(-88.0 - 16 * uniform());
+    if (r < 0.025) return static_cast<float>(80.0 + 30 * uniform());
+    if (r < 0.03) return (rng() & 1 ? -1 : 1) * edges[rng() % (sizeof edges / sizeof edges[0])];
+  }
+  if (r < 0.03) return 0.0f;
+  if (r < 0.035) return -0.0f;
+  return static_cast<float>(normal() * exp(normal()) * scale);
+}
+
+size_t bytes_of(coat_dtype dtype) { return dtype == COAT_FLOAT32 ? 4 : 2; }
+
+void put(void* data, coat_dtype dtype, int64_t i, float v) {
+  if (dtype == COAT_FLOAT32) {
+    memcpy(static_cast<char*>(data) + 4 * i, &v, 4);
+  } else {
+    uint16_t h = dtype == COAT_BFLOAT16 ? coat_f32_to_bf16(v) : coat_f32_to_f16(v);
+    if (v != v && (rng() & 1)) h |= 0x8000;  // negative NaNs too: saved inputs keep the sign
+    memcpy(static_cast<char*>(data) + 2 * i, &h, 2);
+  }
+}
+
+// A rows x cols matrix with rows row_stride elements apart, starting offset elements into its buffer
+// (offset 1 misaligns it), values of per-row magnitudes.
+struct Matrix {
+  std::vector<uint8_t> buffer;
+  void* data;
+  int64_t rows, cols, row_stride;
+  coat_dtype dtype;
+};
+
+Matrix make_matrix(int64_t rows, int64_t cols, int64_t row_stride, int offset, coat_dtype dtype, int specials) {
+  Matrix m;
+  m.buffer.assign((rows * row_stride + offset + 16) * bytes_of(dtype) + 16, 0);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(m.buffer.data());
+  m.data = reinterpret_cast<void*>(((base + 15) & ~uintptr_t{15}) + offset * bytes_of(dtype));
+  m.rows = rows, m.cols = cols, m.row_stride = row_stride, m.dtype = dtype;
+  for (int64_t r = 0; r < rows; ++r) {
+    // With specials, one row in 8 is tiny: its groups' scales are below 2^-80, where encodes divide.
+    const double scale = ldexp(1.0, (specials & kSpecial) && rng() % 8 == 0 ? -118 : static_cast<int>(rng() % 13) - 6);
+    for (int64_t c = 0; c < row_stride; ++c) put(m.data, dtype, r * row_stride + c, value(specials, scale));
+  }
+  return m;
+}
+
+// Bytes compared exactly (fp32 NaNs included: every NaN output is canonical).
+template <class T>
+bool same(const std::vector<T>& a, const std::vector<T>& b, const char* what, const char* name) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (memcmp(&a[i], &b[i], sizeof(T)) != 0) {
+      CHECK(false, "%s: %s differs at %zu of %zu", name, what, i, a.size());
+      return false;
+    }
+  }
+  return true;
+}
+
+const char* dtype_name(coat_dtype d) { return d == COAT_FLOAT32 ? "f32" : d == COAT_BFLOAT16 ? "bf16" : "f16"; }
+
+// RMSNorm forward and backward, C core against the emulated kernels.
+void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, coat_dtype x_dtype, coat_dtype w_dtype,
+                  int64_t group, coat_fp8_format format, bool transpose, int specials, float eps) {
+  char name[160];
+  snprintf(name, sizeof name, "rmsnorm %lldx%lld stride %lld +%d %s/%s G%lld %s%s%s eps %g sms %d",
+           (long long)rows, (long long)cols, (long long)row_stride, offset, dtype_name(x_dtype), dtype_name(w_dtype),
+           (long long)group, format == COAT_E4M3 ? "e4m3" : "e5m2", transpose ? " T" : "", specials ? " specials" : "",
+           eps, emu_sms);
+  const Matrix x = make_matrix(rows, cols, row_stride, offset, x_dtype, specials);
+  const Matrix weight = make_matrix(1, cols, cols, 0, w_dtype, specials & kSpecial ? kSpecial : kPlain);
+  const int64_t n = rows * cols, ngroups = (cols + group - 1) / group;
+  struct Out {
+    std::vector<uint8_t> y, y_t, saved;
+    std::vector<float> y_scale, scales, rstd, y_amax;
+  } out[2];
+  for (Out& o : out) {
+    o.y.assign(n, 0xAB), o.y_t.assign(transpose ? n : 0, 0xAB), o.saved.assign(n, 0xAB);
+    o.y_scale.assign(1, -1.0f), o.scales.assign(rows * ngroups, -1.0f), o.rstd.assign(rows, -1.0f), o.y_amax.assign(1, -1.0f);
+  }
+  const coat_status cpu = coat_rmsnorm_quantize_cpu(
+      x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, eps, group, format, out[0].y.data(),
+      out[0].y_scale.data(), transpose ? out[0].y_t.data() : nullptr, out[0].saved.data(), out[0].scales.data(),
+      out[0].rstd.data(), out[0].y_amax.data());
+  const coat_status gpu = coat_rmsnorm_quantize_cuda(
+      x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, eps, group, format, out[1].y.data(),
+      out[1].y_scale.data(), transpose ? out[1].y_t.data() : nullptr, out[1].saved.data(), out[1].scales.data(),
+      out[1].rstd.data(), out[1].y_amax.data(), nullptr);
+  CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
+  same(out[0].y, out[1].y, "y", name);
+  same(out[0].y_t, out[1].y_t, "y_t", name);
+  same(out[0].saved, out[1].saved, "x_saved", name);
+  same(out[0].y_scale, out[1].y_scale, "y_scale", name);
+  same(out[0].scales, out[1].scales, "x_saved_scales", name);
+  same(out[0].rstd, out[1].rstd, "rstd", name);
+  same(out[0].y_amax, out[1].y_amax, "y_amax", name);
+
+  // Backward from the saved input, with a dy of the same layout.
+  const Matrix dy = make_matrix(rows, cols, row_stride, offset, x_dtype, specials & kSpecial ? kSpecial : kPlain);
+  struct Grads {
+    std::vector<uint8_t> dx;
+    std::vector<float> dweight, workspace;
+  } grads[2];
+  for (Grads& g : grads) {
+    g.dx.assign(n * bytes_of(x_dtype), 0xAB);
+    g.dweight.assign(cols, -1.0f);
+    g.workspace.assign(coat_rmsnorm_backward_workspace_size(rows, cols) + 1, -1.0f);
+  }
+  const coat_status cpu_b = coat_rmsnorm_backward_cpu(dy.data, x_dtype, rows, cols, row_stride, out[0].saved.data(),
+                                                      out[0].scales.data(), group, out[0].rstd.data(), weight.data,
+                                                      w_dtype, grads[0].dx.data(), grads[0].dweight.data(),
+                                                      grads[0].workspace.data());
+  const coat_status gpu_b = coat_rmsnorm_backward_cuda(dy.data, x_dtype, rows, cols, row_stride, out[0].saved.data(),
+                                                       out[0].scales.data(), group, out[0].rstd.data(), weight.data,
+                                                       w_dtype, grads[1].dx.data(), grads[1].dweight.data(),
+                                                       grads[1].workspace.data(), nullptr);
+  CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s backward: status %d %d", name, cpu_b, gpu_b);
+  same(grads[0].dx, grads[1].dx, "dx", name);
+  same(grads[0].dweight, grads[1].dweight, "dweight", name);
+}
+
+// SiLU*mul forward and backward. gate and up are the two halves of one [rows, 2 cols + pad] matrix (row-strided
+// views, as from one GEMM), or separate matrices when `fused` is false.
+void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype, bool fused, bool smooth, int64_t group,
+               coat_fp8_format format, bool transpose, int specials) {
+  char name[160];
+  snprintf(name, sizeof name, "silu %lldx%lld pad %d +%d %s %s%s G%lld %s%s%s sms %d", (long long)rows,
+           (long long)cols, pad, offset, dtype_name(dtype), fused ? "fused" : "separate", smooth ? " smooth" : "",
+           (long long)group, format == COAT_E4M3 ? "e4m3" : "e5m2", transpose ? " T" : "", specials ? " specials" : "",
+           emu_sms);
+  const int64_t stride = fused ? 2 * cols + pad : cols + pad;
+  const Matrix first = make_matrix(rows, fused ? 2 * cols + pad : cols, stride, offset, dtype, specials | kFarGates);
+  const Matrix second = make_matrix(rows, cols, stride, offset, dtype, specials);
+  const void* gate = first.data;
+  const void* up = fused ? static_cast<const char*>(first.data) + cols * bytes_of(dtype) : second.data;
+  std::vector<float> smooth_scale(cols);
+  for (float& s : smooth_scale) s = static_cast<float>(exp(normal()));
+  const float* smooth_ptr = smooth ? smooth_scale.data() : nullptr;
+  const int64_t n = rows * cols, ngroups = (cols + group - 1) / group;
+  struct Out {
+    std::vector<uint8_t> y, y_t, gate_saved, up_saved;
+    std::vector<float> y_scale, gate_scales, up_scales, y_amax;
+  } out[2];
+  for (Out& o : out) {
+    o.y.assign(n, 0xAB), o.y_t.assign(transpose ? n : 0, 0xAB), o.gate_saved.assign(n, 0xAB), o.up_saved.assign(n, 0xAB);
+    o.y_scale.assign(1, -1.0f), o.gate_scales.assign(rows * ngroups, -1.0f), o.up_scales.assign(rows * ngroups, -1.0f);
+    o.y_amax.assign(1, -1.0f);
+  }
+  const coat_status cpu = coat_silu_mul_quantize_cpu(
+      gate, up, dtype, rows, cols, stride, stride, smooth_ptr, group, format, out[0].y.data(), out[0].y_scale.data(),
+      transpose ? out[0].y_t.data() : nullptr, out[0].gate_saved.data(), out[0].gate_scales.data(),
+      out[0].up_saved.data(), out[0].up_scales.data(), out[0].y_amax.data());
+  const coat_status gpu = coat_silu_mul_quantize_cuda(
+      gate, up, dtype, rows, cols, stride, stride, smooth_ptr, group, format, out[1].y.data(), out[1].y_scale.data(),
+      transpose ? out[1].y_t.data() : nullptr, out[1].gate_saved.data(), out[1].gate_scales.data(),
+      out[1].up_saved.data(), out[1].up_scales.data(), out[1].y_amax.data(), nullptr);
+  CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
+  same(out[0].y, out[1].y, "y", name);
+  same(out[0].y_t, out[1].y_t, "y_t", name);
+  same(out[0].gate_saved, out[1].gate_saved, "gate_saved", name);
+  same(out[0].up_saved, out[1].up_saved, "up_saved", name);
+  same(out[0].y_scale, out[1].y_scale, "y_scale", name);
+  same(out[0].gate_scales, out[1].gate_scales, "gate_scales", name);
+  same(out[0].up_scales, out[1].up_scales, "up_scales", name);
+  same(out[0].y_amax, out[1].y_amax, "y_amax", name);
+
+  const Matrix dy = make_matrix(rows, cols, stride, offset, dtype, specials);
+  std::vector<uint8_t> dgate[2], dup[2];
+  for (int k = 0; k < 2; ++k) dgate[k].assign(n * bytes_of(dtype), 0xAB), dup[k].assign(n * bytes_of(dtype), 0xAB);
+  const coat_status cpu_b =
+      coat_silu_mul_backward_cpu(dy.data, dtype, rows, cols, stride, out[0].gate_saved.data(), out[0].gate_scales.data(),
+                                 out[0].up_saved.data(), out[0].up_scales.data(), smooth_ptr, group, dgate[0].data(),
+                                 dup[0].data());
+  const coat_status gpu_b = coat_silu_mul_backward_cuda(
+      dy.data, dtype, rows, cols, stride, out[0].gate_saved.data(), out[0].gate_scales.data(), out[0].up_saved.data(),
+      out[0].up_scales.data(), smooth_ptr, group, dgate[1].data(), dup[1].data(), nullptr);
+  CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s backward: status %d %d", name, cpu_b, gpu_b);
+  same(dgate[0], dgate[1], "dgate", name);
+  same(dup[0], dup[1], "dup", name);
+}
+
+// sigmoid_near(g) == coat_sigmoid(g) for every float g >= -80 (every `step`-th bit pattern), on all cores.
+void check_sigmoid_near(uint32_t step) {
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<long> mismatches(threads, 0);
+  std::vector<uint32_t> first(threads, 0);
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (uint64_t bits = uint64_t{t} * step; bits <= 0xFFFFFFFFu; bits += uint64_t{threads} * step) {
+        const float g = u2f(static_cast<uint32_t>(bits));
+        if (!(g >= -80.0f)) continue;
+        if (f2u(sigmoid_near(g)) != f2u(coat_sigmoid(g)) && mismatches[t]++ == 0) first[t] = static_cast<uint32_t>(bits);
+      }
+    });
+  }
+  for (std::thread& th : pool) th.join();
+  long total = 0;
+  for (unsigned t = 0; t < threads; ++t) {
+    total += mismatches[t];
+    if (mismatches[t]) printf("  sigmoid_near differs at g = %a\n", u2f(first[t]));
+  }
+  CHECK(total == 0, "sigmoid_near != coat_sigmoid on %ld floats", total);
+  printf("sigmoid_near checked on every %u-th float >= -80: %ld mismatches\n", step, total);
+}
+
+// save_scale(amax) == coat_scale_from_amax(amax, COAT_E4M3) for every float amax in [0, Inf] (every `step`-th).
+void check_save_scale(uint32_t step) {
+  long mismatches = 0;
+  for (uint64_t bits = 0; bits <= 0x7F800000u; bits += step) {
+    const float amax = u2f(static_cast<uint32_t>(bits));
+    if (f2u(save_scale(amax)) != f2u(coat_scale_from_amax(amax, COAT_E4M3))) ++mismatches;
+  }
+  CHECK(mismatches == 0, "save_scale != coat_scale_from_amax on %ld floats", mismatches);
+  printf("save_scale checked on every %u-th amax in [0, Inf]: %ld mismatches\n", step, mismatches);
+}
+
+// The codes of quotient() against coat_quantize_value (the IEEE division) in both formats, for scales from
+// amax over the whole range down to COAT_MIN_FAST_DIVISION_SCALE and values whose quotients cover the FP8
+// range and below: the fast path of encode_chunk.
+void check_quotient(long samples) {
+  long mismatches = 0, checked = 0;
+  for (long i = 0; i < samples; ++i) {
+    const coat_fp8_format format = (i & 1) ? COAT_E5M2 : COAT_E4M3;
+    const float scale = coat_scale_from_amax(u2f(static_cast<uint32_t>(rng() % 0x7F000000u)), format);
+    if (scale < COAT_MIN_FAST_DIVISION_SCALE) continue;
+    const double m = ldexp(1.0 + uniform(), static_cast<int>(rng() % 60) - 44);
+    const float x = static_cast<float>((rng() & 1 ? -1 : 1) * scale * m);
+    if (!isfinite(x)) continue;
+    ++checked;
+    if (coat_f32_to_fp8(quotient(x, scale, 1.0f / scale), format) != coat_quantize_value(x, scale, format)) ++mismatches;
+  }
+  CHECK(mismatches == 0, "quotient's code != coat_quantize_value's on %ld of %ld samples", mismatches, checked);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool full = argc > 1 && strcmp(argv[1], "full") == 0;
+  const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+  check_sigmoid_near(full ? 1u : 4099u);
+  check_quotient(full ? 100000000L : 2000000L);
+  check_save_scale(full ? 1u : 997u);
+
+  const coat_dtype dtypes[] = {COAT_BFLOAT16, COAT_FLOAT32, COAT_FLOAT16};
+  const int64_t groups[] = {16, 32, 64, 128};
+  // (rows, cols): every lane count L = 32 ... 1024, odd widths, widths of a partial group, one row.
+  const int64_t rmsnorm_shapes[][2] = {{5, 64},   {67, 176}, {9, 1000}, {3, 7},     {4, 100},  {33, 1032},
+                                       {2, 4096}, {3, 8200}, {2, 16384}, {1, 20000}, {2, 32768}, {1, 8}};
+  int i = 0;
+  for (const auto& shape : rmsnorm_shapes) {
+    for (int variant = 0; variant < (quick ? 1 : 3); ++variant, ++i) {
+      emu_sms = 1 + i % 3;
+      const coat_dtype x_dtype = dtypes[(i + variant) % 3], w_dtype = dtypes[(i + 2 * variant + 1) % 3];
+      const int64_t stride = shape[1] + (variant == 1 ? 8 : 0);
+      const int offset = variant == 2 && shape[1] <= 4096 ? 1 : 0;
+      rmsnorm_case(shape[0], shape[1], stride, offset, x_dtype, w_dtype, groups[(i + variant) % 4],
+                   (i + variant) % 2 ? COAT_E5M2 : COAT_E4M3, variant != 1, variant == 0 ? kSpecial : kPlain,
+                   variant == 2 ? 0.0f : 1e-6f);
+    }
+  }
+  // Slices of several rows in the backward: 4 rows of one warp (L = 32), 2 rows of two warps (L = 64).
+  emu_sms = 1;
+  rmsnorm_case(3 * 2048 + 5, 64, 64, 0, COAT_BFLOAT16, COAT_BFLOAT16, 16, COAT_E4M3, true, kPlain, 1e-6f);
+  emu_sms = 2;
+  rmsnorm_case(1029, 2048, 2048, 0, COAT_BFLOAT16, COAT_FLOAT32, 32, COAT_E4M3, true, kSpecial, 1e-6f);
+
+  const int64_t silu_shapes[][2] = {{5, 64},   {37, 176}, {9, 1000}, {3, 7}, {4, 100},
+                                    {6, 1032}, {3, 2048}, {70, 16},  {1, 8}};
+  i = 0;
+  for (const auto& shape : silu_shapes) {
+    for (int variant = 0; variant < (quick ? 1 : 4); ++variant, ++i) {
+      emu_sms = 1 + i % 3;
+      silu_case(shape[0], shape[1], variant == 2 ? 8 : 0, variant == 3 ? 1 : 0, dtypes[(i + variant) % 3],
+                variant != 1, variant % 2 == 1, groups[(i + variant) % 4], (i + variant) % 2 ? COAT_E5M2 : COAT_E4M3,
+                variant != 2, variant == 0 ? kSpecial : kPlain);
+    }
+  }
+  printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
+  return failures != 0;
+}

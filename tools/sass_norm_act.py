@@ -1,0 +1,234 @@
+"""Instructions per element of the norm_act kernels' hot loops, counted in their SASS (no GPU needed).
+
+Compiles csrc/cuda/norm_act.cu with the build's nvcc flags, disassembles it with line information and, for
+each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its main loop with the walker of
+tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks,
+finite values, gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its
+transpose, H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each). Counts are dynamic for that path (each
+executed SASS instruction once, branches and barriers included), divided by the elements a lane handles
+per iteration. Also prints each kernel's registers, and the blocks per SM they allow.
+
+  python tools/sass_norm_act.py [--by-line KERNEL] [--arch sm_90]
+
+Needs nvcc, nvdisasm and cuobjdump (on the PATH, or in site-packages/nvidia/cu*/bin).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+import typing
+
+from sass_hot_path import NVCC_FLAGS, ROOT, Source, opcode, parse, tool, walk
+
+KERNEL = os.path.join(ROOT, "csrc", "cuda", "norm_act.cu")
+INCLUDE = os.path.join(ROOT, "csrc", "include", "coat")
+HEADERS = {name: os.path.join(INCLUDE, *path) for name, path in {
+    "norm_act_math.h": ("detail", "norm_act_math.h"),
+    "quantize_math.h": ("detail", "quantize_math.h"),
+    "fp8.h": ("fp8.h",),
+    "float_bits.h": ("float_bits.h",),
+}.items()}
+
+BF16 = "VectorIoIL10coat_dtype1E"
+# Every kernel walked runs blocks of 256 threads.
+BLOCK_THREADS = 256
+
+
+class Loop(typing.NamedTuple):
+    fragments: list[str]  # of the instance's mangled name
+    definition: str  # the kernel's (or, for the two second passes, the op's) definition, from where to look
+    statement: str  # the loop statement
+    body: str  # a statement of its body (the prefetch)
+    elements: int  # per lane and iteration
+
+
+APPLY_LOOP = ("for (int parity = 0; row_tile < row_tiles;",
+              "if (row_tile + row_strands < row_tiles) next = load_tile(row_tile + row_strands);", 16)
+SILU_LOOP = ("for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {",
+             "if (row + at.row_step < a.rows) next = load_row(row + at.row_step);", 16)
+KERNELS = {
+    "rmsnorm_stats": Loop(["rmsnorm_stats_kernelILi256E", BF16], "rmsnorm_stats_kernel(",
+                          "for (int64_t group = blockIdx.x; group < a.row_groups;",
+                          "if (group + gridDim.x < a.row_groups) next = load_row(group + gridDim.x);", 32),
+    "rmsnorm_apply": Loop(["apply_quantize_kernelINS_12RmsnormApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
+    "rmsnorm_backward": Loop(["rmsnorm_backward_kernelILi256E", BF16], "rmsnorm_backward_kernel(",
+                             "for (int64_t i = 0; i < a.rows_per_slice; ++i)",
+                             "if (i + 1 < a.rows_per_slice) next = load_row(i + 1);", 32),
+    "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16], "silu_mul_stats_kernel(", *SILU_LOOP),
+    "silu_mul_apply": Loop(["apply_quantize_kernelINS_12SiluMulApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
+    "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16], "silu_mul_backward_kernel(", *SILU_LOOP),
+}
+
+
+def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
+    """(cold source lines, branch rules) of the typical iteration of `kernel` described in the module
+    docstring."""
+    cold: set[str] = set()
+
+    def cold_lines(source: Source, first: str, last: str | None = None, after: int = 0):
+        a = source.find(first, after)
+        b = source.find(last, a - 1) if last else a
+        cold.update(f"{source.name}:{n}" for n in range(a, b + 1))
+
+    # the slow paths behind each chunk's test, and the element-by-element I/O
+    cold_lines(cu, "const uint32_t code = coat_quantize_value(kCanonicalNan")
+    cold_lines(cu, "for (int e = 0; e < kChunk; ++e) s[e] = coat_sigmoid(g[e]);")
+    cold_lines(cu, "p[0] = make_uint4(pack_16bit<kDtype>(v[0], v[1]), pack_16bit<kDtype>(v[2], v[3]),",
+               "pack_16bit<kDtype>(v[4], v[5]), pack_16bit<kDtype>(v[6], v[7]));")
+    cold_lines(cu, "for (int e = 0; e < kChunk; ++e) v[e] = e < count ? p[e] : 0.0f;")
+    cold_lines(cu, "const uint16_t h = e < count ? p[e] : 0;", "v[e] = dtype == COAT_BFLOAT16 ? coat_bf16_to_f32(h)")
+    cold_lines(cu, "if (e < 4) codes.lo |= static_cast<uint32_t>(src[e]) << (8 * e);",
+               "else codes.hi |= static_cast<uint32_t>(src[e]) << (8 * (e - 4));")
+    cold_lines(cu, "if (e < count) dst[e] = code_at(codes, e);")
+    math = headers["norm_act_math.h"]
+    cold_lines(math, "COAT_INLINE float coat_exp(float x) {",
+               "return (p * coat_f32_from_bits((uint32_t)(first + 127) << 23))")
+    cold_lines(math, "COAT_INLINE float coat_sigmoid(float g)")
+    quantize = headers["quantize_math.h"]
+    cold_lines(quantize, "COAT_INLINE float coat_divide_by_scale(", "return x / scale;")
+    cold_lines(quantize, "COAT_INLINE uint8_t coat_quantize_scaled(",
+               "return coat_quantize_scaled(x, scale, 1.0f / scale, format);")
+    fp8 = headers["fp8.h"]
+    cold_lines(fp8, "COAT_INLINE uint8_t coat_f32_to_e4m3(float f) {", "return (uint8_t)(sign | code);")
+    bits = headers["float_bits.h"]
+    cold_lines(bits, "COAT_INLINE uint16_t coat_f32_to_bf16(float f) {", "return (uint16_t)(u >> 16);")
+
+    def to(source: Source, snippet: str, after: int = 0) -> str:  # toward the first line holding snippet
+        return "to:" + source.key(snippet, after)
+
+
+    def key(line: int) -> str:
+        return f"{cu.name}:{line}"
+
+    def into(line: int) -> str:
+        """The way into what the statement on `line` guards: toward the lines of its block (`{` ... `}`), or,
+        for a statement without one (an early `continue`, a guarded statement), toward the rest of the block
+        it is in."""
+        depth, body = 1, []
+        for n in range(line + 1, len(cu.lines) + 1):
+            for char in cu.lines[n - 1].split("//")[0]:
+                depth += {"{": 1, "}": -1}.get(char, 0)
+                if depth == 0:  # the block's closing brace (an `else` after it is not the block)
+                    return "into:" + "|".join(key(n) for n in body)
+            body.append(n)
+        raise ValueError(f"no end to the block after line {line}")
+
+    def every(snippet: str) -> list[int]:
+        return [n for n, text in enumerate(cu.lines, 1) if snippet in text]
+
+    rules: dict[str, str] = {}
+    # L = 128: four whole chunks per lane and row in every loop over them; whole chunks of a row inside the
+    # matrix everywhere
+    for snippet in ("for (int k = 0; k < kChunksPerLane; ++k) {", "if (count == 0) continue;", "if (count > 0) {",
+                    "if (count > 0)"):
+        rules.update({key(line): into(line) for line in every(snippet)})
+    group_amax = Source(os.path.join(ROOT, "csrc", "cuda", "group_amax.cuh"))
+    load = to(cu, "for (int w = 0; w < kWords; ++w) raw.words[w] = count > 0 ? p[w]")
+    rules.update({
+        # G = 16: a group is two lanes of 8 elements in the RMSNorm kernels (one shuffle: the loop's guard and
+        # its back-edge fall through), one lane of 16 in the SiLU*mul kernels (the guard skips the loop)
+        group_amax.key("for (int mask = lanes >> 1; mask > 0; mask >>= 1)"):
+            "fallthrough" if kernel.startswith("rmsnorm") else "taken",
+        # bf16 gates in the silu table's range
+        cu.key("if (in_range) {"): into(cu.find("if (in_range) {")),
+        # E4M3 y
+        cu.key("codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"):
+            to(cu, "codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"),
+        # with y_t, rows % 4 == 0
+        cu.key("if (y_t != nullptr) {"): into(cu.find("if (y_t != nullptr) {")),
+        cu.key("if (y_t == nullptr) continue;"): to(cu, "__syncthreads();", cu.find("if (y_t == nullptr) continue;")),
+        cu.key("if (out_col >= cols || row >= rows) continue;"): "fallthrough",
+        cu.key("if (rows % 4 == 0) {"): into(cu.find("if (rows % 4 == 0) {")),
+        # (the compiler makes two versions of the loop over the 4 columns, word and byte stores)
+        cu.key("for (int j = 0; j < 4; ++j) {", cu.find("const int64_t row = row0 + 4 * row_quad;")): "text:STG.E desc",
+        # finite values: the fast encode
+        cu.key("if (finite) return codes_of_finite<kFormat>(q);"):
+            to(cu, "const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(q[4 * w + 2], q[4 * w + 3])"),
+        # a row inside the matrix; its save group's scale
+        cu.key("if (col >= valid_cols) return;"): to(cu, "const float scale = save_scale(amax);"),
+        cu.key("if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;"):
+            to(cu, "if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;"),
+        # L = 128: the row spans four warps
+        cu.key("if (lanes == kWarpSize) return partial;"): to(cu, "if (lane == 0) warp_sums[warp] = partial;"),
+        cu.key("if (lane == 0) warp_sums[warp] = partial;"): to(cu, "if (lane == 0) warp_sums[warp] = partial;"),
+        cu.key("float v = lane < warps_per_row ? warp_sums[(warp & -warps_per_row) + lane] : 0.0f;"): "fallthrough",
+        # the loop over the 4 warp sums: its guard, then its back-edge once
+        cu.key("for (int offset = warps_per_row / 2; offset > 0; offset >>= 1) v = v + __shfl_xor_sync("):
+            "seq:fallthrough,taken,fallthrough",
+        # per-column vectors (weight, smooth scale) in bf16, or none
+        cu.key("if (count == 0) {", cu.find("__device__ __forceinline__ void load_chunk(")):
+            to(cu, "const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) + offset);"),
+        cu.key("} else if (dtype == COAT_FLOAT32) {", cu.find("__device__ __forceinline__ void load_chunk(")):
+            to(cu, "const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) + offset);"),
+        cu.key("if (dtype == COAT_BFLOAT16) {", cu.find("__device__ __forceinline__ void unpack_16bit(")):
+            to(cu, "out[0] = __uint_as_float(pair << 16);"),
+        cu.key("if (smooth_scale != nullptr) {"):
+            "away:" + cu.key("load_chunk(smooth_scale, COAT_FLOAT32, col, count, vector, v);"),
+    })
+    # the next row or tile is loaded
+    for snippet in ("next = load_row(", "next = load_tile("):
+        rules.update({key(line): load for line in every(snippet)})
+    return cold, rules
+
+
+def registers(cubin: str) -> dict[str, int]:
+    listing = subprocess.run([tool("cuobjdump"), "-res-usage", cubin], check=True, capture_output=True,
+                             text=True).stdout
+    found, name = {}, None
+    for line in listing.splitlines():
+        m = re.search(r"Function (\S+):", line)
+        if m:
+            name = m.group(1)
+        m = re.search(r"REG:(\d+)", line)
+        if m and name:
+            found[name] = int(m.group(1))
+    return found
+
+
+def blocks_per_sm(regs: int) -> int:
+    """Blocks of BLOCK_THREADS that an SM's 64K registers hold (allocated per warp in units of 256)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(65536 // (per_warp * (BLOCK_THREADS // 32)), 2048 // BLOCK_THREADS)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cubin", help="a cubin of csrc/cuda/norm_act.cu (default: compile one)")
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--by-line", choices=sorted(KERNELS), help="instructions per source line of one kernel")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = args.cubin
+        if cubin is None:
+            cubin = os.path.join(tmp, "norm_act.cubin")
+            subprocess.run([tool("nvcc"), "-cubin", f"-arch={args.arch}", *NVCC_FLAGS,
+                            "-I" + os.path.join(ROOT, "csrc", "include"), KERNEL, "-o", cubin], check=True)
+        listing = subprocess.run([tool("nvdisasm"), "-g", "-gi", "-c", cubin], check=True, capture_output=True,
+                                 text=True).stdout
+        regs = registers(cubin)
+    functions = parse(listing)
+    cu = Source(KERNEL)
+    headers = {name: Source(path) for name, path in HEADERS.items()}
+    for name, loop in KERNELS.items():
+        mangled = next(k for k in functions if all(f in k for f in loop.fragments))
+        cold, rules = rules_for(cu, headers, name)
+        definition = cu.find(loop.definition)
+        path = walk(functions[mangled], cold, rules, cu.key(loop.statement, definition), cu.key(loop.body, definition))
+        ops = collections.Counter(opcode(i["text"]).split(".")[0] for i in path)
+        print(f"{name:18s} {len(path) / loop.elements:6.1f} instructions per element ({len(path)} per lane and "
+              f"iteration of {loop.elements}), {regs[mangled]} registers: {blocks_per_sm(regs[mangled])} blocks of "
+              f"{BLOCK_THREADS} per SM")
+        print("    " + " ".join(f"{o}:{n}" for o, n in ops.most_common()))
+        if args.by_line == name:
+            by_line = collections.Counter(next((l for f, l in reversed(i["chain"]) if f == cu.name), 0) for i in path)
+            for line, n in sorted(by_line.items()):
+                print(f"{n:6d}  {line:4d}  {cu.lines[line - 1].strip()[:90] if line else ''}")
+
+
+if __name__ == "__main__":
+    main()
