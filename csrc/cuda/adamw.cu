@@ -524,11 +524,13 @@ __device__ __forceinline__ LaneRanges group_ranges(LaneRanges lane, const GroupL
 // The decode formula of LaneDecoder for code i of a lane.
 template <bool kGeneral>
 __device__ __forceinline__ float decode_scaled(const Codes& codes, int i, const LaneDecoder& d) {
-  // the entry's address: the code's byte offset, code * sizeof(float2), by one shift and one LOP3 that also ORs in
-  // the table's address
+  // the entry's address: the table's address plus the code's byte offset, code * sizeof(float2). Added, not ORed
+  // in: the OR assumed a 2 KB-aligned shared address, which the declared alignment does not guarantee for the
+  // address in the shared window (sm_90 reserves the window's first 1 KB); with the OR, an H100 run gave
+  // parameters off by ~1e6 ulps from the second step on.
   const uint32_t word = codes.w[i / 4];
   const float2 entry =
-      load_shared_float2(((i % 4 == 0 ? word << 3 : word >> (8 * (i % 4) - 3)) & 0x7F8u) | d.table);
+      load_shared_float2(((i % 4 == 0 ? word << 3 : word >> (8 * (i % 4) - 3)) & 0x7F8u) + d.table);
   float power = approx_exp2_ftz(fmaf(entry.x, d.inverse_k, d.fraction));
   if (kGeneral) power *= d.tail;
   return (entry.y * d.head) * power;

@@ -97,7 +97,7 @@ __device__ __forceinline__ float round_to_bf16(float x) {
 }
 
 // The 32-bit shared-memory address of p, a pointer into a __shared__ variable; load_shared_float2 reads from
-// such an address (ORing a small offset into the address of an aligned table then costs no add).
+// such an address.
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -1285,10 +1285,20 @@ void with_io(coat_dtype dtype, bool vector, Launch&& launch) {
   else launch(VectorIo<COAT_FLOAT16>{dtype});
 }
 
+// Lets kKernel launch with dynamic_bytes of dynamic shared memory: past the 48 KB a block gets by default, which
+// its static shared memory counts against, a launch needs the kernel's opt-in. False if a query fails.
+template <auto kKernel>
+bool allow_dynamic_shared(size_t dynamic_bytes) {
+  cudaFuncAttributes attributes;
+  if (cudaFuncGetAttributes(&attributes, kKernel) != cudaSuccess) return false;
+  if (attributes.sharedSizeBytes + dynamic_bytes <= 48 * 1024) return true;
+  return cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(dynamic_bytes)) == cudaSuccess;
+}
+
 // Blocks of kKernel, with shared_bytes of dynamic shared memory, resident at once on the current device (SMs x
 // blocks per SM; host queries only, no synchronisation; cached per device for the last shared size asked), or 0
-// if the queries fail. The persistent kernels launch no more than this. Allows kernels more than the default
-// 48 KB of dynamic shared memory first.
+// if the queries fail. The persistent kernels launch no more than this.
 template <auto kKernel>
 int64_t resident_blocks(int threads, size_t shared_bytes) {
   constexpr int kMaxDevices = 64;
@@ -1301,10 +1311,7 @@ int64_t resident_blocks(int threads, size_t shared_bytes) {
   if (cudaGetDevice(&device) != cudaSuccess || device < 0) return 0;
   if (device < kMaxDevices && cached[device].blocks > 0 && cached[device].shared_bytes == shared_bytes)
     return cached[device].blocks;
-  if (shared_bytes > 48 * 1024 &&
-      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)) !=
-          cudaSuccess)
-    return 0;
+  if (!allow_dynamic_shared<kKernel>(shared_bytes)) return 0;
   int sms = 0, per_sm = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, shared_bytes) != cudaSuccess)
@@ -1348,13 +1355,12 @@ coat_status launch_rmsnorm_stats(RmsnormStatsArgs args, cudaStream_t stream) {
 }
 
 template <int kMaxThreads, class Io>
-void launch_rmsnorm_backward(const RmsnormBackwardArgs& args, cudaStream_t stream) {
+coat_status launch_rmsnorm_backward(const RmsnormBackwardArgs& args, cudaStream_t stream) {
   const size_t shared_bytes = backward_shared_bytes<kMaxThreads>(args.cols);
-  if (shared_bytes > 48 * 1024)
-    cudaFuncSetAttribute(rmsnorm_backward_kernel<kMaxThreads, Io>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(shared_bytes));
+  if (!allow_dynamic_shared<rmsnorm_backward_kernel<kMaxThreads, Io>>(shared_bytes)) return COAT_ERROR_CUDA;
   const unsigned blocks = static_cast<unsigned>(coat_ceil_div(args.slices, kMaxThreads / args.lanes));
   rmsnorm_backward_kernel<kMaxThreads, Io><<<blocks, kMaxThreads, shared_bytes, stream>>>(args);
+  return launch_status();
 }
 
 // The SiLU*mul kernels' grid: segments of 512 columns times strands of 8-row blocks.
@@ -1446,12 +1452,14 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
     // dx is contiguous (16-byte aligned rows when cols % 8 == 0); codes move 8 bytes at a time.
     const bool vector = cols % kChunk == 0 && rows_aligned16(dy, dy_dtype, row_stride) && aligned(weight, 16) &&
                         aligned(dx, 16) && aligned(x_saved, 8);
+    coat_status status = COAT_SUCCESS;
     with_io(dy_dtype, vector, [&](auto io) {
       using Io = decltype(io);
-      if (args.lanes <= kRowBlockThreads) launch_rmsnorm_backward<kRowBlockThreads, Io>(args, cuda_stream);
-      else if (args.lanes == 512) launch_rmsnorm_backward<512, Io>(args, cuda_stream);
-      else launch_rmsnorm_backward<1024, Io>(args, cuda_stream);
+      if (args.lanes <= kRowBlockThreads) status = launch_rmsnorm_backward<kRowBlockThreads, Io>(args, cuda_stream);
+      else if (args.lanes == 512) status = launch_rmsnorm_backward<512, Io>(args, cuda_stream);
+      else status = launch_rmsnorm_backward<1024, Io>(args, cuda_stream);
     });
+    if (status != COAT_SUCCESS) return status;
   }
   const unsigned finish_blocks = static_cast<unsigned>(coat_ceil_div(cols, kWarpSize));
   dweight_finish_kernel<<<finish_blocks, kWarpSize * COAT_DWEIGHT_PHASES, 0, cuda_stream>>>(workspace, args.slices,

@@ -130,6 +130,13 @@ inline unsigned atomicMax(unsigned* address, unsigned value) {
 }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) { memset(p, value, bytes); return cudaSuccess; }
 template <class K> cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) { return cudaSuccess; }
+struct cudaFuncAttributes {
+  size_t sharedSizeBytes;
+};
+template <class K> cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attributes, K) {
+  attributes->sharedSizeBytes = 0;  // static shared memory lives in the emulated block's statics
+  return cudaSuccess;
+}
 inline cudaError_t cudaPeekAtLastError() { return emu_error; }
 inline cudaError_t cudaGetDevice(int* d) { *d = emu_sms; return cudaSuccess; }  // a "device" per SM count: the launcher caches per device
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) { *v = emu_sms; return cudaSuccess; }
