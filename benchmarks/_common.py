@@ -26,6 +26,15 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def compile_for_fixed_shapes(fn):
+    """torch.compile as a user training at one shape gets it: static shapes. The compile caches are cleared
+    first, so that shapes and variants compiled earlier in the run neither turn this compile dynamic
+    (torch.compile recompiles with dynamic shapes once it meets a second shape of the same code) nor fill its
+    recompile limit (past which it runs the code eagerly)."""
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
 def time_cuda_ms(fn, warmup: int, repeat: int) -> float:
     """Median milliseconds of fn() on the current CUDA stream, timed with CUDA events, after warm-up."""
     for _ in range(warmup):

@@ -122,6 +122,9 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
 
         convert_to_float8_training(model, module_filter_fn=lambda module, name: name != "lm_head")
     if variant.endswith("compiled"):
+        # Each build compiles afresh. Only the batch dimension changes within a build (the largest-batch search),
+        # so torch.compile's automatic dynamic shapes cost little here, unlike across layer.py's settings.
+        torch._dynamo.reset()
         for layer in model.model.layers:
             layer.compile()
     if mesh is not None:

@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 import coat
 
-from _common import kernel_profile, parser, print_table, time_ms, write_results
+from _common import compile_for_fixed_shapes, kernel_profile, parser, print_table, time_ms, write_results
 
 BATCH = 4
 SETTINGS = [(2048, 2048), (2048, 4096), (4096, 2048), (4096, 4096)]  # (hidden, sequence length)
@@ -61,22 +61,18 @@ def torchao_float8(layer: nn.Module) -> nn.Module | str:
     return convert_to_float8_training(layer)
 
 
-def build_variants(stock: nn.Module, names: list[str]) -> dict:
-    """name -> a module to time, or a string saying why that variant is missing."""
-    built = {}
-    for name in names:
-        if name == BASELINE:
-            built[name] = stock
-        elif name == "BF16 compiled":
-            built[name] = torch.compile(copy.deepcopy(stock))
-        elif name == PEER:
-            layer = torchao_float8(copy.deepcopy(stock))
-            built[name] = layer if isinstance(layer, str) else torch.compile(layer)
-        elif name == "coat eager":
-            built[name] = coat.convert(nn.ModuleList([copy.deepcopy(stock)]))[0]
-        elif name == "coat compiled":
-            built[name] = torch.compile(coat.convert(nn.ModuleList([copy.deepcopy(stock)]))[0])
-    return built
+def build_variant(stock: nn.Module, name: str):
+    """The module to time for one variant, or a string saying why it is missing. Compiled variants are
+    compiled for this setting's shapes alone (compile_for_fixed_shapes)."""
+    if name == BASELINE:
+        return stock
+    if name == "BF16 compiled":
+        return compile_for_fixed_shapes(copy.deepcopy(stock))
+    if name == PEER:
+        layer = torchao_float8(copy.deepcopy(stock))
+        return layer if isinstance(layer, str) else compile_for_fixed_shapes(layer)
+    converted = coat.convert(nn.ModuleList([copy.deepcopy(stock)]))[0]
+    return compile_for_fixed_shapes(converted) if name == "coat compiled" else converted
 
 
 def saved_by_hooks_mb(forward, parameters) -> float:
@@ -159,7 +155,8 @@ def main():
         grad = torch.randn_like(hidden_states)
         unit_mb = 2 * batch * length * hidden / 2**20
         results = {}
-        for name, layer in build_variants(stock, variants).items():
+        for name in variants:
+            layer = build_variant(stock, name)
             if isinstance(layer, str):
                 results[name] = {"missing": layer}
                 print(f"{name}: {layer}")

@@ -21,7 +21,7 @@ import torch
 import coat
 from coat.nn import functional as coat_functional
 
-from _common import parser, print_table, time_ms, write_results
+from _common import compile_for_fixed_shapes, parser, print_table, time_ms, write_results
 
 TOKENS = 8192
 PROJECTIONS = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 12288)]  # (K, N): o/q, gate/up, down, qkv
@@ -55,8 +55,7 @@ def torchao_float8_linear(reference: torch.nn.Linear, device):
         return f"torchao is not installed ({error.name}): pip install -e '.[bench]'"
     if torch.device(device).type != "cuda":
         return "torchao float8 needs a CUDA GPU"
-    layer = convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(reference)))
-    return torch.compile(layer)
+    return compile_for_fixed_shapes(convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(reference))))
 
 
 def layer_rows(tokens, k, n, device, warmup, repeat):

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 import coat
 from coat.nn import functional as coat_functional
 
-from _common import parser, print_table, time_ms, write_results
+from _common import compile_for_fixed_shapes, parser, print_table, time_ms, write_results
 
 # (B, S, Hq, Hk, D): Llama-2-7B (the target), Llama-3-8B's grouped-query attention, a longer sequence, and
 # the head size of the 100M preset.
@@ -71,7 +71,7 @@ def measure(shape, dtype, device, compile_baseline, warmup, repeat):
     forward = {"transformers eager": transformers_rope, "coat": coat.ops.rotary_embedding}
     backward = {"transformers eager": (transformers_rope, grads_transposed), "coat": (coat_functional.rotary_embedding, grads)}
     if compile_baseline:
-        compiled = torch.compile(transformers_rope)
+        compiled = compile_for_fixed_shapes(transformers_rope)
         forward["transformers compiled"] = compiled
         backward["transformers compiled"] = (compiled, grads_transposed)
 
