@@ -36,21 +36,10 @@
 #include "coat/adamw.h"
 #include "coat/float_bits.h"
 #include "coat/fp8.h"
+#include "check.h"
 
 extern int emu_sms;  // cuda_runtime.h: the emulated GPU's SM count
 static std::mt19937_64 rng(2024);
-static int failures = 0;
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      ++failures;                                          \
-      if (failures < 40) {                                 \
-        printf("FAIL %s:%d: ", __FILE__, __LINE__);        \
-        printf(__VA_ARGS__);                               \
-        printf("\n");                                      \
-      }                                                    \
-    }                                                      \
-  } while (0)
 
 static float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }

@@ -19,24 +19,13 @@
 #include <vector>
 
 #include "coat/norm_act.h"
+#include "check.h"
 
 extern int emu_sms;  // cuda_runtime.h: the emulated GPU's SM count
 
 namespace {
 
 std::mt19937_64 rng(2026);
-int failures = 0;
-#define CHECK(cond, ...)                                      \
-  do {                                                        \
-    if (!(cond)) {                                            \
-      ++failures;                                             \
-      if (failures < 40) {                                    \
-        printf("FAIL %s:%d: ", __FILE__, __LINE__);           \
-        printf(__VA_ARGS__);                                  \
-        printf("\n");                                         \
-      }                                                       \
-    }                                                         \
-  } while (0)
 
 float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
