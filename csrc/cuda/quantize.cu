@@ -510,6 +510,16 @@ bool valid_format(coat_fp8_format format) { return format == COAT_E4M3 || format
 
 int64_t element_size(coat_dtype dtype) { return dtype == COAT_FLOAT32 ? 4 : 2; }
 
+/** Parameters with the input matrix set and every output unset. */
+QuantizeParams matrix_params(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
+  QuantizeParams p{};
+  p.x = x;
+  p.rows = rows;
+  p.cols = cols;
+  p.row_stride = row_stride;
+  return p;
+}
+
 /** Launches quantize_kernel for a non-empty matrix: picks the tile width, the vector path and the
  *  instantiation. p.q_t selects the transposing kernel. */
 template <QuantizeMode kMode>
@@ -557,11 +567,7 @@ coat_status coat_quantize_group_cuda(const void* x, coat_dtype dtype, int64_t ro
       !valid_input_dtype(dtype) || !valid_format(format))
     return COAT_ERROR_INVALID_ARGUMENT;
   if (rows == 0 || cols == 0) return COAT_SUCCESS;
-  QuantizeParams p{};
-  p.x = x;
-  p.rows = rows;
-  p.cols = cols;
-  p.row_stride = row_stride;
+  QuantizeParams p = matrix_params(x, rows, cols, row_stride);
   p.group_log2 = ceil_log2(group_size);
   p.stats = scales;
   p.q = q;
@@ -579,11 +585,7 @@ coat_status coat_group_amax_cuda(const void* x, coat_dtype dtype, int64_t rows, 
       !valid_input_dtype(dtype))
     return COAT_ERROR_INVALID_ARGUMENT;
   if (rows == 0 || cols == 0) return COAT_SUCCESS;
-  QuantizeParams p{};
-  p.x = x;
-  p.rows = rows;
-  p.cols = cols;
-  p.row_stride = row_stride;
+  QuantizeParams p = matrix_params(x, rows, cols, row_stride);
   p.group_log2 = ceil_log2(group_size);
   p.stats = group_amax;
   return launch_quantize<QuantizeMode::kAmaxOnly>(p, dtype, COAT_E4M3, as_cuda_stream(stream));
@@ -616,11 +618,7 @@ coat_status coat_tensor_amax_cuda(const void* x, coat_dtype dtype, int64_t rows,
   if (!valid_matrix(x, rows, cols, row_stride) || amax == nullptr || !valid_input_dtype(dtype))
     return COAT_ERROR_INVALID_ARGUMENT;
   if (rows == 0 || cols == 0) return COAT_SUCCESS;
-  QuantizeParams p{};
-  p.x = x;
-  p.rows = rows;
-  p.cols = cols;
-  p.row_stride = row_stride;
+  QuantizeParams p = matrix_params(x, rows, cols, row_stride);
   p.stats = amax;
   return launch_quantize<QuantizeMode::kTensorAmax>(p, dtype, COAT_E4M3, as_cuda_stream(stream));
 }
@@ -638,11 +636,7 @@ coat_status coat_quantize_tensor_cuda(const void* x, coat_dtype dtype, int64_t r
     tensor_scale_kernel<<<1, 1, 0, as_cuda_stream(stream)>>>(amax, format, scale);
     return launch_status();
   }
-  QuantizeParams p{};
-  p.x = x;
-  p.rows = rows;
-  p.cols = cols;
-  p.row_stride = row_stride;
+  QuantizeParams p = matrix_params(x, rows, cols, row_stride);
   p.tensor_amax = amax;
   p.stats = scale;
   p.q = q;
