@@ -169,6 +169,7 @@ def fp8_adamw_step(
     group_size: int = 128,
     expand_exp_avg: bool = True,
     expand_exp_avg_sq: bool = True,
+    rounding_seeds: list[int] | None = None,
 ) -> None:
     """One fused AdamW step, in place, on every parameter of the lists (one kernel launch per 32 tensors on
     CUDA). Per element, in fp32, in torch.optim.AdamW's order::
@@ -180,6 +181,12 @@ def fp8_adamw_step(
 
     then m and v are quantized again with fresh per-group meta (with expansion unless ``expand_exp_avg`` /
     ``expand_exp_avg_sq`` is False). Take the three scalars from :func:`adamw_scalars`.
+
+    rounding_seeds: None (bf16 parameters round to nearest even), or one integer in [0, 2**63) per parameter:
+    bf16 parameters then round stochastically, up with probability equal to the fraction of a bf16 ulp the
+    fp32 result lies above the bf16 value below it, with random bits drawn from the seed and the element's
+    index (csrc/include/coat/adamw.h), the same bits on CPU and CUDA. Pass fresh seeds every step; float32
+    parameters ignore them.
 
     params: contiguous float32 or bfloat16 tensors with at least one dimension (a bf16 parameter is updated
     in fp32 and rounded once: no master weights). grads: float32, bfloat16 or float16, each of its parameter's
@@ -200,6 +207,7 @@ def fp8_adamw_step(
     torch.ops.coat.fp8_adamw_step(
         params, grads, exp_avgs, exp_avg_metas, exp_avg_sqs, exp_avg_sq_metas, beta1, beta2, eps,
         decay_factor, step_size, bias_correction2_sqrt, group_size, expand_exp_avg, expand_exp_avg_sq,
+        rounding_seeds,
     )
 
 
@@ -472,7 +480,8 @@ def _expanded_meta(x: torch.Tensor, group_size: int) -> torch.Tensor:
 
 @torch.library.register_fake("coat::fp8_adamw_step")
 def _fp8_adamw_step_fake(params, grads, exp_avgs, exp_avg_metas, exp_avg_sqs, exp_avg_sq_metas, beta1, beta2,
-                         eps, decay_factor, step_size, bias_correction2_sqrt, group_size, expand_m, expand_v):
+                         eps, decay_factor, step_size, bias_correction2_sqrt, group_size, expand_m, expand_v,
+                         rounding_seeds=None):
     _check_group_size(group_size, "coat.fp8_adamw_step")
 
 

@@ -166,3 +166,35 @@ def adamw_update(p, g, m, v, hyper: Hyper, step: int):
     denom = v.sqrt() / bias_correction2_sqrt + hyper.eps
     p = p - step_size * m / denom
     return p, m, v
+
+
+# --- stochastic rounding of bfloat16 parameters ------------------------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def rounding_bits(seed: int, index: int) -> int:
+    """The 16 random bits of element ``index`` (coat/adamw.h): the top 16 bits of splitmix64's finaliser of
+    seed + index * 0x9E3779B97F4A7C15, in Python integers."""
+    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z >> 48
+
+
+def stochastic_bf16(p: torch.Tensor, seed: int) -> torch.Tensor:
+    """float32 ``p`` rounded to bfloat16 stochastically with the bits of ``seed``, element index = position in
+    the flattened tensor: the integer sum bits(p) + r, truncated to its top 16 bits. NaN becomes the canonical
+    bf16 NaN and +-Inf stays +-Inf."""
+    flat = p.detach().float().cpu().reshape(-1)
+    words = flat.view(torch.int32).tolist()
+    out = []
+    for index, (value, word) in enumerate(zip(flat.tolist(), words)):
+        if math.isnan(value):
+            out.append(0x7FC0)
+        elif math.isinf(value):
+            out.append(((word & 0xFFFFFFFF) >> 16))
+        else:
+            out.append((((word & 0xFFFFFFFF) + rounding_bits(seed, index)) >> 16) & 0xFFFF)
+    halves = torch.tensor([h - 0x10000 if h >= 0x8000 else h for h in out], dtype=torch.int16)
+    return halves.view(torch.bfloat16).reshape(p.shape)

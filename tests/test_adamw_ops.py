@@ -711,6 +711,55 @@ def test_many_tensors_in_one_call(device, rng):
             assert_same_bits(got[i], expected[0], f"tensor {i}")
 
 
+def _step_with_seeds(params, grads, seeds, device):
+    """One step of fresh zero states on ``device``; returns the parameters after it."""
+    states = [coat.ops.quantize_expanded(torch.zeros(p.shape), 128, fmt) for p in params for fmt in ("e4m3", "e5m2")]
+    moved = [[t.to(device) for t in state] for state in states]
+    params = [p.clone().to(device) for p in params]
+    coat.ops.fp8_adamw_step(params, [g.to(device) for g in grads], [s[0] for s in moved[0::2]],
+                            [s[1] for s in moved[0::2]], [s[0] for s in moved[1::2]], [s[1] for s in moved[1::2]],
+                            beta1=0.9, beta2=0.999, eps=1e-8, decay_factor=0.999, step_size=3e-3,
+                            bias_correction2_sqrt=0.05, rounding_seeds=seeds)
+    return [p.cpu() for p in params]
+
+
+def test_stochastic_rounding_matches_reference(device, rng):
+    """bf16 parameters with rounding seeds: the step's float32 result (the same step on the float32 copy of the
+    parameters, on the same device) rounded by the reference's stochastic rounding, bit for bit; NaN and Inf
+    parameters included. Without seeds the same step rounds to nearest."""
+    shapes = [(3, 200), (129,), (2, 64)]
+    params = [(torch.randn(shape, generator=rng) * 4).bfloat16() for shape in shapes]
+    params[2][0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    grads = [heavy_tailed(shape, rng) for shape in shapes]
+    seeds = [int(torch.randint(0, 2**62, (), generator=rng)) for _ in shapes]
+    exact = _step_with_seeds([p.float() for p in params], grads, None, device)
+    rounded = _step_with_seeds(params, grads, seeds, device)
+    nearest = _step_with_seeds(params, grads, None, device)
+    for got, p32, seed in zip(rounded, exact, seeds):
+        assert_same_bits(got, ref.stochastic_bf16(p32, seed), "stochastic rounding")
+    for got, p32 in zip(nearest, exact):
+        assert_same_bits(got, p32.bfloat16(), "nearest rounding")
+    assert not torch.equal(rounded[0].view(torch.int16), nearest[0].view(torch.int16)), "stochastic rounding must differ from nearest"
+    assert_same_bits(_step_with_seeds(params, grads, seeds, device)[0], rounded[0], "a repeated step")
+
+
+def test_stochastic_rounding_is_unbiased(device):
+    """p = 1 + 0.3 ulp of bf16 after the step: about 30% of 8192 elements round up; the mean equals the float32
+    result within 4 standard errors (one ulp is 2^-7 at 1)."""
+    n = 8192
+    params = [torch.ones(n, dtype=torch.bfloat16)]
+    grads = [torch.ones(n)]
+    exact = _step_with_seeds([params[0].float()], grads, None, device)[0]
+    rounded = _step_with_seeds(params, grads, [12345], device)[0].float()
+    ulp = 2.0**-8  # the results lie in [0.5, 1), where a bf16 ulp is 2^-8
+    below = torch.floor(exact / ulp) * ulp
+    fraction = ((exact - below) / ulp).mean().item()
+    share_up = (rounded > below).float().mean().item()
+    assert 0.05 < fraction < 0.95, "the test needs a result between two bf16 values"
+    assert abs(share_up - fraction) < 4 * (fraction * (1 - fraction) / n) ** 0.5
+    assert torch.all((rounded == below) | (rounded == below + ulp))
+
+
 def test_cuda_tolerance_checks(rng):
     """The checks the CUDA cases apply (compare_step), run on the CPU: the C core's step passes against itself,
     and each kind of error a broken kernel would make is caught."""
@@ -753,9 +802,10 @@ def test_cuda_tolerance_checks(rng):
             compare_step(inputs, [result], [tensors], name)
 
 
-def call_step(params, grads, m, mm, v, vm, group_size=128):
+def call_step(params, grads, m, mm, v, vm, group_size=128, rounding_seeds=None):
     coat.ops.fp8_adamw_step(params, grads, m, mm, v, vm, beta1=0.9, beta2=0.999, eps=1e-8, decay_factor=1.0,
-                            step_size=1e-3, bias_correction2_sqrt=0.1, group_size=group_size)
+                            step_size=1e-3, bias_correction2_sqrt=0.1, group_size=group_size,
+                            rounding_seeds=rounding_seeds)
 
 
 def valid_step_inputs(shape=(4, 40)):
@@ -777,6 +827,7 @@ STEP_ERRORS = {
     "non-contiguous grad": (lambda a: a.update(grads=[torch.ones(40, 4).t()]), "grads\\[0\\] must be contiguous"),
     "0-d param": (lambda a: a.update(params=[torch.zeros(())], grads=[torch.zeros(())]), "is 0-d"),
     "group size": (lambda a: a.update(group_size=100), "group_size must be 16, 32, 64 or 128"),
+    "seeds count": (lambda a: a.update(rounding_seeds=[1, 2]), "rounding_seeds needs one seed per parameter"),
 }
 
 
@@ -843,6 +894,9 @@ def test_opcheck_fp8_adamw_step(device):
     args[1] = [torch.randn(shape).to(device) for shape in shapes]
     scalars = (0.9, 0.999, 1e-8, 0.999, 1e-3, 0.05, 128, True, True)
     torch.library.opcheck(torch.ops.coat.fp8_adamw_step.default, (*args, *scalars), test_utils=OPCHECK_UTILS_FP8)
+    bf16_args = [[p.bfloat16() for p in args[0]], *args[1:]]
+    torch.library.opcheck(torch.ops.coat.fp8_adamw_step.default, (*bf16_args, *scalars, [1, 2**62]),
+                          test_utils=OPCHECK_UTILS_FP8)
     schema = torch.ops.coat.fp8_adamw_step.default._schema
     mutable = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments[:6]]
     assert mutable == [True, False, True, True, True, True]

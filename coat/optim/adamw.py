@@ -22,6 +22,23 @@ State of a parameter p (``opt.state[p]``):
 A group is a run of G (group_size) elements along the last dimension; each row ends in a short group when G
 does not divide it. That is 2 + 12 / G bytes per parameter (2.09 at G = 128) against torch's 8.
 
+Parameters without master weights. A bfloat16 parameter is updated in float32 and stored back in bfloat16:
+2 bytes instead of a float32 master copy's 4. ``param_rounding="nearest"`` (the default) loses every update
+smaller than half a bfloat16 ulp of its parameter; ``"stochastic"`` rounds up with probability equal to the
+fraction of an ulp the float32 result lies above the bfloat16 value below it, so the stored parameter equals
+the update in expectation and small updates add up over steps (the random bits come from a seed per parameter
+and step, derived from ``rounding_seed``, which the state dict keeps, so a resumed run draws the same bits).
+
+FP8 gradients (``fp8_grads="e5m2"`` or ``"e4m3"``). After backward accumulates a parameter's gradient, a hook
+quantizes it to FP8 with one per-tensor scale (``scale = amax / FP8_MAX``, coat.ops.quantize_tensors) and frees
+the 2- or 4-byte gradient: 1 byte per parameter stays until ``zero_grad()``. Gradient accumulation over
+micro-batches adds each new gradient to the dequantized stored one and quantizes the sum again (one FP8
+rounding per micro-batch). ``param.grad`` is None after backward, so clip with :meth:`clip_grad_norm_` of this
+optimizer (torch.nn.utils.clip_grad_norm_ sees no gradients there); :meth:`grad` returns a parameter's
+dequantized gradient. A NaN or Inf gradient element makes its whole tensor's FP8 gradient NaN (the per-tensor
+scale is not finite), and with it the parameter's update; the clipping norm is then NaN or Inf too, which
+``error_if_nonfinite`` reports. FP8 gradients need unsharded parameters (not FSDP2 DTensors).
+
 Distributed parameters (DTensor, from FSDP2's fully_shard). The step runs on the local shards; ``exp_avg`` and
 ``exp_avg_sq`` are DTensors placed like the parameter. For a parameter with two or more dimensions the meta is a
 DTensor placed like the parameter too: FSDP2 shards dim 0, which cuts between rows, so every rank holds whole
@@ -49,13 +66,19 @@ from copy import deepcopy
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from coat import ops
 
 # Options that fix how the states are stored: a checkpoint must have been saved with the same ones.
 _STORAGE_OPTIONS = ("group_size", "m_format", "v_format")
-_COAT_OPTIONS = (*_STORAGE_OPTIONS, "expand")
+_COAT_OPTIONS = (*_STORAGE_OPTIONS, "expand", "param_rounding", "rounding_seed")
+_PARAM_ROUNDINGS = ("nearest", "stochastic")
+# FP8 gradients are dequantized to bfloat16 for the fused step in chunks of at most this many elements, so the
+# step never holds more than 128 MiB of them at once (one larger tensor is its own chunk).
+_DEQUANTIZED_GRAD_CHUNK = 1 << 26
+_MASK64 = (1 << 64) - 1
 # torch.optim.AdamW features coat does not implement, with the only value accepted for each.
 _UNSUPPORTED_FEATURES = {
     "amsgrad": False,
@@ -83,10 +106,16 @@ class AdamW(torch.optim.Optimizer):
         m_format, v_format: FP8 format of the first and second moment: "e4m3" or "e5m2", or the dtypes
             torch.float8_e4m3fn / torch.float8_e5m2.
         expand: dynamic range expansion on (True) or off (False), or a (m, v) pair of bools.
+        param_rounding: how the update of a bfloat16 parameter is rounded: "nearest" or "stochastic" (see the
+            module docstring; float32 parameters are stored exactly either way).
+        rounding_seed: the seed of stochastic rounding, an integer; None draws one from torch's default
+            generator (so torch.manual_seed fixes it).
+        fp8_grads: None (gradients stay in param.grad), or "e5m2" / "e4m3": each gradient is kept in FP8 with
+            a per-tensor scale once backward has produced it (module docstring). Not per group.
 
-    All of these, like lr, betas, eps and weight_decay, can be set per parameter group. Parameters are
-    float32 (master weights; gradients float32, bfloat16 or float16) or bfloat16; a bfloat16 parameter has no
-    master copy, so each update is rounded to bfloat16. amsgrad, maximize, foreach, fused, capturable and
+    All of these but fp8_grads, like lr, betas, eps and weight_decay, can be set per parameter group.
+    Parameters are float32 (master weights; gradients float32, bfloat16 or float16) or bfloat16 (no master
+    copy: 2 bytes per parameter, each update rounded as param_rounding says). amsgrad, maximize, foreach, fused, capturable and
     differentiable are accepted only at their defaults (False or None), and raise otherwise.
 
     Beyond torch.optim.Optimizer: :meth:`torch_state_dict` and :meth:`load_torch_state_dict` convert to and
@@ -106,6 +135,9 @@ class AdamW(torch.optim.Optimizer):
         m_format: str | torch.dtype = "e4m3",
         v_format: str | torch.dtype = "e4m3",
         expand: bool | tuple[bool, bool] = True,
+        param_rounding: str = "nearest",
+        rounding_seed: int | None = None,
+        fp8_grads: str | torch.dtype | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
         capturable: bool = False,
@@ -121,6 +153,8 @@ class AdamW(torch.optim.Optimizer):
             m_format=m_format,
             v_format=v_format,
             expand=expand,
+            param_rounding=param_rounding,
+            rounding_seed=_draw_seed() if rounding_seed is None else rounding_seed,
             amsgrad=amsgrad,
             maximize=maximize,
             foreach=foreach,
@@ -129,6 +163,10 @@ class AdamW(torch.optim.Optimizer):
             differentiable=differentiable,
         )
         _normalize_options(defaults)
+        self._fp8_grad_dtype = None if fp8_grads is None else ops.fp8_dtype(fp8_grads)
+        # param -> (FP8 codes of the gradient, as a rows x cols matrix; 0-d float32 scale)
+        self._fp8_grads: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grad_hooks: list[Any] = []
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -138,9 +176,74 @@ class AdamW(torch.optim.Optimizer):
             _normalize_options(group)
             for param in group["params"]:
                 _check_param_dtype(param)
+                if self._fp8_grad_dtype is not None:
+                    _check_fp8_grad_param(param)
         except ValueError:
             self.param_groups.pop()
             raise
+        if self._fp8_grad_dtype is not None:
+            for param in group["params"]:
+                if param.requires_grad:
+                    self._grad_hooks.append(param.register_post_accumulate_grad_hook(self._quantize_grad))
+
+    @torch.no_grad()
+    def _quantize_grad(self, param: torch.Tensor) -> None:
+        """The post-accumulate-grad hook of fp8_grads: param.grad (plus the stored FP8 gradient, when
+        accumulating) goes to FP8 with a per-tensor scale, and param.grad is freed."""
+        grad = param.grad
+        if grad is None:
+            return
+        stored = self._fp8_grads.get(param)
+        if stored is not None:
+            grad = grad.float() + ops.dequantize(*stored, None, torch.float32).view(grad.shape)
+        codes, scale, _ = ops.quantize_tensors([_as_rows(grad).contiguous()], self._fp8_grad_dtype, dim=0)
+        self._fp8_grads[param] = (codes, scale)
+        param.grad = None
+
+    def grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the next step will use for ``param``: its FP8 gradient dequantized to float32 under
+        fp8_grads, else ``param.grad``; None when it has none."""
+        stored = self._fp8_grads.get(param)
+        if stored is None:
+            return param.grad
+        return ops.dequantize(*stored, None, torch.float32).view(param.shape)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim.Optimizer.zero_grad, and drops the FP8 gradients of fp8_grads."""
+        super().zero_grad(set_to_none)
+        self._fp8_grads.clear()
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this optimizer's parameters, FP8 gradients included: returns
+        the total norm of the gradients (as a float32 tensor) and scales them by ``max_norm / (norm + 1e-6)``
+        when that is below 1. An FP8 gradient is scaled through its per-tensor scale, with no pass over its
+        codes. Use it in place of torch.nn.utils.clip_grad_norm_ under fp8_grads."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        fp8 = [self._fp8_grads[p] for p in params if p in self._fp8_grads]
+        plain = [p.grad for p in params if p.grad is not None]
+        if not fp8 and not plain:
+            return torch.tensor(0.0)
+        norms = [
+            torch.linalg.vector_norm(codes.to(torch.bfloat16), norm_type, dtype=torch.float32) * scale
+            for codes, scale in fp8
+        ]
+        norms += [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in plain]
+        device = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
+                "pass error_if_nonfinite=False to skip this check"
+            )
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for _, scale in fp8:
+            scale.mul_(coefficient.to(scale.device))
+        if plain:
+            torch._foreach_mul_(plain, coefficient)
+        return total
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -154,58 +257,90 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+        params = [p for p in group["params"] if p.grad is not None or p in self._fp8_grads]
         if not params:
             return
         states = []
         for param in params:
-            _check_for_step(param)
+            _check_for_step(param, self._fp8_grads.get(param))
             state = self.state[param]
             if not state:
                 _init_state(param, group, state)
             states.append(state)
         torch._foreach_add_([state["step"] for state in states], 1.0)
 
-        # One kernel call per device and step count. A group's parameters normally share one count; one added
-        # later, or one without a gradient on some steps, has its own, hence its own bias corrections.
-        batches: dict[tuple[torch.device, float], list[list[torch.Tensor]]] = {}
+        # One kernel call per device and step count (and per chunk of dequantized FP8 gradients). A group's
+        # parameters normally share one count; one added later, or one without a gradient on some steps, has its
+        # own, hence its own bias corrections.
+        batches: dict[tuple[torch.device, float], list[tuple[torch.Tensor, dict[str, Any]]]] = {}
         for param, state in zip(params, states):
             local_param = _local(param)
             if local_param.numel() == 0:  # an FSDP rank holding none of this parameter
                 continue
             step = state["step"].item()  # a CPU tensor: reading it does not synchronize the GPU
-            batch = batches.setdefault((local_param.device, step), [[] for _ in range(6)])
-            tensors = (
-                local_param,
-                _local(param.grad).contiguous(),
-                _local(state["exp_avg"]),
-                _local(state["exp_avg_meta"]),
-                _local(state["exp_avg_sq"]),
-                _local(state["exp_avg_sq_meta"]),
-            )
-            for tensor_list, tensor in zip(batch, tensors):
-                tensor_list.append(_as_rows(tensor))
+            batches.setdefault((local_param.device, step), []).append((param, state))
 
         beta1, beta2 = group["betas"]
         lr = _host_lr(group["lr"])
         expand_m, expand_v = group["expand"]
-        for (_, step), batch in batches.items():
+        stochastic = group["param_rounding"] == "stochastic"
+        index_of = _param_indices(self.param_groups) if stochastic else {}
+        rank = dist.get_rank() if stochastic and dist.is_initialized() else 0
+        for (_, step), entries in batches.items():
             # float64 on the host from the step count, exactly as torch.optim.AdamW computes them.
             decay_factor, step_size, bias_correction2_sqrt = ops.adamw_scalars(
                 lr, beta1, beta2, group["weight_decay"], step
             )
-            ops.fp8_adamw_step(
-                *batch,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                decay_factor=decay_factor,
-                step_size=step_size,
-                bias_correction2_sqrt=bias_correction2_sqrt,
-                group_size=group["group_size"],
-                expand_exp_avg=expand_m,
-                expand_exp_avg_sq=expand_v,
-            )
+            for chunk in self._chunks(entries):
+                tensors: list[list[torch.Tensor]] = [[] for _ in range(6)]
+                for param, state in chunk:
+                    for tensor_list, tensor in zip(tensors, (
+                        _local(param),
+                        self._step_grad(param),
+                        _local(state["exp_avg"]),
+                        _local(state["exp_avg_meta"]),
+                        _local(state["exp_avg_sq"]),
+                        _local(state["exp_avg_sq_meta"]),
+                    )):
+                        tensor_list.append(_as_rows(tensor))
+                seeds = None
+                if stochastic:
+                    seeds = [_step_seed(group["rounding_seed"], index_of[id(p)], step, rank) for p, _ in chunk]
+                ops.fp8_adamw_step(
+                    *tensors,
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    decay_factor=decay_factor,
+                    step_size=step_size,
+                    bias_correction2_sqrt=bias_correction2_sqrt,
+                    group_size=group["group_size"],
+                    expand_exp_avg=expand_m,
+                    expand_exp_avg_sq=expand_v,
+                    rounding_seeds=seeds,
+                )
+
+    def _chunks(self, entries: list) -> Iterable[list]:
+        """The entries of one kernel call, split so that the FP8 gradients dequantized for one call stay
+        below _DEQUANTIZED_GRAD_CHUNK elements (without fp8_grads: all in one call)."""
+        chunk, elements = [], 0
+        for entry in entries:
+            size = _local(entry[0]).numel() if entry[0] in self._fp8_grads else 0
+            if chunk and elements + size > _DEQUANTIZED_GRAD_CHUNK:
+                yield chunk
+                chunk, elements = [], 0
+            chunk.append(entry)
+            elements += size
+        if chunk:
+            yield chunk
+
+    def _step_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The gradient the kernel reads: param.grad, or the FP8 gradient dequantized to bfloat16 (the codes are
+        exact in bfloat16; the product with the scale rounds once, far below the FP8 rounding)."""
+        stored = self._fp8_grads.get(param)
+        if stored is None:
+            return _local(param.grad).contiguous()
+        return ops.dequantize(*stored, None, torch.bfloat16).view(param.shape)
 
     def state_dict(self) -> dict[str, Any]:
         """The state, with the meta of 1-D and 0-d parameters saved per element (see the module docstring).
@@ -257,6 +392,8 @@ class AdamW(torch.optim.Optimizer):
         param_groups = []
         for group, saved_group in zip(groups, saved_groups):
             saved_group["params"] = group["params"]
+            for key in ("param_rounding", "rounding_seed"):  # checkpoints saved before these options existed
+                saved_group.setdefault(key, group[key])
             if "param_names" in group and "param_names" not in saved_group:
                 saved_group["param_names"] = group["param_names"]
             _normalize_options(saved_group)
@@ -381,6 +518,39 @@ def _normalize_options(group: dict[str, Any]) -> None:
     group["m_format"] = _format_name(group["m_format"])
     group["v_format"] = _format_name(group["v_format"])
     group["expand"] = _expand_pair(group["expand"])
+    if group["param_rounding"] not in _PARAM_ROUNDINGS:
+        raise ValueError(f"param_rounding must be one of {_PARAM_ROUNDINGS}, got {group['param_rounding']!r}")
+    seed = group["rounding_seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"rounding_seed must be an integer, got {seed!r}")
+
+
+def _draw_seed() -> int:
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _step_seed(base: int, param_index: int, step: float, rank: int) -> int:
+    """The stochastic-rounding seed of one parameter (its index in the optimizer) at one step on one rank, in
+    [0, 2**63): fresh bits for every parameter, step and shard, and the same ones when a run resumes."""
+    z = _splitmix64(base & _MASK64)
+    for value in (param_index, int(step), rank):
+        z = _splitmix64(z ^ value)
+    return z >> 1
+
+
+def _check_fp8_grad_param(param: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        raise ValueError(
+            "fp8_grads needs unsharded parameters: FSDP2's DTensor gradients are reduce-scattered by FSDP after "
+            "backward. Leave fp8_grads=None under FSDP2 (bfloat16 parameters already give 2-byte gradients)."
+        )
 
 
 def _format_name(format: str | torch.dtype) -> str:
@@ -405,11 +575,23 @@ def _check_param_dtype(param: torch.Tensor) -> None:
         )
 
 
-def _check_for_step(param: torch.Tensor) -> None:
+def _check_for_step(param: torch.Tensor, fp8_grad: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """Refuses what the kernel cannot update in place: the parameter's dtype may have changed since it was
     added, and gradients come from outside."""
     _check_param_dtype(param)
     grad = param.grad
+    if fp8_grad is not None:
+        if grad is not None:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} has both an FP8 gradient (fp8_grads) and a param.grad "
+                "set after backward; assign gradients before backward runs, or call zero_grad() first"
+            )
+        if not _local(param).is_contiguous():
+            raise RuntimeError(
+                f"coat.optim.AdamW updates contiguous parameters in place; a parameter of shape "
+                f"{tuple(param.shape)} is not contiguous"
+            )
+        return
     if grad.is_sparse:
         raise RuntimeError("coat.optim.AdamW does not support sparse gradients; use torch.optim.SparseAdam for those")
     if grad.dtype not in _GRAD_DTYPES:

@@ -49,7 +49,8 @@ void check_state(const at::Tensor& param, const at::Tensor& codes, const at::Ten
 void fp8_adamw_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList exp_avg_metas, at::TensorList exp_avg_sqs, at::TensorList exp_avg_sq_metas,
                     double beta1, double beta2, double eps, double decay_factor, double step_size,
-                    double bias_correction2_sqrt, int64_t group_size, bool expand_m, bool expand_v) {
+                    double bias_correction2_sqrt, int64_t group_size, bool expand_m, bool expand_v,
+                    at::OptionalIntArrayRef rounding_seeds) {
   constexpr const char* op = "coat.fp8_adamw_step";
   const size_t count = params.size();
   TORCH_CHECK(grads.size() == count && exp_avgs.size() == count && exp_avg_metas.size() == count &&
@@ -58,6 +59,9 @@ void fp8_adamw_step(at::TensorList params, at::TensorList grads, at::TensorList 
               exp_avgs.size(), " exp_avgs, ", exp_avg_metas.size(), " exp_avg_metas, ", exp_avg_sqs.size(),
               " exp_avg_sqs and ", exp_avg_sq_metas.size(), " exp_avg_sq_metas");
   check_group_size(group_size, op);
+  TORCH_CHECK(!rounding_seeds.has_value() || rounding_seeds->size() == count, op,
+              ": rounding_seeds needs one seed per parameter, got ", rounding_seeds.has_value() ? rounding_seeds->size() : 0,
+              " for ", count, " params");
   if (count == 0) return;
 
   std::vector<coat_adamw_tensor> tensors(count);
@@ -92,7 +96,8 @@ void fp8_adamw_step(at::TensorList params, at::TensorList grads, at::TensorList 
                                    input_dtype(param, op, param_arg.c_str()),
                                    input_dtype(grad, op, grad_arg.c_str()),
                                    fp8_format(exp_avgs[i].scalar_type(), op, "exp_avgs"),
-                                   fp8_format(exp_avg_sqs[i].scalar_type(), op, "exp_avg_sqs")};
+                                   fp8_format(exp_avg_sqs[i].scalar_type(), op, "exp_avg_sqs"),
+                                   rounding_seeds.has_value() ? static_cast<uint64_t>((*rounding_seeds)[i]) : 0};
   }
   const coat_adamw_options options{static_cast<float>(beta1),
                                    static_cast<float>(1.0 - beta1),
@@ -104,7 +109,8 @@ void fp8_adamw_step(at::TensorList params, at::TensorList grads, at::TensorList 
                                    static_cast<float>(bias_correction2_sqrt),
                                    group_size,
                                    expand_m,
-                                   expand_v};
+                                   expand_v,
+                                   rounding_seeds.has_value()};
   COAT_CALL_CORE(params[0], coat_fp8_adamw_step, tensors.data(), static_cast<int64_t>(count), &options);
 }
 

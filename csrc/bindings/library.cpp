@@ -27,7 +27,7 @@ TORCH_LIBRARY(coat, m) {
   m.def("fp8_adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_metas,"
         " Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_sq_metas, float beta1, float beta2, float eps,"
         " float decay_factor, float step_size, float bias_correction2_sqrt, int group_size, bool expand_m,"
-        " bool expand_v) -> ()");
+        " bool expand_v, int[]? rounding_seeds=None) -> ()");
   m.def("quantize_expanded(Tensor x, int group_size, ScalarType fp8_dtype, bool expand) -> (Tensor codes, Tensor meta)");
   m.def("dequantize_expanded(Tensor codes, Tensor meta, int group_size) -> Tensor");
   m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse=False)"

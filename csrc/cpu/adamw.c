@@ -56,7 +56,10 @@ static void coat_adamw_group(const coat_adamw_tensor* t, int64_t row, int64_t gr
     v[i] = coat_decode(t->exp_avg_sq[index], &v_old, t->exp_avg_sq_format, tables);
     const float p = coat_adamw_update(coat_load_f32(t->param, t->param_dtype, index),
                                       coat_load_f32(t->grad, t->grad_dtype, index), &m[i], &v[i], options, &divisor);
-    coat_store_as(t->param, t->param_dtype, index, p);
+    if (options->stochastic_rounding && t->param_dtype == COAT_BFLOAT16)
+      ((uint16_t*)t->param)[index] = coat_f32_to_bf16_stochastic(p, coat_rounding_bits(t->rounding_seed, index));
+    else
+      coat_store_as(t->param, t->param_dtype, index, p);
     m_range = coat_range_add(m_range, m[i]);
     v_range = coat_range_add(v_range, v[i]);
   }

@@ -227,29 +227,41 @@ __device__ __forceinline__ void load_values_scalar(const void* data, coat_dtype 
 
 // Elements [first_index, first_index + kStoreChunk) of a lane's 16, stored as the parameter's dtype: by vector
 // stores in the tiles that allow them (kVector), else element by element (the same bf16 rounding either way, so a
-// NaN gets the same bits too).
+// NaN gets the same bits too). A bf16 parameter rounds to nearest even, or stochastically with the C core's bits
+// (coat/adamw.h) when `stochastic`.
 constexpr int kStoreChunk = 4;
 
+__device__ __forceinline__ uint32_t param_bf16_bits(float p, bool stochastic, uint64_t seed, int64_t index) {
+  return stochastic ? coat_f32_to_bf16_stochastic(p, coat_rounding_bits(seed, index)) : bf16x2_bits(p, 0.0f) & 0xFFFFu;
+}
+
 template <bool kVector>
-__device__ __forceinline__ void store_params_chunk(void* data, coat_dtype dtype, int64_t first, int first_index,
-                                                   int count, const float (&p)[kStoreChunk]) {
-  if (kVector && dtype == COAT_FLOAT32) {
-    float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index);
+__device__ __forceinline__ void store_params_chunk(const coat_adamw_tensor& t, bool stochastic, int64_t first,
+                                                   int first_index, int count, const float (&p)[kStoreChunk]) {
+  const int64_t base = first + first_index;
+  if (kVector && t.param_dtype == COAT_FLOAT32) {
+    float4* out = reinterpret_cast<float4*>(static_cast<float*>(t.param) + base);
 #pragma unroll
     for (int q = 0; q < kStoreChunk / 4; ++q) out[q] = make_float4(p[4 * q], p[4 * q + 1], p[4 * q + 2], p[4 * q + 3]);
   } else if (kVector) {
-    uint2* out = reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index);
+    uint32_t bits[kStoreChunk];
 #pragma unroll
-    for (int q = 0; q < kStoreChunk / 4; ++q)
-      out[q] = make_uint2(bf16x2_bits(p[4 * q], p[4 * q + 1]), bf16x2_bits(p[4 * q + 2], p[4 * q + 3]));
+    for (int i = 0; i < kStoreChunk; i += 2)
+      bits[i / 2] = stochastic ? param_bf16_bits(p[i], true, t.rounding_seed, base + i) |
+                                     param_bf16_bits(p[i + 1], true, t.rounding_seed, base + i + 1) << 16
+                               : bf16x2_bits(p[i], p[i + 1]);
+    uint2* out = reinterpret_cast<uint2*>(static_cast<uint16_t*>(t.param) + base);
+#pragma unroll
+    for (int q = 0; q < kStoreChunk / 4; ++q) out[q] = make_uint2(bits[2 * q], bits[2 * q + 1]);
   } else {
 #pragma unroll
     for (int i = 0; i < kStoreChunk; ++i) {
       if (first_index + i >= count) continue;
-      if (dtype == COAT_FLOAT32)
-        static_cast<float*>(data)[first + first_index + i] = p[i];
+      if (t.param_dtype == COAT_FLOAT32)
+        static_cast<float*>(t.param)[base + i] = p[i];
       else
-        static_cast<uint16_t*>(data)[first + first_index + i] = static_cast<uint16_t>(bf16x2_bits(p[i], 0.0f));
+        static_cast<uint16_t*>(t.param)[base + i] =
+            static_cast<uint16_t>(param_bf16_bits(p[i], stochastic, t.rounding_seed, base + i));
     }
   }
 }
@@ -580,7 +592,7 @@ __device__ __forceinline__ void decode_and_update(const Codes& m_codes, const Co
       if (kGeneral && denom < 0x1p-126f) quotient = quotient_by_small(m[i], denom);
       updated[j] = fmaf(s.minus_step_size, quotient, p[i] * s.options.decay_factor);
     }
-    store_params_chunk<kVector>(t.param, t.param_dtype, span.first, chunk, span.count, updated);
+    store_params_chunk<kVector>(t, s.options.stochastic_rounding != 0, span.first, chunk, span.count, updated);
   }
 }
 

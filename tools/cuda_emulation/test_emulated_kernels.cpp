@@ -67,6 +67,7 @@ struct Case {
   int specials;
   int tiny = 0;
   int eps_zero = 0;  // eps = 0: the update's general variant (square root and reciprocal of subnormals)
+  int stochastic = 0;  // stochastic rounding of bf16 parameters
 };
 
 // One tensor's arrays, each with 16 spare bytes in front so that a copy can start misaligned.
@@ -90,6 +91,7 @@ static coat_adamw_tensor tensor_of(State& s, const Case& c, int offset) {
   t.grad_dtype = c.gd;
   t.exp_avg_format = c.mf;
   t.exp_avg_sq_format = c.vf;
+  t.rounding_seed = 0x5EEDull + (uint64_t)c.rows * 1000003u + (uint64_t)c.cols;
   return t;
 }
 
@@ -308,6 +310,7 @@ static coat_adamw_options options_for(const Case& c, int step) {
   o.decay_factor = 0.999f; o.step_size = (float)(1e-2 / (1 - pow(0.9, step)));
   o.bias_correction2_sqrt = (float)sqrt(1 - pow(0.999, step));
   o.group_size = c.G; o.expand_exp_avg = c.em; o.expand_exp_avg_sq = c.ev;
+  o.stochastic_rounding = c.stochastic;
   return o;
 }
 
@@ -360,9 +363,9 @@ static void run_case(const Case& c, int steps) {
     s = cpu;  // teacher forcing: the next step starts from the C core's state
   }
   char what[160];
-  snprintf(what, sizeof what, "%lld x %lld G%lld p%d g%d m%d v%d expand %d%d%s%s%s", (long long)c.rows,
+  snprintf(what, sizeof what, "%lld x %lld G%lld p%d g%d m%d v%d expand %d%d%s%s%s%s", (long long)c.rows,
            (long long)c.cols, (long long)c.G, c.pd, c.gd, c.mf, c.vf, c.em, c.ev, c.specials ? " specials" : "",
-           c.tiny ? " tiny" : "", c.eps_zero ? " eps 0" : "");
+           c.tiny ? " tiny" : "", c.eps_zero ? " eps 0" : "", c.stochastic ? " stochastic" : "");
   check_tolerance(cpu_total, cuda_total, code_diffs, codes, what);
   if (getenv("EMU_VERBOSE"))
     printf("%s: param rms %.2f / %.2f, max %.2f / %.2f; m %.3g / %.3g, v %.3g / %.3g; code diffs %ld of %ld\n", what,
@@ -447,6 +450,7 @@ int main(int argc, char** argv) {
       c.vf = (i % 4 == 2) ? COAT_E4M3 : COAT_E5M2;
       c.em = variant != 3; c.ev = variant != 4;
       c.specials = variant == 2;
+      c.stochastic = c.pd == COAT_BFLOAT16 && variant % 2 == 1;
       run_case(c, 3);
     }
   }

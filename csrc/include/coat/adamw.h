@@ -116,6 +116,7 @@ typedef struct {
   coat_dtype grad_dtype;
   coat_fp8_format exp_avg_format;
   coat_fp8_format exp_avg_sq_format;
+  uint64_t rounding_seed; /**< stochastic rounding of a bf16 param: this tensor's seed for this step */
 } coat_adamw_tensor;
 
 /** Hyperparameters of one step, the same for every tensor of a call. The host computes every value in
@@ -137,6 +138,7 @@ typedef struct {
   int64_t group_size;
   int expand_exp_avg;    /**< nonzero: dynamic range expansion for m; zero: plain per-group quantization */
   int expand_exp_avg_sq; /**< the same for v */
+  int stochastic_rounding; /**< nonzero: bf16 parameters are rounded stochastically (see below), else to nearest */
 } coat_adamw_options;
 
 /** One AdamW step on `count` parameters, fused: per element, in fp32, in torch.optim.AdamW's order
@@ -148,9 +150,16 @@ typedef struct {
  *    denom = sqrt(v) / bias_correction2_sqrt + eps
  *    p = p - step_size * m / denom                             ((step_size * m) / denom)
  *  then m and v are quantized again, each group with fresh (scale, k, C) from its new values, written over
- *  the old codes and meta. A bf16 parameter is widened to fp32, updated and rounded once to bf16 (nearest
- *  even): there is no fp32 master copy, so updates smaller than half a bf16 ulp of p are lost, as they are
- *  with torch.optim.AdamW on bf16 parameters. A NaN or +-Inf gradient element makes its parameter NaN, as in
+ *  the old codes and meta. A bf16 parameter is widened to fp32, updated and rounded once to bf16: there is
+ *  no fp32 master copy. Rounded to nearest (even), updates smaller than half a bf16 ulp of p are lost, as they
+ *  are with torch.optim.AdamW on bf16 parameters. With options->stochastic_rounding the fp32 result p rounds
+ *  up in magnitude with probability equal to the fraction of a bf16 ulp it lies above the bf16 value below it,
+ *  so the stored parameter is p in expectation and small updates accumulate:
+ *    r    = the top 16 bits of splitmix64(rounding_seed + index * 0x9E3779B97F4A7C15), index = row*cols + col
+ *    bf16 = (bits(p) + r) >> 16                   (NaN and +-Inf round to nearest; a finite p within a ulp of
+ *                                                  the largest bf16 can round to Inf, with that probability)
+ *  r depends only on the seed and the element's index, so the C core and CUDA draw the same bits, and a step
+ *  repeated with the same seed gives the same parameters. The caller picks a fresh seed per tensor and step. A NaN or +-Inf gradient element makes its parameter NaN, as in
  *  torch (Inf / Inf in the update), and its m and v NaN codes; the rest of its groups is unaffected.
  *  The CUDA entry point launches once per 32 tensors (their pointers and sizes travel by value in the
  *  kernel's arguments: no device allocation, no copy, no synchronisation) and skips empty tensors; it uses the

@@ -566,6 +566,22 @@ COAT_INLINE int coat_adamw_tensor_is_valid(const coat_adamw_tensor* t) {
          coat_is_valid_format(t->exp_avg_format) && coat_is_valid_format(t->exp_avg_sq_format);
 }
 
+/* The 16 random bits of element `index` under stochastic rounding (coat/adamw.h): splitmix64's finaliser. */
+COAT_INLINE uint32_t coat_rounding_bits(uint64_t seed, int64_t index) {
+  uint64_t z = seed + (uint64_t)index * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return (uint32_t)(z >> 48);
+}
+
+/* x rounded to a bf16 stochastically with the 16 random bits r: the dropped fraction plus r carries into the
+ * kept bits with probability fraction / 2^16. NaN and +-Inf go through coat_f32_to_bf16 (canonical NaN). */
+COAT_INLINE uint16_t coat_f32_to_bf16_stochastic(float x, uint32_t r) {
+  const uint32_t u = coat_f32_to_bits(x);
+  if ((u & 0x7F800000u) == 0x7F800000u) return coat_f32_to_bf16(x);
+  return (uint16_t)((u + r) >> 16);
+}
+
 COAT_INLINE int coat_adamw_call_is_valid(const coat_adamw_tensor* tensors, int64_t count,
                                          const coat_adamw_options* options) {
   if (count < 0 || options == NULL || (tensors == NULL && count > 0) ||
