@@ -12,6 +12,9 @@ other:
     coat              the same model after coat.convert (FP8 decoder layers, activations saved in FP8), the same
                       master weights and autocast / policy, coat.optim.AdamW (FP8 moments)
     coat-compiled     coat with every decoder layer under torch.compile
+    coat-bf16w        coat with bfloat16 weights and gradients and no float32 master copy (coat.optim.AdamW
+                      rounds each update stochastically): 6.09 bytes of model state per parameter
+    coat-fp8-grads    coat-bf16w with gradients kept in FP8 (E5M2, per-tensor scale) after backward: 5.09 bytes
 
 A step is zero_grad, forward with the loss over the batch's own tokens, backward, optimizer step; no gradient
 checkpointing. Under torchrun every decoder layer and the root are fully_shard'ed (FSDP2), and each rank trains
@@ -26,6 +29,9 @@ on its own micro-batch. For each variant:
   - tokens/s per GPU at that batch: batch * seq / median step time (CUDA events) of --steps steps after
     --warmup steps; the slowest rank's under torchrun.
 
+--shape 13b trains a Llama-2-13B shape (hidden 5120, 40 layers) instead; "state B/param" is the bytes of
+weights, gradients and optimizer state per parameter after a step, counted from the tensors.
+
 Every step of a measurement trains on the same random micro-batch: the data do not change the time, and the
 falling loss (the model memorises the batch) shows that training works.
 
@@ -37,6 +43,7 @@ Adam state), so at small batches the memory ratio tends to 1.59. A BF16 run that
 80 GB GPU, as in the paper's Table 8) is reported as OOM, and the ratios it would take part in are null.
 
     python benchmarks/e2e.py [--variants bf16 coat ...]       (one GPU)
+    python benchmarks/e2e.py --shape 13b --variants coat-fp8-grads --memory-batches 1
     torchrun --nproc_per_node 2 benchmarks/e2e.py              (FSDP2, two GPUs)
     python benchmarks/e2e.py --smoke                           (CPU: checks that the script runs)
     python benchmarks/e2e.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
@@ -59,21 +66,29 @@ import coat
 
 from _common import RESULTS_DIR, parser, print_table, write_results
 
-VARIANTS = ("bf16", "bf16-compiled", "torchao-compiled", "coat", "coat-compiled")
-SMOKE_VARIANTS = ("bf16", "coat")  # compiling on the CPU takes minutes; the smoke run checks the script
+VARIANTS = ("bf16", "bf16-compiled", "torchao-compiled", "coat", "coat-compiled", "coat-bf16w", "coat-fp8-grads")
+# compiling on the CPU takes minutes; the smoke run checks the script
+SMOKE_VARIANTS = ("bf16", "coat", "coat-fp8-grads")
 VARIANT_COLORS = {"bf16": "tab:blue", "bf16-compiled": "tab:cyan", "torchao-compiled": "tab:green",
-                  "coat": "tab:orange", "coat-compiled": "tab:red"}
+                  "coat": "tab:orange", "coat-compiled": "tab:red", "coat-bf16w": "tab:purple",
+                  "coat-fp8-grads": "tab:brown"}
+BF16_WEIGHT_VARIANTS = ("coat-bf16w", "coat-fp8-grads")
+SHAPES = {  # Llama-2 shapes: hidden, intermediate, heads, layers
+    "7b": (4096, 11008, 32, 32),
+    "13b": (5120, 13824, 40, 40),
+}
 MEMORY_TARGET, SPEED_TARGET, EQUAL_BATCH_SPEED_TARGET = 1.6, 1.8, 1.3
 LR = 1e-5
 SMOKE_BATCH, SMOKE_SEQ, SMOKE_LAYERS = 2, 32, 2
 GIB = 2**30
 
 
-def llama_config(layers: int, smoke: bool) -> LlamaConfig:
+def llama_config(shape_name: str, layers: int, smoke: bool) -> LlamaConfig:
     if smoke:
         shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4)
     else:
-        shape = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_attention_heads=32)
+        hidden, intermediate, heads, _ = SHAPES[shape_name]
+        shape = dict(vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads)
     return LlamaConfig(
         **shape,
         num_key_value_heads=shape["num_attention_heads"],
@@ -113,8 +128,15 @@ def torchao_missing() -> str | None:
 def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tuple:
     """The model and its optimizer. Under FSDP2 the model is built on the meta device and sharded before it
     gets memory, so that the whole model never sits on one GPU."""
-    with torch.device("meta" if mesh is not None else device):
-        model = LlamaForCausalLM(config)
+    # The bf16-weight variants are built in bfloat16, so that no float32 copy of the model ever exists.
+    dtype = torch.bfloat16 if variant in BF16_WEIGHT_VARIANTS else torch.float32
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta" if mesh is not None else device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
     if variant.startswith("coat"):
         coat.convert(model)  # before fully_shard, which then shards the converted modules' parameters
     if variant.startswith("torchao"):
@@ -135,7 +157,10 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
         model.to_empty(device=device)
         initialise(model, config)
     params = list(model.parameters())
-    if variant.startswith("coat"):
+    if variant in BF16_WEIGHT_VARIANTS:
+        fp8_grads = "e5m2" if variant == "coat-fp8-grads" else None
+        optimizer = coat.optim.AdamW(params, lr=LR, param_rounding="stochastic", fp8_grads=fp8_grads)
+    elif variant.startswith("coat"):
         optimizer = coat.optim.AdamW(params, lr=LR)
     else:
         optimizer = torch.optim.AdamW(params, lr=LR, fused=device.type == "cuda")
@@ -161,6 +186,22 @@ class Training:
         loss.backward()
         self.optimizer.step()
         return loss.detach()
+
+    def state_bytes_per_param(self) -> float:
+        """Bytes of weights, gradients (param.grad or coat's FP8 gradients) and optimizer state per parameter,
+        of this rank's shards."""
+        def size(t: torch.Tensor) -> int:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        params = list(self.model.parameters())
+        total = sum(size(p) for p in params)
+        total += sum(size(p.grad) for p in params if p.grad is not None)
+        fp8_grads = getattr(self.optimizer, "_fp8_grads", {})
+        total += sum(size(codes) + size(scale) for codes, scale in fp8_grads.values())
+        total += sum(size(t) for state in self.optimizer.state.values() for t in state.values()
+                     if isinstance(t, torch.Tensor))
+        return total / max(sum(size(p) // p.element_size() for p in params), 1)
 
     def free(self) -> None:
         self.model = self.optimizer = None
@@ -238,6 +279,7 @@ def trial(training: Training, batch: int, seq: int, warmup: int, steps: int) -> 
     result = {"peak GiB": peak, "steady GiB": steady_peak, "reserved GiB": reserved} if cuda else {}
     if times:
         result.update({"step ms": median_ms, "tokens/s/GPU": batch * seq / median_ms * 1e3})
+        result["state B/param"] = training.state_bytes_per_param()  # after a step: gradients still held
         result["losses"] = [loss.item() for loss in losses]
     return result
 
@@ -329,13 +371,17 @@ def summarize(rows: list[dict], args, world: int, missing: dict[str, str]) -> di
         notes.append("bf16 fits no batch: no speed ratio")
     coat_speed = speed_ratios.get("coat")
     coat_equal = speed_ratios_equal.get("coat", {}).get("1")
+    state_bytes = {v: next((r["state B/param"] for r in rows if r["variant"] == v and "state B/param" in r), None)
+                   for v in variants}
     return {
         "smoke": args.smoke,
+        "shape": args.shape,
         "layers": args.layers,
         "seq": args.seq,
         "world_size": world,
         "variants": variants,
         "peak_gib_at_equal_batch": by_batch["peak GiB"],
+        "model_state_bytes_per_param": state_bytes,
         "tokens_per_s_per_gpu_at_equal_batch": by_batch["tokens/s/GPU"],
         "memory_ratio_bf16_over_coat": memory_ratios,  # by equal batch; null where either does not fit
         "steady_memory_ratio_bf16_over_coat": steady_ratios,  # the same without the first step
@@ -403,7 +449,8 @@ def plot(result_paths: list[str], png_path: str) -> None:
         ax.legend()
         ax.margins(y=0.15)
     device = results[0]["device"]
-    figure.suptitle(f"Llama-2-7B shape, sequence {results[0]['summary']['seq']}, {device}, torch {results[0]['torch']}")
+    shape = results[0]["summary"].get("shape", "7b").upper()
+    figure.suptitle(f"Llama-2-{shape} shape, sequence {results[0]['summary']['seq']}, {device}, torch {results[0]['torch']}")
     figure.tight_layout()
     figure.savefig(png_path, dpi=120)
     plt.close(figure)
@@ -420,7 +467,8 @@ def main():
     p.set_defaults(warmup=2, repeat=5)
     p.add_argument("--steps", dest="repeat", type=int, help="timed steps per measurement (same as --repeat)")
     p.add_argument("--smoke", action="store_true", help="a tiny Llama on the CPU, two steps of each variant")
-    p.add_argument("--layers", type=int, default=32, help="decoder layers (Llama-2-7B: 32)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="7b", help="Llama-2 model shape")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the shape's, 32 for 7b, 40 for 13b)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length")
     p.add_argument("--memory-batches", default="1,2", help="comma-separated micro-batches for equal-batch memory")
     p.add_argument("--max-batch", type=int, default=64, help="the largest micro-batch the search tries")
@@ -438,6 +486,8 @@ def main():
     args.steps, args.memory_batches = args.repeat, [int(b) for b in args.memory_batches.split(",")]
     if args.warmup < 2:
         p.error("--warmup must be at least 2: the second step is the first with optimizer state and gradients")
+    if args.layers is None:
+        args.layers = SHAPES[args.shape][3]
     if args.smoke:
         args.layers, args.seq = SMOKE_LAYERS, SMOKE_SEQ
         device = torch.device("cpu")
@@ -460,7 +510,7 @@ def main():
             torch.cuda.set_per_process_memory_fraction(args.memory_cap, device)
         mesh = init_device_mesh(device.type, (world,))
     torch.manual_seed(rank)
-    config = llama_config(args.layers, args.smoke)
+    config = llama_config(args.shape, args.layers, args.smoke)
 
     variants = args.variants or (SMOKE_VARIANTS if args.smoke else VARIANTS)
     missing = {}
@@ -468,17 +518,22 @@ def main():
     for variant in variants:
         if variant.startswith("torchao") and torchao_missing():
             missing[variant] = torchao_missing()
+        elif variant == "coat-fp8-grads" and mesh is not None:
+            missing[variant] = "FP8 gradients need unsharded parameters (one process)"
+        if variant in missing:
             log(f"{variant}: skipped, {missing[variant]}")
             continue
         rows += measure(variant, args, config, device, mesh, rank, world)  # frees its model before the next
 
     if rank == 0:
         columns = ["variant", "world size", "measured", "batch", "peak GiB", "steady GiB", "reserved GiB", "step ms",
-                   "tokens/s/GPU"]
+                   "tokens/s/GPU", "state B/param"]
         print_table(rows, columns)
         summary = summarize(rows, args, world, missing)
         print({k: v for k, v in summary.items() if k not in ("smoke", "layers", "seq")})
         name = "e2e-1gpu" if world == 1 else f"e2e-fsdp2-{world}gpu"
+        if args.shape != "7b":
+            name = name.replace("e2e-", f"e2e-{args.shape}-")
         if args.smoke:
             name = "e2e-smoke" if world == 1 else "e2e-fsdp2-smoke"
         print(f"wrote {write_results(args.results_dir, name, rows, summary)}")

@@ -62,6 +62,9 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda: one GPU per process, NCCL; cpu: gloo")
     args = resolve(parser.parse_args())
+    if args.bf16_weights or args.fp8_grads:
+        raise SystemExit("--bf16-weights and --fp8-grads are single-process options for now (examples/train_llama.py): "
+                         "FP8 gradients need unsharded parameters, and this script keeps float32 shards")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         raise SystemExit("--resume and --save-every need --checkpoint-dir")
     if "RANK" not in os.environ:

@@ -7,6 +7,9 @@ decay, gradient clipping. --coat changes two lines of it:
     coat.convert(model)                       # decoder layers compute and save activations in FP8
     optimizer = coat.optim.AdamW(...)         # FP8 moments with dynamic range expansion
 
+and --bf16-weights (no float32 master copy, stochastic rounding) and --fp8-grads e5m2 (gradients kept in FP8)
+take the model state from 10.1 bytes per parameter to 6.1 and 5.1.
+
 The text is the Python standard library's sources, as bytes (see training_common.py). A progress bar shows
 the loss and tokens/s; every --log-every steps a row goes to OUT/NAME.csv; at the end OUT/NAME.json holds
 the summary, and OUT/NAME.png plots the loss of this run and of every --compare CSV.
@@ -54,6 +57,8 @@ def main() -> None:
     args = parse_arguments()
     device = torch.device(args.device)
     model, tokenizer = build_model(args, device)
+    if args.bf16_weights:
+        model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 weights themselves
     if args.coat:
         coat.convert(model)
     optimizer = build_optimizer(args, model)
@@ -81,7 +86,8 @@ def main() -> None:
             log.record(done, train_loss, scheduler.get_last_lr()[0],
                        (lambda: held_out_loss(model, validation, device, autocast).item()) if evaluate else None)
 
-    summary = log.finish({"coat": args.coat, "preset": None if args.model else args.preset,
+    summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
+                          "fp8_grads": args.fp8_grads, "preset": None if args.model else args.preset,
                           "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq})
     print(f"{args.name}: held-out loss {summary['final_val_loss']:.4f}, training loss (last 10%) "
           f"{summary['final_train_loss_last_10pct']:.4f}, {summary['median_tokens_per_s']:,.0f} tokens/s"

@@ -58,6 +58,13 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH", help="a local transformers Llama directory to train from "
                         "(its config and weights; its tokenizer if it has one, else bytes) instead of a preset model")
     parser.add_argument("--coat", action="store_true", help="train with coat.convert and coat.optim.AdamW (FP8)")
+    parser.add_argument("--bf16-weights", action="store_true",
+                        help="with --coat: bfloat16 parameters and gradients, no float32 master copy (6.1 bytes "
+                             "of model state per parameter instead of 10.1)")
+    parser.add_argument("--param-rounding", choices=["stochastic", "nearest"], default="stochastic",
+                        help="how --bf16-weights rounds each update (stochastic keeps updates below half an ulp)")
+    parser.add_argument("--fp8-grads", choices=["e5m2", "e4m3"],
+                        help="with --coat: keep gradients in FP8 with a per-tensor scale after backward (1 byte)")
     parser.add_argument("--steps", type=int, help="optimizer steps")
     parser.add_argument("--batch", type=int, help="sequences per step (per process under torchrun)")
     parser.add_argument("--seq", type=int, help="tokens per sequence")
@@ -86,8 +93,15 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, field, getattr(preset, field))
     if args.eval_every is None:
         args.eval_every = max(args.log_every, args.steps // 10 // args.log_every * args.log_every)
+    if (args.bf16_weights or args.fp8_grads) and not args.coat:
+        raise SystemExit("--bf16-weights and --fp8-grads are options of coat.optim.AdamW: add --coat")
     if args.name is None:
-        args.name = f"{os.path.basename(os.path.normpath(args.model)) if args.model else args.preset}-{'coat' if args.coat else 'bf16'}"
+        variant = "coat" if args.coat else "bf16"
+        if args.bf16_weights:
+            variant += "-bf16w" + ("-nearest" if args.param_rounding == "nearest" else "")
+        if args.fp8_grads:
+            variant += f"-{args.fp8_grads}-grads"
+        args.name = f"{os.path.basename(os.path.normpath(args.model)) if args.model else args.preset}-{variant}"
     for field in ("steps", "batch", "seq", "log_every", "eval_every", "eval_batches"):
         if getattr(args, field) < 1:
             raise SystemExit(f"--{field.replace('_', '-')} must be at least 1, got {getattr(args, field)}")
@@ -192,7 +206,8 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     if args.coat:
-        return coat.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+        return coat.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), param_rounding=args.param_rounding,
+                                fp8_grads=args.fp8_grads)
     fused = all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused or None)
 
@@ -218,7 +233,9 @@ def training_step(model, optimizer, scheduler, batch: torch.Tensor, clip: float,
     with autocast():
         loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
-    if clip > 0:
+    if clip > 0 and getattr(optimizer, "fp8_grads", None) is not None:
+        optimizer.clip_grad_norm_(clip)  # param.grad is None under fp8_grads: the optimizer holds the gradients
+    elif clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     scheduler.step()

@@ -8,9 +8,10 @@
 #           bench (every benchmarks/*.py), bench:NAME[:ARGS] (one script,
 #           extra ARGS comma-separated, e.g. bench:layer:--settings,4096x2048,--profile),
 #           torchrun:NAME (benchmarks/NAME.py on every visible GPU under torchrun),
-#           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side: on
-#           GPUs 0 and 1 when there are two, else sharing one; extra ARGS comma-separated; CSVs, summaries and
-#           the plot in OUTDIR/results/convergence-PRESET)
+#           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side, or
+#           the runs CONVERGENCE_RUNS names, e.g. "bf16=;coat=--coat;coat-fp8g=--coat,--bf16-weights,--fp8-grads,e5m2",
+#           spread over the GPUs; extra ARGS comma-separated, for every run; CSVs, summaries and the plot in
+#           OUTDIR/results/convergence-PRESET)
 #   default: build tests bench
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE...]}
@@ -90,19 +91,29 @@ for stage in "${stages[@]}"; do
       IFS=: read -r _ preset extra <<< "$stage"
       IFS=, read -r -a extra_args <<< "$extra"
       runs="$out/results/convergence-$preset"
-      # On one shared GPU the two runs' tokens/s are not speed figures (benchmarks/e2e.py measures speed).
-      gpus=(0 1); [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || gpus=(0 0)
-      echo "== convergence $preset: BF16 on GPU ${gpus[0]}, coat on GPU ${gpus[1]}, at the same time =="
-      CUDA_VISIBLE_DEVICES=${gpus[0]} python3 examples/train_llama.py --preset "$preset" --out "$runs" "${extra_args[@]}" \
-        > "$out/logs/convergence-$preset-bf16.log" 2>&1 &
-      bf16=$!
-      CUDA_VISIBLE_DEVICES=${gpus[1]} python3 examples/train_llama.py --preset "$preset" --out "$runs" --coat "${extra_args[@]}" \
-        > "$out/logs/convergence-$preset-coat.log" 2>&1
-      coat_status=$?
-      wait $bf16 && [ $coat_status -eq 0 ] || status=1
-      for variant in bf16 coat; do tail -n 3 "$out/logs/convergence-$preset-$variant.log" | tr '\r' '\n' | tail -n 3; done
-      (cd examples && python3 -c "import sys, training_common as t; t.try_plot(sys.argv[1:3], sys.argv[3])" \
-        "$runs/$preset-bf16.csv" "$runs/$preset-coat.csv" "$runs/$preset.png") ;;
+      # CONVERGENCE_RUNS: NAME=FLAGS entries separated by ';', FLAGS comma-separated train_llama.py options.
+      IFS=';' read -r -a entries <<< "${CONVERGENCE_RUNS:-bf16=;coat=--coat}"
+      gpus=$(nvidia-smi -L | wc -l)
+      # On a shared GPU the runs' tokens/s are not speed figures (benchmarks/e2e.py measures speed). Each run
+      # stops after CONVERGENCE_TIMEOUT seconds, so that a slow run still leaves its CSV and this script its tarball.
+      echo "== convergence $preset: ${#entries[@]} runs at the same time on $gpus GPU(s) =="
+      pids=(); names=(); csvs=()
+      for i in "${!entries[@]}"; do
+        name=${entries[$i]%%=*}
+        IFS=, read -r -a flags <<< "${entries[$i]#*=}"
+        CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout "${CONVERGENCE_TIMEOUT:-3000}" python3 examples/train_llama.py \
+          --preset "$preset" --out "$runs" --name "$preset-$name" "${flags[@]}" "${extra_args[@]}" \
+          > "$out/logs/convergence-$preset-$name.log" 2>&1 &
+        pids+=($!); names+=("$name"); csvs+=("$runs/$preset-$name.csv")
+      done
+      for i in "${!pids[@]}"; do
+        wait "${pids[$i]}"
+        code=$?
+        [ $code -eq 0 ] || { status=1; echo "${names[$i]}: exit $code"; }
+        tail -n 3 "$out/logs/convergence-$preset-${names[$i]}.log" | tr '\r' '\n' | tail -n 3
+      done
+      (cd examples && python3 -c "import sys, training_common as t; t.try_plot(sys.argv[2:], sys.argv[1])" \
+        "$runs/$preset.png" "${csvs[@]}") ;;
     *)
       echo "unknown stage $stage"; exit 2 ;;
   esac

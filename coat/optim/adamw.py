@@ -186,6 +186,11 @@ class AdamW(torch.optim.Optimizer):
                 if param.requires_grad:
                     self._grad_hooks.append(param.register_post_accumulate_grad_hook(self._quantize_grad))
 
+    @property
+    def fp8_grads(self) -> torch.dtype | None:
+        """The FP8 dtype gradients are kept in (the fp8_grads option), or None."""
+        return self._fp8_grad_dtype
+
     @torch.no_grad()
     def _quantize_grad(self, param: torch.Tensor) -> None:
         """The post-accumulate-grad hook of fp8_grads: param.grad (plus the stored FP8 gradient, when
