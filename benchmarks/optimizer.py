@@ -3,7 +3,9 @@
 32000), float32 parameters (master weights): optimizer step time and optimizer-state bytes per parameter.
 
 Step time: CUDA events around ``opt.step()``, median of --repeat steps after --warmup, both optimizers in this
-run on separate copies of the same parameters and gradients; coat with float32 and with bfloat16 gradients.
+run on separate copies of the same parameters and gradients; coat with float32 and with bfloat16 gradients,
+then with bfloat16 parameters (no master copy) rounded to nearest and stochastically, and with FP8 gradients
+(fp8_grads="e5m2": the step dequantizes them in chunks before the fused kernel).
 "host ms" is the time step() takes on the CPU (Python, launches) with the GPU not waited for: below the GPU
 time, the host is not what limits the step. State bytes: every tensor in ``opt.state`` (codes, meta, step
 counters) divided by the number of parameters.
@@ -85,11 +87,13 @@ def main():
 
     rows = []
 
-    def measure(name, opt, grad_dtype):
+    def measure(name, opt, grad_dtype, param_dtype=torch.float32, rounding="-"):
         ms = time_cuda_ms(opt.step, args.warmup, args.repeat)
         rows.append(
             {
                 "optimizer": name,
+                "params": str(param_dtype).replace("torch.", ""),
+                "rounding": rounding,
                 "grads": str(grad_dtype).replace("torch.", ""),
                 "step ms": ms,
                 "host ms": host_ms(opt, args.repeat),
@@ -105,11 +109,25 @@ def main():
         param.grad = grad.bfloat16()
     del grads
     measure("coat.optim.AdamW", coat_opt, torch.bfloat16)
+    bf16_grads = [p.grad for p in coat_params]
+    del coat_opt, coat_params, values
+    for rounding in ("nearest", "stochastic"):
+        params = [torch.nn.Parameter(g.clone() * 20) for g in bf16_grads]
+        for param, grad in zip(params, bf16_grads):
+            param.grad = grad
+        measure("coat.optim.AdamW", coat.optim.AdamW(params, lr=1e-4, weight_decay=0.1, param_rounding=rounding),
+                torch.bfloat16, torch.bfloat16, rounding)
+        del params
+    params = [torch.nn.Parameter(g.clone() * 20) for g in bf16_grads]
+    opt = coat.optim.AdamW(params, lr=1e-4, weight_decay=0.1, param_rounding="stochastic", fp8_grads="e5m2")
+    torch.autograd.backward(params, grad_tensors=bf16_grads)  # the post-accumulate hooks quantize them
+    del bf16_grads
+    measure("coat.optim.AdamW", opt, torch.float8_e5m2, torch.bfloat16, "stochastic")
 
     torch_ms, torch_bytes = rows[0]["step ms"], rows[0]["state B/param"]
     for row in rows:
         row["step vs torch"] = row["step ms"] / torch_ms
-    print_table(rows, ["optimizer", "grads", "step ms", "host ms", "step vs torch", "state B/param"])
+    print_table(rows, ["optimizer", "params", "rounding", "grads", "step ms", "host ms", "step vs torch", "state B/param"])
     coat_row = rows[1]
     meets_bytes = coat_row["state B/param"] <= STATE_BYTES_TARGET
     meets_time = coat_row["step vs torch"] <= STEP_TIME_TARGET

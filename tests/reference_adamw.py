@@ -170,16 +170,18 @@ def adamw_update(p, g, m, v, hyper: Hyper, step: int):
 
 # --- stochastic rounding of bfloat16 parameters ------------------------------------------------------------------
 
-_MASK64 = (1 << 64) - 1
-
-
 def rounding_bits(seed: int, index: int) -> int:
-    """The 16 random bits of element ``index`` (coat/adamw.h): the top 16 bits of splitmix64's finaliser of
-    seed + index * 0x9E3779B97F4A7C15, in Python integers."""
-    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z >> 48
+    """The 16 random bits of element ``index`` (coat/adamw.h): a 32-bit word from the seed's and the index's
+    halves, hashed by lowbias32, top 16 bits; Python integers, arithmetic mod 2^32."""
+    mask = 0xFFFFFFFF
+    word = (((index & mask) ^ (seed >> 32)) + (seed & mask)) & mask
+    word ^= ((index >> 32) * 0x9E3779B9) & mask
+    word ^= word >> 16
+    word = (word * 0x7FEB352D) & mask
+    word ^= word >> 15
+    word = (word * 0x846CA68B) & mask
+    word ^= word >> 16
+    return word >> 16
 
 
 def stochastic_bf16(p: torch.Tensor, seed: int) -> torch.Tensor:

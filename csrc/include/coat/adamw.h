@@ -155,7 +155,10 @@ typedef struct {
  *  are with torch.optim.AdamW on bf16 parameters. With options->stochastic_rounding the fp32 result p rounds
  *  up in magnitude with probability equal to the fraction of a bf16 ulp it lies above the bf16 value below it,
  *  so the stored parameter is p in expectation and small updates accumulate:
- *    r    = the top 16 bits of splitmix64(rounding_seed + index * 0x9E3779B97F4A7C15), index = row*cols + col
+ *    w    = ((lo(index) ^ hi(rounding_seed)) + lo(rounding_seed)) ^ (hi(index) * 0x9E3779B9)   (32-bit words,
+ *           index = row*cols + col, lo / hi the low / high 32 bits, arithmetic mod 2^32)
+ *    r    = the top 16 bits of lowbias32(w): w ^= w >> 16; w *= 0x7FEB352D; w ^= w >> 15; w *= 0x846CA68B;
+ *           w ^= w >> 16
  *    bf16 = (bits(p) + r) >> 16                   (NaN and +-Inf round to nearest; a finite p within a ulp of
  *                                                  the largest bf16 can round to Inf, with that probability)
  *  r depends only on the seed and the element's index, so the C core and CUDA draw the same bits, and a step

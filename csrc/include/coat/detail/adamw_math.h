@@ -566,12 +566,18 @@ COAT_INLINE int coat_adamw_tensor_is_valid(const coat_adamw_tensor* t) {
          coat_is_valid_format(t->exp_avg_format) && coat_is_valid_format(t->exp_avg_sq_format);
 }
 
-/* The 16 random bits of element `index` under stochastic rounding (coat/adamw.h): splitmix64's finaliser. */
+/* The 16 random bits of element `index` under stochastic rounding (coat/adamw.h): Wellons' lowbias32 hash of a
+ * 32-bit word mixed from the seed and the index. 32-bit integer operations only (a 64-bit hash per element cost
+ * the GPU step a quarter of its time). */
 COAT_INLINE uint32_t coat_rounding_bits(uint64_t seed, int64_t index) {
-  uint64_t z = seed + (uint64_t)index * 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return (uint32_t)(z >> 48);
+  const uint64_t i = (uint64_t)index;
+  uint32_t x = (((uint32_t)i ^ (uint32_t)(seed >> 32)) + (uint32_t)seed) ^ ((uint32_t)(i >> 32) * 0x9E3779B9u);
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x >> 16;
 }
 
 /* x rounded to a bf16 stochastically with the 16 random bits r: the dropped fraction plus r carries into the
