@@ -79,6 +79,8 @@ _PARAM_ROUNDINGS = ("nearest", "stochastic")
 # step never holds more than 128 MiB of them at once (one larger tensor is its own chunk).
 _DEQUANTIZED_GRAD_CHUNK = 1 << 26
 _MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 # torch.optim.AdamW features coat does not implement, with the only value accepted for each.
 _UNSUPPORTED_FEATURES = {
     "amsgrad": False,
@@ -310,7 +312,8 @@ class AdamW(torch.optim.Optimizer):
                         tensor_list.append(_as_rows(tensor))
                 seeds = None
                 if stochastic:
-                    seeds = [_step_seed(group["rounding_seed"], index_of[id(p)], step, rank) for p, _ in chunk]
+                    step_seed = _step_seed(group["rounding_seed"], step, rank)
+                    seeds = [(step_seed + index_of[id(p)] * _GOLDEN) & _MASK63 for p, _ in chunk]
                 ops.fp8_adamw_step(
                     *tensors,
                     beta1=beta1,
@@ -541,11 +544,12 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _step_seed(base: int, param_index: int, step: float, rank: int) -> int:
-    """The stochastic-rounding seed of one parameter (its index in the optimizer) at one step on one rank, in
-    [0, 2**63): fresh bits for every parameter, step and shard, and the same ones when a run resumes."""
+def _step_seed(base: int, step: float, rank: int) -> int:
+    """The stochastic-rounding seed of one step on one rank: parameter i of the optimizer rounds with
+    ``seed + i * _GOLDEN`` (mod 2**63), fresh bits for every parameter, step and shard, and the same ones when a
+    run resumes. One hash per step: hashing per parameter in Python kept the GPU waiting."""
     z = _splitmix64(base & _MASK64)
-    for value in (param_index, int(step), rank):
+    for value in (int(step), rank):
         z = _splitmix64(z ^ value)
     return z >> 1
 
