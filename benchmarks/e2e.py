@@ -410,6 +410,15 @@ def plot(result_paths: list[str], png_path: str) -> None:
     import matplotlib.pyplot as plt
 
     results = [json.load(open(path)) for path in result_paths]
+    labelled = set()
+
+    def legend_label(ax, variant: str) -> str | None:
+        """The variant's name on its first bar in each chart, so that the legend lists every variant once."""
+        if (id(ax), variant) in labelled:
+            return None
+        labelled.add((id(ax), variant))
+        return variant
+
     variants = list(dict.fromkeys(r["variant"] for result in results for r in result["rows"]))
     figure, (memory_ax, speed_ax) = plt.subplots(1, 2, figsize=(6 + 2 * len(variants), 4.5))
     width = 0.8 / len(variants)
@@ -417,7 +426,7 @@ def plot(result_paths: list[str], png_path: str) -> None:
     memory_labels, speed_labels = [], []
     for result in results:
         world = result["summary"]["world_size"]
-        setup = "1 GPU" if world == 1 else f"FSDP2, {world} GPUs"
+        setup = result["summary"].get("shape", "7b").upper() + (", 1 GPU" if world == 1 else f", FSDP2, {world} GPUs")
         rows = result["rows"]
         for batch in sorted({r["batch"] for r in rows if r["measured"] == "equal batch"}):
             memory_labels.append(f"{setup}\nbatch {batch}")
@@ -428,15 +437,16 @@ def plot(result_paths: list[str], png_path: str) -> None:
                     continue
                 fits = row["peak GiB"] != "OOM"
                 bar = memory_ax.bar(len(memory_labels) - 1 + offset, row["peak GiB"] if fits else 0, width,
-                                    color=VARIANT_COLORS[variant], label=variant if len(memory_labels) == 1 else None)
+                                    color=VARIANT_COLORS[variant], label=legend_label(memory_ax, variant))
                 memory_ax.bar_label(bar, labels=[f"{row['peak GiB']:.1f}" if fits else "OOM"], fontsize=7)
         speed_labels.append(setup)
         for variant, offset in offsets.items():
             if not any(r["variant"] == variant for r in rows):
                 continue
-            row = next((r for r in rows if r["variant"] == variant and r["measured"] == "largest batch"), None)
+            row = next((r for r in rows if r["variant"] == variant and r["measured"] == "largest batch"
+                        and "tokens/s/GPU" in r), None)  # a largest batch that ran out of memory when timed: OOM
             bar = speed_ax.bar(len(speed_labels) - 1 + offset, row["tokens/s/GPU"] if row else 0, width,
-                               color=VARIANT_COLORS[variant], label=variant if len(speed_labels) == 1 else None)
+                               color=VARIANT_COLORS[variant], label=legend_label(speed_ax, variant))
             speed_ax.bar_label(bar, labels=[f"{row['tokens/s/GPU']:,.0f}\nbatch {row['batch']}" if row else "OOM"],
                                fontsize=8)
     memory_ax.set_xticks(range(len(memory_labels)), memory_labels)
@@ -449,8 +459,7 @@ def plot(result_paths: list[str], png_path: str) -> None:
         ax.legend()
         ax.margins(y=0.15)
     device = results[0]["device"]
-    shape = results[0]["summary"].get("shape", "7b").upper()
-    figure.suptitle(f"Llama-2-{shape} shape, sequence {results[0]['summary']['seq']}, {device}, torch {results[0]['torch']}")
+    figure.suptitle(f"Llama-2 shapes, sequence {results[0]['summary']['seq']}, {device}, torch {results[0]['torch']}")
     figure.tight_layout()
     figure.savefig(png_path, dpi=120)
     plt.close(figure)
