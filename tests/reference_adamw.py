@@ -174,7 +174,7 @@ def rounding_bits(seed: int, index: int) -> int:
     """The 16 random bits of element ``index`` (coat/adamw.h): a 32-bit word from the seed's and the index's
     halves, hashed by lowbias32, top 16 bits; Python integers, arithmetic mod 2^32."""
     mask = 0xFFFFFFFF
-    word = (((index & mask) ^ (seed >> 32)) + (seed & mask)) & mask
+    word = (((index & mask) + (seed & mask)) & mask) ^ (seed >> 32)
     word ^= ((index >> 32) * 0x9E3779B9) & mask
     word ^= word >> 16
     word = (word * 0x7FEB352D) & mask

@@ -99,11 +99,24 @@ def fully_sharded(model, mesh):
 # --- workers (run in spawned processes) ---------------------------------------------------------------------
 
 
+# bfloat16 weights without a master copy, rounded stochastically: each shard draws the random bits of its
+# elements in the whole tensor, so the sharded run must equal the single-process one bit for bit too.
+BF16_STOCHASTIC = dict(dtype=torch.bfloat16, param_rounding="stochastic", rounding_seed=11)
+
+
 def fsdp2_matches_single_process(rank: int, world_size: int, device: torch.device, out: Path) -> None:
+    compare_fsdp2_with_single_process(rank, world_size, device, out)
+
+
+def fsdp2_bf16_stochastic_matches_single_process(rank: int, world_size: int, device: torch.device, out: Path) -> None:
+    compare_fsdp2_with_single_process(rank, world_size, device, out, **BF16_STOCHASTIC)
+
+
+def compare_fsdp2_with_single_process(rank, world_size, device, out, dtype=torch.float32, **options) -> None:
     data = batches(4)
-    reference = tiny_llama(seed=0).to(device)
+    reference = tiny_llama(seed=0).to(device, dtype)
     model = fully_sharded(copy.deepcopy(reference), init_device_mesh(device.type, (world_size,)))
-    opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
     # The reference sees a 1-D parameter as world_size rows, one per shard: its row-wise groups are then the
     # groups FSDP2's shards form locally.
     pieces, reference_params = [], []
@@ -114,7 +127,7 @@ def fsdp2_matches_single_process(rank: int, world_size: int, device: torch.devic
             reference_params.append(view)
         else:
             reference_params.append(param)
-    reference_opt = AdamW(reference_params, lr=LR, weight_decay=WEIGHT_DECAY)
+    reference_opt = AdamW(reference_params, lr=LR, weight_decay=WEIGHT_DECAY, **options)
     losses = [train_step(model, opt, tokens.to(device)) for tokens in data]
     reference_losses = [train_step(reference, reference_opt, tokens.to(device), pieces) for tokens in data]
 
@@ -171,10 +184,18 @@ def snapshot(model, opt) -> dict[str, torch.Tensor]:
 
 
 def dcp_resume(rank: int, world_size: int, device: torch.device, out: Path) -> None:
+    resume_from_dcp(rank, world_size, device, out)
+
+
+def dcp_resume_bf16_stochastic(rank: int, world_size: int, device: torch.device, out: Path) -> None:
+    resume_from_dcp(rank, world_size, device, out, **BF16_STOCHASTIC)
+
+
+def resume_from_dcp(rank, world_size, device, out, dtype=torch.float32, **options) -> None:
     data = batches(6)
     mesh = init_device_mesh(device.type, (world_size,))
-    model = fully_sharded(tiny_llama(seed=0).to(device), mesh)
-    opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    model = fully_sharded(tiny_llama(seed=0).to(device, dtype), mesh)
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
     for tokens in data[:3]:
         train_step(model, opt, tokens.to(device))
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
@@ -184,8 +205,9 @@ def dcp_resume(rank: int, world_size: int, device: torch.device, out: Path) -> N
     uninterrupted = snapshot(model, opt)
 
     # A new model (another initialisation) and optimizer, resumed from the checkpoint as FSDP2 users do.
-    resumed_model = fully_sharded(tiny_llama(seed=123).to(device), mesh)
-    resumed_opt = AdamW(resumed_model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    # another rounding seed too: the checkpoint's must win
+    resumed_model = fully_sharded(tiny_llama(seed=123).to(device, dtype), mesh)
+    resumed_opt = AdamW(resumed_model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **{**options, "rounding_seed": 99})
     state = {"model": get_model_state_dict(resumed_model), "optim": get_optimizer_state_dict(resumed_model, resumed_opt)}
     dcp.load(state, checkpoint_id=out / "checkpoint")
     set_model_state_dict(resumed_model, state["model"])
@@ -270,7 +292,13 @@ def fsdp1_matches_single_process(rank: int, world_size: int, device: torch.devic
     )
 
 
-SCENARIOS = (fsdp2_matches_single_process, dcp_resume, fsdp1_matches_single_process)
+SCENARIOS = (
+    fsdp2_matches_single_process,
+    fsdp2_bf16_stochastic_matches_single_process,
+    dcp_resume,
+    dcp_resume_bf16_stochastic,
+    fsdp1_matches_single_process,
+)
 
 
 def worker(rank: int, world_size: int, backend: str, port: int, out: str) -> None:
@@ -335,13 +363,21 @@ def assert_all_equal(compared: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> 
 # --- tests --------------------------------------------------------------------------------------------------
 
 
-def test_fsdp2_matches_single_process_bit_for_bit(results):
-    for result in results["fsdp2_matches_single_process"]:
+@pytest.mark.parametrize("scenario", ["fsdp2_matches_single_process", "fsdp2_bf16_stochastic_matches_single_process"])
+def test_fsdp2_matches_single_process_bit_for_bit(results, scenario):
+    for result in results[scenario]:
         assert result["layout_errors"] == []
         assert "sharded on its last dimension" in result["last_dimension_refusal"]
         assert result["losses"] == result["reference_losses"]
         assert result["losses"][-1] < result["losses"][0]
         assert_all_equal(result["compared"])
+
+
+def test_dcp_checkpoint_resumes_bf16_stochastic_rounding_bit_for_bit(results):
+    for result in results["dcp_resume_bf16_stochastic"]:
+        assert result["resumed_losses"] == result["uninterrupted_losses"]
+        assert all(t.dtype == torch.bfloat16 for name, t in result["resumed"].items() if "/" not in name)
+        assert_all_equal({name: (t, result["resumed"][name]) for name, t in result["uninterrupted"].items()})
 
 
 def test_dcp_checkpoint_resumes_on_two_ranks_and_loads_on_one(results):

@@ -61,12 +61,12 @@ any dim-0 sharding, so their states load exactly on any number of ranks.
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from copy import deepcopy
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from coat import ops
@@ -80,6 +80,7 @@ _PARAM_ROUNDINGS = ("nearest", "stochastic")
 _DEQUANTIZED_GRAD_CHUNK = 1 << 26
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
+_MASK32 = (1 << 32) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 # torch.optim.AdamW features coat does not implement, with the only value accepted for each.
 _UNSUPPORTED_FEATURES = {
@@ -110,8 +111,8 @@ class AdamW(torch.optim.Optimizer):
         expand: dynamic range expansion on (True) or off (False), or a (m, v) pair of bools.
         param_rounding: how the update of a bfloat16 parameter is rounded: "nearest" or "stochastic" (see the
             module docstring; float32 parameters are stored exactly either way).
-        rounding_seed: the seed of stochastic rounding, an integer; None draws one from torch's default
-            generator (so torch.manual_seed fixes it).
+        rounding_seed: the seed of stochastic rounding, an integer; None takes torch.initial_seed() (so
+            torch.manual_seed fixes it, and nothing is drawn from the generator).
         fp8_grads: None (gradients stay in param.grad), or "e5m2" / "e4m3": each gradient is kept in FP8 with
             a per-tensor scale once backward has produced it (module docstring). Not per group.
 
@@ -292,7 +293,6 @@ class AdamW(torch.optim.Optimizer):
         expand_m, expand_v = group["expand"]
         stochastic = group["param_rounding"] == "stochastic"
         index_of = _param_indices(self.param_groups) if stochastic else {}
-        rank = dist.get_rank() if stochastic and dist.is_initialized() else 0
         for (_, step), entries in batches.items():
             # float64 on the host from the step count, exactly as torch.optim.AdamW computes them.
             decay_factor, step_size, bias_correction2_sqrt = ops.adamw_scalars(
@@ -312,8 +312,8 @@ class AdamW(torch.optim.Optimizer):
                         tensor_list.append(_as_rows(tensor))
                 seeds = None
                 if stochastic:
-                    step_seed = _step_seed(group["rounding_seed"], step, rank)
-                    seeds = [(step_seed + index_of[id(p)] * _GOLDEN) & _MASK63 for p, _ in chunk]
+                    step_seed = _step_seed(group["rounding_seed"], step)
+                    seeds = [_param_seed(step_seed, index_of[id(p)], p) for p, _ in chunk]
                 ops.fp8_adamw_step(
                     *tensors,
                     beta1=beta1,
@@ -534,7 +534,9 @@ def _normalize_options(group: dict[str, Any]) -> None:
 
 
 def _draw_seed() -> int:
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    """torch's default generator's seed: torch.manual_seed fixes it, and reading it draws nothing from the
+    generator, so building the optimizer leaves the user's random stream as torch.optim.AdamW does."""
+    return torch.initial_seed()
 
 
 def _splitmix64(z: int) -> int:
@@ -544,14 +546,31 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def _step_seed(base: int, step: float, rank: int) -> int:
-    """The stochastic-rounding seed of one step on one rank: parameter i of the optimizer rounds with
-    ``seed + i * _GOLDEN`` (mod 2**63), fresh bits for every parameter, step and shard, and the same ones when a
-    run resumes. One hash per step: hashing per parameter in Python kept the GPU waiting."""
-    z = _splitmix64(base & _MASK64)
-    for value in (int(step), rank):
-        z = _splitmix64(z ^ value)
-    return z >> 1
+def _step_seed(base: int, step: float) -> int:
+    """The stochastic-rounding seed of one step, from which every parameter's is derived (_param_seed). One
+    hash per step: hashing per parameter in Python kept the GPU waiting."""
+    return _splitmix64(_splitmix64(base & _MASK64) ^ int(step)) >> 1
+
+
+def _param_seed(step_seed: int, param_index: int, param: torch.Tensor) -> int:
+    """The seed of parameter ``param_index`` of the optimizer at one step, in [0, 2**63). A DTensor shard's
+    global offset is added to the seed's low word, where the kernel adds the element index (coat/adamw.h):
+    every shard then draws the bits of its elements in the whole tensor, and a sharded run rounds exactly as
+    an unsharded one."""
+    seed = (step_seed + param_index * _GOLDEN) & _MASK63
+    offset = _global_offset(param)
+    return (seed & ~_MASK32) | ((seed + offset) & _MASK32)
+
+
+def _global_offset(param: torch.Tensor) -> int:
+    """The flat index, in the whole tensor, of the first element of this rank's shard (0 for a plain tensor).
+    FSDP2 shards dim 0, so the shard is a run of whole rows."""
+    if not isinstance(param, DTensor):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return sum(offset * math.prod(param.shape[dim + 1 :]) for dim, offset in enumerate(offsets))
 
 
 def _check_fp8_grad_param(param: torch.Tensor) -> None:

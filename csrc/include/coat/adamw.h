@@ -155,14 +155,16 @@ typedef struct {
  *  are with torch.optim.AdamW on bf16 parameters. With options->stochastic_rounding the fp32 result p rounds
  *  up in magnitude with probability equal to the fraction of a bf16 ulp it lies above the bf16 value below it,
  *  so the stored parameter is p in expectation and small updates accumulate:
- *    w    = ((lo(index) ^ hi(rounding_seed)) + lo(rounding_seed)) ^ (hi(index) * 0x9E3779B9)   (32-bit words,
+ *    w    = (lo(index) + lo(rounding_seed)) ^ hi(rounding_seed) ^ (hi(index) * 0x9E3779B9)   (32-bit words,
  *           index = row*cols + col, lo / hi the low / high 32 bits, arithmetic mod 2^32)
  *    r    = the top 16 bits of lowbias32(w): w ^= w >> 16; w *= 0x7FEB352D; w ^= w >> 15; w *= 0x846CA68B;
  *           w ^= w >> 16
  *    bf16 = (bits(p) + r) >> 16                   (NaN and +-Inf round to nearest; a finite p within a ulp of
  *                                                  the largest bf16 can round to Inf, with that probability)
  *  r depends only on the seed and the element's index, so the C core and CUDA draw the same bits, and a step
- *  repeated with the same seed gives the same parameters. The caller picks a fresh seed per tensor and step. A NaN or +-Inf gradient element makes its parameter NaN, as in
+ *  repeated with the same seed gives the same parameters. The caller picks a fresh seed per tensor and step;
+ *  adding a shard's global offset o to lo(rounding_seed) makes the shard draw the bits of elements o, o+1, ...
+ *  of the whole tensor (exactly, for tensors below 2^32 elements). A NaN or +-Inf gradient element makes its parameter NaN, as in
  *  torch (Inf / Inf in the update), and its m and v NaN codes; the rest of its groups is unaffected.
  *  The CUDA entry point launches once per 32 tensors (their pointers and sizes travel by value in the
  *  kernel's arguments: no device allocation, no copy, no synchronisation) and skips empty tensors; it uses the

@@ -568,10 +568,11 @@ COAT_INLINE int coat_adamw_tensor_is_valid(const coat_adamw_tensor* t) {
 
 /* The 16 random bits of element `index` under stochastic rounding (coat/adamw.h): Wellons' lowbias32 hash of a
  * 32-bit word mixed from the seed and the index. 32-bit integer operations only (a 64-bit hash per element cost
- * the GPU step a quarter of its time). */
+ * the GPU step a quarter of its time). The index enters by addition to the seed's low word, so a shard whose
+ * first element has global index o draws the unsharded tensor's bits when its seed's low word is raised by o. */
 COAT_INLINE uint32_t coat_rounding_bits(uint64_t seed, int64_t index) {
   const uint64_t i = (uint64_t)index;
-  uint32_t x = (((uint32_t)i ^ (uint32_t)(seed >> 32)) + (uint32_t)seed) ^ ((uint32_t)(i >> 32) * 0x9E3779B9u);
+  uint32_t x = ((uint32_t)i + (uint32_t)seed) ^ (uint32_t)(seed >> 32) ^ ((uint32_t)(i >> 32) * 0x9E3779B9u);
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
