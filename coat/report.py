@@ -481,9 +481,9 @@ def heatmap(rows: Iterable[dict], path: str | os.PathLike, metric: str = "rel_er
                     color="white" if norm(shown[i, j]) > 0.6 else "black")
     ax.set_xticks(range(len(tensors)), tensors, rotation=60, ha="right", fontsize=8)
     ax.set_yticks(range(len(layers)), layers, fontsize=8)
-    figure.colorbar(image, ax=ax, extend="both", label=f"{metric}: {METRIC_DESCRIPTIONS[metric]}")
+    figure.colorbar(image, ax=ax, extend="both", label=metric)
     worst = max(rows, key=lambda row: math.inf if math.isnan(row[metric]) else row[metric])
-    ax.set_title(f"coat quantization report, step {last_step}: {metric}\n"
+    ax.set_title(f"coat quantization report, step {last_step}: {metric}, {METRIC_DESCRIPTIONS[metric]}\n"
                  f"worst: {worst['layer']} / {worst['tensor']} = {worst[metric]:.3g}", fontsize=10)
     figure.savefig(path, dpi=120)
 
