@@ -35,7 +35,7 @@ def check_e2e(result: dict, world_size: int) -> None:
         assert len(row["losses"]) == 2 and all(math.isfinite(loss) for loss in row["losses"])
 
 
-@pytest.mark.parametrize("script", ["linear", "layer", "e2e", "rope"])
+@pytest.mark.parametrize("script", ["linear", "layer", "e2e", "rope", "report"])
 def test_benchmark_smoke_mode(script, tmp_path):
     result = run_smoke([sys.executable], script, tmp_path)
     assert result["summary"]["smoke"] and result["rows"]
