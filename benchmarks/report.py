@@ -5,12 +5,13 @@ float32 master weights, coat.optim.AdamW step), timed in one process on the same
     capture on      the same step inside ``with report.capture():`` (every quantized tensor and both moments
                     of every parameter measured, one device-to-host copy at the end)
 
-Both are medians of steps run alternately. "capture / off" is the captured step's time over the plain one's; "every N" is the overhead of capturing
-every N-th step, (capture - off) / (N * off). Outside a capture each coat autograd Function reads one module
-global (coat.nn._capture.active) in forward and in backward: "switch" times that read and multiplies by the
-reads per step, the whole cost of the report when off, as a share of the step.
+Both are medians of steps run alternately. "capture / off" is the captured step's time over the plain one's;
+"every N" is the overhead of capturing every N-th step, (capture - off) / (N * off). Outside a capture each
+coat autograd Function reads one module global (coat.nn._capture.active) in forward and in backward: "switch"
+times that read and multiplies it by the reads per step, the whole cost of the report when off, as a share
+of the step.
 
-    python benchmarks/report.py            (CUDA GPU if there is one, else the CPU with train_llama.py's tiny model)
+    python benchmarks/report.py            (a CUDA GPU if there is one, else the CPU, train_llama.py's tiny model)
     python benchmarks/report.py --smoke    (a smaller model on the CPU, one run each: checks that the script runs)
 """
 import statistics

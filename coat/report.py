@@ -57,8 +57,8 @@ Cost: only capture steps pay (a dequantization and a few element-wise passes ove
 recomputed RMSNorm and SiLU*mul outputs, one device-to-host copy at the end); outside a capture each coat
 autograd Function reads one module global (``benchmarks/report.py`` measures both). Captures run in eager
 mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs again after it (no
-recompilation); without a capture a converted model compiles as before, with no graph break. Under FSDP each process reports its own batch and its own
-shards of the optimizer state.
+recompilation); without a capture a converted model compiles as before, with no graph break. Under FSDP each
+process reports its own batch and its own shards of the optimizer state.
 """
 from __future__ import annotations
 
@@ -101,6 +101,8 @@ _FORMAT_NAMES = {dtype: name for name, dtype in ops.FP8_DTYPES.items()}
 # the quantizer's saturation changes the value: 448 + 16 for E4M3, 57344 + 4096 for E5M2.
 _CLIP_THRESHOLD = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
 _SIGN_MASK_OFF = 0x7F  # an FP8 code without its sign bit: 0 is +-0 in both formats
+# (moment, codes key, meta key) in coat.optim.AdamW's state
+_MOMENT_STATES = (("m", "exp_avg", "exp_avg_meta"), ("v", "exp_avg_sq", "exp_avg_sq_meta"))
 _NO_MODULE = "coat.nn.functional"  # the layer name of a Function called outside any coat module
 _ROOT = "(model)"  # the layer name of the model itself, whose module name is empty
 
@@ -153,13 +155,17 @@ def _tensor_metrics(sums: list[float]) -> dict[str, float]:
     }
 
 
-def tensor_stats(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None = None) -> dict[str, float]:
+def tensor_stats(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None = None
+) -> dict[str, float]:
     """The report's metrics (amax, nonfinite, flushed, saturated, rel_error, numel; see the module docstring)
     of one tensor ``x`` and its FP8 codes ``q`` with their scales, as a coat quantizer returned them: the
     one-element scale of ``coat.ops.quantize_tensor`` (``group_size`` None), or the per-group scales of
     ``coat.ops.quantize_group`` with its ``group_size``."""
     if q.dtype not in ops.FP8_MAX:
-        raise TypeError(f"coat.report.tensor_stats: q must hold FP8 codes (float8_e4m3fn or float8_e5m2), got {q.dtype}")
+        raise TypeError(
+            f"coat.report.tensor_stats: q must hold FP8 codes (float8_e4m3fn or float8_e5m2), got {q.dtype}"
+        )
     if x.shape != q.shape:
         raise ValueError(f"coat.report.tensor_stats: x {tuple(x.shape)} and q {tuple(q.shape)} must have one shape")
     if x.numel() == 0:
@@ -348,7 +354,7 @@ class QuantizationReport:
                     if not state or _local(param).numel() == 0:
                         continue
                     layer, name = self._moment_names[id(param)]
-                    for moment, codes_key, meta_key in (("m", "exp_avg", "exp_avg_meta"), ("v", "exp_avg_sq", "exp_avg_sq_meta")):
+                    for moment, codes_key, meta_key in _MOMENT_STATES:
                         codes = _as_rows(_local(state[codes_key]))
                         values = _moment_values(codes, _local(state[meta_key]), group["group_size"])
                         entries.append((layer, f"{name}.{moment}", _FORMAT_NAMES[codes.dtype], values, _moment_metrics))
@@ -387,7 +393,9 @@ class QuantizationReport:
         """(layer, tensor, value) of the last capture's largest ``metric``; NaN counts as the largest."""
         rows = [row for row in self.rows() if row.get(metric) is not None]
         if not rows:
-            raise ValueError(f"coat.report: no tensor of the last capture has {metric!r}; metrics: {', '.join(METRICS)}")
+            raise ValueError(
+                f"coat.report: no tensor of the last capture has {metric!r}; metrics: {', '.join(METRICS)}"
+            )
         row = max(rows, key=lambda row: math.inf if math.isnan(row[metric]) else row[metric])
         return row["layer"], row["tensor"], row[metric]
 
@@ -401,7 +409,9 @@ class QuantizationReport:
             with open(path, newline="") as f:
                 header = next(csv.reader(f), [])
             if tuple(header) != CSV_COLUMNS:
-                raise ValueError(f"coat.report: {path} is not a report CSV (its header is {header}); write to a new file")
+                raise ValueError(
+                    f"coat.report: {path} is not a report CSV (its header is {header}); write to a new file"
+                )
         with open(path, "a", newline="") as f:
             writer = csv.DictWriter(f, CSV_COLUMNS)
             if new:
@@ -448,7 +458,9 @@ def heatmap(rows: Iterable[dict], path: str | os.PathLike, metric: str = "rel_er
     last_step = max((row["step"] for row in rows), default=None)
     rows = [row for row in rows if row["step"] == last_step and row.get(metric) is not None]
     if not rows:
-        raise ValueError(f"coat.report.heatmap: no row has {metric!r} (optimizer metrics need a report with an optimizer)")
+        raise ValueError(
+            f"coat.report.heatmap: no row has {metric!r} (optimizer metrics need a report with an optimizer)"
+        )
     layers = list(dict.fromkeys(row["layer"] for row in rows))
     tensors = list(dict.fromkeys(row["tensor"] for row in rows))
     grid = numpy.full((len(layers), len(tensors)), numpy.nan)

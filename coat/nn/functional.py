@@ -497,7 +497,9 @@ class _SwiGLUMLPFunction(torch.autograd.Function):
         param_needs = _param_needs(ctx.needs_input_grad, 3, 3)
         site = ctx.report_site = _capture.forward_site()
         x2d = _matrix(x)
-        x_q, x_scale, x_q_t = quantize_per_tensor(x2d, config.forward_dtype, columnwise=_params_need_grad(param_needs[:2]))
+        x_q, x_scale, x_q_t = quantize_per_tensor(
+            x2d, config.forward_dtype, columnwise=_params_need_grad(param_needs[:2])
+        )
         if site is not None:
             site.record("gate_up_input", x2d, x_q, x_scale)
         out, saved = _swiglu_forward(x_q, x_scale, params, config, out_dtype, keep_for_backward=True, site=site)
