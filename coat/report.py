@@ -118,17 +118,19 @@ def _quantization_sums(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, gr
     dequantized = ops.dequantize(q, scale, group_size, torch.float32)
     if group_size is not None:  # the scale of each element's group
         scale = scale.repeat_interleave(group_size, dim=-1)[..., : x.shape[-1]]
-    finite = torch.isfinite(x) & torch.isfinite(dequantized)
+    error = dequantized - x
+    finite = error.isfinite()  # NaN or Inf in x, in its FP8 copy, or in both
     x = torch.where(finite, x, 0.0)
-    error = torch.where(finite, dequantized, 0.0) - x
-    flushed = (x != 0) & ((q.view(torch.uint8) & _SIGN_MASK_OFF) == 0)
-    saturated = (x / scale).abs() >= _CLIP_THRESHOLD[q.dtype]
+    error = torch.where(finite, error, 0.0)
+    counts = [
+        finite.numel() - torch.count_nonzero(finite),
+        torch.count_nonzero((dequantized == 0) & (x != 0)),  # a scale is >= 2^-126: zero means a zero code
+        torch.count_nonzero((x / scale).abs() >= _CLIP_THRESHOLD[q.dtype]),
+    ]
     return torch.stack([
         torch.tensor(x.numel(), dtype=torch.float64, device=x.device),
-        (~finite).sum(dtype=torch.float64),
-        flushed.sum(dtype=torch.float64),
-        saturated.sum(dtype=torch.float64),
-        error.double().square().sum(),
+        *(count.double() for count in counts),
+        error.double().square().sum(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
         x.double().square().sum(),
         x.abs().amax().double(),
     ])
