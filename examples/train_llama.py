@@ -120,18 +120,25 @@ class QuantizationLog:
         self.report = coat.report.QuantizationReport(model, optimizer)
         self.capture = self.report.capture
         self.csv_path = os.path.join(args.out, f"{args.name}-report.csv")
+        self.captured = False
         with contextlib.suppress(FileNotFoundError):
             os.remove(self.csv_path)  # a new run, like the training log
 
     def log(self, step: int) -> None:
+        self.captured = True
         self.report.to_csv(self.csv_path)
-        parts = [f"max {metric} {value:.3g} ({layer}/{tensor})"
-                 for metric in ("rel_error", "flushed") for layer, tensor, value in [self.report.worst(metric)]]
+        parts = []
+        for metric in ("rel_error", "flushed"):
+            layer, tensor, value = self.report.worst(metric)
+            parts.append(f"max {metric} {value:.3g} ({layer}/{tensor})")
         layer, tensor, nonfinite = self.report.worst("nonfinite")
         parts.append(f"NaN/Inf: {nonfinite:.3g} of {layer}/{tensor}" if nonfinite else "no NaN/Inf")
         tqdm.write(f"quantization report, step {step}: " + ", ".join(parts))
 
     def finish(self) -> None:
+        if not self.captured:
+            print("no step was captured for the quantization report: --report-every is larger than --steps")
+            return
         png_path = self.csv_path[: -len(".csv")] + ".png"
         try:
             self.report.heatmap(png_path, metric="rel_error")
