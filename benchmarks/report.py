@@ -100,6 +100,7 @@ def main():
            **{f"every {n}": (on_ms - off_ms) / (n * off_ms) for n in EVERY},
            "switch us": switch_ms * 1e3, "switch / off": switch_ms / off_ms, "tensors": len(report.rows())}
     print_table([row], list(row))
+    row["off runs ms"], row["capture runs ms"] = times.values()
     summary = {"smoke": args.smoke, "device": device, "capture_over_off": row["capture / off"],
                **{f"overhead_every_{n}": row[f"every {n}"] for n in EVERY}, "switch_over_off": row["switch / off"]}
     path = write_results(args.results_dir, "report-smoke" if args.smoke else "report", [row], summary)
