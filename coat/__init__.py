@@ -6,8 +6,10 @@ expansion.
 coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear, RMSNorm, SwiGLUMLP), and
 coat.convert(model) converts a transformers Llama, Mistral or Qwen2 model to the FP8 precision flow.
 coat.optim.AdamW is a drop-in for torch.optim.AdamW that keeps both moments in FP8.
+coat.report.QuantizationReport measures what quantization does to each tensor of a converted model during
+training: amax, flushed and saturated shares, relative error, the optimizer's expansion exponents.
 """
-from coat import nn, ops, optim
+from coat import nn, ops, optim, report
 from coat._native import BUILT_WITH_CUDA
 from coat.conversion import convert
 
@@ -19,4 +21,4 @@ def built_with_cuda() -> bool:
     return BUILT_WITH_CUDA
 
 
-__all__ = ["convert", "nn", "ops", "optim", "built_with_cuda", "__version__"]
+__all__ = ["convert", "nn", "ops", "optim", "report", "built_with_cuda", "__version__"]

@@ -14,8 +14,13 @@ The text is the Python standard library's sources, as bytes (see training_common
 the loss and tokens/s; every --log-every steps a row goes to OUT/NAME.csv; at the end OUT/NAME.json holds
 the summary, and OUT/NAME.png plots the loss of this run and of every --compare CSV.
 
+With --coat --report-every N, every N-th step is captured by coat.report: a line names the tensor with the
+largest quantization error, OUT/NAME-report.csv gets a row per (step, layer, tensor), and at the end
+OUT/NAME-report.png draws the last captured step's relative errors, layers x tensors.
+
     python examples/train_llama.py                                   # tiny preset, BF16, a few minutes on a CPU
     python examples/train_llama.py --coat --compare runs/tiny-bf16.csv
+    python examples/train_llama.py --coat --report-every 50          # + quantization report
     python examples/train_llama.py --preset 100m [--coat]            # ~100M parameters, 2000 steps, one GPU
 """
 from __future__ import annotations
@@ -23,8 +28,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 
 import torch
+from tqdm import tqdm
 
 import coat
 from training_common import (
@@ -46,7 +53,13 @@ def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_training_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--report-every", type=int, metavar="N",
+                        help="with --coat: capture every N-th step in a coat.report quantization report "
+                             "(OUT/NAME-report.csv and .png); captured steps take longer")
     args = resolve(parser.parse_args())
+    if args.report_every is not None and (not args.coat or args.report_every < 1):
+        raise SystemExit("--report-every needs --coat (only coat's FP8 layers are reported on) and N >= 1, "
+                         f"got N = {args.report_every}{'' if args.coat else ' without --coat'}")
     if args.coat and torch.device(args.device).type == "cuda" and not coat.built_with_cuda():
         raise SystemExit("--coat on a GPU needs coat built with CUDA: pip install --no-build-isolation -e . "
                          "with nvcc on the PATH (coat.built_with_cuda() is False)")
@@ -71,13 +84,18 @@ def main() -> None:
 
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     log = TrainingLog(args, first_step=0, tokens_per_step=args.batch * args.seq, device=device)
+    report = QuantizationLog(args, model, optimizer) if args.report_every else None
     interval_loss = torch.zeros((), device=device)
     model.train()
     for step in range(args.steps):
         batch = data.train_batch(step, args.batch).to(device, non_blocking=True)
-        interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
-        log.step_done()
         done = step + 1
+        capturing = report is not None and done % args.report_every == 0
+        with report.capture(done) if capturing else contextlib.nullcontext():
+            interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
+        if capturing:
+            report.log(done)
+        log.step_done()
         if done % args.log_every == 0 or done == args.steps:
             intervals = done % args.log_every or args.log_every
             train_loss = interval_loss.item() / intervals  # .item() waits for the device: the timing is true
@@ -96,6 +114,44 @@ def main() -> None:
     with contextlib.suppress(ValueError):
         args.compare.remove(log.csv_path)
     try_plot(args.compare + [log.csv_path], log.csv_path[: -len(".csv")] + ".png")
+    if report is not None:
+        report.finish()
+
+
+class QuantizationLog:
+    """coat.report for the training loop: captures the steps it is given, prints the worst tensors of each,
+    appends its rows to OUT/NAME-report.csv and draws the last one at the end."""
+
+    def __init__(self, args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.report = coat.report.QuantizationReport(model, optimizer)
+        self.capture = self.report.capture
+        self.csv_path = os.path.join(args.out, f"{args.name}-report.csv")
+        self.captured = False
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.csv_path)  # a new run, like the training log
+
+    def log(self, step: int) -> None:
+        self.captured = True
+        self.report.to_csv(self.csv_path)
+        parts = []
+        for metric in ("rel_error", "flushed"):
+            layer, tensor, value = self.report.worst(metric)
+            parts.append(f"max {metric} {value:.3g} ({layer}/{tensor})")
+        layer, tensor, nonfinite = self.report.worst("nonfinite")
+        parts.append(f"NaN/Inf: {nonfinite:.3g} of {layer}/{tensor}" if nonfinite else "no NaN/Inf")
+        tqdm.write(f"quantization report, step {step}: " + ", ".join(parts))
+
+    def finish(self) -> None:
+        if not self.captured:
+            print("no step was captured for the quantization report: --report-every is larger than --steps")
+            return
+        png_path = self.csv_path[: -len(".csv")] + ".png"
+        try:
+            self.report.heatmap(png_path, metric="rel_error")
+        except ImportError:
+            print(f"matplotlib is not installed, so no heat map was drawn; the report is in {self.csv_path}")
+            return
+        print(f"quantization report: {self.csv_path}, heat map: {png_path}")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def check_e2e(result: dict, world_size: int) -> None:
         assert 5.09 <= state["coat-fp8-grads"] <= 5.2
 
 
-@pytest.mark.parametrize("script", ["linear", "layer", "e2e", "rope"])
+@pytest.mark.parametrize("script", ["linear", "layer", "e2e", "rope", "report"])
 def test_benchmark_smoke_mode(script, tmp_path):
     result = run_smoke([sys.executable], script, tmp_path)
     assert result["summary"]["smoke"] and result["rows"]

@@ -58,6 +58,17 @@ def test_train_llama_bf16_and_coat_logs_and_plot(tmp_path):
     assert (runs / "tiny-coat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_train_llama_quantization_report(tmp_path):
+    completed = run([os.path.join(EXAMPLES, "train_llama.py"), *QUICK, "--coat", "--report-every", "3", "--out", "runs"],
+                    tmp_path)
+    assert completed.stdout.count("quantization report, step") == 2 and "max rel_error" in completed.stdout
+    rows = read_csv(tmp_path / "runs" / "tiny-coat-report.csv")
+    assert {row["step"] for row in rows} == {"3", "6"}
+    assert {"model.layers.0", "lm_head"} <= {row["layer"] for row in rows}
+    assert all(0 < float(row["rel_error"]) < 0.1 for row in rows if row["rel_error"])
+    assert (tmp_path / "runs" / "tiny-coat-report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_train_llama_from_a_local_model_directory(tmp_path):
     from optim_helpers import tiny_llama
 
@@ -71,6 +82,7 @@ def test_train_llama_from_a_local_model_directory(tmp_path):
 @pytest.mark.parametrize("error, arguments", [
     ("--eval-every (4) must be a multiple of --log-every (3)", ["--eval-every", "4", "--log-every", "3"]),
     ("--compare: no CSV log at missing.csv", ["--compare", "missing.csv"]),
+    ("--report-every needs --coat", ["--report-every", "5"]),
 ])
 def test_train_llama_explains_bad_options(tmp_path, error, arguments):
     completed = run([os.path.join(EXAMPLES, "train_llama.py"), *arguments], tmp_path, expect_success=False)

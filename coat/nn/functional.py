@@ -15,6 +15,10 @@ scales after, which computes the same products; CPUs run torch._scaled_mm's CPU 
 
 The block Functions at the end implement the paper's FP8 precision flow for a Llama-style decoder layer
 (appendix G.1). Their docstrings say what each saves.
+
+Every quantization a Function makes is also handed, with the tensor it quantized, to a *site* of
+:mod:`coat.report` while a report captures the step (``site`` arguments below; None otherwise, and then
+nothing is recorded): the names it records under are the tensor names of the report.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from coat import ops
+from coat.nn import _capture
 from coat.nn.config import AMAX_GROUP_SIZE, FP8Config
 
 _GEMM_ALIGNMENT = 16
@@ -119,9 +124,12 @@ class Projections:
     of a joint output would keep q and k alive with it). Backward is one dgrad GEMM over the gradients side by
     side (the sum over projections happens in its fp32 accumulator) and one wgrad GEMM whose row blocks are
     the weights' gradients. Sharing the scale is what a fused QKV weight does in other FP8 recipes; it costs
-    precision only to a weight whose amax is far below its siblings' (E4M3 spans 2^17 below its max)."""
+    precision only to a weight whose amax is far below its siblings' (E4M3 spans 2^17 below its max).
+    ``name`` ("qkv", "o", "gate_up", "down"; empty for a lone linear layer) prefixes the names its weights
+    and output gradients are reported under."""
 
-    def __init__(self, params):
+    def __init__(self, params, name: str = ""):
+        self.name = name
         self.weights = [weight for weight, _ in params]
         self.biases = [bias for _, bias in params]
         self.widths = [weight.shape[0] for weight in self.weights]
@@ -134,13 +142,18 @@ class Projections:
     def weight_amax(self) -> torch.Tensor:
         return ops.tensor_amax(self.weights)
 
-    def forward(self, x_q, x_scale, config: FP8Config, out_dtype, weight_amax) -> list[torch.Tensor]:
+    def report_name(self, tensor: str) -> str:
+        return f"{self.name}_{tensor}" if self.name else tensor
+
+    def forward(self, x_q, x_scale, config: FP8Config, out_dtype, weight_amax, site=None) -> list[torch.Tensor]:
         """[x @ W_i^T + b_i for each projection]."""
         w_q, w_scale, _ = ops.quantize_tensors(self.weights, config.forward_dtype, dim=0, amax=weight_amax)
+        if site is not None:
+            _record_joint(site, self.report_name("weight"), self.weights, w_q, w_scale, None, dim=0)
         return [fp8_gemm(x_q, x_scale, w_i, w_scale, out_dtype, bias)
                 for w_i, bias in zip(w_q.split(self.widths), self.biases)]
 
-    def backward(self, grads, x_q_t, x_scale, weight_amax, needs, config: FP8Config, input_grad_dtype):
+    def backward(self, grads, x_q_t, x_scale, weight_amax, needs, config: FP8Config, input_grad_dtype, site=None):
         """grads: the [M, N_i] gradients of the outputs (None for an unused output). needs:
         (need_input_grad, [(need_weight_grad, need_bias_grad) per projection]). Returns the input's gradient
         ([M, K] in input_grad_dtype, None when not needed) and [grad_w_0, grad_b_0, grad_w_1, ...]."""
@@ -154,6 +167,8 @@ class Projections:
         else:
             g_q, g_scale, g_q_t = ops.quantize_tensors(grads, config.gradient_dtype, dim=1, rowwise=need_input_grad,
                                                        columnwise=need_weight_grads)
+            if site is not None:
+                _record_joint(site, self.report_name("grad_output"), grads, g_q, g_scale, g_q_t, dim=1)
             grad_input = weight_grads = None
             if need_input_grad:
                 _, w_scale, w_q_t = ops.quantize_tensors(self.weights, config.forward_dtype, dim=0, amax=weight_amax,
@@ -179,6 +194,19 @@ class Projections:
             x_t = _dequantized(x_q_t, x_scale, grads[0].dtype)
             weight_grads = [(g.t() @ x_t.t()).to(w.dtype) for g, w in zip(grads, self.weights)]
         return grad_input, weight_grads
+
+
+def _record_joint(site, name: str, matrices, q, scale, q_t, dim: int) -> None:
+    """Records matrices that :func:`coat.ops.quantize_tensors` quantized together along ``dim``: each
+    against its block of the row-wise codes q, or, when only the transposed codes q_t were made, its
+    transpose against its block of those."""
+    widths = [matrix.shape[dim] for matrix in matrices]
+    if q.numel() > 0:
+        for matrix, block in zip(matrices, q.split(widths, dim)):
+            site.record(name, matrix, block, scale)
+    elif q_t is not None and q_t.numel() > 0:
+        for matrix, block in zip(matrices, q_t.split(widths, 1 - dim)):
+            site.record(name, matrix.t(), block, scale)
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -214,11 +242,15 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, config: FP8Config, out_dtype: torch.dtype):
+        site = ctx.report_site = _capture.forward_site()
         need_weight_grad = ctx.needs_input_grad[1]
-        x_q, x_scale, x_q_t = quantize_per_tensor(_matrix(x), config.forward_dtype, columnwise=need_weight_grad)
+        x2d = _matrix(x)
+        x_q, x_scale, x_q_t = quantize_per_tensor(x2d, config.forward_dtype, columnwise=need_weight_grad)
+        if site is not None:
+            site.record("input", x2d, x_q, x_scale)
         projection = Projections([(weight, bias)])
         weight_amax = projection.weight_amax()
-        (y,) = projection.forward(x_q, x_scale, config, out_dtype, weight_amax)
+        (y,) = projection.forward(x_q, x_scale, config, out_dtype, weight_amax, site)
         _save(ctx, x_q_t=x_q_t, x_scale=x_scale if need_weight_grad else None, weight=weight, bias=bias,
               weight_amax=weight_amax)
         ctx.config, ctx.x_shape, ctx.x_dtype = config, x.shape, x.dtype
@@ -230,7 +262,7 @@ class _LinearFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x, (grad_w, grad_b) = Projections([(saved["weight"], saved["bias"])]).backward(
             [grad_y], saved["x_q_t"], saved["x_scale"], saved["weight_amax"], (need_x, [(need_w, need_b)]),
-            ctx.config, ctx.x_dtype,
+            ctx.config, ctx.x_dtype, _capture.backward_site(ctx),
         )
         return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_b, None, None
 
@@ -291,6 +323,14 @@ def _rmsnorm_quantize(x2d, weight, eps: float, config: FP8Config, transpose: boo
     )
 
 
+def _record_rmsnorm(site, input_name: str, output_name: str, x2d, weight, quantized, config: FP8Config) -> None:
+    """Records what :func:`_rmsnorm_quantize` quantized: its input, saved in 1 x G groups, and its output,
+    recomputed in float32 in the kernel's order, (x * rstd) * weight, with the kernel's rstd."""
+    y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
+    site.record(input_name, x2d, x_saved, x_saved_scales, config.group_size)
+    site.record(output_name, x2d.float() * rstd[:, None] * weight.float(), y, y_scale)
+
+
 def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype):
     grad_x, grad_weight = ops.rmsnorm_backward(
         grad_y2d, saved["x_saved"], saved["x_saved_scales"], saved["rstd"], weight, config.group_size
@@ -318,15 +358,15 @@ def _smoothed_down_weight(weight: torch.Tensor, smooth_scale: torch.Tensor | Non
     return weight if smooth_scale is None else weight * smooth_scale.reciprocal().to(weight.dtype)
 
 
-def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for_backward: bool):
+def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for_backward: bool, site=None):
     """down(SiLU(gate(x)) * up(x)) from an input already in FP8. params: [(w, b)] for gate, up, down; gate
     and up share one weight scale (:class:`Projections`).
     Returns the output and the tensors backward needs: the weights' amax, SiLU*mul's inputs in 1 x G FP8
     groups, the transposed FP8 product that feeds the down projection (its wgrad operand) and its scale.
     gate and up themselves live only until the fused op has read them."""
-    gate_up = Projections(params[:2])
+    gate_up = Projections(params[:2], "gate_up")
     gate_up_amax = gate_up.weight_amax()
-    gate, up = gate_up.forward(x_q, x_scale, config, out_dtype, gate_up_amax)
+    gate, up = gate_up.forward(x_q, x_scale, config, out_dtype, gate_up_amax, site)
     smooth_scale = smooth_swiglu_scale(gate, up) if config.smooth_swiglu else None
     act_q, act_scale, act_q_t, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(
         gate,
@@ -337,10 +377,17 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
         format=config.forward_dtype,
         transpose=keep_for_backward,
     )
+    if site is not None:
+        site.record("gate_output", gate, gate_saved, gate_scales, config.group_size)
+        site.record("up_output", up, up_saved, up_scales, config.group_size)
+        # The kernel's fp32 product before quantization, recomputed with torch's SiLU (the kernel has its own
+        # exp, so a value may differ in its last float32 bit).
+        act = F.silu(gate.float()) * up.float()
+        site.record("down_input", act if smooth_scale is None else act * smooth_scale, act_q, act_scale)
     del gate, up
-    down = Projections([_smoothed_down(params[2], smooth_scale)])
+    down = Projections([_smoothed_down(params[2], smooth_scale)], "down")
     down_amax = down.weight_amax()
-    (out,) = down.forward(_matrix(act_q), act_scale, config, out_dtype, down_amax)
+    (out,) = down.forward(_matrix(act_q), act_scale, config, out_dtype, down_amax, site)
     saved = dict(
         gate_up_amax=gate_up_amax,
         down_amax=down_amax,
@@ -360,16 +407,17 @@ def _smoothed_down(down, smooth_scale):
     return _smoothed_down_weight(weight, smooth_scale), bias
 
 
-def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, config: FP8Config, x_dtype, act_dtype):
+def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, config: FP8Config, x_dtype, act_dtype,
+                     site=None):
     """Backward of :func:`_swiglu_forward`. needs: (need_input_grad, [(need_w, need_b)] for gate, up, down).
     The gradients of the product and of gate and up are in act_dtype, the dtype the forward computed them
     in (autocast's); the input's gradient is in x_dtype. Returns the input's gradient and [grad_w, grad_b]
     for gate, up, down."""
     need_input_grad, need_param_grads = needs
     smooth_scale = saved["smooth_scale"]
-    grad_act, down_grads = Projections([_smoothed_down(params[2], smooth_scale)]).backward(
+    grad_act, down_grads = Projections([_smoothed_down(params[2], smooth_scale)], "down").backward(
         [grad_out2d], saved["act_q_t"], saved["act_scale"], saved["down_amax"], (True, need_param_grads[2:]),
-        config, act_dtype,
+        config, act_dtype, site,
     )
     if down_grads[0] is not None and smooth_scale is not None:
         down_grads[0] = down_grads[0] * smooth_scale.reciprocal().to(down_grads[0].dtype)
@@ -384,9 +432,9 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
         config.group_size,
     )
     del grad_act
-    grad_input, gate_up_grads = Projections(params[:2]).backward(
+    grad_input, gate_up_grads = Projections(params[:2], "gate_up").backward(
         [grad_gate, grad_up], x_q_t, x_scale, saved["gate_up_amax"], (need_input_grad, need_param_grads[:2]), config,
-        x_dtype,
+        x_dtype, site,
     )
     return grad_input, gate_up_grads + down_grads
 
@@ -411,7 +459,12 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, config: FP8Config, out_dtype):
-        y, y_scale, _, x_saved, x_saved_scales, rstd = _rmsnorm_quantize(_matrix(x), weight, eps, config, False)
+        site = _capture.forward_site()
+        x2d = _matrix(x)
+        quantized = _rmsnorm_quantize(x2d, weight, eps, config, False)
+        if site is not None:
+            _record_rmsnorm(site, "norm_input", "norm_output", x2d, weight, quantized, config)
+        y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
         _save(ctx, x_saved=x_saved, x_saved_scales=x_saved_scales, rstd=rstd, weight=weight)
         ctx.config, ctx.x_dtype = config, x.dtype
         return _dequantized(y, y_scale, out_dtype).view(x.shape)
@@ -442,10 +495,14 @@ class _SwiGLUMLPFunction(torch.autograd.Function):
     def forward(ctx, x, config: FP8Config, out_dtype, *flat_params):
         params = _pairs(flat_params)
         param_needs = _param_needs(ctx.needs_input_grad, 3, 3)
+        site = ctx.report_site = _capture.forward_site()
+        x2d = _matrix(x)
         x_q, x_scale, x_q_t = quantize_per_tensor(
-            _matrix(x), config.forward_dtype, columnwise=_params_need_grad(param_needs[:2])
+            x2d, config.forward_dtype, columnwise=_params_need_grad(param_needs[:2])
         )
-        out, saved = _swiglu_forward(x_q, x_scale, params, config, out_dtype, keep_for_backward=True)
+        if site is not None:
+            site.record("gate_up_input", x2d, x_q, x_scale)
+        out, saved = _swiglu_forward(x_q, x_scale, params, config, out_dtype, keep_for_backward=True, site=site)
         _save(ctx, x_q_t=x_q_t, x_scale=x_scale, **saved, **_named_params(flat_params))
         ctx.config, ctx.x_shape, ctx.x_dtype, ctx.out_dtype = config, x.shape, x.dtype, out_dtype
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -457,7 +514,7 @@ class _SwiGLUMLPFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], _param_needs(ctx.needs_input_grad, 3, 3))
         grad_x, param_grads = _swiglu_backward(
             _matrix(grad_out), saved, saved["x_q_t"], saved["x_scale"], params, needs, ctx.config, ctx.x_dtype,
-            ctx.out_dtype,
+            ctx.out_dtype, _capture.backward_site(ctx),
         )
         return (None if grad_x is None else grad_x.view(ctx.x_shape), None, None, *param_grads)
 
@@ -496,12 +553,15 @@ class _BeforeAttentionFunction(torch.autograd.Function):
     def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
         params = _pairs(flat_params)
         param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
-        y, y_scale, y_t, x_saved, x_saved_scales, rstd = _rmsnorm_quantize(
-            _matrix(x), norm_weight, eps, config, transpose=_params_need_grad(param_needs)
-        )
-        projections = Projections(params)
+        site = ctx.report_site = _capture.forward_site()
+        x2d = _matrix(x)
+        quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, transpose=_params_need_grad(param_needs))
+        if site is not None:
+            _record_rmsnorm(site, "attn_norm_input", "qkv_input", x2d, norm_weight, quantized, config)
+        y, y_scale, y_t, x_saved, x_saved_scales, rstd = quantized
+        projections = Projections(params, "qkv")
         weight_amax = projections.weight_amax()
-        outputs = projections.forward(y, y_scale, config, out_dtype, weight_amax)
+        outputs = projections.forward(y, y_scale, config, out_dtype, weight_amax, site)
         _save(
             ctx,
             x_saved=x_saved,
@@ -522,9 +582,9 @@ class _BeforeAttentionFunction(torch.autograd.Function):
         params = _pairs(_params_from(saved))
         param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
-        grad_y, param_grads = Projections(params).backward(
+        grad_y, param_grads = Projections(params, "qkv").backward(
             grads, saved["y_t"], saved["y_scale"], saved["weight_amax"], (need_x or need_norm_weight, param_needs),
-            ctx.config, ctx.x_dtype,
+            ctx.config, ctx.x_dtype, _capture.backward_site(ctx),
         )
         grad_x, grad_norm_weight = None, None
         if grad_y is not None:
@@ -561,15 +621,18 @@ class _AfterAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, attn_output, residual, weight, bias, config: FP8Config, out_dtype, attention_keeps_output):
+        site = ctx.report_site = _capture.forward_site()
         a2d = _matrix(attn_output)
         need_weight_grad = ctx.needs_input_grad[2]
         amax = ops.tensor_amax([a2d])
         a_q, a_scale, a_q_t = quantize_per_tensor(
             a2d, config.forward_dtype, amax=amax, columnwise=need_weight_grad and not attention_keeps_output
         )
-        projection = Projections([(weight, bias)])
+        if site is not None:
+            site.record("o_input", a2d, a_q, a_scale)
+        projection = Projections([(weight, bias)], "o")
         weight_amax = projection.weight_amax()
-        (out,) = projection.forward(a_q, a_scale, config, out_dtype, weight_amax)
+        (out,) = projection.forward(a_q, a_scale, config, out_dtype, weight_amax, site)
         out = residual + out.view(residual.shape)
         if attention_keeps_output:
             _save(ctx, attn_output=attn_output, amax=amax, a_q_t=None, a_scale=None, weight=weight, bias=bias,
@@ -590,9 +653,9 @@ class _AfterAttentionFunction(torch.autograd.Function):
                 _matrix(saved["attn_output"]), ctx.config.forward_dtype, amax=saved["amax"], rowwise=False,
                 columnwise=True,
             )
-        grad_attn, (grad_weight, grad_bias) = Projections([(saved["weight"], saved["bias"])]).backward(
+        grad_attn, (grad_weight, grad_bias) = Projections([(saved["weight"], saved["bias"])], "o").backward(
             [grad_out], a_q_t, a_scale, saved["weight_amax"], (need_attn, [(need_weight, need_bias)]), ctx.config,
-            ctx.a_dtype,
+            ctx.a_dtype, _capture.backward_site(ctx),
         )
         grad_attn = None if grad_attn is None else grad_attn.view(ctx.a_shape)
         return grad_attn, grad_out if need_residual else None, grad_weight, grad_bias, None, None, None
@@ -624,10 +687,14 @@ class _MLPResidualFunction(torch.autograd.Function):
     def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
         params = _pairs(flat_params)
         param_needs = _param_needs(ctx.needs_input_grad, 5, 3)
-        n_q, n_scale, n_q_t, x_saved, x_saved_scales, rstd = _rmsnorm_quantize(
-            _matrix(x), norm_weight, eps, config, transpose=_params_need_grad(param_needs[:2])
-        )
-        mlp_out, mlp_saved = _swiglu_forward(n_q, n_scale, params, config, out_dtype, keep_for_backward=True)
+        site = ctx.report_site = _capture.forward_site()
+        x2d = _matrix(x)
+        quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, transpose=_params_need_grad(param_needs[:2]))
+        if site is not None:
+            _record_rmsnorm(site, "mlp_norm_input", "gate_up_input", x2d, norm_weight, quantized, config)
+        n_q, n_scale, n_q_t, x_saved, x_saved_scales, rstd = quantized
+        mlp_out, mlp_saved = _swiglu_forward(n_q, n_scale, params, config, out_dtype, keep_for_backward=True,
+                                             site=site)
         _save(
             ctx,
             x_saved=x_saved,
@@ -650,7 +717,7 @@ class _MLPResidualFunction(torch.autograd.Function):
         needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 5, 3))
         grad_n, param_grads = _swiglu_backward(
             _matrix(grad_out), saved, saved["n_q_t"], saved["n_scale"], params, needs, ctx.config, ctx.x_dtype,
-            ctx.out_dtype,
+            ctx.out_dtype, _capture.backward_site(ctx),
         )
         grad_x, grad_norm_weight = None, None
         if grad_n is not None:

@@ -1,0 +1,111 @@
+"""What coat.report costs a training step of a converted Llama (forward and backward under bf16 autocast,
+float32 master weights, coat.optim.AdamW step), timed in one process on the same batch:
+
+    report off      the step with a QuantizationReport built but no capture in progress
+    capture on      the same step inside ``with report.capture():`` (every quantized tensor and both moments
+                    of every parameter measured, one device-to-host copy at the end)
+
+Both are medians of steps run alternately. "capture / off" is the captured step's time over the plain one's;
+"every N" is the overhead of capturing every N-th step, (capture - off) / (N * off). Outside a capture each
+coat autograd Function reads one module global (coat.nn._capture.active) in forward and in backward: "switch"
+times that read and multiplies it by the reads per step, the whole cost of the report when off, as a share
+of the step.
+
+    python benchmarks/report.py            (a CUDA GPU if there is one, else the CPU, train_llama.py's tiny model)
+    python benchmarks/report.py --smoke    (a smaller model on the CPU, one run each: checks that the script runs)
+"""
+import statistics
+import timeit
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import coat
+from coat.nn import _capture
+
+from _common import parser, print_table, time_ms, write_results
+
+# (hidden, intermediate, layers, heads, seq, batch)
+MODELS = {
+    "cuda": (2048, 5504, 4, 16, 2048, 4),  # the 1b preset's layers, four of them
+    "cpu": (128, 384, 4, 4, 128, 16),  # examples/train_llama.py's tiny preset
+    "smoke": (64, 176, 2, 4, 32, 2),
+}
+EVERY = (10, 100)
+FUNCTIONS_PER_LAYER = 3  # before_attention, after_attention, mlp_residual: each reads the switch twice
+
+
+def build(shape, device):
+    hidden, intermediate, layers, heads, seq, batch = shape
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = coat.convert(LlamaForCausalLM(config))
+    optimizer = coat.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 256, (batch, seq), device=device)
+    return model, optimizer, tokens
+
+
+def training_step(model, optimizer, tokens, device):
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        loss = model(tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def switch_seconds() -> float:
+    """Seconds per read of the switch outside a capture: the forward's and the backward's, averaged."""
+    ctx = type("Ctx", (), {"report_site": None})()
+    reads = 200_000
+    forward = min(timeit.repeat(_capture.forward_site, number=reads, repeat=5)) / reads
+    backward = min(timeit.repeat(lambda: _capture.backward_site(ctx), number=reads, repeat=5)) / reads
+    return (forward + backward) / 2
+
+
+def main():
+    p = parser(__doc__)
+    p.add_argument("--smoke", action="store_true", help="a small model on the CPU, one run each")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() and coat.built_with_cuda() and not args.smoke else "cpu"
+    shape = MODELS["smoke" if args.smoke else device]
+    if args.smoke:
+        args.warmup, args.repeat = 1, 1
+    model, optimizer, tokens = build(shape, device)
+    report = coat.report.QuantizationReport(model, optimizer)
+
+    def captured_step():
+        with report.capture():
+            training_step(model, optimizer, tokens, device)
+
+    def plain_step():
+        training_step(model, optimizer, tokens, device)
+
+    for _ in range(args.warmup):
+        plain_step()
+        captured_step()
+    # Alternated, so that a machine whose speed drifts (other processes, clocks) slows both alike.
+    times = {plain_step: [], captured_step: []}
+    for _ in range(args.repeat):
+        for step, measured in times.items():
+            measured.append(time_ms(step, 0, 1, device))
+    off_ms, on_ms = (statistics.median(measured) for measured in times.values())
+    layers = shape[2]
+    switch_ms = switch_seconds() * 1e3 * 2 * FUNCTIONS_PER_LAYER * layers
+    hidden, intermediate, _, heads, seq, batch = shape
+    row = {"hidden": hidden, "layers": layers, "batch x seq": f"{batch}x{seq}", "off ms": off_ms,
+           "capture ms": on_ms, "capture / off": on_ms / off_ms,
+           **{f"every {n}": (on_ms - off_ms) / (n * off_ms) for n in EVERY},
+           "switch us": switch_ms * 1e3, "switch / off": switch_ms / off_ms, "tensors": len(report.rows())}
+    print_table([row], list(row))
+    row["off runs ms"], row["capture runs ms"] = times.values()
+    summary = {"smoke": args.smoke, "device": device, "capture_over_off": row["capture / off"],
+               **{f"overhead_every_{n}": row[f"every {n}"] for n in EVERY}, "switch_over_off": row["switch / off"]}
+    path = write_results(args.results_dir, "report-smoke" if args.smoke else "report", [row], summary)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The switch between coat.report and the FP8 layers' autograd Functions.
+
+While a :class:`coat.report.QuantizationReport` captures a step, ``active`` is that report, and each
+Function's forward asks it for a *site* (the report plus the module the call runs in), keeps it on its ctx
+for backward, and hands it to the helpers that quantize, which record the unquantized tensor beside its FP8
+copy. Outside a capture ``active`` is None: a forward or backward pays one read of it and nothing else
+runs, and torch.compile guards on it like on any global, so a compiled model traces without a graph break.
+"""
+from __future__ import annotations
+
+active = None  # the QuantizationReport whose capture is in progress
+
+
+def forward_site():
+    """The site a Function's forward records into, or None outside a capture."""
+    return None if active is None else active._site()
+
+
+def backward_site(ctx):
+    """The site the forward of ``ctx`` recorded into, while that capture is still in progress; None
+    otherwise (a backward after its capture ended, or of a forward that ran outside one, records nothing)."""
+    if active is None:
+        return None
+    site = ctx.report_site
+    return site if site is not None and site.report is active else None

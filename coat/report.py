@@ -1,0 +1,505 @@
+"""coat.report: what FP8 quantization does to each tensor of a model, measured during real training steps.
+
+    report = coat.report.QuantizationReport(model, optimizer)     # model converted by coat.convert
+    with report.capture(step):                                     # every N steps; nothing is recorded outside
+        loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        optimizer.step()
+    logger.log(report.stats(), step=step)                          # {"model.layers.3/down_input/rel_error": ...}
+    report.to_csv("report.csv")                                    # appends one row per (step, layer, tensor)
+    report.heatmap("report.png", metric="rel_error")               # layers x tensors
+
+A capture records every tensor a coat layer quantizes, beside the value it quantized: the activations saved for
+backward in 1 x G groups, the per-tensor FP8 inputs and weights of every GEMM, and the FP8 output gradients
+of the backward GEMMs; at its end it reads the optimizer's FP8 moments. Rows are named by module (the
+converted decoder layer, ``model.layers.3``, or a coat.nn module outside one, e.g. ``lm_head``) and tensor:
+
+    attn_norm_input       input of the attention RMSNorm, saved in E4M3 1 x G groups for its backward
+    qkv_input             the RMSNorm's output, the FP8 input of the q/k/v GEMMs (per tensor)
+    qkv_weight            q, k and v weights, quantized together with one scale
+    o_input, o_weight     attention output and o_proj weight
+    mlp_norm_input        input of the MLP's RMSNorm (1 x G groups)
+    gate_up_input         the RMSNorm's output, FP8 input of the gate/up GEMMs; gate_up_weight
+    gate_output, up_output  the gate and up GEMM outputs, saved in 1 x G groups for SiLU*mul's backward
+    down_input            SiLU(gate) * up, the FP8 input of the down GEMM; down_weight
+    *_grad_output         output gradients of the projections, quantized for both backward GEMMs
+                          (E5M2 by default; none with gradient_format=None)
+    input, weight, grad_output, norm_input, norm_output   of a lone coat.nn.Linear / RMSNorm
+    <parameter>.m, .v     the optimizer's FP8 moments of each parameter, e.g. self_attn.q_proj.weight.m
+
+Metrics of a quantized tensor x with its FP8 copy Q(x) = coat.ops.dequantize(codes, scale) in float32:
+
+    amax        max |x| over its finite elements
+    nonfinite   share of elements where x or Q(x) is NaN or +-Inf; these are left out of every other metric.
+                A group (or tensor) holding an Inf dequantizes to NaN as a whole, so it shows here in full.
+    flushed     share of the finite elements with x != 0 whose FP8 code is zero (underflow)
+    saturated   share of the finite elements whose scaled value |x / scale| (float32 division, as the
+                quantizer computes it) is at least FP8_MAX plus half the format's top step (464 for E4M3,
+                61440 for E5M2): values that rounding to nearest would carry past the largest FP8 magnitude
+                and that the quantizer clips to it instead. With a scale from the tensor's own amax this
+                stays 0; it counts where a scale is reused or an amax is stale.
+    rel_error   ||Q(x) - x||_2 / ||x||_2 over the finite elements (0 for an all-zero tensor)
+    numel       elements recorded (CSV only)
+
+Metrics of an optimizer moment (codes and per-group meta (scale, k, C) of coat.optim.AdamW; there is no
+unquantized value to compare with):
+
+    amax        max |m| (or |v|) of the dequantized moment, finite elements
+    nonfinite   share of NaN or +-Inf elements of the dequantized moment
+    zero_codes  share of zero codes: moments too small for their group's range after expansion, and exact zeros
+    k_min, k_median, k_max   the dynamic range expansion exponent k over the groups (1: no expansion)
+    k_expanded  share of groups with k != 1
+
+A tensor recorded several times in one capture (gradient accumulation, gradient checkpointing's recomputed
+forward) is summed over its recordings: amax is the largest, shares and rel_error are over all elements.
+
+Cost: only capture steps pay (a dequantization and a few element-wise passes over each quantized tensor, the
+recomputed RMSNorm and SiLU*mul outputs, one device-to-host copy at the end); outside a capture each coat
+autograd Function reads one module global (``benchmarks/report.py`` measures both). Captures run in eager
+mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs again after it (no
+recompilation); without a capture a converted model compiles as before, with no graph break. Under FSDP each
+process reports its own batch and its own shards of the optimizer state.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import functools
+import math
+import os
+import sys
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from coat import ops
+from coat.nn import _capture
+from coat.nn.modules import Linear, RMSNorm, SwiGLUMLP
+from coat.optim.adamw import AdamW, _as_rows, _local
+
+TENSOR_METRICS = ("amax", "nonfinite", "flushed", "saturated", "rel_error")
+MOMENT_METRICS = ("amax", "nonfinite", "zero_codes", "k_min", "k_median", "k_max", "k_expanded")
+METRICS = tuple(dict.fromkeys(TENSOR_METRICS + MOMENT_METRICS))
+CSV_COLUMNS = ("step", "layer", "tensor", "format", "numel", *METRICS)
+METRIC_DESCRIPTIONS = {
+    "amax": "max |x|",
+    "nonfinite": "share of NaN / Inf elements",
+    "flushed": "share of nonzero values flushed to zero",
+    "saturated": "share of values clipped to the FP8 maximum",
+    "rel_error": "relative error ||Q(x) - x|| / ||x||",
+    "zero_codes": "share of zero FP8 codes",
+    "k_min": "smallest expansion exponent k",
+    "k_median": "median expansion exponent k",
+    "k_max": "largest expansion exponent k",
+    "k_expanded": "share of groups with k != 1",
+}
+# Metrics whose values span decades: the heat map draws them on a log scale.
+_LOG_SCALE_METRICS = ("amax", "nonfinite", "flushed", "saturated", "rel_error", "zero_codes")
+_FORMAT_NAMES = {dtype: name for name, dtype in ops.FP8_DTYPES.items()}
+# The scaled magnitude from which rounding to nearest would go past FP8_MAX (FP8_MAX + half its step), so that
+# the quantizer's saturation changes the value: 448 + 16 for E4M3, 57344 + 4096 for E5M2.
+_CLIP_THRESHOLD = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
+_SIGN_MASK_OFF = 0x7F  # an FP8 code without its sign bit: 0 is +-0 in both formats
+# (moment, codes key, meta key) in coat.optim.AdamW's state
+_MOMENT_STATES = (("m", "exp_avg", "exp_avg_meta"), ("v", "exp_avg_sq", "exp_avg_sq_meta"))
+_NO_MODULE = "coat.nn.functional"  # the layer name of a Function called outside any coat module
+_ROOT = "(model)"  # the layer name of the model itself, whose module name is empty
+
+
+# ------------------------------------------------------------------------------------------- one tensor
+
+
+def _quantization_sums(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """float64 [numel, nonfinite, flushed, saturated, squared error, squared value, amax] of x against its
+    FP8 codes q: sums, so that several recordings of one tensor add up. Stays on the device."""
+    x = x.float()
+    q = q.contiguous()  # column blocks of jointly quantized gradients; dequantize reads contiguous codes
+    dequantized = ops.dequantize(q, scale, group_size, torch.float32)
+    if group_size is not None:  # the scale of each element's group
+        scale = scale.repeat_interleave(group_size, dim=-1)[..., : x.shape[-1]]
+    error = dequantized - x
+    finite = error.isfinite()  # NaN or Inf in x, in its FP8 copy, or in both
+    x = torch.where(finite, x, 0.0)
+    error = torch.where(finite, error, 0.0)
+    counts = [
+        finite.numel() - torch.count_nonzero(finite),
+        torch.count_nonzero((dequantized == 0) & (x != 0)),  # a scale is >= 2^-126: zero means a zero code
+        torch.count_nonzero((x / scale).abs() >= _CLIP_THRESHOLD[q.dtype]),
+    ]
+    return torch.stack([
+        torch.tensor(x.numel(), dtype=torch.float64, device=x.device),
+        *(count.double() for count in counts),
+        error.double().square().sum(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
+        x.double().square().sum(),
+        x.abs().amax().double(),
+    ])
+
+
+def _add_sums(total: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
+    return torch.cat([total[:6] + more[:6], torch.maximum(total[6:], more[6:])])
+
+
+def _tensor_metrics(sums: list[float]) -> dict[str, float]:
+    numel, nonfinite, flushed, saturated, error_sq, value_sq, amax = sums
+    finite = numel - nonfinite
+    if value_sq > 0:
+        rel_error = math.sqrt(error_sq / value_sq)
+    else:  # all zeros: exact unless something came back nonzero
+        rel_error = 0.0 if error_sq == 0 else math.inf
+    return {
+        "numel": numel,
+        "amax": amax,
+        "nonfinite": nonfinite / numel,
+        "flushed": flushed / finite if finite else math.nan,
+        "saturated": saturated / finite if finite else math.nan,
+        "rel_error": rel_error if finite else math.nan,
+    }
+
+
+def tensor_stats(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None = None
+) -> dict[str, float]:
+    """The report's metrics (amax, nonfinite, flushed, saturated, rel_error, numel; see the module docstring)
+    of one tensor ``x`` and its FP8 codes ``q`` with their scales, as a coat quantizer returned them: the
+    one-element scale of ``coat.ops.quantize_tensor`` (``group_size`` None), or the per-group scales of
+    ``coat.ops.quantize_group`` with its ``group_size``."""
+    if q.dtype not in ops.FP8_MAX:
+        raise TypeError(
+            f"coat.report.tensor_stats: q must hold FP8 codes (float8_e4m3fn or float8_e5m2), got {q.dtype}"
+        )
+    if x.shape != q.shape:
+        raise ValueError(f"coat.report.tensor_stats: x {tuple(x.shape)} and q {tuple(q.shape)} must have one shape")
+    if x.numel() == 0:
+        raise ValueError("coat.report.tensor_stats: x is empty")
+    with torch.no_grad():
+        return _tensor_metrics(_quantization_sums(x, q, scale, group_size).tolist())
+
+
+def _moment_values(codes: torch.Tensor, meta: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float64 [numel, nonfinite, zero codes, amax, k min, k median, k max, share of k != 1] of one FP8
+    moment of coat.optim.AdamW (local shard)."""
+    values = ops.dequantize_expanded(codes, meta, group_size)
+    finite = torch.isfinite(values)
+    k = meta[..., 1].double().flatten()
+    return torch.stack([
+        torch.tensor(codes.numel(), dtype=torch.float64, device=codes.device),
+        (~finite).sum(dtype=torch.float64),
+        ((codes.view(torch.uint8) & _SIGN_MASK_OFF) == 0).sum(dtype=torch.float64),
+        torch.where(finite, values.abs(), 0.0).amax().double(),
+        k.min(),
+        k.median(),
+        k.max(),
+        (k != 1).double().mean(),
+    ])
+
+
+def _moment_metrics(values: list[float]) -> dict[str, float]:
+    numel, nonfinite, zero_codes, amax, k_min, k_median, k_max, k_expanded = values
+    return {"numel": numel, "amax": amax, "nonfinite": nonfinite / numel, "zero_codes": zero_codes / numel,
+            "k_min": k_min, "k_median": k_median, "k_max": k_max, "k_expanded": k_expanded}
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """Each 1-D tensor as a list of floats, with one device-to-host copy per device."""
+    lists: list[list[float]] = [[] for _ in tensors]
+    for device in {t.device for t in tensors}:
+        indices = [i for i, t in enumerate(tensors) if t.device == device]
+        flat = torch.cat([tensors[i] for i in indices]).tolist()
+        start = 0
+        for i in indices:
+            lists[i], start = flat[start : start + tensors[i].numel()], start + tensors[i].numel()
+    return lists
+
+
+# ------------------------------------------------------------------------------------------- the report
+
+
+def _report_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules rows are named after, in model order: converted decoder layers and coat.nn modules
+    outside them (the coat modules inside a converted layer are never called; the layer computes them)."""
+    decoder = sys.modules.get("coat.nn.decoder")  # imported by coat.convert: absent, nothing was converted
+    coat_types = (Linear, RMSNorm, SwiGLUMLP) + ((decoder.FP8DecoderLayerMixin,) if decoder else ())
+    modules: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer in modules)
+        if isinstance(module, coat_types) and not inside:
+            modules[name or _ROOT] = module
+    return modules
+
+
+class _Site:
+    """Where one autograd Function call records: the report capturing and the module the call runs in."""
+
+    __slots__ = ("report", "layer")
+
+    def __init__(self, report: "QuantizationReport", layer: str):
+        self.report, self.layer = report, layer
+
+    def record(self, tensor: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+               group_size: int | None = None) -> None:
+        """x was quantized to the FP8 codes q with ``scale`` (per tensor) or per-group scales (group_size)."""
+        self.report._record(self.layer, tensor, x, q, scale, group_size)
+
+
+class QuantizationReport:
+    """Per layer and per quantized tensor health of a model converted by :func:`coat.convert` (or built from
+    coat.nn modules), and of the FP8 moments of its :class:`coat.optim.AdamW` when given: see
+    :mod:`coat.report` for the tensors and metrics.
+
+    ``with report.capture(step):`` records one training step; afterwards :meth:`stats` (a flat dict for a
+    logger), :meth:`rows`, :meth:`worst`, :meth:`to_csv` and :meth:`heatmap` describe that step. Outside a
+    capture the model runs exactly as without a report.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: AdamW | None = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"coat.report.QuantizationReport takes a torch.nn.Module, got {type(model).__name__}")
+        self._modules = _report_modules(model)
+        if not self._modules:
+            raise ValueError(
+                f"coat.report: {type(model).__name__} has no coat layers, so nothing in it is quantized: call "
+                "coat.convert(model) first (or build it from coat.nn modules)"
+            )
+        if optimizer is not None and not isinstance(optimizer, AdamW):
+            raise TypeError(
+                f"coat.report reads the FP8 moments of coat.optim.AdamW, got {type(optimizer).__module__}."
+                f"{type(optimizer).__name__}: pass a coat.optim.AdamW, or optimizer=None to report the model only"
+            )
+        self._optimizer = optimizer
+        self._moment_names = self._name_moments(model, optimizer) if optimizer is not None else {}
+        self._layer_order = {name or _ROOT: index for index, (name, _) in enumerate(model.named_modules())}
+        self._layer_order[_NO_MODULE] = len(self._layer_order)
+        self._module_stack: list[str] = []
+        self._sums: dict[tuple[str, str], tuple[str, torch.Tensor]] = {}
+        self._captures = 0
+        self._rows: list[dict] | None = None
+
+    def _name_moments(self, model: nn.Module, optimizer: AdamW) -> dict[int, tuple[str, str]]:
+        """id(parameter) -> (layer, parameter name within it): the report module holding the parameter, or
+        else the module that owns it."""
+        names = {}
+        for name, param in model.named_parameters():
+            layer = next((m for m in self._modules if name.startswith(f"{m}.")), name.rpartition(".")[0])
+            names[id(param)] = (layer or _ROOT, name[len(layer) + 1 :] if layer else name)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) not in names:
+                    raise ValueError(
+                        f"coat.report: the optimizer holds a parameter of shape {tuple(param.shape)} that is not one "
+                        "of the model's parameters: build the report from the model the optimizer trains"
+                    )
+        return names
+
+    # ------------------------------------------------------------------------------------- capturing
+
+    @contextlib.contextmanager
+    def capture(self, step: int | None = None):
+        """Records the quantization of the forward and backward passes (and the optimizer state) inside the
+        ``with`` block as one step, ``step`` (default: the number of this capture, from 1). Put the
+        optimizer's step() inside the block to see the moments it writes; the optimizer state is read when
+        the block ends. Only autograd forward passes are recorded (not torch.no_grad() evaluation), and only
+        eagerly: torch.compile'd code runs uncompiled inside the block (torch.compiler.set_stance
+        "force_eager") and compiled again after it."""
+        if _capture.active is not None:
+            raise RuntimeError("coat.report: another capture is in progress; captures cannot be nested")
+        if torch.compiler.is_compiling():
+            raise RuntimeError("coat.report: capture() runs in eager mode; call it outside torch.compile'd code")
+        hooks = []
+        for name, module in self._modules.items():
+            hooks.append(module.register_forward_pre_hook(functools.partial(self._enter_module, name)))
+            hooks.append(module.register_forward_hook(self._leave_module))
+        self._sums = {}
+        _capture.active = self
+        try:
+            # Compiled code would trace the recording itself: it runs uncompiled meanwhile, and its compiled
+            # graphs, which record nothing, are used again after the capture, without recompiling.
+            with torch.compiler.set_stance("force_eager"):
+                yield self
+        finally:
+            _capture.active = None
+            for hook in hooks:
+                hook.remove()
+            self._module_stack.clear()
+        self._captures += 1
+        self._rows = self._finish(self._captures if step is None else step)
+
+    def _enter_module(self, name: str, module: nn.Module, args) -> None:
+        self._module_stack.append(name)
+
+    def _leave_module(self, module: nn.Module, args, output) -> None:
+        self._module_stack.pop()  # returns None: a forward hook's return value would replace the output
+
+    def _site(self) -> _Site:
+        """Called by coat's autograd Functions (through coat.nn._capture) at the start of each forward."""
+        return _Site(self, self._module_stack[-1] if self._module_stack else _NO_MODULE)
+
+    @torch.no_grad()
+    def _record(self, layer: str, tensor: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                group_size: int | None) -> None:
+        if x.numel() == 0:
+            return
+        sums = _quantization_sums(x, q, scale, group_size)
+        key = (layer, tensor)
+        if key in self._sums:
+            sums = _add_sums(self._sums[key][1], sums)
+        self._sums[key] = (_FORMAT_NAMES[q.dtype], sums)
+
+    @torch.no_grad()
+    def _finish(self, step: int) -> list[dict]:
+        """The capture's rows: one per (layer, tensor), in model order, tensors in the order first recorded."""
+        entries = [(layer, tensor, fmt, sums, _tensor_metrics) for (layer, tensor), (fmt, sums) in self._sums.items()]
+        if self._optimizer is not None:
+            for group in self._optimizer.param_groups:
+                for param in group["params"]:
+                    state = self._optimizer.state.get(param)
+                    if not state or _local(param).numel() == 0:
+                        continue
+                    layer, name = self._moment_names[id(param)]
+                    for moment, codes_key, meta_key in _MOMENT_STATES:
+                        codes = _as_rows(_local(state[codes_key]))
+                        values = _moment_values(codes, _local(state[meta_key]), group["group_size"])
+                        entries.append((layer, f"{name}.{moment}", _FORMAT_NAMES[codes.dtype], values, _moment_metrics))
+        host = _to_host([values for _, _, _, values, _ in entries])
+        rows = []
+        for (layer, tensor, fmt, _, metrics), values in zip(entries, host):
+            row = dict.fromkeys(CSV_COLUMNS)
+            row.update(step=step, layer=layer, tensor=tensor, format=fmt, **metrics(values))
+            row["numel"] = int(row["numel"])
+            rows.append(row)
+        order = {}
+        for row in rows:
+            order.setdefault(row["tensor"], len(order))
+        return sorted(rows, key=lambda row: (self._layer_order.get(row["layer"], -1), order[row["tensor"]]))
+
+    # ------------------------------------------------------------------------------------- results
+
+    def rows(self) -> list[dict]:
+        """The last capture as rows: dicts with every CSV column (:data:`CSV_COLUMNS`); the metrics that do
+        not apply to a row's tensor are None."""
+        if self._rows is None:
+            raise RuntimeError("coat.report: nothing captured yet; record a step with `with report.capture(step):`")
+        return [dict(row) for row in self._rows]
+
+    def stats(self) -> dict[str, float]:
+        """The last capture as a flat dict of floats for a logger: ``{"LAYER/TENSOR/METRIC": value}``, e.g.
+        ``"model.layers.3/gate_up_input/rel_error"``; every metric that applies, numel left out."""
+        return {
+            f"{row['layer']}/{row['tensor']}/{metric}": float(row[metric])
+            for row in self.rows()
+            for metric in METRICS
+            if row[metric] is not None
+        }
+
+    def worst(self, metric: str = "rel_error") -> tuple[str, str, float]:
+        """(layer, tensor, value) of the last capture's largest ``metric``; NaN counts as the largest."""
+        rows = [row for row in self.rows() if row.get(metric) is not None]
+        if not rows:
+            raise ValueError(
+                f"coat.report: no tensor of the last capture has {metric!r}; metrics: {', '.join(METRICS)}"
+            )
+        row = max(rows, key=lambda row: math.inf if math.isnan(row[metric]) else row[metric])
+        return row["layer"], row["tensor"], row[metric]
+
+    def to_csv(self, path: str | os.PathLike) -> None:
+        """Appends the last capture's rows to the CSV file at ``path`` (one per layer and tensor, every
+        column of :data:`CSV_COLUMNS`, blank where a metric does not apply), writing the header first when
+        the file is new or empty. :func:`read_csv` reads it back."""
+        rows = self.rows()
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        if not new:
+            with open(path, newline="") as f:
+                header = next(csv.reader(f), [])
+            if tuple(header) != CSV_COLUMNS:
+                raise ValueError(
+                    f"coat.report: {path} is not a report CSV (its header is {header}); write to a new file"
+                )
+        with open(path, "a", newline="") as f:
+            writer = csv.DictWriter(f, CSV_COLUMNS)
+            if new:
+                writer.writeheader()
+            writer.writerows(rows)
+
+    def heatmap(self, path: str | os.PathLike, metric: str = "rel_error") -> None:
+        """Draws the last capture's ``metric`` as a heat map of layers x tensors into ``path`` (any format
+        matplotlib writes, by its extension): see :func:`heatmap`."""
+        heatmap(self.rows(), path, metric)
+
+
+# ------------------------------------------------------------------------------------------- CSV, heat map
+
+
+def read_csv(path: str | os.PathLike) -> list[dict]:
+    """The rows of a CSV that :meth:`QuantizationReport.to_csv` wrote: step and numel as ints, the metrics
+    as floats (None where blank), layer, tensor and format as strings."""
+    def parse(column: str, value: str):
+        if column in ("layer", "tensor", "format"):
+            return value
+        if value == "":
+            return None
+        return int(value) if column in ("step", "numel") else float(value)
+
+    with open(path, newline="") as f:
+        return [{column: parse(column, value) for column, value in row.items()} for row in csv.DictReader(f)]
+
+
+def heatmap(rows: Iterable[dict], path: str | os.PathLike, metric: str = "rel_error") -> None:
+    """Draws ``metric`` of report rows (:meth:`QuantizationReport.rows` or :func:`read_csv`; the rows of the
+    last step they hold) as a heat map, layers down, tensors across, into ``path``. Metrics that span
+    decades (amax, shares, rel_error) use a log colour scale, where zero is light grey. NaN is black, a
+    tensor a layer does not have is white. The title names the worst cell. Needs matplotlib."""
+    if metric not in METRICS:
+        raise ValueError(f"coat.report.heatmap: unknown metric {metric!r}; metrics: {', '.join(METRICS)}")
+    try:
+        import numpy
+        from matplotlib import colormaps, colors
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError("coat.report.heatmap draws with matplotlib: pip install matplotlib") from error
+    rows = list(rows)
+    last_step = max((row["step"] for row in rows), default=None)
+    rows = [row for row in rows if row["step"] == last_step and row.get(metric) is not None]
+    if not rows:
+        raise ValueError(
+            f"coat.report.heatmap: no row has {metric!r} (optimizer metrics need a report with an optimizer)"
+        )
+    layers = list(dict.fromkeys(row["layer"] for row in rows))
+    tensors = list(dict.fromkeys(row["tensor"] for row in rows))
+    grid = numpy.full((len(layers), len(tensors)), numpy.nan)
+    recorded = numpy.zeros(grid.shape, dtype=bool)
+    for row in rows:
+        cell = layers.index(row["layer"]), tensors.index(row["tensor"])
+        grid[cell], recorded[cell] = row[metric], True
+
+    finite = grid[recorded & numpy.isfinite(grid)]
+    positive = finite[finite > 0]
+    if metric in _LOG_SCALE_METRICS and positive.size and positive.max() >= 10 * positive.min():
+        norm = colors.LogNorm(vmin=positive.min(), vmax=positive.max())
+    else:
+        low, high = (finite.min(), finite.max()) if finite.size else (0.0, 1.0)
+        norm = colors.Normalize(vmin=low, vmax=high if high > low else low + 1)
+    # Stand-ins outside the colour range, drawn in the colour map's extremes: NaN and Inf above (black), zeros
+    # below a log scale (grey); cells never recorded stay masked (white).
+    above, below = norm.vmax + abs(norm.vmax) + 1, norm.vmin / 10
+    shown = numpy.where(numpy.isfinite(grid), grid, above)
+    shown = numpy.where(shown < norm.vmin, below, shown)
+    cmap = colormaps["YlOrRd"].with_extremes(under="#d9d9d9", over="black", bad="white")
+
+    figure = Figure(figsize=(2.5 + 0.5 * len(tensors), 2.0 + 0.32 * len(layers)), layout="constrained")
+    ax = figure.subplots()
+    image = ax.imshow(numpy.ma.masked_array(shown, ~recorded), cmap=cmap, norm=norm, aspect="auto",
+                      interpolation="nearest")
+    if grid.size <= 600:  # values in the cells while they stay legible
+        for i, j in zip(*numpy.nonzero(recorded)):
+            ax.text(j, i, f"{grid[i, j]:.2g}", ha="center", va="center", fontsize=6,
+                    color="white" if norm(shown[i, j]) > 0.6 else "black")
+    ax.set_xticks(range(len(tensors)), tensors, rotation=60, ha="right", fontsize=8)
+    ax.set_yticks(range(len(layers)), layers, fontsize=8)
+    figure.colorbar(image, ax=ax, extend="both", label=metric)
+    worst = max(rows, key=lambda row: math.inf if math.isnan(row[metric]) else row[metric])
+    ax.set_title(f"coat quantization report, step {last_step}: {metric}, {METRIC_DESCRIPTIONS[metric]}\n"
+                 f"worst: {worst['layer']} / {worst['tensor']} = {worst[metric]:.3g}", fontsize=10)
+    figure.savefig(path, dpi=120)
+
+
+__all__ = ["QuantizationReport", "tensor_stats", "read_csv", "heatmap", "METRICS", "CSV_COLUMNS", "METRIC_DESCRIPTIONS"]

@@ -1,0 +1,347 @@
+"""coat.report: each metric against a float64 reference computed here from the same tensors, on crafted inputs
+(exact zeros, values flushed below the smallest FP8 subnormal, values clipped by a stale scale, NaN and Inf),
+the names and values the report gives a converted Llama's tensors and optimizer moments, its dict, CSV and
+heat map, that nothing is recorded outside a capture, captures of a compiled model, and errors."""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import coat
+from coat.nn import _capture
+from optim_helpers import tiny_llama
+
+E4M3_CLIP, E5M2_CLIP = 464.0, 61440.0  # FP8_MAX + half the top step: rounding to nearest would go past FP8_MAX
+
+
+def reference_stats(x, q, scale, group_size=None, clip=E4M3_CLIP):
+    """The metrics in float64, from the codes' values times their scales: the exact product rounded once to
+    float32, the dequantized value the layers compute with (and the report's definition of Q(x))."""
+    x = x.double()
+    if group_size is not None:
+        scale = scale.repeat_interleave(group_size, dim=-1)[..., : x.shape[-1]]
+    scale = scale.double()
+    dequantized = (q.double() * scale).float().double()
+    finite = x.isfinite() & dequantized.isfinite()
+    x, dequantized, scale = x[finite], dequantized[finite], scale.expand(finite.shape)[finite]
+    if x.numel() == 0:
+        rel_error = math.nan
+    else:
+        rel_error = (dequantized - x).norm().item() / x.norm().item() if x.norm() > 0 else 0.0
+    return {
+        "numel": finite.numel(),
+        "nonfinite": 1 - finite.sum().item() / finite.numel(),
+        "amax": x.abs().max().item() if x.numel() else 0.0,
+        "flushed": ((x != 0) & (dequantized == 0)).sum().item() / x.numel() if x.numel() else math.nan,
+        "saturated": ((x / scale).abs() >= clip).sum().item() / x.numel() if x.numel() else math.nan,
+        "rel_error": rel_error,
+    }
+
+
+def assert_stats_equal(actual, expected):
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        if math.isnan(value):
+            assert math.isnan(actual[key]), key
+        else:
+            # Sums in another order than the report's: the last bits may differ.
+            assert actual[key] == pytest.approx(value, rel=1e-6, abs=1e-12), key
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def test_per_tensor_metrics_on_crafted_values():
+    # amax 448 gives scale 1: 2^-11 is below E4M3's smallest subnormal 2^-9 (flushed), 2^-9 is kept, 0 is
+    # exact and not counted as flushed, 1.0625 rounds to 1 or 1.125.
+    x = torch.tensor([[448.0, 2.0**-11, -(2.0**-11), 2.0**-9, 0.0, 1.0625, -3.3, 100.0]])
+    q, scale, _ = coat.ops.quantize_tensor(x, "e4m3")
+    stats = coat.report.tensor_stats(x, q, scale)
+    assert stats["flushed"] == 2 / 8 and stats["saturated"] == 0 and stats["nonfinite"] == 0
+    assert stats["amax"] == 448.0
+    assert_stats_equal(stats, reference_stats(x, q, scale))
+
+
+def test_per_tensor_metrics_on_random_values(rng):
+    x = torch.randn(64, 96, generator=rng).bfloat16() * torch.logspace(-6, 2, 96).bfloat16()
+    for fp8, clip in (("e4m3", E4M3_CLIP), ("e5m2", E5M2_CLIP)):
+        q, scale, _ = coat.ops.quantize_tensor(x, fp8)
+        stats = coat.report.tensor_stats(x, q, scale)
+        assert 0 < stats["flushed"] < 1 and 0 < stats["rel_error"] < 0.2
+        assert_stats_equal(stats, reference_stats(x, q, scale, clip=clip))
+
+
+def test_saturation_counts_values_clipped_by_a_stale_scale(rng):
+    """A scale from an amax below the tensor's (as when a scale is reused): values past FP8_MAX + half a
+    step are clipped; 460 / 1 rounds to 448 anyway and is not counted."""
+    x = torch.tensor([[460.0, 470.0, -1000.0, 10.0, 448.0, 2.0]])
+    q, scale, _ = coat.ops.quantize_tensors([x], "e4m3", dim=0, amax=torch.tensor(448.0))
+    stats = coat.report.tensor_stats(x, q, scale)
+    assert stats["saturated"] == 2 / 6
+    assert_stats_equal(stats, reference_stats(x, q, scale))
+
+
+def test_nan_and_inf_are_counted_apart():
+    # A NaN element stays NaN and leaves the rest alone; an Inf makes the scale Inf and the whole tensor NaN.
+    x = torch.tensor([[1.0, float("nan"), -2.0, 0.5]])
+    q, scale, _ = coat.ops.quantize_tensor(x, "e4m3")
+    stats = coat.report.tensor_stats(x, q, scale)
+    assert stats["nonfinite"] == 0.25 and math.isfinite(stats["rel_error"]) and stats["amax"] == 2.0
+    assert_stats_equal(stats, reference_stats(x, q, scale))
+
+    x = torch.tensor([[1.0, float("inf"), -2.0, 0.5]])
+    q, scale, _ = coat.ops.quantize_tensor(x, "e4m3")
+    stats = coat.report.tensor_stats(x, q, scale)
+    assert stats["nonfinite"] == 1.0
+    assert math.isnan(stats["flushed"]) and math.isnan(stats["saturated"]) and math.isnan(stats["rel_error"])
+
+
+def test_group_metrics_on_crafted_groups(rng):
+    """1 x 16 groups, as RMSNorm and SiLU*mul save their inputs: an all-zero group (exact, nothing flushed),
+    a group whose small values fall below its scale's subnormals, an Inf group (NaN as a whole), random ones."""
+    x = torch.randn(4, 64, generator=rng)
+    x[0, :16] = 0
+    x[1, 16:32] = 1e-6
+    x[1, 16] = 1.0  # scale 1/448: 1e-6 * 448 is below E4M3's smallest subnormal
+    x[2, 40] = float("inf")
+    q, scales, _ = coat.ops.quantize_group(x, 16, "e4m3")
+    stats = coat.report.tensor_stats(x, q, scales, group_size=16)
+    assert stats["nonfinite"] == 16 / 256
+    assert stats["flushed"] == 15 / 240
+    assert_stats_equal(stats, reference_stats(x, q, scales, group_size=16))
+
+    zeros = torch.zeros(2, 32)
+    q, scales, _ = coat.ops.quantize_group(zeros, 16)
+    stats = coat.report.tensor_stats(zeros, q, scales, group_size=16)
+    assert stats["rel_error"] == 0 and stats["flushed"] == 0 and stats["amax"] == 0
+
+
+def test_tensor_stats_explains_bad_input():
+    x = torch.randn(4, 16)
+    q, scale, _ = coat.ops.quantize_tensor(x)
+    with pytest.raises(ValueError, match="one shape"):
+        coat.report.tensor_stats(x[:2], q, scale)
+    with pytest.raises(TypeError, match="FP8 codes"):
+        coat.report.tensor_stats(x, x, scale)
+
+
+# ---------------------------------------------------------------------------------------------- a model
+
+
+LAYER_TENSORS = [
+    "attn_norm_input", "qkv_input", "qkv_weight", "o_input", "o_weight", "mlp_norm_input", "gate_up_input",
+    "gate_up_weight", "gate_output", "up_output", "down_input", "down_weight",
+    "down_grad_output", "gate_up_grad_output", "o_grad_output", "qkv_grad_output",
+]
+
+
+def tokens(seed=0, batch=2, length=24):
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def train_step(model, optimizer, batch):
+    model(batch, labels=batch).loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.fixture
+def model():
+    return coat.convert(tiny_llama(seed=0))
+
+
+def test_capture_names_every_quantized_tensor_of_each_layer(model):
+    report = coat.report.QuantizationReport(model)
+    with report.capture(step=7):
+        train_step(model, None, tokens())
+    rows = report.rows()
+    assert {row["step"] for row in rows} == {7}
+    for layer in ("model.layers.0", "model.layers.1"):
+        assert [row["tensor"] for row in rows if row["layer"] == layer] == LAYER_TENSORS
+    for row in rows:
+        grad = row["tensor"].endswith("grad_output")
+        assert row["format"] == ("e5m2" if grad else "e4m3")
+        assert row["nonfinite"] == 0 and row["saturated"] == 0  # scales from each tensor's own amax
+        assert 0.005 < row["rel_error"] < (0.08 if grad else 0.04)  # E5M2 / E4M3 round to 2 / 3 mantissa bits
+
+    stats = report.stats()
+    assert len(stats) == len(rows) * len(coat.report.TENSOR_METRICS)
+    assert all(type(value) is float for value in stats.values())
+    assert stats["model.layers.1/down_input/rel_error"] == next(
+        row["rel_error"] for row in rows if row["layer"] == "model.layers.1" and row["tensor"] == "down_input")
+    layer, tensor, value = report.worst("rel_error")
+    assert tensor.endswith("grad_output") and value == max(row["rel_error"] for row in rows)
+
+
+def test_recorded_values_match_a_reference_from_the_model(model):
+    """qkv_weight: the three weights quantized as one tensor; attn_norm_input: the layer's input in 1 x 16
+    groups; grad_output rows only with FP8 gradients."""
+    report = coat.report.QuantizationReport(model)
+    inputs = []
+    model.model.layers[1].register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach()))
+    with report.capture():
+        train_step(model, None, tokens())
+    rows = {(row["layer"], row["tensor"]): row for row in report.rows()}
+
+    attn = model.model.layers[1].self_attn
+    weights = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+    q, scale, _ = coat.ops.quantize_tensor(weights, "e4m3")
+    expected = reference_stats(weights, q, scale)
+    assert_stats_equal({key: rows[("model.layers.1", "qkv_weight")][key] for key in expected}, expected)
+
+    (hidden,) = inputs
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    q, scales, _ = coat.ops.quantize_group(hidden, 16, "e4m3")
+    expected = reference_stats(hidden, q, scales, group_size=16)
+    assert_stats_equal({key: rows[("model.layers.1", "attn_norm_input")][key] for key in expected}, expected)
+
+    bf16_gradients = coat.convert(tiny_llama(seed=0), gradient_format=None)
+    report = coat.report.QuantizationReport(bf16_gradients)
+    with report.capture():
+        train_step(bf16_gradients, None, tokens())
+    assert [row["tensor"] for row in report.rows() if row["layer"] == "model.layers.0"] == LAYER_TENSORS[:12]
+
+
+def test_a_lone_linear_layer_reports_its_input_weight_and_output_gradient(rng):
+    """The input needs no gradient, so backward quantizes the output gradient only transposed (for the
+    weight gradient): the report reads those codes."""
+    model = nn.Sequential(coat.nn.Linear(32, 48))
+    report = coat.report.QuantizationReport(model)
+    x = torch.randn(4, 8, 32, generator=rng)
+    grad = torch.randn(4, 8, 48, generator=rng)
+    with report.capture():
+        model(x).backward(grad)
+    rows = {row["tensor"]: row for row in report.rows()}
+    assert list(rows) == ["input", "weight", "grad_output"] and {row["layer"] for row in rows.values()} == {"0"}
+    for name, tensor, fmt, clip in (("input", x, "e4m3", E4M3_CLIP), ("grad_output", grad, "e5m2", E5M2_CLIP)):
+        matrix = tensor.reshape(-1, tensor.shape[-1])
+        q, scale, _ = coat.ops.quantize_tensor(matrix, fmt)
+        expected = reference_stats(matrix, q, scale, clip=clip)
+        assert_stats_equal({key: rows[name][key] for key in expected}, expected)
+
+
+def test_nothing_is_recorded_outside_a_capture(model, monkeypatch):
+    calls = []
+    measure = coat.report._quantization_sums
+    monkeypatch.setattr(coat.report, "_quantization_sums", lambda *args: calls.append(1) or measure(*args))
+    report = coat.report.QuantizationReport(model)
+    with pytest.raises(RuntimeError, match="nothing captured yet"):
+        report.stats()
+    train_step(model, None, tokens())
+    assert calls == []
+
+    # A forward captured, its backward run after the capture: the backward records nothing.
+    with report.capture():
+        loss = model(tokens(), labels=tokens()).loss
+    recorded = len(calls)
+    before = report.stats()
+    loss.backward()
+    train_step(model, None, tokens(seed=1))
+    assert len(calls) == recorded and report.stats() == before
+    assert not any(row["tensor"].endswith("grad_output") for row in report.rows())
+
+    with pytest.raises(ZeroDivisionError), report.capture():
+        1 / 0
+    assert _capture.active is None and report.stats() == before  # a failed step leaves the last capture
+
+
+def test_optimizer_moments_and_expansion_exponents(model):
+    optimizer = coat.optim.AdamW(model.parameters(), lr=1e-3)
+    report = coat.report.QuantizationReport(model, optimizer)
+    for step in range(3):
+        with report.capture(step):
+            train_step(model, optimizer, tokens(seed=step))
+    rows = {(row["layer"], row["tensor"]): row for row in report.rows()}
+    names = dict(model.named_parameters())
+    for name, layer, tensor in (("model.layers.0.self_attn.q_proj.weight", "model.layers.0", "self_attn.q_proj.weight"),
+                                ("model.layers.1.post_attention_layernorm.weight", "model.layers.1",
+                                 "post_attention_layernorm.weight"),
+                                ("lm_head.weight", "lm_head", "weight")):
+        state = optimizer.state[names[name]]
+        for moment, codes, meta in (("m", state["exp_avg"], state["exp_avg_meta"]),
+                                    ("v", state["exp_avg_sq"], state["exp_avg_sq_meta"])):
+            row = rows[(layer, f"{tensor}.{moment}")]
+            k = meta[..., 1].double().flatten()
+            values = coat.ops.dequantize_expanded(codes, meta, 128).double()
+            assert row["k_min"] == k.min().item() and row["k_max"] == k.max().item()
+            assert row["k_median"] == k.median().item() and row["k_expanded"] == (k != 1).double().mean().item()
+            assert row["zero_codes"] == (codes.double() == 0).double().mean().item()
+            assert row["amax"] == values.abs().max().item() and row["nonfinite"] == 0
+            assert row["numel"] == codes.numel() and row["rel_error"] is None
+            assert 0.5 <= row["k_min"] <= row["k_median"] <= row["k_max"] <= 64
+    assert rows[("model.layers.0", "self_attn.q_proj.weight.m")]["k_expanded"] > 0
+    assert len([key for key in rows if key[1].endswith((".m", ".v"))]) == 2 * len(names)
+
+    plain = coat.optim.AdamW(model.parameters(), lr=1e-3, expand=False)
+    report = coat.report.QuantizationReport(model, plain)
+    with report.capture():
+        train_step(model, plain, tokens())
+    moments = [row for row in report.rows() if row["tensor"].endswith((".m", ".v"))]
+    assert moments and all(row["k_min"] == row["k_max"] == 1 and row["k_expanded"] == 0 for row in moments)
+
+
+def test_csv_round_trip_and_heatmap(model, tmp_path):
+    optimizer = coat.optim.AdamW(model.parameters(), lr=1e-3)
+    report = coat.report.QuantizationReport(model, optimizer)
+    path = tmp_path / "report.csv"
+    written = []
+    for step in (10, 20):
+        with report.capture(step):
+            train_step(model, optimizer, tokens(seed=step))
+        report.to_csv(path)
+        written += report.rows()
+    assert path.read_text().count("step,layer,tensor") == 1
+    assert coat.report.read_csv(path) == written
+
+    for metric in ("rel_error", "flushed", "k_median"):
+        png = tmp_path / f"{metric}.png"
+        report.heatmap(png, metric=metric)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    coat.report.heatmap(coat.report.read_csv(path), tmp_path / "from-csv.png")
+    with pytest.raises(ValueError, match="unknown metric 'error'"):
+        report.heatmap(tmp_path / "x.png", metric="error")
+
+    foreign = tmp_path / "foreign.csv"
+    foreign.write_text("step,loss\n1,2.0\n")
+    with pytest.raises(ValueError, match="not a report CSV"):
+        report.to_csv(foreign)
+
+
+def test_capture_of_a_compiled_model_runs_eagerly_and_does_not_recompile(model):
+    from torch._dynamo.utils import counters
+
+    eager_model = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    train_step(compiled, None, tokens())
+    graphs = counters["stats"]["unique_graphs"]
+    report = coat.report.QuantizationReport(model)
+    with report.capture():
+        train_step(compiled, None, tokens(seed=1))
+    train_step(compiled, None, tokens(seed=2))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+    eager_model.zero_grad()
+    expected = coat.report.QuantizationReport(eager_model)
+    with expected.capture():
+        train_step(eager_model, None, tokens(seed=1))
+    assert report.stats() == expected.stats()
+
+
+def test_bad_input_gets_a_clear_error(model):
+    with pytest.raises(ValueError, match=r"call coat.convert\(model\) first"):
+        coat.report.QuantizationReport(tiny_llama(seed=0))
+    with pytest.raises(TypeError, match="coat.optim.AdamW"):
+        coat.report.QuantizationReport(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        coat.report.QuantizationReport("model")
+    with pytest.raises(ValueError, match="not one of the model's parameters"):
+        coat.report.QuantizationReport(model, coat.optim.AdamW([nn.Parameter(torch.zeros(4))]))
+    report = coat.report.QuantizationReport(model)
+    with report.capture(), pytest.raises(RuntimeError, match="cannot be nested"):
+        with coat.report.QuantizationReport(model).capture():
+            pass
+    with pytest.raises(ValueError, match="no tensor of the last capture has 'k_median'"):
+        report.worst("k_median")
