@@ -8,8 +8,9 @@ coat.convert(model) converts a transformers Llama, Mistral or Qwen2 model to the
 coat.optim.AdamW is a drop-in for torch.optim.AdamW that keeps both moments in FP8.
 coat.report.QuantizationReport measures what quantization does to each tensor of a converted model during
 training: amax, flushed and saturated shares, relative error, the optimizer's expansion exponents.
+coat.distributed.fp8_reduce_scatter(model) makes FSDP2 reduce-scatter gradients in block-scaled FP8 (AGoQ).
 """
-from coat import nn, ops, optim, report
+from coat import distributed, nn, ops, optim, report
 from coat._native import BUILT_WITH_CUDA
 from coat.conversion import convert
 
@@ -21,4 +22,4 @@ def built_with_cuda() -> bool:
     return BUILT_WITH_CUDA
 
 
-__all__ = ["convert", "nn", "ops", "optim", "report", "built_with_cuda", "__version__"]
+__all__ = ["convert", "distributed", "nn", "ops", "optim", "report", "built_with_cuda", "__version__"]

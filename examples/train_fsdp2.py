@@ -4,6 +4,9 @@ and resume it with torch.distributed.checkpoint. Run it with torchrun:
     torchrun --nproc_per_node 2 examples/train_fsdp2.py --preset 100m --coat --checkpoint-dir ckpt --save-every 500
     torchrun --nproc_per_node 2 examples/train_fsdp2.py --preset 100m --coat --checkpoint-dir ckpt --resume
 
+--bf16-weights keeps the shards in bfloat16 (no float32 master copy; coat.optim.AdamW rounds each update
+stochastically, each shard with the random bits of its elements in the whole tensor), and
+--fp8-reduce-scatter sends the gradients as block-scaled FP8 (coat.distributed.fp8_reduce_scatter).
 NCCL on GPUs, gloo on CPUs (the same script runs on two CPU processes). With coat, the order is: convert,
 then shard, then build the optimizer on the sharded parameters:
 
@@ -59,12 +62,17 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     parser.add_argument("--stop-after", type=int, help="leave after this many steps (the schedule still spans --steps)")
+    parser.add_argument("--fp8-reduce-scatter", action="store_true",
+                        help="reduce-scatter gradients as block-scaled FP8 (coat.distributed.fp8_reduce_scatter): "
+                             "1.03 bytes per element on the wire instead of 4")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda: one GPU per process, NCCL; cpu: gloo")
     args = resolve(parser.parse_args())
-    if args.bf16_weights or args.fp8_grads:
-        raise SystemExit("--bf16-weights and --fp8-grads are single-process options for now (examples/train_llama.py): "
-                         "FP8 gradients need unsharded parameters, and this script keeps float32 shards")
+    if args.fp8_grads:
+        raise SystemExit("--fp8-grads needs unsharded parameters (examples/train_llama.py); under FSDP2 use "
+                         "--bf16-weights for 2-byte gradients and --fp8-reduce-scatter to send them in FP8")
+    if args.fp8_reduce_scatter and not args.coat:
+        raise SystemExit("--fp8-reduce-scatter is coat's collective: add --coat")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         raise SystemExit("--resume and --save-every need --checkpoint-dir")
     if "RANK" not in os.environ:
@@ -89,7 +97,7 @@ def setup_distributed(device_type: str) -> torch.device:
 def shard(model: torch.nn.Module, device: torch.device) -> None:
     """One FSDP2 unit per decoder layer plus the root (embedding, final norm, LM head). Parameters are
     gathered in bf16, the compute dtype, and gradients reduced in float32: the float32 shards stay the
-    master weights."""
+    master weights (with --bf16-weights the shards are bf16 and so are the reduced gradients)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # An explicit mesh: fully_shard's default one is on the GPUs whenever torch sees any, even with --device cpu.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -142,9 +150,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, tokenizer = build_model(args, "cpu")  # the same float32 weights on every rank, from --seed
     parameters = parameter_count(model)
+    if args.bf16_weights:
+        model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 shards themselves
     if args.coat:
         coat.convert(model)
     shard(model, device)
+    if args.fp8_reduce_scatter:
+        coat.distributed.fp8_reduce_scatter(model)
     optimizer = build_optimizer(args, model)
     scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
     first_step = load_checkpoint(args.checkpoint_dir, model, optimizer, scheduler) if args.resume else 0
@@ -175,7 +187,9 @@ def main() -> None:
         if args.checkpoint_dir and ((args.save_every and done % args.save_every == 0) or done == last_step):
             save_checkpoint(args.checkpoint_dir, model, optimizer, scheduler, done)
 
-    summary = log.finish({"coat": args.coat, "preset": None if args.model else args.preset, "parameters": parameters,
+    summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
+                          "fp8_reduce_scatter": args.fp8_reduce_scatter,
+                          "preset": None if args.model else args.preset, "parameters": parameters,
                           "world_size": world, "batch_per_rank": args.batch, "seq": args.seq})
     if rank == 0 and summary.get("final_train_loss_last_10pct") is not None:
         print(f"{args.name}: training loss (last 10%) {summary['final_train_loss_last_10pct']:.4f}"

@@ -105,8 +105,12 @@ def fsdp2_devices() -> list:
 
 
 @pytest.mark.parametrize("device", fsdp2_devices())
-@pytest.mark.parametrize("variant", [[], ["--coat"]], ids=["bf16", "coat"])
-def test_train_fsdp2_resume_continues_the_loss_curve_exactly(tmp_path, variant, device):
+@pytest.mark.parametrize("variant, name", [
+    ([], "tiny-bf16"),
+    (["--coat"], "tiny-coat"),
+    (["--coat", "--bf16-weights", "--fp8-reduce-scatter"], "tiny-coat-bf16w-fp8-reduce-scatter"),
+], ids=["bf16", "coat", "coat-low-memory"])
+def test_train_fsdp2_resume_continues_the_loss_curve_exactly(tmp_path, variant, name, device):
     arguments = [*QUICK, *variant, *device]
     torchrun("train_fsdp2.py", [*arguments, "--out", "straight"], tmp_path)
     torchrun("train_fsdp2.py", [*arguments, "--out", "resumed", "--checkpoint-dir", "ckpt", "--stop-after", "3"],
@@ -115,8 +119,7 @@ def test_train_fsdp2_resume_continues_the_loss_curve_exactly(tmp_path, variant, 
     completed = torchrun("train_fsdp2.py", [*arguments, "--out", "resumed", "--checkpoint-dir", "ckpt", "--resume"],
                          tmp_path)
     assert "steps 3..6 of 6" in completed.stdout
-    name = "tiny-coat.csv" if variant else "tiny-bf16.csv"
-    straight, resumed = read_csv(tmp_path / "straight" / name), read_csv(tmp_path / "resumed" / name)
+    straight, resumed = read_csv(tmp_path / "straight" / f"{name}.csv"), read_csv(tmp_path / "resumed" / f"{name}.csv")
     columns = ["step", "tokens", "train_loss", "val_loss", "lr"]
     assert [[row[c] for c in columns] for row in resumed] == [[row[c] for c in columns] for row in straight]
     assert len(straight) == 6

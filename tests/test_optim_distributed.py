@@ -292,7 +292,38 @@ def fsdp1_matches_single_process(rank: int, world_size: int, device: torch.devic
     )
 
 
+def fsdp2_fp8_reduce_scatter(rank: int, world_size: int, device: torch.device, out: Path) -> None:
+    """FSDP2 with coat.distributed.fp8_reduce_scatter against one process: what each all-to-all sends, the
+    reduced gradients against the exact ones, and the losses of a few steps."""
+    data = batches(4)
+    reference = tiny_llama(seed=0).to(device)
+    model = fully_sharded(copy.deepcopy(reference), init_device_mesh(device.type, (world_size,)))
+    comm = coat.distributed.fp8_reduce_scatter(model)
+    opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    reference_opt = AdamW(reference.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    gradient_errors, losses, reference_losses = {}, [], []
+    for step, tokens in enumerate(data):
+        for net, net_opt, net_losses in ((model, opt, losses), (reference, reference_opt, reference_losses)):
+            loss = net(input_ids=tokens.to(device), labels=tokens.to(device)).loss
+            loss.backward()
+            net_losses.append(loss.item())
+        if step == 0:  # every rank trains on the same batch: the exact reduced gradient is the reference's
+            for (name, param), exact in zip(model.named_parameters(), reference.parameters()):
+                exact = exact.grad.chunk(world_size, dim=0)[rank] if exact.dim() >= 1 else exact.grad
+                got = local(param.grad)
+                gradient_errors[name] = ((got - exact).norm() / exact.norm().clamp_min(1e-30)).item()  # 0 / 0: 0
+        for net, net_opt in ((model, opt), (reference, reference_opt)):
+            net_opt.step()
+            net.zero_grad(set_to_none=True)
+    torch.save(
+        {"sent": [(str(dtype), count) for dtype, count in comm.log.sent], "buffer_elements": comm.log.buffer_elements,
+         "gradient_errors": gradient_errors, "losses": losses, "reference_losses": reference_losses},
+        out / f"rank{rank}.pt",
+    )
+
+
 SCENARIOS = (
+    fsdp2_fp8_reduce_scatter,
     fsdp2_matches_single_process,
     fsdp2_bf16_stochastic_matches_single_process,
     dcp_resume,
@@ -373,6 +404,23 @@ def test_fsdp2_matches_single_process_bit_for_bit(results, scenario):
         assert_all_equal(result["compared"])
 
 
+def test_fp8_reduce_scatter_sends_fp8_and_tracks_the_exact_gradients(results):
+    for result in results["fsdp2_fp8_reduce_scatter"]:
+        # per reduce-scatter: one FP8 code per element of the gradient buffer, one float32 scale per 128
+        codes = [count for dtype, count in result["sent"] if dtype == "torch.uint8"]
+        scales = [count for dtype, count in result["sent"] if dtype == "torch.float32"]
+        assert len(result["sent"]) == 2 * len(codes) and len(codes) == len(scales) > 0
+        assert sum(codes) == result["buffer_elements"]
+        assert all(s == WORLD_SIZE * -(-(c // WORLD_SIZE) // 128) for c, s in zip(codes, scales))
+        sent_bytes = sum(codes) + 4 * sum(scales)
+        assert sent_bytes <= 1.04 * result["buffer_elements"]  # float32 reduce-scatter: 4 bytes per element
+        # E4M3 blocks: each element within 2^-4 of its block's largest magnitude
+        assert max(result["gradient_errors"].values()) < 2**-4
+        assert result["losses"][0] == result["reference_losses"][0]
+        assert all(abs(a - b) / b < 2e-2 for a, b in zip(result["losses"], result["reference_losses"]))
+        assert result["losses"][-1] < result["losses"][0]
+
+
 def test_dcp_checkpoint_resumes_bf16_stochastic_rounding_bit_for_bit(results):
     for result in results["dcp_resume_bf16_stochastic"]:
         assert result["resumed_losses"] == result["uninterrupted_losses"]
@@ -422,3 +470,21 @@ def test_fsdp1_use_orig_params_matches_single_process_bit_for_bit(results):
         assert result["losses"] == result["reference_losses"]
         assert result["losses"][-1] < result["losses"][0]
         assert_all_equal(result["compared"])
+
+
+def test_fp8_reduce_scatter_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="needs a model sharded with fully_shard"):
+        coat.distributed.fp8_reduce_scatter(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="block_size must be one of"):
+        coat.distributed.FP8ReduceScatter(block_size=100)
+    with pytest.raises(ValueError, match="unsupported FP8 format"):
+        coat.distributed.FP8ReduceScatter(format="e3m4")
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+    comm = coat.distributed.FP8ReduceScatter()
+    with pytest.raises(NotImplementedError, match="set_gradient_divide_factor"):
+        comm(torch.empty(4), torch.zeros(8), TwoRanks(), dist.ReduceOp.PREMUL_SUM(0.25))
+    assert comm.log.sent == []
