@@ -15,6 +15,9 @@ other:
     coat-bf16w        coat with bfloat16 weights and gradients and no float32 master copy (coat.optim.AdamW
                       rounds each update stochastically): 6.09 bytes of model state per parameter
     coat-fp8-grads    coat-bf16w with gradients kept in FP8 (E5M2, per-tensor scale) after backward: 5.09 bytes
+                      (one process only: FP8 gradients need unsharded parameters)
+    coat-fp8-comm     under torchrun only: coat-bf16w whose gradients FSDP2 reduce-scatters as block-scaled FP8
+                      (coat.distributed.fp8_reduce_scatter)
 
 A step is zero_grad, forward with the loss over the batch's own tokens, backward, optimizer step; no gradient
 checkpointing. Under torchrun every decoder layer and the root are fully_shard'ed (FSDP2), and each rank trains
@@ -66,13 +69,14 @@ import coat
 
 from _common import RESULTS_DIR, parser, print_table, write_results
 
-VARIANTS = ("bf16", "bf16-compiled", "torchao-compiled", "coat", "coat-compiled", "coat-bf16w", "coat-fp8-grads")
+VARIANTS = ("bf16", "bf16-compiled", "torchao-compiled", "coat", "coat-compiled", "coat-bf16w", "coat-fp8-grads",
+            "coat-fp8-comm")
 # compiling on the CPU takes minutes; the smoke run checks the script
-SMOKE_VARIANTS = ("bf16", "coat", "coat-fp8-grads")
+SMOKE_VARIANTS = ("bf16", "coat", "coat-fp8-grads", "coat-fp8-comm")
 VARIANT_COLORS = {"bf16": "tab:blue", "bf16-compiled": "tab:cyan", "torchao-compiled": "tab:green",
                   "coat": "tab:orange", "coat-compiled": "tab:red", "coat-bf16w": "tab:purple",
-                  "coat-fp8-grads": "tab:brown"}
-BF16_WEIGHT_VARIANTS = ("coat-bf16w", "coat-fp8-grads")
+                  "coat-fp8-grads": "tab:brown", "coat-fp8-comm": "tab:pink"}
+BF16_WEIGHT_VARIANTS = ("coat-bf16w", "coat-fp8-grads", "coat-fp8-comm")
 SHAPES = {  # Llama-2 shapes: hidden, intermediate, heads, layers
     "7b": (4096, 11008, 32, 32),
     "13b": (5120, 13824, 40, 40),
@@ -156,6 +160,8 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
         fully_shard(model, mesh=mesh, mp_policy=policy)
         model.to_empty(device=device)
         initialise(model, config)
+        if variant == "coat-fp8-comm":
+            coat.distributed.fp8_reduce_scatter(model)
     params = list(model.parameters())
     if variant in BF16_WEIGHT_VARIANTS:
         fp8_grads = "e5m2" if variant == "coat-fp8-grads" else None
@@ -529,6 +535,8 @@ def main():
             missing[variant] = torchao_missing()
         elif variant == "coat-fp8-grads" and mesh is not None:
             missing[variant] = "FP8 gradients need unsharded parameters (one process)"
+        elif variant == "coat-fp8-comm" and mesh is None:
+            missing[variant] = "FP8 reduce-scatter needs FSDP2 (torchrun)"
         if variant in missing:
             log(f"{variant}: skipped, {missing[variant]}")
             continue

@@ -30,8 +30,9 @@ def run_smoke(launcher: list[str], script: str, results_dir) -> dict:
 def check_e2e(result: dict, world_size: int) -> None:
     summary = result["summary"]
     assert summary["world_size"] == world_size
-    # FP8 gradients need unsharded parameters: skipped with a note under FSDP2
-    expected = ["bf16", "coat", "coat-fp8-grads"] if world_size == 1 else ["bf16", "coat"]
+    # FP8 gradients need unsharded parameters, FP8 reduce-scatter FSDP2: each is skipped with a note elsewhere
+    expected = ["bf16", "coat", "coat-fp8-grads"] if world_size == 1 else ["bf16", "coat", "coat-fp8-comm"]
+    assert len(summary["notes"]) == 1 and "skipped" in summary["notes"][0]
     assert [row["variant"] for row in result["rows"]] == expected
     for row in result["rows"]:
         assert row["world size"] == world_size
@@ -43,6 +44,8 @@ def check_e2e(result: dict, world_size: int) -> None:
     assert 10.09 <= state["coat"] <= 10.2
     if world_size == 1:
         assert 5.09 <= state["coat-fp8-grads"] <= 5.2
+    else:
+        assert 6.09 <= state["coat-fp8-comm"] <= 6.2  # bf16 weights and gradients
 
 
 @pytest.mark.parametrize("script", ["linear", "layer", "e2e", "rope", "report"])
