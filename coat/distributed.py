@@ -70,8 +70,8 @@ class FP8ReduceScatter(ReduceScatter):
     ) -> None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise NotImplementedError(
-                f"coat's FP8 reduce-scatter sums or averages; FSDP2 asked for {op} (a gradient divide factor set "
-                "with set_gradient_divide_factor). Leave the divide factor at its default."
+                f"coat's FP8 reduce-scatter sums or averages; FSDP2 asked for {op}. A gradient divide factor set with "
+                "set_gradient_divide_factor makes FSDP2 ask for a premultiplied sum: leave it at its default."
             )
         world_size = group.size()
         chunks = input_tensor.view(world_size, -1)
