@@ -110,30 +110,50 @@ _ROOT = "(model)"  # the layer name of the model itself, whose module name is em
 # ------------------------------------------------------------------------------------------- one tensor
 
 
-def _quantization_sums(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """float64 [numel, nonfinite, flushed, saturated, squared error, squared value, amax] of x against its
-    FP8 codes q: sums, so that several recordings of one tensor add up. Stays on the device."""
+def _prepare(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None):
+    """x (float32), its dequantized FP8 copy and each element's scale, flattened: what :func:`_sums` reads."""
     x = x.float()
     q = q.contiguous()  # column blocks of jointly quantized gradients; dequantize reads contiguous codes
     dequantized = ops.dequantize(q, scale, group_size, torch.float32)
     if group_size is not None:  # the scale of each element's group
         scale = scale.repeat_interleave(group_size, dim=-1)[..., : x.shape[-1]]
+    return x.reshape(-1), dequantized.reshape(-1), scale.expand(x.shape).reshape(-1), _CLIP_THRESHOLD[q.dtype]
+
+
+def _finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the finite elements, as float64 (0 when none is finite)."""
+    return x.abs().nan_to_num(nan=0.0, posinf=0.0).amax().double()
+
+
+def _sums(prepared: list[tuple], amaxes: list[torch.Tensor]) -> torch.Tensor:
+    """float64 [numel, nonfinite, flushed, saturated, squared error, squared value, amax] per entry of
+    ``prepared`` (:func:`_prepare`'s tuples), in a fixed number of kernels however many entries there are:
+    sums, so that several recordings of one tensor add up. Stays on the device."""
+    x = torch.cat([entry[0] for entry in prepared])
+    dequantized = torch.cat([entry[1] for entry in prepared])
+    scale = torch.cat([entry[2] for entry in prepared])
+    lengths = torch.tensor([entry[0].numel() for entry in prepared], device=x.device)
+    clip = torch.tensor([entry[3] for entry in prepared], device=x.device).repeat_interleave(lengths)
+    segment = torch.arange(len(prepared), device=x.device).repeat_interleave(lengths)
     error = dequantized - x
     finite = error.isfinite()  # NaN or Inf in x, in its FP8 copy, or in both
     x = torch.where(finite, x, 0.0)
-    error = torch.where(finite, error, 0.0)
-    counts = [
-        finite.numel() - torch.count_nonzero(finite),
-        torch.count_nonzero((dequantized == 0) & (x != 0)),  # a scale is >= 2^-126: zero means a zero code
-        torch.count_nonzero((x / scale).abs() >= _CLIP_THRESHOLD[q.dtype]),
-    ]
-    return torch.stack([
-        torch.tensor(x.numel(), dtype=torch.float64, device=x.device),
-        *(count.double() for count in counts),
-        error.double().square().sum(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
-        x.double().square().sum(),
-        x.abs().amax().double(),
-    ])
+    error = torch.where(finite, error, 0.0).double()
+    columns = torch.stack([
+        torch.ones_like(error),
+        (~finite).double(),
+        ((dequantized == 0) & (x != 0)).double(),  # a scale is >= 2^-126: zero means a zero code
+        ((x / scale).abs() >= clip).double(),
+        error.square(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
+        x.double().square(),
+    ], dim=1)
+    sums = torch.zeros(len(prepared), 6, dtype=torch.float64, device=x.device).index_add_(0, segment, columns)
+    return torch.cat([sums, torch.stack(amaxes).view(-1, 1)], dim=1)
+
+
+def _quantization_sums(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """The float64 sums of :func:`_sums` of one whole tensor."""
+    return _sums([_prepare(x, q, scale, group_size)], [_finite_amax(x)])[0]
 
 
 def _add_sums(total: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
@@ -176,12 +196,15 @@ def tensor_stats(
         return _tensor_metrics(_quantization_sums(x, q, scale, group_size).tolist())
 
 
-def _moment_values(codes: torch.Tensor, meta: torch.Tensor, group_size: int) -> torch.Tensor:
+def _moment_values(codes: torch.Tensor, meta: torch.Tensor, group_size: int, rows: torch.Tensor | None) -> torch.Tensor:
     """float64 [numel, nonfinite, zero codes, amax, k min, k median, k max, share of k != 1] of one FP8
-    moment of coat.optim.AdamW (local shard)."""
+    moment of coat.optim.AdamW (local shard, as rows): k over every group, the rest over ``rows`` (all when
+    None)."""
+    k = meta[..., 1].double().flatten()
+    if rows is not None:
+        codes, meta = codes.index_select(0, rows), meta.index_select(0, rows)
     values = ops.dequantize_expanded(codes, meta, group_size)
     finite = torch.isfinite(values)
-    k = meta[..., 1].double().flatten()
     return torch.stack([
         torch.tensor(codes.numel(), dtype=torch.float64, device=codes.device),
         (~finite).sum(dtype=torch.float64),
@@ -236,9 +259,10 @@ class _Site:
     def __init__(self, report: "QuantizationReport", layer: str):
         self.report, self.layer = report, layer
 
-    def record(self, tensor: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-               group_size: int | None = None) -> None:
-        """x was quantized to the FP8 codes q with ``scale`` (per tensor) or per-group scales (group_size)."""
+    def record(self, tensor: str, x, q: torch.Tensor, scale: torch.Tensor, group_size: int | None = None) -> None:
+        """x was quantized to the FP8 codes q with ``scale`` (per tensor) or per-group scales (group_size).
+        x is the tensor, or, for a value the kernel never wrote out, a function of a row index (or None for
+        every row) that recomputes those rows of it."""
         self.report._record(self.layer, tensor, x, q, scale, group_size)
 
 
@@ -252,7 +276,12 @@ class QuantizationReport:
     capture the model runs exactly as without a report.
     """
 
-    def __init__(self, model: nn.Module, optimizer: AdamW | None = None):
+    def __init__(self, model: nn.Module, optimizer: AdamW | None = None, *, sample_rows: int | None = 64):
+        if sample_rows is not None and (isinstance(sample_rows, bool) or not isinstance(sample_rows, int) or sample_rows < 1):
+            raise ValueError(f"coat.report: sample_rows must be a positive integer or None (every row), got {sample_rows!r}")
+        self._sample_rows = sample_rows
+        self._row_samples: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._pending: list[tuple[tuple[str, str], str, tuple, torch.Tensor]] = []
         if not isinstance(model, nn.Module):
             raise TypeError(f"coat.report.QuantizationReport takes a torch.nn.Module, got {type(model).__name__}")
         self._modules = _report_modules(model)
@@ -310,6 +339,7 @@ class QuantizationReport:
             hooks.append(module.register_forward_pre_hook(functools.partial(self._enter_module, name)))
             hooks.append(module.register_forward_hook(self._leave_module))
         self._sums = {}
+        self._pending = []
         _capture.active = self
         try:
             # Compiled code would trace the recording itself: it runs uncompiled meanwhile, and its compiled
@@ -334,20 +364,53 @@ class QuantizationReport:
         """Called by coat's autograd Functions (through coat.nn._capture) at the start of each forward."""
         return _Site(self, self._module_stack[-1] if self._module_stack else _NO_MODULE)
 
+    def _measured_rows(self, rows: int, device: torch.device) -> torch.Tensor | None:
+        """sample_rows evenly spaced row indices of a matrix of ``rows`` rows, or None for all of them."""
+        if self._sample_rows is None or rows <= self._sample_rows:
+            return None
+        key = (rows, device)
+        if key not in self._row_samples:
+            self._row_samples[key] = torch.linspace(0, rows - 1, self._sample_rows, device=device).round().long()
+        return self._row_samples[key]
+
     @torch.no_grad()
-    def _record(self, layer: str, tensor: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+    def _record(self, layer: str, tensor: str, x, q: torch.Tensor, scale: torch.Tensor,
                 group_size: int | None) -> None:
-        if x.numel() == 0:
+        if q.numel() == 0:
             return
-        sums = _quantization_sums(x, q, scale, group_size)
-        key = (layer, tensor)
-        if key in self._sums:
-            sums = _add_sums(self._sums[key][1], sums)
-        self._sums[key] = (_FORMAT_NAMES[q.dtype], sums)
+        rows = self._measured_rows(q.shape[0], q.device) if q.dim() == 2 else None
+        if rows is None:
+            x = x(None) if callable(x) else x
+            amax = _finite_amax(x)
+        else:
+            q = q.index_select(0, rows)
+            if group_size is not None:
+                scale = scale.index_select(0, rows)
+            if callable(x):  # recomputed: only the measured rows; amax from the scale the kernel's amax gave
+                x = x(rows)
+                amax = (scale.amax() * ops.FP8_MAX[q.dtype]).double()
+            else:
+                amax = _finite_amax(x)
+                x = x.index_select(0, rows)
+        entry = ((layer, tensor), _FORMAT_NAMES[q.dtype], _prepare(x, q, scale, group_size), amax)
+        self._sums.setdefault(entry[0], (entry[1], None))  # rows come out in the order tensors were first recorded
+        if rows is None:  # a whole tensor: reduced now, so that no full-size copy waits for the capture's end
+            self._add(entry[0], entry[1], _sums([entry[2]], [amax])[0])
+        else:  # sampled rows: kept, and reduced together at the end in a fixed number of kernels
+            self._pending.append(entry)
+
+    def _add(self, key: tuple[str, str], fmt: str, sums: torch.Tensor) -> None:
+        recorded = self._sums[key][1]
+        self._sums[key] = (fmt, sums if recorded is None else _add_sums(recorded, sums))
 
     @torch.no_grad()
     def _finish(self, step: int) -> list[dict]:
         """The capture's rows: one per (layer, tensor), in model order, tensors in the order first recorded."""
+        if self._pending:
+            sums = _sums([entry[2] for entry in self._pending], [entry[3] for entry in self._pending])
+            for (key, fmt, _, _), entry_sums in zip(self._pending, sums):
+                self._add(key, fmt, entry_sums)
+            self._pending = []
         entries = [(layer, tensor, fmt, sums, _tensor_metrics) for (layer, tensor), (fmt, sums) in self._sums.items()]
         if self._optimizer is not None:
             for group in self._optimizer.param_groups:
@@ -358,7 +421,9 @@ class QuantizationReport:
                     layer, name = self._moment_names[id(param)]
                     for moment, codes_key, meta_key in _MOMENT_STATES:
                         codes = _as_rows(_local(state[codes_key]))
-                        values = _moment_values(codes, _local(state[meta_key]), group["group_size"])
+                        meta = _local(state[meta_key])
+                        rows = self._measured_rows(codes.shape[0], codes.device) if codes.dim() == 2 else None
+                        values = _moment_values(codes, meta, group["group_size"], rows)
                         entries.append((layer, f"{name}.{moment}", _FORMAT_NAMES[codes.dtype], values, _moment_metrics))
         host = _to_host([values for _, _, _, values, _ in entries])
         rows = []

@@ -178,8 +178,8 @@ def test_capture_names_every_quantized_tensor_of_each_layer(model):
 
 def test_recorded_values_match_a_reference_from_the_model(model):
     """qkv_weight: the three weights quantized as one tensor; attn_norm_input: the layer's input in 1 x 16
-    groups; grad_output rows only with FP8 gradients."""
-    report = coat.report.QuantizationReport(model)
+    groups; grad_output rows only with FP8 gradients. Every row measured (sample_rows=None)."""
+    report = coat.report.QuantizationReport(model, sample_rows=None)
     inputs = []
     model.model.layers[1].register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach()))
     with report.capture():
@@ -203,6 +203,30 @@ def test_recorded_values_match_a_reference_from_the_model(model):
     with report.capture():
         train_step(bf16_gradients, None, tokens())
     assert [row["tensor"] for row in report.rows() if row["layer"] == "model.layers.0"] == LAYER_TENSORS[:12]
+
+
+def test_sampled_rows_are_evenly_spaced_and_amax_is_exact(model):
+    """By default a capture measures 64 evenly spaced rows of each quantized matrix (here 8; q, k and v are
+    recorded as three blocks of one FP8 tensor): the shares and the relative error are those rows' exactly,
+    amax is the whole tensor's."""
+    report = coat.report.QuantizationReport(model, sample_rows=8)
+    with report.capture():
+        train_step(model, None, tokens())
+    row = {(r["layer"], r["tensor"]): r for r in report.rows()}[("model.layers.1", "qkv_weight")]
+    attn = model.model.layers[1].self_attn
+    blocks = [attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach()]
+    q, scale, _ = coat.ops.quantize_tensor(torch.cat(blocks), "e4m3")
+    sampled_x, sampled_q = [], []
+    for block, codes in zip(blocks, q.split([b.shape[0] for b in blocks])):
+        rows = torch.linspace(0, block.shape[0] - 1, 8).round().long()
+        sampled_x.append(block[rows])
+        sampled_q.append(codes[rows])
+    expected = reference_stats(torch.cat(sampled_x), torch.cat(sampled_q), scale)
+    expected["amax"] = max(block.abs().max().item() for block in blocks)
+    assert_stats_equal({key: row[key] for key in expected}, expected)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="sample_rows must be a positive integer or None"):
+            coat.report.QuantizationReport(model, sample_rows=bad)
 
 
 def test_a_lone_linear_layer_reports_its_input_weight_and_output_gradient(rng):
@@ -250,7 +274,7 @@ def test_nothing_is_recorded_outside_a_capture(model, monkeypatch):
 
 def test_optimizer_moments_and_expansion_exponents(model):
     optimizer = coat.optim.AdamW(model.parameters(), lr=1e-3)
-    report = coat.report.QuantizationReport(model, optimizer)
+    report = coat.report.QuantizationReport(model, optimizer, sample_rows=None)
     for step in range(3):
         with report.capture(step):
             train_step(model, optimizer, tokens(seed=step))

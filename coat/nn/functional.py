@@ -196,6 +196,11 @@ class Projections:
         return grad_input, weight_grads
 
 
+def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The given rows of t (all when None): what coat.report measures of a tensor."""
+    return t if rows is None else t.index_select(0, rows)
+
+
 def _record_joint(site, name: str, matrices, q, scale, q_t, dim: int) -> None:
     """Records matrices that :func:`coat.ops.quantize_tensors` quantized together along ``dim``: each
     against its block of the row-wise codes q, or, when only the transposed codes q_t were made, its
@@ -328,7 +333,8 @@ def _record_rmsnorm(site, input_name: str, output_name: str, x2d, weight, quanti
     recomputed in float32 in the kernel's order, (x * rstd) * weight, with the kernel's rstd."""
     y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
     site.record(input_name, x2d, x_saved, x_saved_scales, config.group_size)
-    site.record(output_name, x2d.float() * rstd[:, None] * weight.float(), y, y_scale)
+    site.record(output_name, lambda rows: _rows(x2d, rows).float() * _rows(rstd, rows)[:, None] * weight.float(),
+                y, y_scale)
 
 
 def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype):
@@ -382,8 +388,11 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
         site.record("up_output", up, up_saved, up_scales, config.group_size)
         # The kernel's fp32 product before quantization, recomputed with torch's SiLU (the kernel has its own
         # exp, so a value may differ in its last float32 bit).
-        act = F.silu(gate.float()) * up.float()
-        site.record("down_input", act if smooth_scale is None else act * smooth_scale, act_q, act_scale)
+        def act(rows):
+            product = F.silu(_rows(gate, rows).float()) * _rows(up, rows).float()
+            return product if smooth_scale is None else product * smooth_scale
+
+        site.record("down_input", act, act_q, act_scale)
     del gate, up
     down = Projections([_smoothed_down(params[2], smooth_scale)], "down")
     down_amax = down.weight_amax()
