@@ -127,14 +127,15 @@ def _finite_amax(x: torch.Tensor) -> torch.Tensor:
 
 def _sums(prepared: list[tuple], amaxes: list[torch.Tensor]) -> torch.Tensor:
     """float64 [numel, nonfinite, flushed, saturated, squared error, squared value, amax] per entry of
-    ``prepared`` (:func:`_prepare`'s tuples), in a fixed number of kernels however many entries there are:
-    sums, so that several recordings of one tensor add up. Stays on the device."""
+    ``prepared`` (:func:`_prepare`'s tuples): the element-wise passes run once over all entries together, then
+    one sum per entry. Sums, so that several recordings of one tensor add up. Stays on the device."""
     x = torch.cat([entry[0] for entry in prepared])
     dequantized = torch.cat([entry[1] for entry in prepared])
     scale = torch.cat([entry[2] for entry in prepared])
-    lengths = torch.tensor([entry[0].numel() for entry in prepared], device=x.device)
-    clip = torch.tensor([entry[3] for entry in prepared], device=x.device).repeat_interleave(lengths)
-    segment = torch.arange(len(prepared), device=x.device).repeat_interleave(lengths)
+    lengths = [entry[0].numel() for entry in prepared]
+    clip = torch.tensor([entry[3] for entry in prepared], device=x.device).repeat_interleave(
+        torch.tensor(lengths, device=x.device)
+    )
     error = dequantized - x
     finite = error.isfinite()  # NaN or Inf in x, in its FP8 copy, or in both
     x = torch.where(finite, x, 0.0)
@@ -147,7 +148,8 @@ def _sums(prepared: list[tuple], amaxes: list[torch.Tensor]) -> torch.Tensor:
         error.square(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
         x.double().square(),
     ], dim=1)
-    sums = torch.zeros(len(prepared), 6, dtype=torch.float64, device=x.device).index_add_(0, segment, columns)
+    # One sum per entry: an index_add_ into a few rows would serialize millions of atomic adds on a GPU.
+    sums = torch.stack([entry.sum(dim=0) for entry in columns.split(lengths)])
     return torch.cat([sums, torch.stack(amaxes).view(-1, 1)], dim=1)
 
 
@@ -396,7 +398,7 @@ class QuantizationReport:
         self._sums.setdefault(entry[0], (entry[1], None))  # rows come out in the order tensors were first recorded
         if rows is None:  # a whole tensor: reduced now, so that no full-size copy waits for the capture's end
             self._add(entry[0], entry[1], _sums([entry[2]], [amax])[0])
-        else:  # sampled rows: kept, and reduced together at the end in a fixed number of kernels
+        else:  # sampled rows: kept, and reduced together at the end of the capture
             self._pending.append(entry)
 
     def _add(self, key: tuple[str, str], fmt: str, sums: torch.Tensor) -> None:
