@@ -140,16 +140,20 @@ def _sums(prepared: list[tuple], amaxes: list[torch.Tensor]) -> torch.Tensor:
     finite = error.isfinite()  # NaN or Inf in x, in its FP8 copy, or in both
     x = torch.where(finite, x, 0.0)
     error = torch.where(finite, error, 0.0).double()
-    columns = torch.stack([
+    columns = [
         torch.ones_like(error),
         (~finite).double(),
         ((dequantized == 0) & (x != 0)).double(),  # a scale is >= 2^-126: zero means a zero code
         ((x / scale).abs() >= clip).double(),
         error.square(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
         x.double().square(),
-    ], dim=1)
-    # One sum per entry: an index_add_ into a few rows would serialize millions of atomic adds on a GPU.
-    sums = torch.stack([entry.sum(dim=0) for entry in columns.split(lengths)])
+    ]
+    # One sum per entry (an index_add_ into a few rows would serialize millions of atomic adds on a GPU). A
+    # whole tensor is reduced column by column, without a float64 matrix of six times its size.
+    if len(prepared) == 1:
+        sums = torch.stack([column.sum() for column in columns]).view(1, -1)
+    else:
+        sums = torch.stack([entry.sum(dim=0) for entry in torch.stack(columns, dim=1).split(lengths)])
     return torch.cat([sums, torch.stack(amaxes).view(-1, 1)], dim=1)
 
 
@@ -385,15 +389,13 @@ class QuantizationReport:
             x = x(None) if callable(x) else x
             amax = _finite_amax(x)
         else:
+            # amax from the scales, which the quantizer derived from the whole tensor's amax: one small
+            # reduction instead of a pass over the tensor
+            amax = (scale.amax() * ops.FP8_MAX[q.dtype]).double()
             q = q.index_select(0, rows)
             if group_size is not None:
                 scale = scale.index_select(0, rows)
-            if callable(x):  # recomputed: only the measured rows; amax from the scale the kernel's amax gave
-                x = x(rows)
-                amax = (scale.amax() * ops.FP8_MAX[q.dtype]).double()
-            else:
-                amax = _finite_amax(x)
-                x = x.index_select(0, rows)
+            x = x(rows) if callable(x) else x.index_select(0, rows)  # recomputed: only the measured rows
         entry = ((layer, tensor), _FORMAT_NAMES[q.dtype], _prepare(x, q, scale, group_size), amax)
         self._sums.setdefault(entry[0], (entry[1], None))  # rows come out in the order tensors were first recorded
         if rows is None:  # a whole tensor: reduced now, so that no full-size copy waits for the capture's end
