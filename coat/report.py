@@ -111,27 +111,24 @@ _ROOT = "(model)"  # the layer name of the model itself, whose module name is em
 
 
 def _prepare(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None):
-    """x (float32), its dequantized FP8 copy and each element's scale, flattened: what :func:`_sums` reads."""
+    """x (float32), its dequantized FP8 copy, the scales (broadcastable to x: each element's) and the clipping
+    threshold of q's format."""
     x = x.float()
     q = q.contiguous()  # column blocks of jointly quantized gradients; dequantize reads contiguous codes
     dequantized = ops.dequantize(q, scale, group_size, torch.float32)
     if group_size is not None:  # the scale of each element's group
         scale = scale.repeat_interleave(group_size, dim=-1)[..., : x.shape[-1]]
-    return x.reshape(-1), dequantized.reshape(-1), scale.expand(x.shape).reshape(-1), _CLIP_THRESHOLD[q.dtype]
-
-
-def _finite_amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| over the finite elements, as float64 (0 when none is finite)."""
-    return x.abs().nan_to_num(nan=0.0, posinf=0.0).amax().double()
+    return x, dequantized, scale, _CLIP_THRESHOLD[q.dtype]
 
 
 def _sums(prepared: list[tuple], amaxes: list[torch.Tensor]) -> torch.Tensor:
     """float64 [numel, nonfinite, flushed, saturated, squared error, squared value, amax] per entry of
-    ``prepared`` (:func:`_prepare`'s tuples): the element-wise passes run once over all entries together, then
-    one sum per entry. Sums, so that several recordings of one tensor add up. Stays on the device."""
-    x = torch.cat([entry[0] for entry in prepared])
-    dequantized = torch.cat([entry[1] for entry in prepared])
-    scale = torch.cat([entry[2] for entry in prepared])
+    ``prepared`` (:func:`_prepare`'s tuples of sampled rows): the element-wise passes run once over all
+    entries together, then one sum per entry. Sums, so that several recordings of one tensor add up. Stays on
+    the device."""
+    x = torch.cat([entry[0].reshape(-1) for entry in prepared])
+    dequantized = torch.cat([entry[1].reshape(-1) for entry in prepared])
+    scale = torch.cat([entry[2].expand(entry[0].shape).reshape(-1) for entry in prepared])
     lengths = [entry[0].numel() for entry in prepared]
     clip = torch.tensor([entry[3] for entry in prepared], device=x.device).repeat_interleave(
         torch.tensor(lengths, device=x.device)
@@ -148,18 +145,32 @@ def _sums(prepared: list[tuple], amaxes: list[torch.Tensor]) -> torch.Tensor:
         error.square(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
         x.double().square(),
     ]
-    # One sum per entry (an index_add_ into a few rows would serialize millions of atomic adds on a GPU). A
-    # whole tensor is reduced column by column, without a float64 matrix of six times its size.
-    if len(prepared) == 1:
-        sums = torch.stack([column.sum() for column in columns]).view(1, -1)
-    else:
-        sums = torch.stack([entry.sum(dim=0) for entry in torch.stack(columns, dim=1).split(lengths)])
+    # One sum per entry: an index_add_ into a few rows would serialize millions of atomic adds on a GPU.
+    sums = torch.stack([entry.sum(dim=0) for entry in torch.stack(columns, dim=1).split(lengths)])
     return torch.cat([sums, torch.stack(amaxes).view(-1, 1)], dim=1)
 
 
 def _quantization_sums(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """The float64 sums of :func:`_sums` of one whole tensor."""
-    return _sums([_prepare(x, q, scale, group_size)], [_finite_amax(x)])[0]
+    """float64 [numel, nonfinite, flushed, saturated, squared error, squared value, amax] of the whole tensor x
+    against its FP8 codes q, with counts and one float64 reduction per sum (no float64 copy of the tensor):
+    sums, so that several recordings of one tensor add up. Stays on the device."""
+    x, dequantized, scale, clip = _prepare(x, q, scale, group_size)
+    error = dequantized - x
+    finite = error.isfinite()  # NaN or Inf in x, in its FP8 copy, or in both
+    x = torch.where(finite, x, 0.0)
+    error = torch.where(finite, error, 0.0)
+    counts = [
+        finite.numel() - torch.count_nonzero(finite),
+        torch.count_nonzero((dequantized == 0) & (x != 0)),  # a scale is >= 2^-126: zero means a zero code
+        torch.count_nonzero((x / scale).abs() >= clip),
+    ]
+    return torch.stack([
+        torch.tensor(x.numel(), dtype=torch.float64, device=x.device),
+        *(count.double() for count in counts),
+        error.double().square().sum(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
+        x.double().square().sum(),
+        x.abs().amax().double(),
+    ])
 
 
 def _add_sums(total: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
@@ -385,9 +396,10 @@ class QuantizationReport:
         if q.numel() == 0:
             return
         rows = self._measured_rows(q.shape[0], q.device) if q.dim() == 2 else None
-        if rows is None:
-            x = x(None) if callable(x) else x
-            amax = _finite_amax(x)
+        key, fmt = (layer, tensor), _FORMAT_NAMES[q.dtype]
+        self._sums.setdefault(key, (fmt, None))  # rows come out in the order tensors were first recorded
+        if rows is None:  # a whole tensor: reduced now, so that no full-size copy waits for the capture's end
+            self._add(key, fmt, _quantization_sums(x(None) if callable(x) else x, q, scale, group_size))
         else:
             # amax from the scales, which the quantizer derived from the whole tensor's amax: one small
             # reduction instead of a pass over the tensor
@@ -396,12 +408,8 @@ class QuantizationReport:
             if group_size is not None:
                 scale = scale.index_select(0, rows)
             x = x(rows) if callable(x) else x.index_select(0, rows)  # recomputed: only the measured rows
-        entry = ((layer, tensor), _FORMAT_NAMES[q.dtype], _prepare(x, q, scale, group_size), amax)
-        self._sums.setdefault(entry[0], (entry[1], None))  # rows come out in the order tensors were first recorded
-        if rows is None:  # a whole tensor: reduced now, so that no full-size copy waits for the capture's end
-            self._add(entry[0], entry[1], _sums([entry[2]], [amax])[0])
-        else:  # sampled rows: kept, and reduced together at the end of the capture
-            self._pending.append(entry)
+            # kept, and reduced together with the capture's other samples at its end
+            self._pending.append((key, fmt, _prepare(x, q, scale, group_size), amax))
 
     def _add(self, key: tuple[str, str], fmt: str, sums: torch.Tensor) -> None:
         recorded = self._sums[key][1]
