@@ -4,6 +4,7 @@ gradients, non-finite gradients. Single process; tests/test_optim_distributed.py
 from __future__ import annotations
 
 import copy
+import gc
 import math
 
 import pytest
@@ -793,6 +794,19 @@ def test_fp8_gradient_errors_and_non_finite_values():
         opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
     opt.step()
     assert all(torch.isnan(p).all() for p in model.parameters())
+
+
+def test_fp8_gradients_belong_to_one_live_optimizer():
+    # Two optimizers keeping one parameter's gradients would race for them (the first hook frees param.grad):
+    # refused while the first lives; once it is gone its hook does nothing and a new one takes over.
+    model, opt, _, _ = fp8_grad_models()
+    with pytest.raises(ValueError, match="already kept in FP8 by another coat.optim.AdamW"):
+        AdamW(model.parameters(), fp8_grads="e5m2")
+    del opt
+    gc.collect()
+    replacement = AdamW(model.parameters(), fp8_grads="e5m2")
+    mlp_loss(model, 0).backward()
+    assert all(p.grad is None and replacement.grad(p) is not None for p in model.parameters())
 
 
 def test_model_state_bytes_per_parameter():

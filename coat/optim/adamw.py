@@ -62,12 +62,14 @@ any dim-0 sharding, so their states load exactly on any number of ranks.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
 from copy import deepcopy
 from typing import Any, Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from coat import ops
 
@@ -82,6 +84,8 @@ _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 _MASK32 = (1 << 32) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+# parameter -> weak reference to the coat.optim.AdamW whose fp8_grads hook keeps its gradients
+_FP8_GRAD_OWNERS = WeakIdKeyDictionary()  # by identity: tensors compare element-wise
 # torch.optim.AdamW features coat does not implement, with the only value accepted for each.
 _UNSUPPORTED_FEATURES = {
     "amsgrad": False,
@@ -118,11 +122,13 @@ class AdamW(torch.optim.Optimizer):
 
     All of these but fp8_grads, like lr, betas, eps and weight_decay, can be set per parameter group.
     Parameters are float32 (master weights; gradients float32, bfloat16 or float16) or bfloat16 (no master
-    copy: 2 bytes per parameter, each update rounded as param_rounding says). amsgrad, maximize, foreach, fused, capturable and
-    differentiable are accepted only at their defaults (False or None), and raise otherwise.
+    copy: 2 bytes per parameter, each update rounded as param_rounding says). amsgrad, maximize, foreach,
+    fused, capturable and differentiable are accepted only at their defaults (False or None), and raise
+    otherwise.
 
     Beyond torch.optim.Optimizer: :meth:`torch_state_dict` and :meth:`load_torch_state_dict` convert to and
-    from the state of torch.optim.AdamW, to switch optimizers in the middle of a run.
+    from the state of torch.optim.AdamW, to switch optimizers in the middle of a run; under fp8_grads,
+    :meth:`grad` and :meth:`clip_grad_norm_`.
     """
 
     def __init__(
@@ -169,7 +175,6 @@ class AdamW(torch.optim.Optimizer):
         self._fp8_grad_dtype = None if fp8_grads is None else ops.fp8_dtype(fp8_grads)
         # param -> (FP8 codes of the gradient, as a rows x cols matrix; 0-d float32 scale)
         self._fp8_grads: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._grad_hooks: list[Any] = []
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -185,9 +190,13 @@ class AdamW(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         if self._fp8_grad_dtype is not None:
+            # The hook holds the optimizer weakly: once it is gone, its hooks do nothing and another optimizer
+            # may keep the gradients.
+            hook = _fp8_grad_hook(weakref.ref(self))
             for param in group["params"]:
                 if param.requires_grad:
-                    self._grad_hooks.append(param.register_post_accumulate_grad_hook(self._quantize_grad))
+                    _FP8_GRAD_OWNERS[param] = weakref.ref(self)
+                    param.register_post_accumulate_grad_hook(hook)
 
     @property
     def fp8_grads(self) -> torch.dtype | None:
@@ -573,7 +582,22 @@ def _global_offset(param: torch.Tensor) -> int:
     return sum(offset * math.prod(param.shape[dim + 1 :]) for dim, offset in enumerate(offsets))
 
 
+def _fp8_grad_hook(optimizer_ref: weakref.ref):
+    def hook(param: torch.Tensor) -> None:
+        optimizer = optimizer_ref()
+        if optimizer is not None:
+            optimizer._quantize_grad(param)
+
+    return hook
+
+
 def _check_fp8_grad_param(param: torch.Tensor) -> None:
+    owner = _FP8_GRAD_OWNERS.get(param)
+    if owner is not None and owner() is not None:
+        raise ValueError(
+            f"the gradients of a parameter of shape {tuple(param.shape)} are already kept in FP8 by another "
+            "coat.optim.AdamW, whose hook would take them first; delete that optimizer before building this one"
+        )
     if isinstance(param, DTensor):
         raise ValueError(
             "fp8_grads needs unsharded parameters: FSDP2's DTensor gradients are reduce-scattered by FSDP after "
