@@ -22,6 +22,8 @@ nothing is recorded): the names it records under are the tensor names of the rep
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -199,6 +201,12 @@ class Projections:
 def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """The given rows of t (all when None): what coat.report measures of a tensor."""
     return t if rows is None else t.index_select(0, rows)
+
+
+def _silu_mul_rows(gate, up, smooth_scale, rows):
+    """SiLU(gate) * up (times the Smooth-SwiGLU scale) in float32, for the given rows (all when None)."""
+    product = F.silu(_rows(gate, rows).float()) * _rows(up, rows).float()
+    return product if smooth_scale is None else product * smooth_scale
 
 
 def _record_joint(site, name: str, matrices, q, scale, q_t, dim: int) -> None:
@@ -387,12 +395,9 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
         site.record("gate_output", gate, gate_saved, gate_scales, config.group_size)
         site.record("up_output", up, up_saved, up_scales, config.group_size)
         # The kernel's fp32 product before quantization, recomputed with torch's SiLU (the kernel has its own
-        # exp, so a value may differ in its last float32 bit).
-        def act(rows):
-            product = F.silu(_rows(gate, rows).float()) * _rows(up, rows).float()
-            return product if smooth_scale is None else product * smooth_scale
-
-        site.record("down_input", act, act_q, act_scale)
+        # exp, so a value may differ in its last float32 bit). A partial, not a closure: closing over gate and
+        # up would make the `del` below a bytecode torch.compile cannot trace.
+        site.record("down_input", functools.partial(_silu_mul_rows, gate, up, smooth_scale), act_q, act_scale)
     del gate, up
     down = Projections([_smoothed_down(params[2], smooth_scale)], "down")
     down_amax = down.weight_amax()
