@@ -161,6 +161,11 @@ def compare_fsdp2_with_single_process(rank, world_size, device, out, dtype=torch
         refusal = ""
     except RuntimeError as error:
         refusal = str(error)
+    try:
+        AdamW([row_split]).clip_grad_norm_(1.0)
+        clip_refusal = ""
+    except NotImplementedError as error:
+        clip_refusal = str(error)
     torch.save(
         {
             "losses": losses,
@@ -168,6 +173,7 @@ def compare_fsdp2_with_single_process(rank, world_size, device, out, dtype=torch
             "compared": {k: (a.cpu(), b.cpu()) for k, (a, b) in compared.items()},
             "layout_errors": layout_errors,
             "last_dimension_refusal": refusal,
+            "clip_refusal": clip_refusal,
         },
         out / f"rank{rank}.pt",
     )
@@ -399,6 +405,7 @@ def test_fsdp2_matches_single_process_bit_for_bit(results, scenario):
     for result in results[scenario]:
         assert result["layout_errors"] == []
         assert "sharded on its last dimension" in result["last_dimension_refusal"]
+        assert "torch.nn.utils.clip_grad_norm_" in result["clip_refusal"]
         assert result["losses"] == result["reference_losses"]
         assert result["losses"][-1] < result["losses"][0]
         assert_all_equal(result["compared"])

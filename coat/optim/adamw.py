@@ -241,6 +241,11 @@ class AdamW(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         fp8 = [self._fp8_grads[p] for p in params if p in self._fp8_grads]
         plain = [p.grad for p in params if p.grad is not None]
+        if any(isinstance(g, DTensor) for g in plain):
+            raise NotImplementedError(
+                "coat.optim.AdamW.clip_grad_norm_ is for FP8 gradients of unsharded parameters; clip FSDP2's "
+                "DTensor gradients with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)"
+            )
         if not fp8 and not plain:
             return torch.tensor(0.0)
         norms = [
