@@ -145,6 +145,53 @@ def dequantize(
     return torch.ops.coat.dequantize(q, scale, group_size, dtype)
 
 
+# ------------------------------------------------------------------------------------------------------
+# Block-scaled FP4 (E2M1) storage of activations saved for backward (csrc/include/coat/quantize.h and
+# fp4.h state every rule). One float32 scale per 1 x block_size block of the last dimension:
+#
+#     scale = max(amax / 6, 2**-126)       NaN if the block holds a NaN, Inf if it holds +-Inf
+#     code  = e2m1(x / scale)              values +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, round to nearest even,
+#                                          saturating to +-6
+#     x'    = value(code) * scale
+#
+# Codes are packed two per byte, element 2i of a row in the low nibble and 2i+1 in the high one; a row of
+# `cols` elements takes ceil(cols / 2) bytes (an odd row ends in a high nibble of 0). A block holding a NaN
+# or an Inf dequantizes to NaN as a whole (E2M1 has no NaN: the block scale carries it). fp4_to_e4m3 turns
+# codes and scales into the E4M3 1 x block_size layout of quantize_group, which dequantize reads back to the
+# same bits as dequantize_fp4, so the FP8 backward kernels consume FP4-saved activations unchanged.
+
+
+def quantize_fp4(x: torch.Tensor, block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes ``x`` (float32 / bfloat16 / float16, contiguous last dimension, row-strided views read in
+    place) to packed FP4 E2M1 with one float32 scale per 1 x ``block_size`` block (16, 32, 64 or 128) of its
+    last dimension. Returns ``(codes, scales)``: codes torch.uint8 of shape ``x.shape[:-1] +
+    (ceil(x.shape[-1] / 2),)``, scales float32 of shape ``x.shape[:-1] + (ceil(x.shape[-1] / block_size),)``."""
+    check_device_supported(x, "coat.ops.quantize_fp4")
+    return torch.ops.coat.quantize_fp4(x, block_size)
+
+
+def dequantize_fp4(
+    codes: torch.Tensor, scales: torch.Tensor, cols: int, block_size: int = 16, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp4`: ``value(code) * scale`` rounded to ``dtype`` (torch.bfloat16 or
+    torch.float32), of shape ``codes.shape[:-1] + (cols,)``. ``cols`` is the original last dimension (the
+    packed codes cannot tell an odd width from the next even one)."""
+    check_device_supported(codes, "coat.ops.dequantize_fp4")
+    return torch.ops.coat.dequantize_fp4(codes, scales, cols, block_size, dtype)
+
+
+def fp4_to_e4m3(
+    codes: torch.Tensor, scales: torch.Tensor, cols: int, block_size: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expands :func:`quantize_fp4`'s output, exactly, into the FP8 layout of :func:`quantize_group` with
+    ``group_size = block_size``: returns ``(q, scales)``, q torch.float8_e4m3fn of shape ``codes.shape[:-1] +
+    (cols,)`` and ``scales`` itself (the same tensor, not a copy: every E2M1 value is an E4M3 value, so the
+    block scales carry over). ``dequantize(q, scales, block_size, dtype)`` equals
+    ``dequantize_fp4(codes, scales, cols, block_size, dtype)`` bit for bit, NaN and Inf blocks included."""
+    check_device_supported(codes, "coat.ops.fp4_to_e4m3")
+    return torch.ops.coat.fp4_to_e4m3(codes, scales, cols, block_size), scales
+
+
 def adamw_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, float, float]:
     """``(decay_factor, step_size, bias_correction2_sqrt)`` of AdamW step ``step`` (1-based), computed in
     float64 as torch.optim.AdamW does: ``1 - lr * weight_decay``, ``lr / (1 - beta1**step)`` and
@@ -296,6 +343,32 @@ def _quantize_tensors_fake(xs, dim, amax, fp8_dtype, rowwise, columnwise):
 @torch.library.register_fake("coat::dequantize")
 def _dequantize_fake(q, scale, group_size, dtype):
     return q.new_empty(q.shape, dtype=dtype)
+
+
+def _check_block_size(block_size: int, op: str) -> None:
+    if block_size not in GROUP_SIZES:
+        raise RuntimeError(f"{op}: block_size must be 16, 32, 64 or 128, got {block_size}")
+
+
+@torch.library.register_fake("coat::quantize_fp4")
+def _quantize_fp4_fake(x, block_size):
+    _check_block_size(block_size, "coat.quantize_fp4")
+    return x.new_empty((*x.shape[:-1], -(-x.shape[-1] // 2)), dtype=torch.uint8), _grouped(x, block_size)
+
+
+def _fp4_decoded(codes, cols, block_size, op, dtype):
+    _check_block_size(block_size, op)
+    return codes.new_empty((*codes.shape[:-1], cols), dtype=dtype)
+
+
+@torch.library.register_fake("coat::dequantize_fp4")
+def _dequantize_fp4_fake(codes, scales, cols, block_size, dtype):
+    return _fp4_decoded(codes, cols, block_size, "coat.dequantize_fp4", dtype)
+
+
+@torch.library.register_fake("coat::fp4_to_e4m3")
+def _fp4_to_e4m3_fake(codes, scales, cols, block_size):
+    return _fp4_decoded(codes, cols, block_size, "coat.fp4_to_e4m3", torch.float8_e4m3fn)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ TORCH_LIBRARY(coat, m) {
   m.def("quantize_tensors(Tensor[] xs, int dim, Tensor amax, ScalarType fp8_dtype, bool rowwise, bool columnwise)"
         " -> (Tensor q, Tensor scale, Tensor q_t)");
   m.def("dequantize(Tensor q, Tensor scale, int? group_size, ScalarType dtype) -> Tensor");
+  m.def("quantize_fp4(Tensor x, int block_size) -> (Tensor codes, Tensor scales)");
+  m.def("dequantize_fp4(Tensor codes, Tensor scales, int cols, int block_size, ScalarType dtype) -> Tensor");
+  m.def("fp4_to_e4m3(Tensor codes, Tensor scales, int cols, int block_size) -> Tensor");
   m.def("rmsnorm_quantize(Tensor x, Tensor weight, float eps, int save_group_size, int amax_group_size,"
         " ScalarType fp8_dtype, bool transpose)"
         " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor x_saved, Tensor x_saved_scales, Tensor rstd)");

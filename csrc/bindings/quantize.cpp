@@ -1,4 +1,4 @@
-// ATen bindings of the quantize family (coat/quantize.h): check, allocate, call the core.
+// ATen bindings of the quantize family (coat/quantize.h, FP8 and FP4): check, allocate, call the core.
 #include "coat/quantize.h"
 
 #include <vector>
@@ -156,6 +156,71 @@ at::Tensor dequantize(const at::Tensor& q, const at::Tensor& scale, std::optiona
   return out;
 }
 
+void check_block_size(int64_t block_size, const char* op) {
+  TORCH_CHECK(block_size == 16 || block_size == 32 || block_size == 64 || block_size == 128, op,
+              ": block_size must be 16, 32, 64 or 128, got ", block_size);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp4(const at::Tensor& x, int64_t block_size) {
+  constexpr const char* op = "coat.quantize_fp4";
+  check_device(x, op, "x");
+  const coat_dtype dtype = input_dtype(x, op, "x");
+  check_block_size(block_size, op);
+  const RowMatrix m = as_row_matrix(x, op, "x");
+
+  std::vector<int64_t> packed(x.sizes().begin(), x.sizes().end());
+  packed.back() = (m.cols + 1) / 2;
+  at::Tensor codes = at::empty(packed, x.options().dtype(at::kByte));
+  at::Tensor scales = at::empty(grouped_shape(x, block_size), x.options().dtype(at::kFloat));
+  COAT_CALL_CORE(x, coat_quantize_fp4, x.data_ptr(), dtype, m.rows, m.cols, m.row_stride, block_size,
+                 data_as<uint8_t>(codes), data_as<float>(scales));
+  return {codes, scales};
+}
+
+// Checks packed FP4 codes and their block scales for a last dimension of `cols` elements; returns the
+// decoded shape, codes.shape[:-1] + (cols,).
+std::vector<int64_t> check_fp4_operands(const at::Tensor& codes, const at::Tensor& scales, int64_t cols,
+                                        int64_t block_size, const char* op) {
+  check_device(codes, op, "codes");
+  check_block_size(block_size, op);
+  TORCH_CHECK(codes.scalar_type() == at::kByte, op, ": codes must be torch.uint8 (packed FP4 codes, as "
+              "coat.ops.quantize_fp4 returns), got ", codes.scalar_type());
+  TORCH_CHECK(codes.dim() >= 1 && codes.is_contiguous(), op,
+              ": codes must be a contiguous tensor with at least one dimension, as coat.ops.quantize_fp4 returns");
+  TORCH_CHECK(cols >= 0 && codes.size(-1) == (cols + 1) / 2, op, ": cols=", cols, " needs ceil(cols / 2) = ",
+              (cols + 1) / 2, " bytes of codes per row, but codes has shape ", codes.sizes());
+  check_same_device(codes, scales, op, "scales");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), op,
+              ": scales must be a contiguous float32 tensor, as coat.ops.quantize_fp4 returns, got ",
+              scales.scalar_type(), scales.is_contiguous() ? "" : " (non-contiguous)");
+  std::vector<int64_t> shape(codes.sizes().begin(), codes.sizes().end());
+  shape.back() = cols;
+  std::vector<int64_t> expected = shape;
+  expected.back() = (cols + block_size - 1) / block_size;
+  TORCH_CHECK(scales.sizes() == at::IntArrayRef(expected), op, ": with block_size=", block_size, " and cols=", cols,
+              " scales must have shape ", at::IntArrayRef(expected), ", got ", scales.sizes());
+  return shape;
+}
+
+at::Tensor dequantize_fp4(const at::Tensor& codes, const at::Tensor& scales, int64_t cols, int64_t block_size,
+                          at::ScalarType dtype) {
+  constexpr const char* op = "coat.dequantize_fp4";
+  const std::vector<int64_t> shape = check_fp4_operands(codes, scales, cols, block_size, op);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": dtype must be torch.float32 or torch.bfloat16, got ", dtype);
+  at::Tensor out = at::empty(shape, codes.options().dtype(dtype));
+  COAT_CALL_CORE(codes, coat_dequantize_fp4, data_as<const uint8_t>(codes), as_row_matrix(codes, op, "codes").rows, cols, data_as<const float>(scales), block_size, out.data_ptr(), input_dtype(out, op, "out"));
+  return out;
+}
+
+at::Tensor fp4_to_e4m3(const at::Tensor& codes, const at::Tensor& scales, int64_t cols, int64_t block_size) {
+  constexpr const char* op = "coat.fp4_to_e4m3";
+  const std::vector<int64_t> shape = check_fp4_operands(codes, scales, cols, block_size, op);
+  at::Tensor q = at::empty(shape, codes.options().dtype(at::kFloat8_e4m3fn));
+  COAT_CALL_CORE(codes, coat_fp4_to_e4m3, data_as<const uint8_t>(codes), as_row_matrix(codes, op, "codes").rows, cols,
+                 data_as<uint8_t>(q));
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(coat, CPU, m) {
@@ -165,6 +230,9 @@ TORCH_LIBRARY_IMPL(coat, CPU, m) {
   m.impl("tensor_amax", &tensor_amax);
   m.impl("quantize_tensors", &quantize_tensors);
   m.impl("dequantize", &dequantize);
+  m.impl("quantize_fp4", &quantize_fp4);
+  m.impl("dequantize_fp4", &dequantize_fp4);
+  m.impl("fp4_to_e4m3", &fp4_to_e4m3);
 }
 
 #ifdef COAT_WITH_CUDA
@@ -175,6 +243,9 @@ TORCH_LIBRARY_IMPL(coat, CUDA, m) {
   m.impl("tensor_amax", &tensor_amax);
   m.impl("quantize_tensors", &quantize_tensors);
   m.impl("dequantize", &dequantize);
+  m.impl("quantize_fp4", &quantize_fp4);
+  m.impl("dequantize_fp4", &dequantize_fp4);
+  m.impl("fp4_to_e4m3", &fp4_to_e4m3);
 }
 #endif
 

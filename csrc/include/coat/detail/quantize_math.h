@@ -7,6 +7,7 @@
 
 #include <math.h>
 
+#include "coat/fp4.h"
 #include "coat/fp8.h"
 #include "coat/quantize.h"
 
@@ -75,6 +76,28 @@ COAT_INLINE uint8_t coat_quantize_value(float x, float scale, coat_fp8_format fo
 /* decode(q) * scale; a NaN result (a NaN code, or 0 * Inf) is the canonical NaN. */
 COAT_INLINE float coat_dequantize_value(float decoded, float scale) {
   return coat_canonical_nan(decoded * scale);
+}
+
+/* FP4 block scaling (quantize.h). A block's amax is taken on the bits of |x|: as unsigned integers they
+ * order like the magnitudes, with every NaN above Inf, so the max of the bits is the amax of a block
+ * without NaN and a NaN otherwise, in any order of reduction. */
+COAT_INLINE uint32_t coat_magnitude_bits(float x) { return coat_f32_to_bits(x) & 0x7FFFFFFFu; }
+
+COAT_INLINE uint32_t coat_max_bits(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+/* The block scale from the max of coat_magnitude_bits: the canonical NaN for a block holding a NaN, else
+ * max(amax / 6, 2^-126), Inf for an Inf. */
+COAT_INLINE float coat_fp4_scale_from_amax_bits(uint32_t amax_bits) {
+  if (amax_bits > 0x7F800000u) return coat_f32_from_bits(0x7FC00000u);
+  const float scale = coat_f32_from_bits(amax_bits) / COAT_E2M1_MAX;
+  return scale < COAT_MIN_SCALE ? COAT_MIN_SCALE : scale;
+}
+
+/* The E2M1 code of x / scale, the quotient signed as in coat_quantize_scaled. coat_divide_by_scale's CUDA
+ * fast path is exact here too: the quotients it may round differently are below 2^-20, which E2M1 encodes
+ * as zero (everything up to 0.25 is). */
+COAT_INLINE uint8_t coat_quantize_fp4_scaled(float x, float scale, float reciprocal) {
+  return coat_f32_to_e2m1(copysignf(coat_divide_by_scale(x, scale, reciprocal), x));
 }
 
 COAT_INLINE int coat_is_valid_group_size(int64_t group_size) {
