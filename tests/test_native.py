@@ -70,6 +70,9 @@ def test_cuda_tensor_on_cpu_only_build_is_refused(monkeypatch):
         pytest.param("group_amax", lambda x: coat.ops.group_amax(x), id="group_amax"),
         pytest.param("quantize_tensor", lambda x: coat.ops.quantize_tensor(x), id="quantize_tensor"),
         pytest.param("dequantize", lambda x: coat.ops.dequantize(x, torch.ones(())), id="dequantize"),
+        pytest.param("quantize_fp4", lambda x: coat.ops.quantize_fp4(x), id="quantize_fp4"),
+        pytest.param("dequantize_fp4", lambda x: coat.ops.dequantize_fp4(x, torch.ones(1), 2), id="dequantize_fp4"),
+        pytest.param("fp4_to_e4m3", lambda x: coat.ops.fp4_to_e4m3(x, torch.ones(1), 2), id="fp4_to_e4m3"),
     ],
 )
 def test_every_op_checks_the_device_first(monkeypatch, name, call):
