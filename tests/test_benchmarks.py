@@ -48,7 +48,7 @@ def check_e2e(result: dict, world_size: int) -> None:
         assert 6.09 <= state["coat-fp8-comm"] <= 6.2  # bf16 weights and gradients
 
 
-@pytest.mark.parametrize("script", ["linear", "layer", "e2e", "rope", "report"])
+@pytest.mark.parametrize("script", ["linear", "layer", "e2e", "rope", "report", "fp4"])
 def test_benchmark_smoke_mode(script, tmp_path):
     result = run_smoke([sys.executable], script, tmp_path)
     assert result["summary"]["smoke"] and result["rows"]

@@ -1,5 +1,5 @@
-// CPU emulation of the CUDA features csrc/cuda/adamw.cu, norm_act.cu and rope.cu use, for
-// tools/cuda_emulation/run.sh: one std::thread per CUDA thread, blocks one after another, barriers for
+// CPU emulation of the CUDA features csrc/cuda/adamw.cu, norm_act.cu, rope.cu and quantize.cu use, for
+// tools/cuda_emulation/run.sh: one std::thread per CUDA thread, blocks one after another (2-D grids too), barriers for
 // __syncthreads, __syncwarp, warp shuffles and votes (which abort when the warp has diverged), __shared__ as a
 // static shared by the block's threads, dynamic shared memory as a per-block buffer filled with 0xFF bytes (NaN
 // as floats, so that a read before a write shows) and followed by a 64 KB guard of the same bytes (reads past
@@ -151,6 +151,7 @@ void emu_launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, F&& body) {
     return;
   }
   gridDim = grid; blockDim = block;
+  for (unsigned by = 0; by < grid.y; ++by)
   for (unsigned bx = 0; bx < grid.x; ++bx) {
     const size_t requested = (dynamic_shared_bytes + sizeof(float4) - 1) / sizeof(float4);
     emu_dynamic_shared_memory.assign(requested + kEmuSharedGuard / sizeof(float4), float4{});
@@ -161,7 +162,7 @@ void emu_launch(dim3 grid, dim3 block, size_t dynamic_shared_bytes, F&& body) {
     emu_block = &ctx;
     std::vector<std::thread> threads;
     for (unsigned t = 0; t < block.x; ++t)
-      threads.emplace_back([&, t, bx] { threadIdx = dim3(t); blockIdx = dim3(bx); body(); });
+      threads.emplace_back([&, t, bx, by] { threadIdx = dim3(t, 0, 0); blockIdx = dim3(bx, by, 0); body(); });
     for (auto& th : threads) th.join();
     emu_block = nullptr;
     const unsigned char* guard = reinterpret_cast<const unsigned char*>(emu_dynamic_shared_memory.data() + requested);

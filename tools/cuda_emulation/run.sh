@@ -12,9 +12,11 @@
 #     accepts with `full`, about a minute on two cores). The few hardware instructions it uses on sm_80+ (FP8
 #     and bf16 conversions, MUFU.RCP in rcp.rn's own sequence) are replaced by the C core's functions they equal.
 #   rope: rotary_embedding forward and inverse bit for bit (test_emulated_rope.cpp).
+#   fp4: quantize_fp4, dequantize_fp4 and fp4_to_e4m3 of csrc/cuda/quantize.cu bit for bit (test_emulated_fp4.cpp).
+#     Without __CUDA_ARCH__ coat_divide_by_scale divides, so the fast quotient of the GPU path is not exercised.
 # It checks the kernels' logic (tiles, lanes, shuffles, votes, fast and general paths, prefetching), not the
 # GPU's own arithmetic.
-#   tools/cuda_emulation/run.sh [quick|full] [adamw|norm_act|rope]
+#   tools/cuda_emulation/run.sh [quick|full] [adamw|norm_act|rope|fp4]
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -49,4 +51,11 @@ if [ -z "$only" ] || [ "$only" = rope ]; then
   g++ -std=c++20 -O2 -ffp-contract=off -I"$root/csrc/include" -c "$here/test_emulated_rope.cpp" -o "$out/rope_test.o"
   g++ "$out/rope_emulated.o" "$out/rope_test.o" "$out/cpu_rope.o" "$out/common.o" -o "$out/test_emulated_rope" -lpthread
   "$out/test_emulated_rope"
+fi
+if [ -z "$only" ] || [ "$only" = fp4 ]; then
+  python3 "$here/launch_rewrite.py" "$root/csrc/cuda/quantize.cu" "$out/quantize_emulated.cpp"
+  g++ $cxxflags -c "$out/quantize_emulated.cpp" -o "$out/quantize_emulated.o"
+  g++ -std=c++20 -O2 -ffp-contract=off -I"$here" -I"$root/csrc/include" -c "$here/test_emulated_fp4.cpp" -o "$out/fp4_test.o"
+  g++ "$out/quantize_emulated.o" "$out/fp4_test.o" "$out/cpu_quantize.o" "$out/common.o" -o "$out/test_emulated_fp4" -lpthread
+  "$out/test_emulated_fp4" "$mode"
 fi
