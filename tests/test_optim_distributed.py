@@ -397,6 +397,21 @@ def fsdp2_fp8_all_gather(rank: int, world_size: int, device: torch.device, out: 
             ),
             "gathered_itemsize": (param_dtype or dtype).itemsize,
         }
+    # Rows that do not split evenly: FSDP2 pads the last shards (33 rows: 17 + 16; 1 row: 1 + 0).
+    uneven = {}
+    for gather_in_fp8 in (False, True):
+        torch.manual_seed(0)
+        stack = torch.nn.Sequential(coat.nn.Linear(16, 33), coat.nn.Linear(33, 1)).to(device)
+        if gather_in_fp8:
+            coat.distributed.fp8_all_gather(stack)
+        for layer in stack:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(stack, mesh=mesh)
+        loss = stack(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(device)).square().sum()
+        loss.backward()
+        uneven[gather_in_fp8] = {"loss": loss.detach().cpu(),
+                                 **{name: local(p.grad).cpu() for name, p in stack.named_parameters()}}
+    results["uneven"] = {"compared": {name: (uneven[True][name], t) for name, t in uneven[False].items()}}
     try:
         coat.distributed.fp8_all_gather(model)
         after_fully_shard = ""
@@ -563,6 +578,7 @@ def test_fp8_all_gather_sends_fp8_codes_and_trains_bit_for_bit(results):
     # resharding) as uint8 codes, each after a 1-element float32 all-reduce of the amax.
     for result in results["fsdp2_fp8_all_gather"]:
         assert result["after_fully_shard"].startswith("coat.distributed.fp8_all_gather must run before fully_shard")
+        assert_all_equal(result["variants"].pop("uneven")["compared"])
         for variant, got in result["variants"].items():
             assert got["weight_types"] == ["FP8Weight"], variant
             assert got["reference_weight_types"] == ["Parameter"], variant

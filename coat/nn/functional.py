@@ -129,7 +129,8 @@ class Projections:
     the weights' gradients. Sharing the scale is what a fused QKV weight does in other FP8 recipes; it costs
     precision only to a weight whose amax is far below its siblings' (E4M3 spans 2^17 below its max).
     ``name`` ("qkv", "o", "gate_up", "down"; empty for a lone linear layer) prefixes the names its weights
-    and output gradients are reported under."""
+    and output gradients are reported under. Weights all-gathered in FP8 (:class:`coat.nn.FP8Weight`) bring
+    their codes and the group's scale: forward reads the codes, backward transposes them."""
 
     def __init__(self, params, name: str = ""):
         self.name = name
