@@ -8,7 +8,8 @@ coat.convert(model) converts a transformers Llama, Mistral or Qwen2 model to the
 coat.optim.AdamW is a drop-in for torch.optim.AdamW that keeps both moments in FP8.
 coat.report.QuantizationReport measures what quantization does to each tensor of a converted model during
 training: amax, flushed and saturated shares, relative error, the optimizer's expansion exponents.
-coat.distributed.fp8_reduce_scatter(model) makes FSDP2 reduce-scatter gradients in block-scaled FP8 (AGoQ).
+coat.distributed.fp8_reduce_scatter(model) makes FSDP2 reduce-scatter gradients in block-scaled FP8 (AGoQ), and
+coat.distributed.fp8_all_gather(model) makes it all-gather the projection weights as FP8 codes.
 """
 from coat import distributed, nn, ops, optim, report
 from coat._native import BUILT_WITH_CUDA

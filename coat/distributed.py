@@ -1,5 +1,7 @@
-"""FP8 gradient communication for FSDP2 (fully_shard).
+"""FP8 communication for FSDP2 (fully_shard): gradients reduce-scattered and weights all-gathered in FP8.
 
+Gradients
+---------
 FSDP2 reduce-scatters the gradients of each sharded module once per backward, in the reduce dtype (bf16 or
 float32). :func:`fp8_reduce_scatter` replaces that collective with AGoQ's (section 5): an FP8 sum on the wire
 would overflow and lose precision, so nothing is summed in FP8.
@@ -17,31 +19,71 @@ holding NaN or Inf gives NaN for that block on every rank: a non-finite gradient
 
 FSDP2's gradient divide factor (``set_gradient_divide_factor``, premultiplied sums) is not supported: the
 reduce-scatter is then refused with a message. Every rank must install the same collective.
+
+Weights
+-------
+FSDP2 all-gathers each parameter before its module runs (forward, and again in backward when it resharded
+after forward), in the parameter dtype of its mixed-precision policy. A coat projection quantizes its weight
+to FP8 as soon as it is gathered, so :func:`fp8_all_gather` quantizes the shards instead and gathers the codes
+(FSDP2's fsdp_pre_all_gather / fsdp_post_all_gather extension, as torchao's float8 all-gather):
+
+    every rank:   amax_local = max |W_j| over its shards of the group's weights      (coat.ops.tensor_amax)
+    all-reduce:   amax = MAX over ranks of amax_local                                (4 bytes)
+    every rank:   codes = fp8(W_shard / scale), scale = max(amax / FP8_MAX, 2^-126)  (coat.ops.quantize_tensors)
+    all-gather:   the codes, as uint8                                                (1 byte per element)
+    every rank:   the layer reads the gathered codes and the scale (coat.nn.FP8Weight): forward as they are,
+                  backward's dgrad GEMM their byte transpose; nothing is quantized again
+
+A group is the weights that one per-tensor scale covers (:class:`coat.nn.functional.Projections`): q, k and v;
+gate and up; o; down; a lone coat.nn.Linear. Quantization is elementwise once the scale is fixed and the max
+is exact in any order, so the codes and the scale are those of the unsharded layer bit for bit: same losses,
+same gradients. The weights are cast to the policy's parameter dtype first, as FSDP2 would gather them.
+
+Bytes sent per element of a weight: 1, plus 4 per weight and all-gather for its amax, against 2 for a bf16
+all-gather and 4 for float32. The amax is all-reduced inside the pre-all-gather hook, not precomputed after
+each optimizer step as torchao can: the scale then cannot be stale (after a step, a checkpoint load or any
+other change of the weights), at the price of one 4-byte all-reduce per FP8 weight and gather, which costs
+latency, not bandwidth. Each rank reads its own shards of the sibling weights, so the weights of a group must
+be sharded by one fully_shard call (they are when decoder layers are the units).
+
+The parameters keep their high-precision shards, gradients and optimizer states: FSDP2 reduce-scatters the
+gradients as before (fp8_reduce_scatter works alongside), and state dicts hold plain tensors. Everything that
+is not a coat projection weight (norms, embeddings, the LM head unless converted) is gathered as before.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.tensor import DTensor
 
 from coat import ops
+from coat.nn.config import FP8Config
+from coat.nn.fp8_weight import FP8Weight
+from coat.nn.modules import Linear, SwiGLUMLP
 
 
 @dataclass
 class CommunicationLog:
-    """What the collectives of one :class:`FP8ReduceScatter` sent: one (dtype, elements) entry per tensor
-    handed to an all-to-all, and the elements of the gradient buffers they carried."""
+    """What coat's collectives sent: one (dtype, elements) entry per tensor this rank handed to a collective,
+    and the elements of the high-precision buffers they stand for. :class:`FP8ReduceScatter`: all-to-alls of
+    codes and scales for gradient buffers. :class:`FP8AllGather`: all-gathers of uint8 codes and 1-element
+    all-reduces of float32 amaxes for weight shards."""
 
     sent: list[tuple[torch.dtype, int]] = field(default_factory=list)
     buffer_elements: int = 0
 
     @property
     def bytes_sent(self) -> int:
-        """Bytes this rank handed to all-to-alls (each rank receives as many)."""
+        """Bytes this rank handed to collectives."""
         return sum(count * dtype.itemsize for dtype, count in self.sent)
 
 
@@ -100,4 +142,214 @@ def fp8_reduce_scatter(model: torch.nn.Module, format: str | torch.dtype = "e4m3
         raise ValueError("fp8_reduce_scatter needs a model sharded with fully_shard (FSDP2); call it after fully_shard")
     for module in sharded:
         module.set_custom_reduce_scatter(comm)
+    return comm
+
+
+class FP8AllGather:
+    """What :func:`fp8_all_gather` installed; ``log`` counts what its collectives sent (module docstring)."""
+
+    def __init__(self) -> None:
+        self.log = CommunicationLog()
+
+    def record(self, codes: torch.Tensor, amax: torch.Tensor) -> None:
+        self.log.sent += [(torch.uint8, codes.numel()), (amax.dtype, amax.numel())]
+        self.log.buffer_elements += codes.numel()
+
+
+@dataclass(eq=False, repr=False)
+class _ScaleGroup:
+    """Projections whose weights share one FP8 scale, and where to find their shards."""
+
+    names: list[str]
+    modules: list[nn.Module]
+    fp8_dtype: torch.dtype
+    comm: FP8AllGather
+
+    def local_shards(self) -> list[torch.Tensor]:
+        shards = []
+        for name, module in zip(self.names, self.modules):
+            weight = module.weight
+            local = weight._local_tensor if isinstance(weight, DTensor) else weight
+            if not isinstance(local, FP8AllGatherWeight):
+                raise RuntimeError(
+                    f"coat.distributed.fp8_all_gather: {', '.join(self.names)} share one FP8 scale, which every rank "
+                    f"computes from its shards of all of them, but {name} is not sharded here; shard them with one "
+                    "fully_shard call (e.g. one per decoder layer)"
+                )
+            shards.append(local._tensor)
+        return shards
+
+
+# What FSDP2 does to a parameter while it shards it (pad, narrow, view, copy, move) and copy.deepcopy must keep
+# the all-gather extension; anything else (the optimizer's update, arithmetic) runs on the plain shard.
+_OPS_KEEPING_THE_WRAPPER = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten._pin_memory.default,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.clone.default,
+}
+
+
+class FP8AllGatherWeight(torch.Tensor):
+    """A coat projection's weight (or its FSDP2 shard) that FSDP2 all-gathers as FP8 codes: a wrapper of the
+    high-precision tensor, which every operation other than FSDP2's reads and writes unchanged."""
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, group: _ScaleGroup):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, group: _ScaleGroup):
+        self._tensor = tensor
+        self.group = group
+
+    def __repr__(self) -> str:
+        return f"FP8AllGatherWeight({self._tensor})"
+
+    def __reduce_ex__(self, protocol):
+        # torch.save and pickle store the plain tensor, as state dicts hold it: the extension is FSDP2's business
+        return self._tensor.__reduce_ex__(protocol)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        group = next(t.group for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, FP8AllGatherWeight))
+        args, kwargs = pytree.tree_map_only(FP8AllGatherWeight, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _OPS_KEEPING_THE_WRAPPER:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: FP8AllGatherWeight(t, group), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self.group
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, group, outer_size, outer_stride):
+        return FP8AllGatherWeight(inner_tensors["_tensor"], group)
+
+    @torch.no_grad()
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        dtype = mp_policy.param_dtype or self.dtype  # what FSDP2 would have gathered, and the layer quantized
+        group = self.group
+        amax = ops.tensor_amax([shard.to(dtype) for shard in group.local_shards()]).reshape(1)
+        dist.all_reduce(amax, dist.ReduceOp.MAX, group=mesh.get_group())
+        amax = amax.reshape(())
+        codes, scale, _ = ops.quantize_tensors([self._tensor.to(dtype)], group.fp8_dtype, dim=0, amax=amax)
+        # Every rank sends as many rows as FSDP2's first shard holds; the last ranks' shards are padded.
+        padded_rows = -(-outer_size[0] // mesh.size())
+        codes = F.pad(codes.view(torch.uint8), (0, 0, 0, padded_rows - codes.shape[0]))
+        group.comm.record(codes, amax)
+        return (codes,), (scale, amax, outer_size[0])
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (codes,) = all_gather_outputs
+        scale, amax, rows = metadata
+        if out is not None:  # FSDP2 gathered into the buffer of the previous gather: the scale may be new
+            out.scale, out.amax = scale, amax
+            return None
+        weight = FP8Weight(codes[:rows].view(self.group.fp8_dtype), scale, amax, param_dtype)
+        return weight, (codes,)
+
+
+def _plain_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight without the all-gather extension, sharing its data: what state dicts hold."""
+    if isinstance(weight, DTensor) and isinstance(weight._local_tensor, FP8AllGatherWeight):
+        return DTensor.from_local(weight._local_tensor._tensor, weight.device_mesh, weight.placements,
+                                  run_check=False, shape=weight.shape, stride=weight.stride())
+    return weight._tensor if isinstance(weight, FP8AllGatherWeight) else weight
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = _plain_weight(state_dict[key])
+
+
+def _scale_groups(model: nn.Module) -> list[tuple[str, list[str], list[nn.Module], FP8Config]]:
+    """(parent name, projection names, projection modules, config) per group of projections sharing a scale."""
+    decoder = sys.modules.get("coat.nn.decoder")  # converted decoder layers exist only once coat.convert loaded it
+    groups, grouped = [], set()
+    for name, module in model.named_modules():
+        if decoder is not None and isinstance(module, decoder.FP8DecoderLayerMixin):
+            parent, config, member_sets = module.self_attn, module.fp8_config, (("q_proj", "k_proj", "v_proj"), ("o_proj",))
+            name = f"{name}.self_attn"
+        elif isinstance(module, SwiGLUMLP):
+            parent, config, member_sets = module, module.config, (("gate_proj", "up_proj"), ("down_proj",))
+        elif isinstance(module, Linear) and module not in grouped:
+            parent, config, member_sets = module, module.config, ((),)
+        else:
+            continue
+        for members in member_sets:
+            modules = [getattr(parent, member) for member in members] or [parent]
+            groups.append((name, [f"{name}.{m}" for m in members] or [name], modules, config))
+            grouped.update(modules)
+    return groups
+
+
+def _check_supported(names: list[str], config: FP8Config) -> None:
+    if config.gradient_format is None:
+        raise ValueError(
+            f"coat.distributed.fp8_all_gather: {names[0]} has gradient_format=None, whose backward multiplies by the "
+            "high-precision weight, which an FP8 all-gather does not bring; use an FP8 gradient_format"
+        )
+    if config.smooth_swiglu:
+        raise ValueError(
+            f"coat.distributed.fp8_all_gather: {names[0]} uses smooth_swiglu, which folds a scale computed from the "
+            "activations into the down projection's weight before quantizing it: its FP8 codes cannot be made "
+            "before the forward"
+        )
+
+
+def fp8_all_gather(model: nn.Module) -> FP8AllGather:
+    """Makes FSDP2 all-gather the weights of the coat projections in ``model`` as FP8 codes plus one agreed
+    scale per group (module docstring), and returns the :class:`FP8AllGather` whose ``log`` counts what was
+    sent. Order, on every rank: coat.convert, move the model to its device and dtype, fp8_all_gather,
+    fully_shard, then build the optimizer."""
+    if any(isinstance(module, FSDPModule) for module in model.modules()) or any(
+        isinstance(param, DTensor) for param in model.parameters()
+    ):
+        raise ValueError(
+            "coat.distributed.fp8_all_gather must run before fully_shard (FSDP2 sets up how it gathers each "
+            "parameter when it shards it), and does not support DTensor (tensor-parallel) weights"
+        )
+    groups = _scale_groups(model)
+    if not groups:
+        raise ValueError(
+            f"coat.distributed.fp8_all_gather found no coat projections in {type(model).__name__}: convert the model "
+            "with coat.convert (or build it from coat.nn layers) first"
+        )
+    parameter_uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        parameter_uses[id(param)] = parameter_uses.get(id(param), 0) + 1
+    for _, names, modules, config in groups:
+        _check_supported(names, config)
+        for name, module in zip(names, modules):
+            if isinstance(module.weight, FP8AllGatherWeight):
+                raise ValueError(f"coat.distributed.fp8_all_gather: already installed on {name}")
+            if parameter_uses[id(module.weight)] > 1:
+                raise ValueError(
+                    f"coat.distributed.fp8_all_gather: {name}.weight is tied to another parameter, which would be "
+                    "gathered in FP8 too; untie it or leave the module unconverted"
+                )
+    comm = FP8AllGather()
+    for _, names, modules, config in groups:
+        group = _ScaleGroup(names, modules, config.forward_dtype, comm)
+        for module in modules:
+            weight = module.weight
+            module.weight = nn.Parameter(FP8AllGatherWeight(weight.detach(), group), requires_grad=weight.requires_grad)
+            module.register_state_dict_post_hook(_plain_weight_in_state_dict)
     return comm

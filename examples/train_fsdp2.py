@@ -5,12 +5,14 @@ and resume it with torch.distributed.checkpoint. Run it with torchrun:
     torchrun --nproc_per_node 2 examples/train_fsdp2.py --preset 100m --coat --checkpoint-dir ckpt --resume
 
 --bf16-weights keeps the shards in bfloat16 (no float32 master copy; coat.optim.AdamW rounds each update
-stochastically, each shard with the random bits of its elements in the whole tensor), and
---fp8-reduce-scatter sends the gradients as block-scaled FP8 (coat.distributed.fp8_reduce_scatter).
+stochastically, each shard with the random bits of its elements in the whole tensor),
+--fp8-reduce-scatter sends the gradients as block-scaled FP8 (coat.distributed.fp8_reduce_scatter), and
+--fp8-all-gather sends the projection weights as FP8 codes (coat.distributed.fp8_all_gather).
 NCCL on GPUs, gloo on CPUs (the same script runs on two CPU processes). With coat, the order is: convert,
 then shard, then build the optimizer on the sharded parameters:
 
     coat.convert(model)
+    model.to(device); coat.distributed.fp8_all_gather(model)   # --fp8-all-gather: before fully_shard
     for layer in model.model.layers: fully_shard(layer, mp_policy=...)
     fully_shard(model, mp_policy=...)
     optimizer = coat.optim.AdamW(model.parameters(), ...)
@@ -65,14 +67,18 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--fp8-reduce-scatter", action="store_true",
                         help="reduce-scatter gradients as block-scaled FP8 (coat.distributed.fp8_reduce_scatter): "
                              "1.03 bytes per element on the wire instead of 4")
+    parser.add_argument("--fp8-all-gather", action="store_true",
+                        help="all-gather the projection weights as FP8 codes (coat.distributed.fp8_all_gather): "
+                             "1 byte per element on the wire instead of 2")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda: one GPU per process, NCCL; cpu: gloo")
     args = resolve(parser.parse_args())
     if args.fp8_grads:
         raise SystemExit("--fp8-grads needs unsharded parameters (examples/train_llama.py); under FSDP2 use "
                          "--bf16-weights for 2-byte gradients and --fp8-reduce-scatter to send them in FP8")
-    if args.fp8_reduce_scatter and not args.coat:
-        raise SystemExit("--fp8-reduce-scatter is coat's collective: add --coat")
+    for flag, requested in (("--fp8-reduce-scatter", args.fp8_reduce_scatter), ("--fp8-all-gather", args.fp8_all_gather)):
+        if requested and not args.coat:
+            raise SystemExit(f"{flag} is coat's collective: add --coat")
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         raise SystemExit("--resume and --save-every need --checkpoint-dir")
     if "RANK" not in os.environ:
@@ -94,14 +100,17 @@ def setup_distributed(device_type: str) -> torch.device:
     return device
 
 
-def shard(model: torch.nn.Module, device: torch.device) -> None:
+def shard(model: torch.nn.Module, device: torch.device, fp8_all_gather: bool) -> None:
     """One FSDP2 unit per decoder layer plus the root (embedding, final norm, LM head). Parameters are
     gathered in bf16, the compute dtype, and gradients reduced in float32: the float32 shards stay the
-    master weights (with --bf16-weights the shards are bf16 and so are the reduced gradients)."""
+    master weights (with --bf16-weights the shards are bf16 and so are the reduced gradients). With
+    fp8_all_gather the projection weights are gathered as FP8 codes instead (quantized from their bf16 cast)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # An explicit mesh: fully_shard's default one is on the GPUs whenever torch sees any, even with --device cpu.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     model.to(device)
+    if fp8_all_gather:
+        coat.distributed.fp8_all_gather(model)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -154,7 +163,7 @@ def main() -> None:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 shards themselves
     if args.coat:
         coat.convert(model)
-    shard(model, device)
+    shard(model, device, args.fp8_all_gather)
     if args.fp8_reduce_scatter:
         coat.distributed.fp8_reduce_scatter(model)
     optimizer = build_optimizer(args, model)
@@ -188,7 +197,7 @@ def main() -> None:
             save_checkpoint(args.checkpoint_dir, model, optimizer, scheduler, done)
 
     summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
-                          "fp8_reduce_scatter": args.fp8_reduce_scatter,
+                          "fp8_reduce_scatter": args.fp8_reduce_scatter, "fp8_all_gather": args.fp8_all_gather,
                           "preset": None if args.model else args.preset, "parameters": parameters,
                           "world_size": world, "batch_per_rank": args.batch, "seq": args.seq})
     if rank == 0 and summary.get("final_train_loss_last_10pct") is not None:

@@ -103,6 +103,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             variant += f"-{args.fp8_grads}-grads"
         if getattr(args, "fp8_reduce_scatter", False):
             variant += "-fp8-reduce-scatter"
+        if getattr(args, "fp8_all_gather", False):
+            variant += "-fp8-all-gather"
         args.name = f"{os.path.basename(os.path.normpath(args.model)) if args.model else args.preset}-{variant}"
     for field in ("steps", "batch", "seq", "log_every", "eval_every", "eval_batches"):
         if getattr(args, field) < 1:

@@ -108,8 +108,9 @@ def fsdp2_devices() -> list:
 @pytest.mark.parametrize("variant, name", [
     ([], "tiny-bf16"),
     (["--coat"], "tiny-coat"),
-    (["--coat", "--bf16-weights", "--fp8-reduce-scatter"], "tiny-coat-bf16w-fp8-reduce-scatter"),
-], ids=["bf16", "coat", "coat-low-memory"])
+    (["--coat", "--bf16-weights", "--fp8-reduce-scatter", "--fp8-all-gather"],
+     "tiny-coat-bf16w-fp8-reduce-scatter-fp8-all-gather"),
+], ids=["bf16", "coat", "coat-low-memory-fp8-communication"])
 def test_train_fsdp2_resume_continues_the_loss_curve_exactly(tmp_path, variant, name, device):
     arguments = [*QUICK, *variant, *device]
     torchrun("train_fsdp2.py", [*arguments, "--out", "straight"], tmp_path)

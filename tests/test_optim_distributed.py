@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -31,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullOptimStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import coat
@@ -90,10 +91,16 @@ def train_step(model, opt, tokens, pieces=()):
     return loss.item()
 
 
-def fully_sharded(model, mesh):
+def fully_sharded(model, mesh, **options):
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
+
+
+def fp8_gathered(model):
+    """A tiny Llama converted to coat whose projection weights FSDP2 will all-gather in FP8."""
+    coat.distributed.fp8_all_gather(coat.convert(model))
+    return model
 
 
 # --- workers (run in spawned processes) ---------------------------------------------------------------------
@@ -197,10 +204,14 @@ def dcp_resume_bf16_stochastic(rank: int, world_size: int, device: torch.device,
     resume_from_dcp(rank, world_size, device, out, **BF16_STOCHASTIC)
 
 
-def resume_from_dcp(rank, world_size, device, out, dtype=torch.float32, **options) -> None:
+def dcp_resume_fp8_all_gather(rank: int, world_size: int, device: torch.device, out: Path) -> None:
+    resume_from_dcp(rank, world_size, device, out, prepare=fp8_gathered, **BF16_STOCHASTIC)
+
+
+def resume_from_dcp(rank, world_size, device, out, dtype=torch.float32, prepare=lambda model: model, **options) -> None:
     data = batches(6)
     mesh = init_device_mesh(device.type, (world_size,))
-    model = fully_sharded(tiny_llama(seed=0).to(device, dtype), mesh)
+    model = fully_sharded(prepare(tiny_llama(seed=0).to(device, dtype)), mesh)
     opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
     for tokens in data[:3]:
         train_step(model, opt, tokens.to(device))
@@ -212,10 +223,11 @@ def resume_from_dcp(rank, world_size, device, out, dtype=torch.float32, **option
 
     # A new model (another initialisation) and optimizer, resumed from the checkpoint as FSDP2 users do.
     # another rounding seed too: the checkpoint's must win
-    resumed_model = fully_sharded(tiny_llama(seed=123).to(device, dtype), mesh)
+    resumed_model = fully_sharded(prepare(tiny_llama(seed=123).to(device, dtype)), mesh)
     resumed_opt = AdamW(resumed_model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **{**options, "rounding_seed": 99})
     state = {"model": get_model_state_dict(resumed_model), "optim": get_optimizer_state_dict(resumed_model, resumed_opt)}
     dcp.load(state, checkpoint_id=out / "checkpoint")
+    state_dict_types = sorted({type(local(t)).__name__ for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)})
     set_model_state_dict(resumed_model, state["model"])
     set_optimizer_state_dict(resumed_model, resumed_opt, state["optim"])
     resumed_losses = [train_step(resumed_model, resumed_opt, tokens.to(device)) for tokens in data[3:]]
@@ -226,6 +238,7 @@ def resume_from_dcp(rank, world_size, device, out, dtype=torch.float32, **option
             "resumed": snapshot(resumed_model, resumed_opt),
             "uninterrupted_losses": uninterrupted_losses,
             "resumed_losses": resumed_losses,
+            "state_dict_types": state_dict_types,
         },
         out / f"rank{rank}.pt",
     )
@@ -328,8 +341,89 @@ def fsdp2_fp8_reduce_scatter(rank: int, world_size: int, device: torch.device, o
     )
 
 
+# Parameter dtype, FSDP2 mixed-precision policy, optimizer options, FP8 reduce-scatter alongside.
+FP8_ALL_GATHER_VARIANTS = {
+    "float32": (torch.float32, None, {}, False),
+    "float32-bf16-policy-fp8-reduce-scatter": (torch.float32, torch.bfloat16, {}, True),
+    "bf16-stochastic": (torch.bfloat16, None, {"param_rounding": "stochastic", "rounding_seed": 11}, False),
+}
+
+
+def fsdp2_fp8_all_gather(rank: int, world_size: int, device: torch.device, out: Path) -> None:
+    """FSDP2 with coat.distributed.fp8_all_gather against FSDP2 without it, on a converted model: what each
+    step sends, and the losses, gradients and parameters of a few steps, which must be the same bits (the
+    layers read the same FP8 codes with the same scale). Then what fp8_all_gather refuses."""
+    data = batches(3)
+    mesh = init_device_mesh(device.type, (world_size,))
+    results = {}
+    for variant, (dtype, param_dtype, options, reduce_scatter_in_fp8) in FP8_ALL_GATHER_VARIANTS.items():
+        runs = {}
+        for gather_in_fp8 in (False, True):
+            model = coat.convert(tiny_llama(seed=0).to(device, dtype))
+            comm = coat.distributed.fp8_all_gather(model) if gather_in_fp8 else None
+            fully_sharded(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype))
+            if reduce_scatter_in_fp8:
+                coat.distributed.fp8_reduce_scatter(model)
+            weight_types = set()
+            model.model.layers[0].register_forward_pre_hook(  # after FSDP2's hook, which gathers the weights
+                lambda layer, _: weight_types.update({type(layer.self_attn.q_proj.weight).__name__,
+                                                      type(layer.mlp.down_proj.weight).__name__})
+            )
+            opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
+            losses, grads, sent_per_step = [], {}, []
+            for step, tokens in enumerate(data):
+                loss = model(input_ids=tokens.to(device), labels=tokens.to(device)).loss
+                loss.backward()
+                losses.append(loss.item())
+                grads.update({f"{name}/grad{step}": local(p.grad).cpu().clone() for name, p in model.named_parameters()})
+                opt.step()
+                model.zero_grad(set_to_none=True)
+                if comm is not None:
+                    sent_per_step.append([(str(dtype), count) for dtype, count in comm.log.sent])
+                    comm.log = coat.distributed.CommunicationLog()
+            params = {name: local(p).detach().cpu().clone() for name, p in model.named_parameters()}
+            runs[gather_in_fp8] = dict(losses=losses, tensors={**grads, **params}, weight_types=sorted(weight_types),
+                                       sent_per_step=sent_per_step)
+        results[variant] = {
+            "losses": runs[True]["losses"],
+            "reference_losses": runs[False]["losses"],
+            "compared": {name: (runs[True]["tensors"][name], t) for name, t in runs[False]["tensors"].items()},
+            "weight_types": runs[True]["weight_types"],
+            "reference_weight_types": runs[False]["weight_types"],
+            "sent_per_step": runs[True]["sent_per_step"],
+            # what one rank's shards of the projection weights hold, and the bytes FSDP2 would gather them in
+            "projection_shard_elements": sum(
+                local(p).numel() for name, p in model.named_parameters() if "proj" in name
+            ),
+            "gathered_itemsize": (param_dtype or dtype).itemsize,
+        }
+    # Rows that do not split evenly: FSDP2 pads the last shards (33 rows: 17 + 16; 1 row: 1 + 0).
+    uneven = {}
+    for gather_in_fp8 in (False, True):
+        torch.manual_seed(0)
+        stack = torch.nn.Sequential(coat.nn.Linear(16, 33), coat.nn.Linear(33, 1)).to(device)
+        if gather_in_fp8:
+            coat.distributed.fp8_all_gather(stack)
+        for layer in stack:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(stack, mesh=mesh)
+        loss = stack(torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(device)).square().sum()
+        loss.backward()
+        uneven[gather_in_fp8] = {"loss": loss.detach().cpu(),
+                                 **{name: local(p.grad).cpu() for name, p in stack.named_parameters()}}
+    results["uneven"] = {"compared": {name: (uneven[True][name], t) for name, t in uneven[False].items()}}
+    try:
+        coat.distributed.fp8_all_gather(model)
+        after_fully_shard = ""
+    except ValueError as error:
+        after_fully_shard = str(error)
+    torch.save({"variants": results, "after_fully_shard": after_fully_shard}, out / f"rank{rank}.pt")
+
+
 SCENARIOS = (
     fsdp2_fp8_reduce_scatter,
+    fsdp2_fp8_all_gather,
+    dcp_resume_fp8_all_gather,
     fsdp2_matches_single_process,
     fsdp2_bf16_stochastic_matches_single_process,
     dcp_resume,
@@ -477,6 +571,71 @@ def test_fsdp1_use_orig_params_matches_single_process_bit_for_bit(results):
         assert result["losses"] == result["reference_losses"]
         assert result["losses"][-1] < result["losses"][0]
         assert_all_equal(result["compared"])
+
+
+def test_fp8_all_gather_sends_fp8_codes_and_trains_bit_for_bit(results):
+    # Per step, one rank's shard of every projection weight is gathered twice (forward, and backward after
+    # resharding) as uint8 codes, each after a 1-element float32 all-reduce of the amax.
+    for result in results["fsdp2_fp8_all_gather"]:
+        assert result["after_fully_shard"].startswith("coat.distributed.fp8_all_gather must run before fully_shard")
+        assert_all_equal(result["variants"].pop("uneven")["compared"])
+        for variant, got in result["variants"].items():
+            assert got["weight_types"] == ["FP8Weight"], variant
+            assert got["reference_weight_types"] == ["Parameter"], variant
+            shard_elements = got["projection_shard_elements"]
+            for sent in got["sent_per_step"]:
+                codes = [count for dtype, count in sent if dtype == "torch.uint8"]
+                amaxes = [count for dtype, count in sent if dtype == "torch.float32"]
+                assert len(sent) == 2 * len(codes) and amaxes == [1] * len(codes) == [1] * 2 * 7 * 2  # 7 per layer
+                assert sum(codes) == 2 * shard_elements
+                sent_bytes = sum(codes) + 4 * sum(amaxes)
+                high_precision_bytes = 2 * shard_elements * got["gathered_itemsize"]
+                assert sent_bytes / high_precision_bytes < 1.01 / got["gathered_itemsize"], variant
+            assert got["losses"] == got["reference_losses"], variant
+            assert got["losses"][-1] < got["losses"][0], variant
+            assert_all_equal(got["compared"])
+
+
+def test_dcp_checkpoint_resumes_fp8_all_gather_bit_for_bit_with_plain_state_dicts(results):
+    for result in results["dcp_resume_fp8_all_gather"]:
+        assert result["state_dict_types"] == ["Tensor"]  # the local shards of every DTensor, and the other tensors
+        assert result["resumed_losses"] == result["uninterrupted_losses"]
+        assert_all_equal({name: (t, result["resumed"][name]) for name, t in result["uninterrupted"].items()})
+
+
+def test_fp8_all_gather_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="found no coat projections in LlamaForCausalLM"):
+        coat.distributed.fp8_all_gather(tiny_llama(seed=0))
+    for options, message in (({"gradient_format": None}, "gradient_format=None"),
+                             ({"smooth_swiglu": True}, "smooth_swiglu")):
+        model = coat.convert(tiny_llama(seed=0), **options)
+        with pytest.raises(ValueError, match=message):
+            coat.distributed.fp8_all_gather(model)
+        assert not any(isinstance(p, coat.distributed.FP8AllGatherWeight) for p in model.parameters())
+    model = fp8_gathered(tiny_llama(seed=0))
+    with pytest.raises(ValueError, match="already installed on model.layers.0.self_attn.q_proj"):
+        coat.distributed.fp8_all_gather(model)
+    tied = torch.nn.Sequential(coat.nn.Linear(4, 4), coat.nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match="tied to another parameter"):
+        coat.distributed.fp8_all_gather(tied)
+    codes = torch.zeros(4, 4, dtype=torch.float8_e4m3fn)
+    weight = coat.nn.FP8Weight(codes, torch.tensor(1.0), torch.tensor(448.0), torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="all-gathered in FP8"):
+        weight + 1
+
+
+def test_fp8_all_gather_keeps_a_plain_model_working():
+    """Before fully_shard (or without it) the wrapped weights behave as the parameters they wrap: same
+    outputs, gradients, optimizer steps and state dict."""
+    data = batches(2)
+    reference, model = coat.convert(tiny_llama(seed=0)), fp8_gathered(tiny_llama(seed=0))
+    opts = [AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY) for net in (reference, model)]
+    losses = [[train_step(net, opt, tokens) for tokens in data] for net, opt in zip((reference, model), opts)]
+    assert losses[0] == losses[1]
+    state = model.state_dict()
+    assert all(type(t) is torch.Tensor for t in state.values())
+    assert_all_equal({name: (t, state[name]) for name, t in reference.state_dict().items()})
 
 
 def test_fp8_reduce_scatter_refuses_what_it_cannot_do():

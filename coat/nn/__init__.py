@@ -1,8 +1,10 @@
 """coat.nn: FP8 layers. ``Linear`` is a drop-in for ``torch.nn.Linear``, ``RMSNorm`` and ``SwiGLUMLP`` for
 transformers' LlamaRMSNorm and LlamaMLP; :mod:`coat.nn.functional` holds the autograd Functions, which
-decide what is saved for backward, including the decoder blocks that coat.convert wires into a model."""
+decide what is saved for backward, including the decoder blocks that coat.convert wires into a model.
+``FP8Weight`` is a weight that arrives in FP8 (coat.distributed.fp8_all_gather)."""
 from coat.nn import functional
 from coat.nn.config import FP8Config
+from coat.nn.fp8_weight import FP8Weight
 from coat.nn.modules import Linear, RMSNorm, SwiGLUMLP
 
-__all__ = ["FP8Config", "Linear", "RMSNorm", "SwiGLUMLP", "functional"]
+__all__ = ["FP8Config", "FP8Weight", "Linear", "RMSNorm", "SwiGLUMLP", "functional"]

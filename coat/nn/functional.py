@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from coat import ops
 from coat.nn import _capture
 from coat.nn.config import AMAX_GROUP_SIZE, FP8Config
+from coat.nn.fp8_weight import FP8Weight, transposed_codes
 
 _GEMM_ALIGNMENT = 16
 
@@ -128,7 +129,8 @@ class Projections:
     the weights' gradients. Sharing the scale is what a fused QKV weight does in other FP8 recipes; it costs
     precision only to a weight whose amax is far below its siblings' (E4M3 spans 2^17 below its max).
     ``name`` ("qkv", "o", "gate_up", "down"; empty for a lone linear layer) prefixes the names its weights
-    and output gradients are reported under."""
+    and output gradients are reported under. Weights all-gathered in FP8 (:class:`coat.nn.FP8Weight`) bring
+    their codes and the group's scale: forward reads the codes, backward transposes them."""
 
     def __init__(self, params, name: str = ""):
         self.name = name
@@ -140,20 +142,42 @@ class Projections:
                 "coat: projections that read one input need weights of one dtype and one input size, got "
                 + ", ".join(f"{tuple(w.shape)} {w.dtype}" for w in self.weights)
             )
+        # Weights all-gathered in FP8 (coat.distributed.fp8_all_gather) come with their codes and the scale
+        # agreed for the whole group; quantizing a group partly here would give it two scales.
+        gathered = {isinstance(weight, FP8Weight) for weight in self.weights}
+        if len(gathered) != 1:
+            raise ValueError("coat: projections that share a weight scale must all be gathered in FP8 or none")
+        self.gathered_in_fp8 = gathered == {True}
 
     def weight_amax(self) -> torch.Tensor:
-        return ops.tensor_amax(self.weights)
+        return self.weights[0].amax if self.gathered_in_fp8 else ops.tensor_amax(self.weights)
 
     def report_name(self, tensor: str) -> str:
         return f"{self.name}_{tensor}" if self.name else tensor
 
     def forward(self, x_q, x_scale, config: FP8Config, out_dtype, weight_amax, site=None) -> list[torch.Tensor]:
         """[x @ W_i^T + b_i for each projection]."""
-        w_q, w_scale, _ = ops.quantize_tensors(self.weights, config.forward_dtype, dim=0, amax=weight_amax)
+        w_blocks, w_scale = self._fp8_weights(config.forward_dtype, weight_amax, site)
+        return [fp8_gemm(x_q, x_scale, w_i, w_scale, out_dtype, bias) for w_i, bias in zip(w_blocks, self.biases)]
+
+    def _fp8_weights(self, fp8, weight_amax, site):
+        """Each projection's [N_i, K] FP8 weight and their shared scale: the gathered codes, or the weights
+        quantized together here."""
+        if self.gathered_in_fp8:  # the high-precision weights are not on this rank: no report of their error
+            return [weight.codes for weight in self.weights], self.weights[0].scale
+        w_q, w_scale, _ = ops.quantize_tensors(self.weights, fp8, dim=0, amax=weight_amax)
         if site is not None:
             _record_joint(site, self.report_name("weight"), self.weights, w_q, w_scale, None, dim=0)
-        return [fp8_gemm(x_q, x_scale, w_i, w_scale, out_dtype, bias)
-                for w_i, bias in zip(w_q.split(self.widths), self.biases)]
+        return w_q.split(self.widths), w_scale
+
+    def _fp8_weights_transposed(self, fp8, weight_amax):
+        """The [K, sum N_i] transposed FP8 weights of the dgrad GEMM and their scale: the gathered codes
+        transposed byte by byte, or the weights quantized again, transposed, with the forward's amax."""
+        if self.gathered_in_fp8:
+            return transposed_codes(self.weights), self.weights[0].scale
+        _, w_scale, w_q_t = ops.quantize_tensors(self.weights, fp8, dim=0, amax=weight_amax, rowwise=False,
+                                                 columnwise=True)
+        return w_q_t, w_scale
 
     def backward(self, grads, x_q_t, x_scale, weight_amax, needs, config: FP8Config, input_grad_dtype, site=None):
         """grads: the [M, N_i] gradients of the outputs (None for an unused output). needs:
@@ -173,8 +197,7 @@ class Projections:
                 _record_joint(site, self.report_name("grad_output"), grads, g_q, g_scale, g_q_t, dim=1)
             grad_input = weight_grads = None
             if need_input_grad:
-                _, w_scale, w_q_t = ops.quantize_tensors(self.weights, config.forward_dtype, dim=0, amax=weight_amax,
-                                                         rowwise=False, columnwise=True)
+                w_q_t, w_scale = self._fp8_weights_transposed(config.forward_dtype, weight_amax)
                 grad_input = fp8_gemm(g_q, g_scale, w_q_t, w_scale, input_grad_dtype)
             if need_weight_grads:
                 # The contraction dimension is the token count M, which fp8_gemm pads to a multiple of 16.
