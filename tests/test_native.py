@@ -70,6 +70,10 @@ def test_cuda_tensor_on_cpu_only_build_is_refused(monkeypatch):
         pytest.param("group_amax", lambda x: coat.ops.group_amax(x), id="group_amax"),
         pytest.param("quantize_tensor", lambda x: coat.ops.quantize_tensor(x), id="quantize_tensor"),
         pytest.param("dequantize", lambda x: coat.ops.dequantize(x, torch.ones(())), id="dequantize"),
+        pytest.param("rmsnorm_requantize", lambda x: coat.ops.rmsnorm_requantize(x, x, x, x, x), id="rmsnorm_requantize"),
+        pytest.param(
+            "silu_mul_requantize", lambda x: coat.ops.silu_mul_requantize(x, x, x, x, None, x), id="silu_mul_requantize"
+        ),
     ],
 )
 def test_every_op_checks_the_device_first(monkeypatch, name, call):
