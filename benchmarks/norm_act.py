@@ -5,8 +5,10 @@ and SiLU*mul"), with N = rows * H elements and bf16 inputs:
 
     rmsnorm_quantize       6.25 N  (x read twice 4N, x_saved N, its 1x16 scales N/4, y N) + N with y_t
     rmsnorm_backward       5.25 N  (dy 2N, x_saved N + N/4, dx 2N)
+    rmsnorm_requantize     2.25 N  (x_saved N + N/4, y_t N): y_t recomputed in backward instead of kept
     silu_mul_quantize     11.5  N  (gate, up read twice 8N, saved 2N + N/2, y N) + N with y_t
     silu_mul_backward      8.5  N  (dy 2N, saved 2N + N/2, dgate, dup 4N)
+    silu_mul_requantize    3.5  N  (saved 2N + N/2, y_t N)
     F.rms_norm (bf16)      4    N  (x 2N, y 2N): the "plain RMSNorm pass"
     silu(g) * u (bf16)     6    N  (g, u 4N, y 2N) by the same rule, although eager PyTorch runs two kernels
 
@@ -42,7 +44,7 @@ def rmsnorm_cases(rows, cols):
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
-    _, _, _, x_saved, x_scales, rstd = ops.rmsnorm_quantize(x, weight)
+    _, y_scale, _, x_saved, x_scales, rstd = ops.rmsnorm_quantize(x, weight)
     copy_dst = torch.empty_like(x)
     return {
         "copy (bf16)": (lambda: copy_dst.copy_(x), 4 * n),
@@ -50,6 +52,7 @@ def rmsnorm_cases(rows, cols):
         "rmsnorm_quantize": (lambda: ops.rmsnorm_quantize(x, weight), 6.25 * n),
         "rmsnorm_quantize +transpose": (lambda: ops.rmsnorm_quantize(x, weight, transpose=True), 7.25 * n),
         "rmsnorm_backward": (lambda: ops.rmsnorm_backward(dy, x_saved, x_scales, rstd, weight), 5.25 * n),
+        "rmsnorm_requantize": (lambda: ops.rmsnorm_requantize(x_saved, x_scales, rstd, weight, y_scale), 2.25 * n),
         "unfused chain (context)": (lambda: rmsnorm_unfused(x, weight), 4 * n + 3.25 * n + 2 * n + 4 * n),
     }
 
@@ -59,7 +62,7 @@ def silu_cases(rows, cols):
     fused = torch.randn(rows, 2 * cols, device="cuda", dtype=torch.bfloat16)
     gate, up = fused[:, :cols], fused[:, cols:]  # the halves of one GEMM output, read in place
     dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
-    saved = ops.silu_mul_quantize(gate, up)[3:]
+    _, y_scale, _, *saved = ops.silu_mul_quantize(gate, up)
     copy_dst = torch.empty_like(dy)
     return {
         "copy (bf16)": (lambda: copy_dst.copy_(dy), 4 * n),
@@ -67,6 +70,7 @@ def silu_cases(rows, cols):
         "silu_mul_quantize": (lambda: ops.silu_mul_quantize(gate, up), 11.5 * n),
         "silu_mul_quantize +transpose": (lambda: ops.silu_mul_quantize(gate, up, transpose=True), 12.5 * n),
         "silu_mul_backward": (lambda: ops.silu_mul_backward(dy, *saved), 8.5 * n),
+        "silu_mul_requantize": (lambda: ops.silu_mul_requantize(*saved, None, y_scale), 3.5 * n),
     }
 
 

@@ -380,6 +380,8 @@ def _fp4_to_e4m3_fake(codes, scales, cols, block_size):
 # result. The op's inputs are saved for backward as FP8 E4M3 with 1 x save_group_size groups, bit for bit
 # quantize_group of the inputs. Every NaN code the fused ops write is the positive NaN (0x7F).
 # Backward: reads only what the forward saved (plus dy) and returns gradients in dy's dtype.
+# Requantize: recomputes the forward's y_t in backward from what the forward saved and its y_scale, so that a
+# layer need not keep y_t between forward and backward.
 # CPU and CUDA give the same bits: every sum has a fixed reduction order.
 
 RMSNORM_MAX_COLS = 32768
@@ -491,6 +493,52 @@ def silu_mul_backward(
     return torch.ops.coat.silu_mul_backward(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size)
 
 
+def rmsnorm_requantize(
+    x_saved: torch.Tensor,
+    x_saved_scales: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    y_scale: torch.Tensor,
+    save_group_size: int = 16,
+    format: torch.dtype | str = "e4m3",
+) -> torch.Tensor:
+    """The transposed FP8 output ``y_t`` [H, rows] of :func:`rmsnorm_quantize`, recomputed from what it saved
+    (``x_saved``, ``x_saved_scales``, ``rstd``) and the ``y_scale`` it returned. With x' the dequantized
+    ``x_saved`` (float32, as :func:`rmsnorm_backward` reads it)::
+
+        y   = (x' * rstd) * weight                     float32, the forward's formula and rounding order
+        y_t = fp8(y / y_scale).T                       FP8 ``format``, NaN codes positive
+
+    Equal to the forward's y_t bit for bit where x was FP8-representable in its group (x == x'); otherwise
+    within one E4M3 rounding of x, carried through the op. Values past the forward's amax saturate to
+    +-FP8_MAX. Pass ``save_group_size`` and ``format`` as given to the forward.
+    """
+    check_device_supported(x_saved, "coat.ops.rmsnorm_requantize")
+    return torch.ops.coat.rmsnorm_requantize(
+        x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype(format)
+    )
+
+
+def silu_mul_requantize(
+    gate_saved: torch.Tensor,
+    gate_scales: torch.Tensor,
+    up_saved: torch.Tensor,
+    up_scales: torch.Tensor,
+    smooth_scale: torch.Tensor | None,
+    y_scale: torch.Tensor,
+    save_group_size: int = 16,
+    format: torch.dtype | str = "e4m3",
+) -> torch.Tensor:
+    """The transposed FP8 output ``y_t`` [I, rows] of :func:`silu_mul_quantize`, recomputed from the saved
+    gate and up (dequantized as :func:`silu_mul_backward` reads them, g' and u') and the forward's
+    ``y_scale``: ``y = silu(g') * u' [* smooth_scale]`` with the forward's silu, then as
+    :func:`rmsnorm_requantize` (saturation, NaN, and the tie to the forward's y_t)."""
+    check_device_supported(gate_saved, "coat.ops.silu_mul_requantize")
+    return torch.ops.coat.silu_mul_requantize(
+        gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size, fp8_dtype(format)
+    )
+
+
 def _check_rmsnorm_cols(x: torch.Tensor, name: str, op: str) -> None:
     if not 1 <= x.shape[-1] <= RMSNORM_MAX_COLS:
         raise RuntimeError(
@@ -545,6 +593,25 @@ def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_
 def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size):
     _check_named_group_size(save_group_size, "save_group_size", "coat.silu_mul_backward")
     return dy.new_empty(dy.shape), dy.new_empty(dy.shape)
+
+
+@torch.library.register_fake("coat::rmsnorm_requantize")
+def _rmsnorm_requantize_fake(x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype):
+    op = "coat.rmsnorm_requantize"
+    _check_named_group_size(save_group_size, "save_group_size", op)
+    _check_rmsnorm_cols(x_saved, "x_saved", op)
+    return _transposed(x_saved, fp8_dtype, True)
+
+
+@torch.library.register_fake("coat::silu_mul_requantize")
+def _silu_mul_requantize_fake(gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size,
+                              fp8_dtype):
+    op = "coat.silu_mul_requantize"
+    _check_named_group_size(save_group_size, "save_group_size", op)
+    if up_saved.shape != gate_saved.shape:
+        raise RuntimeError(f"{op}: up_saved has shape {tuple(up_saved.shape)} but gate_saved has shape "
+                           f"{tuple(gate_saved.shape)}; pass the tensors the forward op returned")
+    return _transposed(gate_saved, fp8_dtype, True)
 
 
 def _expanded_meta(x: torch.Tensor, group_size: int) -> torch.Tensor:

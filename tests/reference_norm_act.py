@@ -214,3 +214,36 @@ def silu_mul_backward_f32(dy32, gate32, up32, smooth_scale=None) -> tuple[torch.
     s = sigmoid_f32(gate32)
     dy_s = dy32 if smooth_scale is None else dy32 * smooth_scale
     return (dy_s * up32) * (s * (_f32(1.0) + gate32 * (_f32(1.0) - s))), dy_s * (gate32 * s)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. The requantize ops: saved inputs decoded, y quantized with a given per-tensor scale
+
+
+def decode_saved(saved: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x' = float(code) * scale of its 1 x G group, one fp32 rounding (FP8 to fp32 is exact), [rows, cols]."""
+    codes = saved.reshape(-1, saved.shape[-1])
+    group_scales = scales.reshape(-1, scales.shape[-1]).repeat_interleave(group_size, dim=-1)[:, : codes.shape[-1]]
+    return codes.float() * group_scales
+
+
+def quantize_with_scale(y32: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp8(y / scale) as coat's encoder rounds it: fp32 division, round to nearest even, finite quotients
+    past FP8_MAX saturate to +-FP8_MAX (E4M3 saturates Inf too, E5M2 keeps it), NaN stays NaN."""
+    q = y32 / scale.float()
+    fp8_max = FP8_MAX[fp8_dtype]
+    saturated = torch.where(q.abs() > fp8_max, torch.copysign(torch.full_like(q, fp8_max), q), q)
+    if fp8_dtype == torch.float8_e5m2:
+        saturated = torch.where(torch.isinf(q), q, saturated)
+    return saturated.to(fp8_dtype)
+
+
+def e4m3_half_step(x: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float64 bound on |x - x'| for x saved as E4M3 with the given group scales: half an E4M3 step at x."""
+    rows = x.reshape(-1, x.shape[-1]).double()
+    group_scales = scales.reshape(-1, scales.shape[-1]).double().repeat_interleave(group_size, dim=-1)[:, : rows.shape[-1]]
+    return 0.5 * fp8_step(rows / group_scales, torch.float8_e4m3fn) * group_scales
+
+
+# The largest |silu'(g)| (about 1.0998, at g near 2.4), rounded up: silu is Lipschitz with this constant.
+SILU_LIPSCHITZ = 1.1

@@ -1,5 +1,5 @@
-"""Tests of the fused non-linear layers: coat.ops.rmsnorm_quantize / rmsnorm_backward and
-silu_mul_quantize / silu_mul_backward (csrc/include/coat/norm_act.h).
+"""Tests of the fused non-linear layers: coat.ops.rmsnorm_quantize / rmsnorm_backward / rmsnorm_requantize
+and silu_mul_quantize / silu_mul_backward / silu_mul_requantize (csrc/include/coat/norm_act.h).
 
 What is checked, and against what:
 - Ties to the standalone quantizers, bit for bit: y == quantize_tensor(the fp32 op result), and the saved
@@ -19,6 +19,7 @@ What is checked, and against what:
     2x that of the same formula computed by PyTorch in bf16.
   * rstd: the flash-attention rule against float64, and the tighter fp32 bound derived in
     test_rmsnorm_forward.
+- Requantize: bit for bit against an fp32 replay, and against the forward's y_t (see its section).
 - CUDA (skipped without a GPU): every output equal to the C core's, bit for bit.
 """
 from __future__ import annotations
@@ -488,6 +489,215 @@ def test_coat_exp_accuracy():
 
 
 # ----------------------------------------------------------------------------------------------------
+# Requantize: the forward's y_t recomputed from what it saved
+#
+# Bit for bit: y_t equals the fp32 replay of the forward's formula on the decoded saved inputs, quantized with
+# the given y_scale (reference_norm_act.quantize_with_scale), NaN codes positive. Against the forward:
+# where every input is FP8-representable in its group (x == x'), y_t equals the forward's y_t bit for bit;
+# in general the saved x' is within half an E4M3 step of x (e_x), so y' is within D of y (RMSNorm:
+# D = e_x |rstd * weight|; SiLU*mul: D = smooth (1.1 e_g (|u| + e_u) + |silu(g)| e_u), silu being
+# 1.1-Lipschitz), and the two codes, each within half an FP8 step of its value (or saturated, which only
+# brings it closer), differ by at most D / y_scale + half a step of each code, plus 1e-5 relative for the
+# fp32 arithmetic.
+
+
+def requantize(op, *args, device):
+    (y_t,) = run(lambda *a: (op(*a),), *args, device=device)
+    return y_t
+
+
+def rmsnorm_requantize(saved, rstd, weight, y_scale, group_size=16, fp8=E4M3, device="cpu"):
+    return requantize(torch.ops.coat.rmsnorm_requantize, *saved, rstd, weight, y_scale, group_size, fp8, device=device)
+
+
+def silu_mul_requantize(saved, smooth, y_scale, group_size=16, fp8=E4M3, device="cpu"):
+    return requantize(torch.ops.coat.silu_mul_requantize, *saved, smooth, y_scale, group_size, fp8, device=device)
+
+
+def check_requantized(y_t, y32, y_scale) -> None:
+    """y_t is quantize_with_scale(y32, y_scale), transposed, with positive NaN codes."""
+    expected = nan_codes_unsigned(ref.quantize_with_scale(y32, y_scale, y_t.dtype)).T.contiguous()
+    assert y_t.shape == expected.shape and y_t.is_contiguous()
+    assert_same_bits(y_t, expected, "y_t vs the fp32 replay with the given scale")
+
+
+def check_near_forward(y_t, forward_y_t, y_scale, bound) -> None:
+    """The module comment's bound: |code - forward code| <= bound / y_scale + half a step of each + slack."""
+    v, v_forward = y_t.double().T, forward_y_t.double().T
+    step = 0.5 * (ref.fp8_step(v, y_t.dtype) + ref.fp8_step(v_forward, y_t.dtype))
+    allowed = bound / y_scale.double() + step + 1e-5 * (v.abs() + v_forward.abs())
+    assert ((v - v_forward).abs() <= allowed).all(), f"max excess {((v - v_forward).abs() - allowed).max().item()}"
+
+
+def fp8_representable(shape, dtype, group_size, seed) -> torch.Tensor:
+    """Values that E4M3 with 1 x G groups holds exactly: random finite E4M3 codes times a power of two per
+    group, with one code of each group +-448, so that the saved scale is that power of two."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 254, shape, generator=g, dtype=torch.uint8)
+    codes = torch.where(codes >= 0x7F, codes + 1, codes)  # no NaN codes (0x7F, 0xFF)
+    codes[..., ::group_size] = torch.where(codes[..., ::group_size] < 0x80, 0x7E, 0xFE).to(torch.uint8)
+    values = codes.view(E4M3).float()
+    groups = -(-shape[-1] // group_size)
+    exponents = torch.randint(-10, 1, (*shape[:-1], groups), generator=g).repeat_interleave(group_size, dim=-1)
+    return (values * torch.pow(2.0, exponents[..., : shape[-1]].float())).to(dtype)
+
+
+REQUANTIZE_SHAPES = [(1, 64), (97, 128), (67, 176), (5, 100), (3, 7), (0, 64), (2, 3, 5, 40)]
+
+
+@pytest.mark.parametrize("shape", REQUANTIZE_SHAPES, ids=str)
+def test_rmsnorm_requantize(device, shape):
+    x = activations(shape, torch.bfloat16, seed=70 + shape[-1])
+    weight = (1 + 0.2 * torch.randn(shape[-1], generator=torch.Generator().manual_seed(71))).bfloat16()
+    _, y_scale, y_t, *saved, rstd = rmsnorm_forward(x, weight)
+    requantized = rmsnorm_requantize(saved, rstd, weight, y_scale, device=device)
+    check_requantized(requantized, ref.rmsnorm_forward_f32(ref.decode_saved(*saved, 16), rstd, weight.float()), y_scale)
+    bound = ref.e4m3_half_step(x, saved[1], 16) * (rstd.double().unsqueeze(-1) * weight.double()).abs()
+    check_near_forward(requantized, y_t, y_scale, bound)
+
+
+@pytest.mark.parametrize("weight_dtype, group_size, fp8", [
+    (torch.float32, 16, E5M2), (torch.bfloat16, 32, E4M3), (torch.float16, 64, E5M2), (torch.float32, 128, E4M3),
+], ids=str)
+def test_rmsnorm_requantize_dtypes_and_groups(device, weight_dtype, group_size, fp8):
+    x = activations((33, 1000), torch.bfloat16, seed=72)  # 1000 % G != 0: a short last group for every G
+    weight = (1 + 0.2 * torch.randn(1000, generator=torch.Generator().manual_seed(73))).to(weight_dtype)
+    _, y_scale, y_t, *saved, rstd = rmsnorm_forward(x, weight, group_size=group_size, fp8=fp8)
+    requantized = rmsnorm_requantize(saved, rstd, weight, y_scale, group_size, fp8, device=device)
+    assert requantized.dtype == fp8
+    check_requantized(requantized, ref.rmsnorm_forward_f32(ref.decode_saved(*saved, group_size), rstd, weight.float()),
+                      y_scale)
+    bound = ref.e4m3_half_step(x, saved[1], group_size) * (rstd.double().unsqueeze(-1) * weight.double()).abs()
+    check_near_forward(requantized, y_t, y_scale, bound)
+
+
+@pytest.mark.parametrize("x_dtype, group_size, fp8", [
+    (torch.bfloat16, 16, E4M3), (torch.float32, 32, E5M2), (torch.float16, 64, E4M3), (torch.bfloat16, 128, E5M2),
+], ids=str)
+def test_rmsnorm_requantize_equals_forward_on_representable_x(device, x_dtype, group_size, fp8):
+    x = fp8_representable((37, 300), x_dtype, group_size, seed=74)
+    weight = (1 + 0.2 * torch.randn(300, generator=torch.Generator().manual_seed(75))).bfloat16()
+    _, y_scale, y_t, *saved, rstd = rmsnorm_forward(x, weight, group_size=group_size, fp8=fp8)
+    assert_same_bits(ref.decode_saved(*saved, group_size), x.float(), "x' vs x")
+    assert_same_bits(rmsnorm_requantize(saved, rstd, weight, y_scale, group_size, fp8, device=device), y_t,
+                     "requantized y_t vs the forward's")
+
+
+def test_silu_mul_requantize_equals_forward_on_representable_inputs(device):
+    for group_size, fp8, smooth in ((16, E4M3, None), (128, E5M2, torch.rand(300) + 0.5)):
+        gate = fp8_representable((37, 300), torch.bfloat16, group_size, seed=76)
+        up = fp8_representable((37, 300), torch.bfloat16, group_size, seed=77)
+        _, y_scale, y_t, *saved = silu_mul_forward(gate, up, smooth, group_size=group_size, fp8=fp8)
+        requantized = silu_mul_requantize(saved, smooth, y_scale, group_size, fp8, device=device)
+        assert_same_bits(requantized, y_t, "requantized y_t vs the forward's")
+
+
+def silu_mul_bound(gate, up, saved, smooth, group_size):
+    g, u = rows_of(gate).double(), rows_of(up).double()
+    e_g = ref.e4m3_half_step(gate, saved[1], group_size)
+    e_u = ref.e4m3_half_step(up, saved[3], group_size)
+    bound = ref.SILU_LIPSCHITZ * e_g * (u.abs() + e_u) + (g * torch.sigmoid(g)).abs() * e_u
+    return bound if smooth is None else bound * smooth.double()
+
+
+@pytest.mark.parametrize("shape", REQUANTIZE_SHAPES, ids=str)
+def test_silu_mul_requantize(device, shape):
+    gate, up = gate_up(shape, torch.bfloat16, seed=78 + shape[-1])
+    _, y_scale, y_t, *saved = silu_mul_forward(gate, up)
+    requantized = silu_mul_requantize(saved, None, y_scale, device=device)
+    y32 = ref.silu_mul_f32(ref.decode_saved(*saved[:2], 16), ref.decode_saved(*saved[2:], 16))
+    check_requantized(requantized, y32, y_scale)
+    check_near_forward(requantized, y_t, y_scale, silu_mul_bound(gate, up, saved, None, 16))
+
+
+@pytest.mark.parametrize("dtype, group_size, fp8, smooth", [
+    (torch.float32, 32, E4M3, True), (torch.float16, 64, E5M2, False), (torch.bfloat16, 128, E5M2, True),
+    (torch.bfloat16, 16, E4M3, True),
+], ids=str)
+def test_silu_mul_requantize_smooth_dtypes_and_groups(device, dtype, group_size, fp8, smooth):
+    gate, up = activations((33, 1000), dtype, seed=79), activations((33, 1000), dtype, seed=80)
+    smooth = torch.exp(torch.randn(1000, generator=torch.Generator().manual_seed(81))) if smooth else None
+    _, y_scale, y_t, *saved = silu_mul_forward(gate, up, smooth, group_size=group_size, fp8=fp8)
+    requantized = silu_mul_requantize(saved, smooth, y_scale, group_size, fp8, device=device)
+    assert requantized.dtype == fp8
+    y32 = ref.silu_mul_f32(ref.decode_saved(*saved[:2], group_size), ref.decode_saved(*saved[2:], group_size), smooth)
+    check_requantized(requantized, y32, y_scale)
+    check_near_forward(requantized, y_t, y_scale, silu_mul_bound(gate, up, saved, smooth, group_size))
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=str)
+def test_requantize_saturates(device, fp8):
+    """A y_scale below the one the values need saturates them to +-FP8_MAX, never NaN: a quarter of the
+    forward's, and 2^-126, whose quotients overflow fp32 for the largest values (E4M3 saturates those too;
+    E5M2 encodes them as Inf, as its encoder does any infinite quotient)."""
+    x = activations((9, 256), torch.bfloat16, seed=82)
+    weight = torch.full((256,), 1e4, dtype=torch.bfloat16)
+    _, y_scale, _, *saved, rstd = rmsnorm_forward(x, weight, fp8=fp8)
+    rmsnorm_y32 = ref.rmsnorm_forward_f32(ref.decode_saved(*saved, 16), rstd, weight.float())
+    gate, up = gate_up((9, 256), torch.bfloat16, seed=83)
+    _, silu_scale, _, *silu_saved = silu_mul_forward(gate, up, fp8=fp8)
+    silu_y32 = ref.silu_mul_f32(ref.decode_saved(*silu_saved[:2], 16), ref.decode_saved(*silu_saved[2:], 16))
+    fp8_max = ref.FP8_MAX[fp8]
+    tiny = torch.tensor(2.0**-126)
+    cases = []
+    for scale in (y_scale / 4, tiny):
+        cases.append((rmsnorm_requantize(saved, rstd, weight, scale, fp8=fp8, device=device), rmsnorm_y32, scale))
+    for scale in (silu_scale / 4, tiny):
+        cases.append((silu_mul_requantize(silu_saved, None, scale, fp8=fp8, device=device), silu_y32, scale))
+    for y_t, y32, scale in cases:
+        check_requantized(y_t, y32, scale)
+        values = y_t.float()
+        overflow = (y32 / scale).isinf().T
+        assert not values.isnan().any() and (values.abs() == fp8_max).any()
+        assert (values[~overflow].abs() <= fp8_max).all()
+        assert (values[overflow].abs() == (fp8_max if fp8 == E4M3 else math.inf)).all()
+    assert (rmsnorm_y32 / tiny).isinf().any() and (silu_y32 / tiny).isinf().any()  # overflows are exercised
+
+
+def test_requantize_python_wrappers():
+    """coat.ops's wrappers: the defaults (G = 16, E4M3) and a format given by name."""
+    x = activations((5, 48), torch.bfloat16, seed=86)
+    weight = torch.ones(48, dtype=torch.bfloat16)
+    _, y_scale, _, *saved, rstd = ops.rmsnorm_quantize(x, weight)
+    assert_same_bits(ops.rmsnorm_requantize(*saved, rstd, weight, y_scale),
+                     torch.ops.coat.rmsnorm_requantize(*saved, rstd, weight, y_scale, 16, E4M3))
+    _, y_scale, _, *saved = ops.silu_mul_quantize(x, x, save_group_size=32, format="e5m2")
+    requantized = ops.silu_mul_requantize(*saved, None, y_scale, 32, "e5m2")
+    assert requantized.dtype == E5M2 and requantized.shape == (48, 5)
+    assert_same_bits(requantized, torch.ops.coat.silu_mul_requantize(*saved, None, y_scale, 32, E5M2))
+
+
+def test_requantize_nan_in_saved_inputs(device):
+    """A NaN code in a saved input (positive or negative) gives the positive NaN code at that element only; a
+    group saved with an Inf scale (its input held +-Inf) decodes to +-Inf and NaN (0 * Inf): with the
+    forward's rstd = 0 for that row, RMSNorm's y_t is NaN over the group (the forward, from the exact x, had
+    NaN at the Inf only)."""
+    x = activations((6, 64), torch.bfloat16, seed=84)
+    x[3, 40] = math.inf
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    _, y_scale, y_t, x_saved, x_saved_scales, rstd = rmsnorm_forward(x, weight)
+    assert rstd[3].item() == 0 and x_saved_scales[3, 2].item() == math.inf
+    codes = x_saved.view(torch.uint8).clone()
+    codes[1, 5], codes[2, 9] = 0x7F, 0xFF
+    requantized = rmsnorm_requantize((codes.view(E4M3), x_saved_scales), rstd, weight, y_scale, device=device)
+    nan = torch.zeros(64, 6, dtype=torch.bool)
+    nan[5, 1] = nan[9, 2] = True
+    nan[32:48, 3] = True
+    out = requantized.view(torch.uint8)
+    assert ((out & 0x7F) == 0x7F).equal(nan) and (out[nan] == 0x7F).all()
+    assert out[:, 3][~nan[:, 3]].bitwise_and(0x7F).eq(0).all()  # the rest of the Inf row: x' * 0
+
+    gate, up = gate_up((6, 64), torch.bfloat16, seed=85)
+    _, silu_scale, _, gate_saved, gate_scales, up_saved, up_scales = silu_mul_forward(gate, up)
+    gate_codes = gate_saved.view(torch.uint8).clone()
+    gate_codes[4, 7] = 0xFF
+    requantized = silu_mul_requantize((gate_codes.view(E4M3), gate_scales, up_saved, up_scales), None, silu_scale,
+                                      device=device)
+    out = requantized.view(torch.uint8)
+    assert out[7, 4] == 0x7F and int(((out & 0x7F) == 0x7F).sum()) == 1
+
+
+# ----------------------------------------------------------------------------------------------------
 # Kernel paths: values and shapes that send the CUDA kernels down their other paths (the chunk-wise fast
 # paths' fallbacks, the bf16 silu table's edges, several rounds of the persistent kernels); on CUDA every
 # output is compared with the C core's bit for bit (run).
@@ -600,6 +810,17 @@ def test_opcheck(device):
             (x, x_saved, x_saved_scales, x_saved, x_saved_scales, s, 16),
             test_utils=fp8_input_checks,
         )
+    y_scale = on_device(torch.tensor(0.01), device)
+    torch.library.opcheck(
+        torch.ops.coat.rmsnorm_requantize.default, (x_saved, x_saved_scales, rstd, weight, y_scale, 16, E4M3),
+        test_utils=fp8_input_checks,
+    )
+    for s, fp8 in ((None, E4M3), (smooth, E5M2)):
+        torch.library.opcheck(
+            torch.ops.coat.silu_mul_requantize.default,
+            (x_saved, x_saved_scales, x_saved, x_saved_scales, s, y_scale, 16, fp8),
+            test_utils=fp8_input_checks,
+        )
 
 
 def test_errors():
@@ -629,6 +850,30 @@ def test_errors():
         (lambda: backward(x, saved, scales, rstd, w, 32), r"x_saved_scales must have shape \[4, 2\]"),
         (lambda: backward(x, saved, scales, rstd[:2], w, 16), "one value per row"),
         (lambda: torch.ops.coat.silu_mul_backward(x, saved, scales, saved.T, scales, None, 16), "up_saved has shape"),
+    ]
+    y_scale = torch.tensor(0.01)
+    requantize = torch.ops.coat.rmsnorm_requantize
+    silu_requantize = torch.ops.coat.silu_mul_requantize
+    cases += [
+        (lambda: requantize(saved.view(torch.uint8), scales, rstd, w, y_scale, 16, E4M3),
+         "x_saved must be torch.float8_e4m3fn"),
+        (lambda: requantize(saved.T, scales, rstd, w, y_scale, 16, E4M3), "x_saved must be contiguous"),
+        (lambda: requantize(saved, scales, rstd, w, y_scale, 32, E4M3), r"x_saved_scales must have shape \[4, 2\]"),
+        (lambda: requantize(saved, scales, rstd, w, y_scale, 8, E4M3), "save_group_size must be 16, 32, 64 or 128"),
+        (lambda: requantize(saved, scales, rstd[:2], w, y_scale, 16, E4M3), "one value per row"),
+        (lambda: requantize(saved, scales, rstd, w[:32], y_scale, 16, E4M3), r"weight must have shape \[64\]"),
+        (lambda: requantize(saved, scales, rstd, w.int(), y_scale, 16, E4M3), "weight must be float32, bfloat16"),
+        (lambda: requantize(saved, scales, rstd, w, torch.ones(2), 16, E4M3), "y_scale must be a float32 tensor with one"),
+        (lambda: requantize(saved, scales, rstd, w, y_scale.double(), 16, E4M3), "y_scale must be a float32 tensor"),
+        (lambda: requantize(saved, scales, rstd, w, y_scale, 16, torch.bfloat16), "fp8_dtype must be torch.float8_e4m3fn"),
+        (lambda: silu_requantize(saved, scales, saved[:2], scales, None, y_scale, 16, E4M3),
+         "up_saved has shape .* but gate_saved has shape"),
+        (lambda: silu_requantize(saved, scales, saved, scales[:2], None, y_scale, 16, E4M3),
+         r"up_scales must have shape \[4, 4\]"),
+        (lambda: silu_requantize(saved, scales, saved, scales, torch.ones(32), y_scale, 16, E4M3),
+         r"smooth_scale must have shape \[64\]"),
+        (lambda: silu_requantize(saved, scales, saved, scales, None, torch.empty(0), 16, E4M3),
+         "y_scale must be a float32 tensor with one element"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):

@@ -31,14 +31,31 @@ void check_channel_vector(const at::Tensor& v, const at::Tensor& input, int64_t 
   TORCH_CHECK(v.is_contiguous(), op, ": ", arg, " must be contiguous; call .contiguous() first");
 }
 
-// An FP8 tensor saved by a forward op: E4M3, contiguous, with the shape of the tensor it was saved from.
-void check_saved(const at::Tensor& saved, const at::Tensor& like, const char* op, const char* arg) {
+// An FP8 tensor saved by a forward op: E4M3, contiguous, with the shape of the tensor it was saved from
+// (`like`, named like_arg).
+void check_saved(const at::Tensor& saved, const at::Tensor& like, const char* op, const char* arg,
+                 const char* like_arg = "dy") {
   check_same_device(like, saved, op, arg);
   TORCH_CHECK(saved.scalar_type() == at::kFloat8_e4m3fn, op, ": ", arg,
               " must be torch.float8_e4m3fn, as the forward op saves it, got ", saved.scalar_type());
-  TORCH_CHECK(saved.sizes() == like.sizes(), op, ": ", arg, " has shape ", saved.sizes(),
-              " but dy has shape ", like.sizes(), "; pass the tensors the forward op returned for this dy");
+  TORCH_CHECK(saved.sizes() == like.sizes(), op, ": ", arg, " has shape ", saved.sizes(), " but ", like_arg,
+              " has shape ", like.sizes(), "; pass the tensors the forward op returned for this ", like_arg);
   TORCH_CHECK(saved.is_contiguous(), op, ": ", arg, " must be contiguous, as the forward op returns it");
+}
+
+// The first saved input of a requantize op, which gives the shape: (rows, cols) of the forward's input.
+RowMatrix saved_matrix(const at::Tensor& saved, const char* op, const char* arg) {
+  check_device(saved, op, arg);
+  check_saved(saved, saved, op, arg);
+  return as_row_matrix(saved, op, arg);
+}
+
+// The forward's per-tensor scale, an input of the requantize ops.
+void check_given_scale(const at::Tensor& y_scale, const at::Tensor& input, const char* op) {
+  check_same_device(input, y_scale, op, "y_scale");
+  TORCH_CHECK(y_scale.scalar_type() == at::kFloat && y_scale.numel() == 1, op,
+              ": y_scale must be a float32 tensor with one element (the y_scale the forward op returned), got ",
+              y_scale.scalar_type(), " of shape ", y_scale.sizes());
 }
 
 void check_saved_scales(const at::Tensor& scales, const at::Tensor& like, int64_t group_size, const char* op,
@@ -95,6 +112,13 @@ RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& we
   return {y, y_scale, y_t, x_saved, x_saved_scales, rstd};
 }
 
+void check_rstd(const at::Tensor& rstd, const at::Tensor& input, int64_t rows, const char* op) {
+  check_same_device(input, rstd, op, "rstd");
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == rows, op,
+              ": rstd must be a contiguous float32 tensor with one value per row (", rows,
+              "), as rmsnorm_quantize returns it, got ", rstd.scalar_type(), " of shape ", rstd.sizes());
+}
+
 std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const at::Tensor& x_saved,
                                                     const at::Tensor& x_saved_scales, const at::Tensor& rstd,
                                                     const at::Tensor& weight, int64_t save_group_size) {
@@ -106,10 +130,7 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const 
   check_rmsnorm_cols(m.cols, op, "dy");
   check_saved(x_saved, dy, op, "x_saved");
   check_saved_scales(x_saved_scales, dy, save_group_size, op, "x_saved_scales");
-  check_same_device(dy, rstd, op, "rstd");
-  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.is_contiguous() && rstd.numel() == m.rows, op,
-              ": rstd must be a contiguous float32 tensor with one value per row (", m.rows,
-              "), as rmsnorm_quantize returns it, got ", rstd.scalar_type(), " of shape ", rstd.sizes());
+  check_rstd(rstd, dy, m.rows, op);
   check_channel_vector(weight, dy, m.cols, op, "weight");
   const coat_dtype weight_dtype = input_dtype(weight, op, "weight");
 
@@ -121,6 +142,27 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const 
                  data_as<const float>(rstd), weight.data_ptr(), weight_dtype, dx.data_ptr(), data_as<float>(dweight),
                  data_as<float>(workspace));
   return {dx, dweight};
+}
+
+at::Tensor rmsnorm_requantize(const at::Tensor& x_saved, const at::Tensor& x_saved_scales, const at::Tensor& rstd,
+                              const at::Tensor& weight, const at::Tensor& y_scale, int64_t save_group_size,
+                              at::ScalarType fp8_dtype) {
+  constexpr const char* op = "coat.rmsnorm_requantize";
+  const RowMatrix m = saved_matrix(x_saved, op, "x_saved");
+  check_rmsnorm_cols(m.cols, op, "x_saved");
+  check_named_group_size(save_group_size, op, "save_group_size");
+  check_saved_scales(x_saved_scales, x_saved, save_group_size, op, "x_saved_scales");
+  check_rstd(rstd, x_saved, m.rows, op);
+  check_channel_vector(weight, x_saved, m.cols, op, "weight");
+  const coat_dtype weight_dtype = input_dtype(weight, op, "weight");
+  check_given_scale(y_scale, x_saved, op);
+  const coat_fp8_format format = fp8_format(fp8_dtype, op, "fp8_dtype");
+
+  at::Tensor y_t = at::empty({m.cols, m.rows}, x_saved.options().dtype(fp8_dtype));
+  COAT_CALL_CORE(x_saved, coat_rmsnorm_requantize, data_as<const uint8_t>(x_saved),
+                 data_as<const float>(x_saved_scales), save_group_size, data_as<const float>(rstd), m.rows, m.cols,
+                 weight.data_ptr(), weight_dtype, data_as<const float>(y_scale), format, data_as<uint8_t>(y_t));
+  return y_t;
 }
 
 const float* smooth_scale_data(const std::optional<at::Tensor>& smooth_scale, const at::Tensor& input, int64_t cols,
@@ -195,6 +237,28 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& dy, const
   return {dgate, dup};
 }
 
+at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& gate_scales, const at::Tensor& up_saved,
+                               const at::Tensor& up_scales, const std::optional<at::Tensor>& smooth_scale,
+                               const at::Tensor& y_scale, int64_t save_group_size, at::ScalarType fp8_dtype) {
+  constexpr const char* op = "coat.silu_mul_requantize";
+  const RowMatrix m = saved_matrix(gate_saved, op, "gate_saved");
+  check_max_cols(m.cols, op, "gate_saved");
+  check_saved(up_saved, gate_saved, op, "up_saved", "gate_saved");
+  check_named_group_size(save_group_size, op, "save_group_size");
+  check_saved_scales(gate_scales, gate_saved, save_group_size, op, "gate_scales");
+  check_saved_scales(up_scales, gate_saved, save_group_size, op, "up_scales");
+  const float* smooth = smooth_scale_data(smooth_scale, gate_saved, m.cols, op);
+  check_given_scale(y_scale, gate_saved, op);
+  const coat_fp8_format format = fp8_format(fp8_dtype, op, "fp8_dtype");
+
+  at::Tensor y_t = at::empty({m.cols, m.rows}, gate_saved.options().dtype(fp8_dtype));
+  COAT_CALL_CORE(gate_saved, coat_silu_mul_requantize, data_as<const uint8_t>(gate_saved),
+                 data_as<const float>(gate_scales), data_as<const uint8_t>(up_saved), data_as<const float>(up_scales),
+                 save_group_size, m.rows, m.cols, smooth, data_as<const float>(y_scale), format,
+                 data_as<uint8_t>(y_t));
+  return y_t;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(coat, CPU, m) {
@@ -202,6 +266,8 @@ TORCH_LIBRARY_IMPL(coat, CPU, m) {
   m.impl("rmsnorm_backward", &rmsnorm_backward);
   m.impl("silu_mul_quantize", &silu_mul_quantize);
   m.impl("silu_mul_backward", &silu_mul_backward);
+  m.impl("rmsnorm_requantize", &rmsnorm_requantize);
+  m.impl("silu_mul_requantize", &silu_mul_requantize);
 }
 
 #ifdef COAT_WITH_CUDA
@@ -210,6 +276,8 @@ TORCH_LIBRARY_IMPL(coat, CUDA, m) {
   m.impl("rmsnorm_backward", &rmsnorm_backward);
   m.impl("silu_mul_quantize", &silu_mul_quantize);
   m.impl("silu_mul_backward", &silu_mul_backward);
+  m.impl("rmsnorm_requantize", &rmsnorm_requantize);
+  m.impl("silu_mul_requantize", &silu_mul_requantize);
 }
 #endif
 

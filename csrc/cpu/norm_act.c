@@ -193,13 +193,61 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
     const void* dy_row = row_at(dy, dy_dtype, r, row_stride);
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t scale_index = r * ngroups + c / save_group_size;
-      const float gate_value = coat_e4m3_to_f32(gate_saved[r * cols + c]) * gate_scales[scale_index];
-      const float up_value = coat_e4m3_to_f32(up_saved[r * cols + c]) * up_scales[scale_index];
+      const float gate_value = coat_saved_value(gate_saved[r * cols + c], gate_scales[scale_index]);
+      const float up_value = coat_saved_value(up_saved[r * cols + c], up_scales[scale_index]);
       float dgate_value, dup_value;
       coat_silu_mul_grads(coat_load_f32(dy_row, dy_dtype, c), gate_value, coat_sigmoid(gate_value), up_value,
                           smooth_scale ? smooth_scale[c] : 1.0f, &dgate_value, &dup_value);
       coat_store_as(dgate, dy_dtype, r * cols + c, dgate_value);
       coat_store_as(dup, dy_dtype, r * cols + c, dup_value);
+    }
+  }
+  return COAT_SUCCESS;
+}
+
+coat_status coat_rmsnorm_requantize_cpu(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
+                                        const float* rstd, int64_t rows, int64_t cols, const void* weight,
+                                        coat_dtype weight_dtype, const float* y_scale, coat_fp8_format y_format,
+                                        uint8_t* y_t) {
+  if (rows < 0 || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL || y_scale == NULL ||
+      !coat_is_valid_group_size(save_group_size) ||
+      (rows > 0 && (x_saved == NULL || x_saved_scales == NULL || rstd == NULL || y_t == NULL)))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const int64_t ngroups = coat_ceil_div(cols, save_group_size);
+  const float scale = *y_scale;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* codes = x_saved + r * cols;
+    const float* scales = x_saved_scales + r * ngroups;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float x = coat_saved_value(codes[c], scales[c / save_group_size]);
+      const float value = coat_canonical_nan(coat_rmsnorm_apply(x, rstd[r], coat_load_f32(weight, weight_dtype, c)));
+      y_t[c * rows + r] = coat_quantize_value(value, scale, y_format);
+    }
+  }
+  return COAT_SUCCESS;
+}
+
+coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float* gate_scales, const uint8_t* up_saved,
+                                         const float* up_scales, int64_t save_group_size, int64_t rows, int64_t cols,
+                                         const float* smooth_scale, const float* y_scale, coat_fp8_format y_format,
+                                         uint8_t* y_t) {
+  if (rows < 0 || cols < 0 || cols > COAT_NORM_ACT_MAX_COLS || y_scale == NULL ||
+      !coat_is_valid_group_size(save_group_size) ||
+      (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || up_saved == NULL || up_scales == NULL ||
+                           y_t == NULL)))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const int64_t ngroups = coat_ceil_div(cols, save_group_size);
+  const float scale = *y_scale;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t scale_index = r * ngroups + c / save_group_size;
+      const float gate = coat_saved_value(gate_saved[r * cols + c], gate_scales[scale_index]);
+      const float up = coat_saved_value(up_saved[r * cols + c], up_scales[scale_index]);
+      const float value = coat_canonical_nan(
+          coat_silu_mul(coat_silu(gate, coat_sigmoid(gate)), up, smooth_scale ? smooth_scale[c] : 1.0f));
+      y_t[c * rows + r] = coat_quantize_value(value, scale, y_format);
     }
   }
   return COAT_SUCCESS;

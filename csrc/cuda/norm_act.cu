@@ -13,7 +13,8 @@
 //   silu_mul_stats_kernel    persistent; 16 consecutive elements per lane, a warp per 512 columns of a row:
 //                            the FP8-saved gate and up, the amax of y; the warp's next row in flight
 //   apply_quantize_kernel    persistent over 64 x 64 tiles, the next tile in flight: recomputes y from the
-//                            inputs, writes it in FP8 and, through a shared-memory tile, its transpose
+//                            inputs, writes it in FP8 and, through a shared-memory tile, its transpose; the
+//                            requantize ops run it on the saved FP8 inputs with the forward's scale, y_t only
 //   rmsnorm_backward_kernel  L threads per slice of rows, the next row in flight: dx, and one partial dweight
 //                            row per slice
 //   dweight_finish_kernel    the slices' partial dweight rows summed in the documented order
@@ -257,6 +258,13 @@ __device__ __forceinline__ void decode_e4m3(Codes codes, float v[kChunk]) {
 #pragma unroll
   for (int e = 0; e < kChunk; ++e) v[e] = coat_e4m3_to_f32(code_at(codes, e));
 #endif
+}
+
+// v[e] = coat_saved_value(code e, scale): a chunk of an FP8-saved input (a chunk lies within one group).
+__device__ __forceinline__ void decode_saved(Codes codes, float scale, float v[kChunk]) {
+  decode_e4m3(codes, v);
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) v[e] = v[e] * scale;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -707,24 +715,67 @@ __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Second pass of both forward ops: y recomputed from the inputs and quantized with the per-tensor scale
+// Second pass of both forward ops, and the requantize ops: y computed from the inputs and quantized with the
+// per-tensor scale
+
+// Where an apply op reads one of its inputs: rows of the high-precision tensor (the forward ops) or the FP8
+// copy the forward saved (the requantize ops). load() fetches a chunk (count 0: zeros, no access), values()
+// turns it into fp32; Gates is how silu is taken of gates read this way.
+template <class Io>
+struct HighPrecisionRows {
+  static constexpr bool kVector = Io::kVector;
+  using Chunk = typename Io::Raw;
+  using Gates = SiluOfGates<Io>;
+  Io io;
+  const void* data;
+  int64_t row_stride;
+
+  __device__ __forceinline__ Chunk load(int64_t row, int col, int count) const {
+    return io.load(row_at(data, io.element_size(), row, row_stride), col, count);
+  }
+  __device__ __forceinline__ void values(const Chunk& chunk, float v[kChunk]) const { io.unpack(chunk, v); }
+};
+
+// A saved input: codes rows x cols, contiguous, and one scale per 1 x 2^group_shift group. kVectorCodes:
+// cols % 8 == 0 and 8-byte aligned codes. Decoded values are not bf16 values, so silu is computed.
+template <bool kVectorCodes>
+struct SavedRows {
+  static constexpr bool kVector = kVectorCodes;
+  struct Chunk {
+    Codes codes;
+    float scale;
+  };
+  using Gates = SiluOfGates<SavedRows>;
+  const uint8_t* codes;
+  const float* scales;
+  int cols;
+  int ngroups;      // scales per row, ceil(cols / 2^group_shift)
+  int group_shift;  // log2 of the save group size
+
+  __device__ __forceinline__ Chunk load(int64_t row, int col, int count) const {
+    return {load_codes(codes + row * cols + col, count, kVector),
+            count > 0 ? scales[row * ngroups + (col >> group_shift)] : 0.0f};
+  }
+  __device__ __forceinline__ void values(const Chunk& chunk, float v[kChunk]) const {
+    decode_saved(chunk.codes, chunk.scale, v);
+  }
+};
 
 // An op of the second pass loads a chunk's Inputs (prefetched a tile ahead), the per-column data of its
 // chunk column once (Column), and computes y from them and a Table in shared memory that it fills once per
-// block (empty but for SiLU*mul of bf16).
-template <class Io>
+// block (empty but for SiLU*mul of bf16 rows). kVector: y's codes and the per-column data move 8 and 16
+// bytes at a time.
+template <class Source>
 struct RmsnormApply {
-  static constexpr bool kVector = Io::kVector;
+  static constexpr bool kVector = Source::kVector;
   struct Table {};
-  Io io;
-  const void* x;
-  int64_t row_stride;
+  Source x;
   const float* rstd;
   const void* weight;
   coat_dtype weight_dtype;
 
   struct Inputs {
-    typename Io::Raw x;
+    typename Source::Chunk x;
     float rstd;
   };
   struct Column {
@@ -732,58 +783,73 @@ struct RmsnormApply {
   };
 
   __device__ __forceinline__ Inputs load(int64_t row, int col, int count) const {
-    return {io.load(row_at(x, io.element_size(), row, row_stride), col, count), count > 0 ? rstd[row] : 0.0f};
+    return {x.load(row, col, count), count > 0 ? rstd[row] : 0.0f};
   }
   __device__ __forceinline__ Column column(int col, int count) const {
     Column c;
-    load_chunk(weight, weight_dtype, col, count, Io::kVector, c.weight);
+    load_chunk(weight, weight_dtype, col, count, kVector, c.weight);
     return c;
   }
   __device__ __forceinline__ static void fill(Table&) {}
   __device__ __forceinline__ void compute(const Table&, const Inputs& in, const Column& c, float y[kChunk]) const {
     float x_chunk[kChunk];
-    io.unpack(in.x, x_chunk);
+    x.values(in.x, x_chunk);
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) y[e] = coat_rmsnorm_apply(x_chunk[e], in.rstd, c.weight[e]);
   }
 };
 
-template <class Io>
+template <class Source>
 struct SiluMulApply {
-  static constexpr bool kVector = Io::kVector;
-  using Gates = SiluOfGates<Io>;
+  static constexpr bool kVector = Source::kVector;
+  using Gates = typename Source::Gates;
   using Table = typename Gates::Table;
-  Io io;
-  const void* gate;
-  const void* up;
-  int64_t gate_row_stride, up_row_stride;
+  Source gate, up;
   const float* smooth_scale;
 
   struct Inputs {
-    typename Io::Raw gate, up;
+    typename Source::Chunk gate, up;
   };
   struct Column {
     float smooth[kChunk];
   };
 
   __device__ __forceinline__ Inputs load(int64_t row, int col, int count) const {
-    return {io.load(row_at(gate, io.element_size(), row, gate_row_stride), col, count),
-            io.load(row_at(up, io.element_size(), row, up_row_stride), col, count)};
+    return {gate.load(row, col, count), up.load(row, col, count)};
   }
   __device__ __forceinline__ Column column(int col, int count) const {
     Column c;
-    load_smooth(smooth_scale, col, count, Io::kVector, c.smooth);
+    load_smooth(smooth_scale, col, count, kVector, c.smooth);
     return c;
   }
   __device__ __forceinline__ static void fill(Table& table) { Gates::fill(table); }
   __device__ __forceinline__ void compute(const Table& table, const Inputs& in, const Column& c,
                                           float y[kChunk]) const {
     float g[kChunk], u[kChunk], silu[kChunk];
-    io.unpack(in.gate, g);
-    io.unpack(in.up, u);
+    gate.values(in.gate, g);
+    up.values(in.up, u);
     Gates::chunk(table, g, silu);
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) y[e] = coat_silu_mul(silu[e], u[e], c.smooth[e]);
+  }
+};
+
+// The per-tensor scale of the second pass: derived from the amax of y and written to *derived (the forward
+// ops), or given (the requantize ops reuse the forward's).
+struct OutputScale {
+  const float* amax;   // nullptr when the scale is given
+  const float* given;  // read when amax is nullptr
+  float* derived;      // receives the derived scale
+
+  static OutputScale from_amax(const float* amax, float* y_scale) { return {amax, nullptr, y_scale}; }
+  static OutputScale of(const float* y_scale) { return {nullptr, y_scale, nullptr}; }
+
+  // The scale; block 0 writes a derived one out.
+  __device__ __forceinline__ float read(coat_fp8_format format) const {
+    if (amax == nullptr) return *given;
+    const float scale = coat_scale_from_amax(*amax, format);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *derived = scale;
+    return scale;
   }
 };
 
@@ -798,20 +864,19 @@ __device__ __forceinline__ void transpose_4x4(uint32_t w0, uint32_t w1, uint32_t
 }
 
 // Block b takes column tile b % col_tiles and row tiles b / col_tiles, + row_strands, ...; each thread two
-// chunks of one chunk column (rows r and r + 32 of the tile), the next tile's inputs in flight. y is
-// written row-major from registers and, when y_t is set, transposed through shared memory (two tile
+// chunks of one chunk column (rows r and r + 32 of the tile), the next tile's inputs in flight. y, when set,
+// is written row-major from registers and y_t, when set, transposed through shared memory (two tile
 // buffers, alternating, so that one barrier per tile suffices).
 template <class Op>
 __global__ void __launch_bounds__(kTileThreads)
-    apply_quantize_kernel(Op op, int64_t rows, int cols, int col_tiles, int64_t row_strands, const float* y_amax,
-                          coat_fp8_format format, uint8_t* y, float* y_scale, uint8_t* y_t) {
+    apply_quantize_kernel(Op op, int64_t rows, int cols, int col_tiles, int64_t row_strands, OutputScale y_scale,
+                          coat_fp8_format format, uint8_t* y, uint8_t* y_t) {
   // 64 rows of 64 codes as 16 words, plus one word of padding so that the transposed reads of a warp
   // (8 row quads x 4 column quads) hit 32 different banks.
   __shared__ uint32_t tile[2][kTileRows][kTileCols / 4 + 1];
   __shared__ typename Op::Table table;
-  const float scale = coat_scale_from_amax(*y_amax, format);
+  const float scale = y_scale.read(format);
   const float reciprocal = reciprocal_of_normal(scale);
-  if (blockIdx.x == 0 && threadIdx.x == 0) *y_scale = scale;
   const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
   const int col0 = static_cast<int>(blockIdx.x % col_tiles) * kTileCols;
   const int chunk_in_row = threadIdx.x % kTileChunksPerRow;
@@ -852,7 +917,7 @@ __global__ void __launch_bounds__(kTileThreads)
         op.compute(table, current.half[h], column, values);
         codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)
                                     : encode_chunk<COAT_E5M2, true>(values, scale, reciprocal);
-        store_codes(y + row * cols + col, codes, count, Op::kVector);
+        if (y != nullptr) store_codes(y + row * cols + col, codes, count, Op::kVector);
       }
       if (y_t != nullptr) {
         tile[parity][r][2 * chunk_in_row] = codes.lo;
@@ -1076,9 +1141,9 @@ __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, 
   };
   // xhat of chunk k, as coat_rmsnorm_xhat gives it (codes past the row are 0: xhat is 0 there).
   const auto xhat_of = [&](const BackwardRow<Io>& in, int k, float xhat[kChunk]) {
-    decode_e4m3(in.codes[k], xhat);
+    decode_saved(in.codes[k], in.scales[k], xhat);
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) xhat[e] = (xhat[e] * in.scales[k]) * in.rstd;
+    for (int e = 0; e < kChunk; ++e) xhat[e] = xhat[e] * in.rstd;
   };
 
   // The first row is in flight while the weight is staged.
@@ -1245,13 +1310,8 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
       if (count == 0) continue;
       float dy[kChunk], gate[kChunk], up[kChunk], s[kChunk], smooth[kChunk], dgate[kChunk], dup[kChunk];
       io.unpack(current.dy[c], dy);
-      decode_e4m3(current.gate[c], gate);
-      decode_e4m3(current.up[c], up);
-#pragma unroll
-      for (int e = 0; e < kChunk; ++e) {
-        gate[e] = gate[e] * current.gate_scale;
-        up[e] = up[e] * current.up_scale;
-      }
+      decode_saved(current.gate[c], current.gate_scale, gate);
+      decode_saved(current.up[c], current.up_scale, up);
       sigmoid_chunk(gate, s);
       load_smooth(a.smooth_scale, col, count, Io::kVector, smooth);
 #pragma unroll
@@ -1274,6 +1334,12 @@ bool rows_aligned16(const void* base, coat_dtype dtype, int64_t row_stride) {
 bool valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
   return rows >= 0 && cols >= 0 && cols <= COAT_NORM_ACT_MAX_COLS && row_stride >= cols &&
          (x != nullptr || rows * cols == 0);
+}
+
+// Calls launch(std::true_type or std::false_type), as `vector` says: kernels over saved inputs, which have no Io.
+template <class Launch>
+coat_status with_vector(bool vector, Launch&& launch) {
+  return vector ? launch(std::true_type{}) : launch(std::false_type{});
 }
 
 // Calls launch(io) with VectorIo<dtype> when `vector`, else with ElementIo.
@@ -1329,17 +1395,17 @@ int64_t strands_for(int64_t resident, int64_t columns, int64_t row_items) {
   return strands < 1 ? 1 : strands;
 }
 
-// The second pass of both forward ops (at least one block, which writes y_scale even for an empty tensor).
+// The second pass (at least one block, which writes a derived y_scale even for an empty tensor).
 template <class Op>
-coat_status launch_apply_quantize(const Op& op, int64_t rows, int cols, const float* y_amax, coat_fp8_format format,
-                                  uint8_t* y, float* y_scale, uint8_t* y_t, cudaStream_t stream) {
+coat_status launch_apply_quantize(const Op& op, int64_t rows, int cols, OutputScale y_scale, coat_fp8_format format,
+                                  uint8_t* y, uint8_t* y_t, cudaStream_t stream) {
   const int64_t resident = resident_blocks<apply_quantize_kernel<Op>>(kTileThreads, 0);
   if (resident <= 0) return COAT_ERROR_CUDA;
   const int64_t col_tiles = cols > 0 ? coat_ceil_div(cols, kTileCols) : 1;
   const int64_t strands = strands_for(resident, col_tiles, coat_ceil_div(rows, kTileRows));
   const unsigned blocks = static_cast<unsigned>(col_tiles * strands);
   apply_quantize_kernel<Op><<<blocks, kTileThreads, 0, stream>>>(op, rows, cols, static_cast<int>(col_tiles), strands,
-                                                                  y_amax, format, y, y_scale, y_t);
+                                                                  y_scale, format, y, y_t);
   return launch_status();
 }
 
@@ -1414,8 +1480,9 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
       else status = launch_rmsnorm_stats<1024, Io>(args, cuda_stream);
     }
     if (status != COAT_SUCCESS) return;
-    const RmsnormApply<Io> op{io, x, row_stride, rstd, weight, weight_dtype};
-    status = launch_apply_quantize(op, rows, args.cols, y_amax, y_format, y, y_scale, y_t, cuda_stream);
+    const RmsnormApply<HighPrecisionRows<Io>> op{{io, x, row_stride}, rstd, weight, weight_dtype};
+    status = launch_apply_quantize(op, rows, args.cols, OutputScale::from_amax(y_amax, y_scale), y_format, y, y_t,
+                                   cuda_stream);
   });
   return status;
 }
@@ -1509,10 +1576,57 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
       }
       silu_mul_stats_kernel<Io><<<blocks, kElementwiseThreads, 0, cuda_stream>>>(args);
     }
-    const SiluMulApply<Io> op{io, gate, up, gate_row_stride, up_row_stride, smooth_scale};
-    status = launch_apply_quantize(op, rows, args.cols, y_amax, y_format, y, y_scale, y_t, cuda_stream);
+    const SiluMulApply<HighPrecisionRows<Io>> op{{io, gate, gate_row_stride}, {io, up, up_row_stride}, smooth_scale};
+    status = launch_apply_quantize(op, rows, args.cols, OutputScale::from_amax(y_amax, y_scale), y_format, y, y_t,
+                                   cuda_stream);
   });
   return status;
+}
+
+coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
+                                         const float* rstd, int64_t rows, int64_t cols, const void* weight,
+                                         coat_dtype weight_dtype, const float* y_scale, coat_fp8_format y_format,
+                                         uint8_t* y_t, coat_cuda_stream stream) {
+  if (rows < 0 || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr || y_scale == nullptr ||
+      !coat_is_valid_group_size(save_group_size) ||
+      (rows > 0 && (x_saved == nullptr || x_saved_scales == nullptr || rstd == nullptr || y_t == nullptr)))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  if (rows == 0) return COAT_SUCCESS;
+  const int group_shift = coat::device::ceil_log2(save_group_size);
+  const int ngroups = static_cast<int>(coat_ceil_div(cols, save_group_size));
+  const bool vector = cols % kChunk == 0 && aligned(x_saved, 8) && aligned(weight, 16);
+  return with_vector(vector, [&](auto vector_codes) {
+    using Saved = SavedRows<decltype(vector_codes)::value>;
+    const RmsnormApply<Saved> op{Saved{x_saved, x_saved_scales, static_cast<int>(cols), ngroups, group_shift}, rstd,
+                                 weight, weight_dtype};
+    return launch_apply_quantize(op, rows, static_cast<int>(cols), OutputScale::of(y_scale), y_format, nullptr, y_t,
+                                 reinterpret_cast<cudaStream_t>(stream));
+  });
+}
+
+coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float* gate_scales,
+                                          const uint8_t* up_saved, const float* up_scales, int64_t save_group_size,
+                                          int64_t rows, int64_t cols, const float* smooth_scale,
+                                          const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
+                                          coat_cuda_stream stream) {
+  if (rows < 0 || cols < 0 || cols > COAT_NORM_ACT_MAX_COLS || y_scale == nullptr ||
+      !coat_is_valid_group_size(save_group_size) ||
+      (rows * cols > 0 && (gate_saved == nullptr || gate_scales == nullptr || up_saved == nullptr ||
+                           up_scales == nullptr || y_t == nullptr)))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  if (rows * cols == 0) return COAT_SUCCESS;
+  const int group_shift = coat::device::ceil_log2(save_group_size);
+  const int ngroups = static_cast<int>(coat_ceil_div(cols, save_group_size));
+  const bool vector = cols % kChunk == 0 && aligned(gate_saved, 8) && aligned(up_saved, 8) &&
+                      (smooth_scale == nullptr || aligned(smooth_scale, 16));
+  return with_vector(vector, [&](auto vector_codes) {
+    using Saved = SavedRows<decltype(vector_codes)::value>;
+    const Saved gate{gate_saved, gate_scales, static_cast<int>(cols), ngroups, group_shift};
+    const Saved up{up_saved, up_scales, static_cast<int>(cols), ngroups, group_shift};
+    const SiluMulApply<Saved> op{gate, up, smooth_scale};
+    return launch_apply_quantize(op, rows, static_cast<int>(cols), OutputScale::of(y_scale), y_format, nullptr, y_t,
+                                 reinterpret_cast<cudaStream_t>(stream));
+  });
 }
 
 coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,

@@ -7,10 +7,11 @@
 #     NaN / Inf / zero / subnormal gradients and multi-tensor launches. The step kernel's hardware
 #     approximations (csrc/cuda/adamw_fast_math.cuh) are replaced by adamw_fast_math.cuh here: exact values
 #     moved by pseudo-random errors up to the PTX ISA's bounds.
-#   norm_act: every output of rmsnorm_quantize / rmsnorm_backward / silu_mul_quantize / silu_mul_backward bit
-#     for bit (see test_emulated_norm_act.cpp), and the fast sigmoid against coat_sigmoid (on every float it
-#     accepts with `full`, about a minute on two cores). The few hardware instructions it uses on sm_80+ (FP8
-#     and bf16 conversions, MUFU.RCP in rcp.rn's own sequence) are replaced by the C core's functions they equal.
+#   norm_act: every output of rmsnorm_quantize / rmsnorm_requantize / rmsnorm_backward / silu_mul_quantize /
+#     silu_mul_requantize / silu_mul_backward bit for bit (see test_emulated_norm_act.cpp), and the fast
+#     sigmoid against coat_sigmoid (on every float it accepts with `full`, about a minute on two cores). The few
+#     hardware instructions it uses on sm_80+ (FP8 and bf16 conversions, MUFU.RCP in rcp.rn's own sequence) are
+#     replaced by the C core's functions they equal.
 #   rope: rotary_embedding forward and inverse bit for bit (test_emulated_rope.cpp).
 #   fp4: quantize_fp4, dequantize_fp4 and fp4_to_e4m3 of csrc/cuda/quantize.cu bit for bit (test_emulated_fp4.cpp).
 #     Without __CUDA_ARCH__ coat_divide_by_scale divides, so the fast quotient of the GPU path is not exercised.

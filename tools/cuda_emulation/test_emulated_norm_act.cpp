@@ -1,5 +1,6 @@
 // Runs csrc/cuda/norm_act.cu's kernels under the CPU emulation (cuda_runtime.h here) and compares every output
-// with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward and backward, over row
+// with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward, requantize (with the
+// forward's y_scale and with one that saturates, from aligned and misaligned codes) and backward, over row
 // widths of every lane count, odd widths and misaligned views (the element-wise path), row strides, the
 // three dtypes, every save group size, both FP8 formats, with and without the transpose, NaN / Inf / zero /
 // subnormal / huge inputs and gates past the fast sigmoid's range, on 1 to 3 emulated SMs (so that the
@@ -91,6 +92,25 @@ Matrix make_matrix(int64_t rows, int64_t cols, int64_t row_stride, int offset, c
   return m;
 }
 
+// A copy of `codes` starting `offset` bytes past a 16-byte boundary (offset 1: the element-wise path).
+struct SavedCodes {
+  std::vector<uint8_t> buffer;
+  uint8_t* data;
+};
+
+SavedCodes codes_at(const std::vector<uint8_t>& codes, int offset) {
+  SavedCodes c;
+  c.buffer.assign(codes.size() + 32, 0);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(c.buffer.data());
+  c.data = reinterpret_cast<uint8_t*>(((base + 15) & ~uintptr_t{15}) + offset);
+  if (!codes.empty()) memcpy(c.data, codes.data(), codes.size());
+  return c;
+}
+
+// The y_scales a requantize case runs with: the forward's, and an eighth of it, which sends the largest values
+// past FP8_MAX (saturation).
+std::vector<float> requantize_scales(float forward_scale) { return {forward_scale, forward_scale / 8}; }
+
 // Bytes compared exactly (fp32 NaNs included: every NaN output is canonical).
 template <class T>
 bool same(const std::vector<T>& a, const std::vector<T>& b, const char* what, const char* name) {
@@ -140,6 +160,20 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
   same(out[0].scales, out[1].scales, "x_saved_scales", name);
   same(out[0].rstd, out[1].rstd, "rstd", name);
   same(out[0].y_amax, out[1].y_amax, "y_amax", name);
+
+  // y_t recomputed from the saved input (misaligned with `offset`).
+  const SavedCodes x_saved = codes_at(out[0].saved, offset);
+  for (const float y_scale : requantize_scales(out[0].y_scale[0])) {
+    std::vector<uint8_t> y_t[2] = {std::vector<uint8_t>(n, 0xAB), std::vector<uint8_t>(n, 0xCD)};
+    const coat_status cpu_r = coat_rmsnorm_requantize_cpu(x_saved.data, out[0].scales.data(), group, out[0].rstd.data(),
+                                                          rows, cols, weight.data, w_dtype, &y_scale, format,
+                                                          y_t[0].data());
+    const coat_status gpu_r = coat_rmsnorm_requantize_cuda(x_saved.data, out[0].scales.data(), group,
+                                                           out[0].rstd.data(), rows, cols, weight.data, w_dtype,
+                                                           &y_scale, format, y_t[1].data(), nullptr);
+    CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", name, cpu_r, gpu_r);
+    same(y_t[0], y_t[1], "requantized y_t", name);
+  }
 
   // Backward from the saved input, with a dy of the same layout.
   const Matrix dy = make_matrix(rows, cols, row_stride, offset, x_dtype, specials & kSpecial ? kSpecial : kPlain);
@@ -209,6 +243,19 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
   same(out[0].gate_scales, out[1].gate_scales, "gate_scales", name);
   same(out[0].up_scales, out[1].up_scales, "up_scales", name);
   same(out[0].y_amax, out[1].y_amax, "y_amax", name);
+
+  const SavedCodes gate_saved = codes_at(out[0].gate_saved, offset), up_saved = codes_at(out[0].up_saved, 0);
+  for (const float y_scale : requantize_scales(out[0].y_scale[0])) {
+    std::vector<uint8_t> y_t[2] = {std::vector<uint8_t>(n, 0xAB), std::vector<uint8_t>(n, 0xCD)};
+    const coat_status cpu_r = coat_silu_mul_requantize_cpu(gate_saved.data, out[0].gate_scales.data(), up_saved.data,
+                                                           out[0].up_scales.data(), group, rows, cols, smooth_ptr,
+                                                           &y_scale, format, y_t[0].data());
+    const coat_status gpu_r = coat_silu_mul_requantize_cuda(gate_saved.data, out[0].gate_scales.data(),
+                                                            up_saved.data, out[0].up_scales.data(), group, rows, cols,
+                                                            smooth_ptr, &y_scale, format, y_t[1].data(), nullptr);
+    CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", name, cpu_r, gpu_r);
+    same(y_t[0], y_t[1], "requantized y_t", name);
+  }
 
   const Matrix dy = make_matrix(rows, cols, stride, offset, dtype, specials);
   std::vector<uint8_t> dgate[2], dup[2];

@@ -10,6 +10,8 @@
  * inputs and quantizes it, so y never exists in memory in high precision. The forward also saves the
  * op's INPUTS for backward as FP8 E4M3 with 1 x G groups (G = save_group_size), which is all the backward
  * reads (plus rstd for RMSNorm). Backward gradients stay in the high-precision dtype (appendix G.5).
+ * The requantize entry points recompute the forward's transposed FP8 output y_t from those saved inputs
+ * and the forward's y_scale, so that a layer can drop y_t between forward and backward.
  *
  * Layout. High-precision tensors are row-major matrices of `rows` x `cols` whose rows start `row_stride`
  * elements apart (row_stride >= cols, last dimension contiguous), as in coat/quantize.h, so the two
@@ -134,6 +136,48 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
                                         const uint8_t* up_saved, const float* up_scales,
                                         const float* smooth_scale, int64_t save_group_size, void* dgate,
                                         void* dup, coat_cuda_stream stream);
+
+/** RMSNorm's FP8 transposed output recomputed from what the forward saved, so that a layer need not keep y_t
+ *  for backward. With x' = fp8_decode(x_saved) * scale of its group (fp32, as coat_rmsnorm_backward_* decode it):
+ *    y_f32 = (x'[r,c] * rstd[r]) * weight[c]                 (coat_rmsnorm_apply, as the forward)
+ *    y_t[c*rows + r] = fp8_encode(y_f32 / y_scale[0])        in `y_format`, NaN canonical (0x7F)
+ *  y_scale is an INPUT: the one fp32 the forward wrote. y_t equals the forward's y_t bit for bit when x equals
+ *  x' (x was FP8-representable in its group); otherwise a code differs from the forward's by at most what
+ *  x' - x (half an E4M3 step at most) changes y, plus half an FP8 step of each code (tests/test_norm_act.py
+ *  states the bound). Values past the forward's amax, which x' may give, saturate to +-FP8_MAX like any
+ *  finite quotient (only a quotient that overflows fp32, from a y_scale far below the forward's, gives the
+ *  E5M2 Inf code). NaN follows the formula: a NaN code decodes to NaN, and a group saved with an Inf scale (its
+ *  input held +-Inf, so the forward's rstd of that row is 0) to +-Inf and NaN, which give NaN codes over that
+ *  group (the forward, from the exact x, has NaN at the Inf only).
+ *  No row-major y is written. x_saved (rows*cols bytes), x_saved_scales (rows*ceil(cols/G) fp32), rstd
+ *  (`rows` fp32): as coat_rmsnorm_quantize_* returned them with save_group_size G; weight: `cols` contiguous
+ *  elements of `weight_dtype`; y_t: cols*rows bytes. 1 <= cols <= COAT_RMSNORM_MAX_COLS; rows may be 0. */
+coat_status coat_rmsnorm_requantize_cpu(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
+                                        const float* rstd, int64_t rows, int64_t cols, const void* weight,
+                                        coat_dtype weight_dtype, const float* y_scale, coat_fp8_format y_format,
+                                        uint8_t* y_t);
+coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
+                                         const float* rstd, int64_t rows, int64_t cols, const void* weight,
+                                         coat_dtype weight_dtype, const float* y_scale, coat_fp8_format y_format,
+                                         uint8_t* y_t, coat_cuda_stream stream);
+
+/** SiLU*mul's FP8 transposed output recomputed from the FP8-saved inputs g' and u' (decoded as
+ *  coat_silu_mul_backward_* decode them):
+ *    y_f32 = (silu(g'[r,c]) * u'[r,c]) * smooth_scale[c]     (coat_silu_mul with the forward's silu)
+ *    y_t[c*rows + r] = fp8_encode(y_f32 / y_scale[0])        in `y_format`, NaN canonical (0x7F)
+ *  with y_scale, saturation and the tie to the forward's y_t as in coat_rmsnorm_requantize_*, and NaN from the
+ *  formula (a NaN code, or a zero code in a group saved with an Inf scale, decodes to NaN).
+ *  gate_saved / up_saved (rows*cols bytes), gate_scales / up_scales (rows*ceil(cols/G) fp32): as
+ *  coat_silu_mul_quantize_* returned them; smooth_scale: `cols` fp32 or NULL; y_t: cols*rows bytes. */
+coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float* gate_scales, const uint8_t* up_saved,
+                                         const float* up_scales, int64_t save_group_size, int64_t rows, int64_t cols,
+                                         const float* smooth_scale, const float* y_scale, coat_fp8_format y_format,
+                                         uint8_t* y_t);
+coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float* gate_scales,
+                                          const uint8_t* up_saved, const float* up_scales, int64_t save_group_size,
+                                          int64_t rows, int64_t cols, const float* smooth_scale,
+                                          const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
+                                          coat_cuda_stream stream);
 
 #ifdef __cplusplus
 }

@@ -115,9 +115,13 @@ COAT_INLINE float coat_rmsnorm_rstd(float sum_sq, int64_t cols, float eps) {
  *  one place its sign would show; the amax ignores it. */
 COAT_INLINE float coat_rmsnorm_apply(float x, float rstd, float weight) { return (x * rstd) * weight; }
 
-/** Backward of RMSNorm, per element: the normalized saved input, decoded as coat_dequantize does. */
+/** An element of an FP8-saved input, decoded as coat_dequantize does (its NaN not yet canonical), as the
+ *  backward and requantize entry points read it. */
+COAT_INLINE float coat_saved_value(uint8_t code, float scale) { return coat_e4m3_to_f32(code) * scale; }
+
+/** Backward of RMSNorm, per element: the normalized saved input. */
 COAT_INLINE float coat_rmsnorm_xhat(uint8_t code, float scale, float rstd) {
-  return (coat_e4m3_to_f32(code) * scale) * rstd;
+  return coat_saved_value(code, scale) * rstd;
 }
 
 /** dx = (g - xhat * mean_dot) * rstd with g = dy * weight and mean_dot = (sum_c g * xhat) / cols. */
