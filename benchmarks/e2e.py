@@ -14,6 +14,8 @@ other:
     coat-compiled     coat with every decoder layer under torch.compile
     coat-bf16w        coat with bfloat16 weights and gradients and no float32 master copy (coat.optim.AdamW
                       rounds each update stochastically): 6.09 bytes of model state per parameter
+    coat-bf16w-fp4    coat-bf16w with the inputs of RMSNorm and SiLU*mul saved as FP4 (coat.convert's
+                      saved_format="fp4"): the lowest-memory activations
     coat-fp8-grads    coat-bf16w with gradients kept in FP8 (E5M2, per-tensor scale) after backward: 5.09 bytes
                       (one process only: FP8 gradients need unsharded parameters)
     coat-fp8-comm     under torchrun only: coat-bf16w whose gradients FSDP2 reduce-scatters as block-scaled FP8
@@ -30,7 +32,9 @@ on its own micro-batch. For each variant:
     to --max-batch; a batch that runs out of memory on any rank does not fit (under torchrun the allocator
     may use --memory-cap = 95% of each GPU, so that every rank runs out at the same allocation);
   - tokens/s per GPU at that batch: batch * seq / median step time (CUDA events) of --steps steps after
-    --warmup steps; the slowest rank's under torchrun.
+    --warmup steps; the slowest rank's under torchrun;
+  - with --max-seq N: the longest sequence (a multiple of --seq-unit, up to N) that trains at batch 1, by the
+    same doubling and bisection, and tokens/s there.
 
 --shape 13b trains a Llama-2-13B shape (hidden 5120, 40 layers) instead; "state B/param" is the bytes of
 weights, gradients and optimizer state per parameter after a step, counted from the tensors.
@@ -47,6 +51,7 @@ Adam state), so at small batches the memory ratio tends to 1.59. A BF16 run that
 
     python benchmarks/e2e.py [--variants bf16 coat ...]       (one GPU)
     python benchmarks/e2e.py --shape 13b --variants coat-fp8-grads --memory-batches 1
+    python benchmarks/e2e.py --variants bf16 coat --max-seq 65536     (+ the longest sequence at batch 1)
     torchrun --nproc_per_node 2 benchmarks/e2e.py              (FSDP2, two GPUs)
     python benchmarks/e2e.py --smoke                           (CPU: checks that the script runs)
     python benchmarks/e2e.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
@@ -69,14 +74,14 @@ import coat
 
 from _common import RESULTS_DIR, parser, print_table, write_results
 
-VARIANTS = ("bf16", "bf16-compiled", "torchao-compiled", "coat", "coat-compiled", "coat-bf16w", "coat-fp8-grads",
-            "coat-fp8-comm")
+VARIANTS = ("bf16", "bf16-compiled", "torchao-compiled", "coat", "coat-compiled", "coat-bf16w", "coat-bf16w-fp4",
+            "coat-fp8-grads", "coat-fp8-comm")
 # compiling on the CPU takes minutes; the smoke run checks the script
 SMOKE_VARIANTS = ("bf16", "coat", "coat-fp8-grads", "coat-fp8-comm")
 VARIANT_COLORS = {"bf16": "tab:blue", "bf16-compiled": "tab:cyan", "torchao-compiled": "tab:green",
-                  "coat": "tab:orange", "coat-compiled": "tab:red", "coat-bf16w": "tab:purple",
+                  "coat": "tab:orange", "coat-compiled": "tab:red", "coat-bf16w": "tab:purple", "coat-bf16w-fp4": "tab:olive",
                   "coat-fp8-grads": "tab:brown", "coat-fp8-comm": "tab:pink"}
-BF16_WEIGHT_VARIANTS = ("coat-bf16w", "coat-fp8-grads", "coat-fp8-comm")
+BF16_WEIGHT_VARIANTS = ("coat-bf16w", "coat-bf16w-fp4", "coat-fp8-grads", "coat-fp8-comm")
 SHAPES = {  # Llama-2 shapes: hidden, intermediate, heads, layers
     "7b": (4096, 11008, 32, 32),
     "13b": (5120, 13824, 40, 40),
@@ -142,7 +147,8 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
     finally:
         torch.set_default_dtype(default_dtype)
     if variant.startswith("coat"):
-        coat.convert(model)  # before fully_shard, which then shards the converted modules' parameters
+        # before fully_shard, which then shards the converted modules' parameters
+        coat.convert(model, saved_format="fp4" if variant.endswith("-fp4") else "e4m3")
     if variant.startswith("torchao"):
         from torchao.float8 import convert_to_float8_training
 
@@ -290,8 +296,27 @@ def trial(training: Training, batch: int, seq: int, warmup: int, steps: int) -> 
     return result
 
 
+def largest_fitting(fits, cap: int, unit: int = 1) -> int:
+    """The largest multiple of `unit` <= cap (a multiple of unit) for which fits(value) holds: doubling from
+    `unit` until one fails, then bisection; 0 when even `unit` does not fit."""
+    good, bad = 0, None
+    while bad is None and good < cap:
+        value = min(2 * good, cap) if good else unit
+        if fits(value):
+            good = value
+        else:
+            bad = value
+    while bad is not None and bad - good > unit:
+        middle = (good + bad) // (2 * unit) * unit
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return good
+
+
 def largest_batch(training: Training, seq: int, warmup: int, cap: int, known: dict[int, bool]) -> int:
-    """The largest batch <= cap that trains: doubling from 1 until one fails, then bisection."""
+    """The largest batch <= cap that trains at `seq`."""
 
     def fits(batch: int) -> bool:
         if batch not in known:
@@ -299,20 +324,18 @@ def largest_batch(training: Training, seq: int, warmup: int, cap: int, known: di
             log(f"{training.variant}: batch {batch} {'fits' if known[batch] else 'OOM'}")
         return known[batch]
 
-    good, bad = 0, None
-    while bad is None and good < cap:
-        batch = min(2 * good, cap) if good else 1
-        if fits(batch):
-            good = batch
-        else:
-            bad = batch
-    while bad is not None and bad - good > 1:
-        middle = (good + bad) // 2
-        if fits(middle):
-            good = middle
-        else:
-            bad = middle
-    return good
+    return largest_fitting(fits, cap)
+
+
+def longest_sequence(training: Training, warmup: int, cap: int, unit: int) -> int:
+    """The longest sequence, a multiple of `unit` <= cap, that trains at batch 1."""
+
+    def fits(seq: int) -> bool:
+        ok = trial(training, 1, seq, warmup, 0) is not None
+        log(f"{training.variant}: batch 1 x seq {seq} {'fits' if ok else 'OOM'}")
+        return ok
+
+    return largest_fitting(fits, cap, unit)
 
 
 def measure(variant: str, args, config: LlamaConfig, device: torch.device, mesh, rank: int, world: int) -> list[dict]:
@@ -339,6 +362,13 @@ def measure(variant: str, args, config: LlamaConfig, device: torch.device, mesh,
         batch = largest_batch(training, args.seq, args.warmup, args.max_batch, known)
         if batch:
             rows.append(row("largest batch", batch, trial(training, batch, args.seq, args.warmup, args.steps)))
+        if args.max_seq:
+            if training.model is None:
+                training.build()
+            seq = longest_sequence(training, args.warmup, args.max_seq, args.seq_unit)
+            if seq:
+                result = trial(training, 1, seq, args.warmup, args.steps)
+                rows.append({**row(f"longest seq {seq}", 1, result), "seq": seq})
     training.free()
     return rows
 
@@ -356,6 +386,7 @@ def summarize(rows: list[dict], args, world: int, missing: dict[str, str]) -> di
 
     largest = {v: next((r for r in rows if r["variant"] == v and r["measured"] == "largest batch"), None)
                for v in variants}
+    longest = {v: next((r for r in rows if r["variant"] == v and "seq" in r), None) for v in variants}
     batches = [] if args.smoke else args.memory_batches
     speed = {v: r.get("tokens/s/GPU") if r else None for v, r in largest.items()}
     by_batch = {  # variant -> equal batch -> value; null where the variant does not fit the batch
@@ -396,6 +427,10 @@ def summarize(rows: list[dict], args, world: int, missing: dict[str, str]) -> di
         "tokens_per_s_per_gpu_at_max_batch": speed,
         "speed_ratio_over_bf16_at_max_batch": speed_ratios,
         "speed_ratio_coat_over_bf16": coat_speed,
+        # batch 1, the longest sequence that trains (--max-seq; 0 where none does, absent when not searched)
+        "longest_seq_at_batch_1": {v: r["seq"] if r else 0 for v, r in longest.items()} if args.max_seq else None,
+        "tokens_per_s_at_longest_seq": ({v: r.get("tokens/s/GPU") if r else None for v, r in longest.items()}
+                                        if args.max_seq else None),
         "targets": {"memory_bf16_over_coat": MEMORY_TARGET, "speed_coat_over_bf16_at_max_batch": SPEED_TARGET,
                     "speed_coat_over_bf16_at_batch_1": EQUAL_BATCH_SPEED_TARGET},
         "memory_target_met": min(measured_memory) >= MEMORY_TARGET if measured_memory else None,
@@ -487,6 +522,9 @@ def main():
     p.add_argument("--seq", type=int, default=2048, help="sequence length")
     p.add_argument("--memory-batches", default="1,2", help="comma-separated micro-batches for equal-batch memory")
     p.add_argument("--max-batch", type=int, default=64, help="the largest micro-batch the search tries")
+    p.add_argument("--max-seq", type=int, default=0,
+                   help="also search the longest sequence that trains at batch 1, up to this length (0: no search)")
+    p.add_argument("--seq-unit", type=int, default=1024, help="the sequence search's step (--max-seq a multiple)")
     p.add_argument("--memory-cap", type=float, default=0.95,
                    help="under torchrun: the fraction of each GPU's memory the allocator may use, on every rank")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, metavar="NAME",
@@ -499,6 +537,8 @@ def main():
         print(f"wrote {args.plot_file}")
         return
     args.steps, args.memory_batches = args.repeat, [int(b) for b in args.memory_batches.split(",")]
+    if args.max_seq % args.seq_unit:
+        p.error("--max-seq must be a multiple of --seq-unit")
     if args.warmup < 2:
         p.error("--warmup must be at least 2: the second step is the first with optimizer state and gradients")
     if args.layers is None:

@@ -162,7 +162,7 @@ def main() -> None:
     if args.bf16_weights:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 shards themselves
     if args.coat:
-        coat.convert(model)
+        coat.convert(model, saved_format=args.saved_format)
     shard(model, device, args.fp8_all_gather)
     if args.fp8_reduce_scatter:
         coat.distributed.fp8_reduce_scatter(model)

@@ -73,7 +73,7 @@ def main() -> None:
     if args.bf16_weights:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 weights themselves
     if args.coat:
-        coat.convert(model)
+        coat.convert(model, saved_format=args.saved_format)
     optimizer = build_optimizer(args, model)
     scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
     data = load_text(args, tokenizer)
@@ -105,7 +105,8 @@ def main() -> None:
                        (lambda: held_out_loss(model, validation, device, autocast).item()) if evaluate else None)
 
     summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
-                          "fp8_grads": args.fp8_grads, "preset": None if args.model else args.preset,
+                          "fp8_grads": args.fp8_grads, "saved_format": args.saved_format,
+                          "preset": None if args.model else args.preset,
                           "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq})
     print(f"{args.name}: held-out loss {summary['final_val_loss']:.4f}, training loss (last 10%) "
           f"{summary['final_train_loss_last_10pct']:.4f}, {summary['median_tokens_per_s']:,.0f} tokens/s"

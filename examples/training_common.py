@@ -65,6 +65,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how --bf16-weights rounds each update (stochastic keeps updates below half an ulp)")
     parser.add_argument("--fp8-grads", choices=["e5m2", "e4m3"],
                         help="with --coat: keep gradients in FP8 with a per-tensor scale after backward (1 byte)")
+    parser.add_argument("--saved-format", choices=["e4m3", "fp4"], default="e4m3",
+                        help="with --coat: how RMSNorm and SiLU*mul keep their inputs for backward (fp4: 4 bits "
+                             "+ a float32 scale per 16, AGoQ's low-bit storage; coat.convert(saved_format=...))")
     parser.add_argument("--steps", type=int, help="optimizer steps")
     parser.add_argument("--batch", type=int, help="sequences per step (per process under torchrun)")
     parser.add_argument("--seq", type=int, help="tokens per sequence")
@@ -95,12 +98,16 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.eval_every = max(args.log_every, args.steps // 10 // args.log_every * args.log_every)
     if (args.bf16_weights or args.fp8_grads) and not args.coat:
         raise SystemExit("--bf16-weights and --fp8-grads are options of coat.optim.AdamW: add --coat")
+    if args.saved_format != "e4m3" and not args.coat:
+        raise SystemExit("--saved-format is an option of coat.convert: add --coat")
     if args.name is None:
         variant = "coat" if args.coat else "bf16"
         if args.bf16_weights:
             variant += "-bf16w" + ("-nearest" if args.param_rounding == "nearest" else "")
         if args.fp8_grads:
             variant += f"-{args.fp8_grads}-grads"
+        if args.saved_format != "e4m3":
+            variant += f"-{args.saved_format}-saved"
         if getattr(args, "fp8_reduce_scatter", False):
             variant += "-fp8-reduce-scatter"
         if getattr(args, "fp8_all_gather", False):

@@ -57,7 +57,8 @@ def test_benchmark_smoke_mode(script, tmp_path):
         # The saved bytes do not depend on the device: at least 1.8x less than BF16 (the paper's figure) here too.
         saved = {row["layer"]: row["saved U"] for row in result["rows"]}
         assert saved["coat eager"] * 1.8 <= saved["BF16 eager"]
-        assert {row["layer"] for row in result["rows"]} == {"BF16 eager", "coat eager"}
+        assert saved["coat fp4 eager"] < saved["coat eager"]
+        assert {row["layer"] for row in result["rows"]} == {"BF16 eager", "coat eager", "coat fp4 eager"}
     if script == "e2e":
         check_e2e(result, world_size=1)
 
@@ -92,6 +93,23 @@ def test_e2e_largest_batch_search_recovers_from_out_of_memory(monkeypatch):
     assert e2e.largest_batch(training, seq=8, warmup=2, cap=3, known={}) == 3
     result = e2e.trial(training, 5, seq=8, warmup=2, steps=2)
     assert all(math.isfinite(loss) for loss in result["losses"])
+
+
+def test_e2e_sequence_search_finds_the_longest_multiple_of_its_unit(monkeypatch):
+    """The longest-sequence search at batch 1, with out-of-memory errors simulated above 5 x 1024 tokens."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e
+
+    tried = []
+
+    def fits(seq):
+        tried.append(seq)
+        return seq <= 5 * 1024
+
+    assert e2e.largest_fitting(fits, cap=64 * 1024, unit=1024) == 5 * 1024
+    assert tried == [1024, 2048, 4096, 8192, 6144, 5120]
+    assert e2e.largest_fitting(lambda seq: True, cap=3 * 1024, unit=1024) == 3 * 1024
+    assert e2e.largest_fitting(lambda seq: False, cap=8 * 1024, unit=1024) == 0
 
 
 def test_e2e_plots_the_committed_gpu_results(tmp_path):

@@ -1,14 +1,17 @@
 """coat.nn.RMSNorm, coat.nn.SwiGLUMLP and the decoder blocks of coat.nn.functional against float64 oracles.
 
 Bounds, as in test_nn_linear.py: where an op's own arithmetic can be isolated, it is compared with float64
-evaluated at the FP8 operands it read (from the oracles in tests/reference_nn.py, or captured from what the
-layer saved for backward), with at most 2x the error of the same op in BF16 PyTorch. End to end, against
+evaluated at the FP8 operands it read (from the oracles in tests/reference_nn.py, or captured from the FP8
+GEMM calls), with at most 2x the error of the same op in BF16 PyTorch. End to end, against
 float64 of the unquantized computation, every FP8 rounding adds a relative error of RMS about u/sqrt(3)
 (E4M3: 0.036, E5M2: 0.072) and independent roundings add in quadrature:
   - one E4M3 rounding (RMSNorm forward / backward):                    bound 0.06
   - a chain of E4M3 GEMM operands and activations (forward of an MLP): sqrt(5) * 0.036 = 0.08, bound 0.12
   - backward with E5M2 gradients on top (two E5M2 + five E4M3):       sqrt(2*0.072^2 + 5*0.036^2) = 0.13,
     bound 0.2
+  - a wgrad operand that backward recomputes from the E4M3-saved inputs of RMSNorm or SiLU*mul, against
+    the forward's FP8 output: the saved inputs' roundings plus the two outputs' own (four E4M3 roundings,
+    0.072), bound 0.12
 A wiring mistake (a wrong scale, operand, transpose or missing term) gives errors of order 1.
 """
 import pytest
@@ -25,6 +28,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ONE_ROUNDING_BOUND = 0.06
 FORWARD_CHAIN_BOUND = 0.12
 BACKWARD_CHAIN_BOUND = 0.20
+FP4_BACKWARD_CHAIN_BOUND = 0.30
 EPS = 1e-5
 TOKENS, HIDDEN, INTERMEDIATE = (2, 24), 64, 96
 
@@ -45,6 +49,25 @@ def run_saving(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = fn()
     return result, saved
+
+
+@pytest.fixture
+def gemm_calls(monkeypatch):
+    """The FP8 GEMMs the layers run, in call order, as (a, a_scale, b_t, b_scale, out)."""
+    calls = []
+    gemm = coat_functional.fp8_gemm
+
+    def recording_gemm(a, a_scale, b_t, b_scale, out_dtype, bias=None):
+        out = gemm(a, a_scale, b_t, b_scale, out_dtype, bias)
+        calls.append((a, a_scale, b_t, b_scale, out))
+        return out
+
+    monkeypatch.setattr(coat_functional, "fp8_gemm", recording_gemm)
+    return calls
+
+
+def dequantized(q, scale):
+    return q.double() * scale.double()
 
 
 def bf16_error(op, *operands) -> float:
@@ -151,21 +174,28 @@ def float64_mlp_grads(x, weights, grad_out):
 
 
 @pytest.mark.parametrize("gradient_format", ["e5m2", None])
-def test_swiglu_mlp_forward_and_backward(device, gradient_format):
+def test_swiglu_mlp_forward_and_backward(device, gradient_format, gemm_calls):
     x, weights, mlp = make_mlp(device, coat.nn.FP8Config(gradient_format=gradient_format))
     grad_out = randn(*TOKENS, HIDDEN, seed=9, device=device)
     x_leaf = x.clone().requires_grad_()
-    out, saved = run_saving(lambda: mlp(x_leaf))
-    out.backward(grad_out)
+    out = mlp(x_leaf)
 
-    # The down GEMM at the FP8 operands it read: the product SiLU*mul wrote (saved transposed) and W_down.
-    rows = x[..., 0].numel()
-    position = next(i for i, t in enumerate(saved) if t.dtype == E4M3 and t.shape == (INTERMEDIATE, rows))
-    act_q_t, act_scale = saved[position], saved[position + 1]  # saved together, see _swiglu_forward
-    act = act_q_t.double().t() * act_scale.double()
+    # The down GEMM (the third) at the FP8 operands it read: the product SiLU*mul wrote and W_down.
+    act_q, act_scale = gemm_calls[2][:2]
+    act = dequantized(act_q, act_scale)
     down_at_fp8 = act @ quantize_per_tensor_dequantized(weights[2], E4M3).t()
     error_bf16 = bf16_error(lambda a, w: a @ w.t(), act.bfloat16(), weights[2])
     assert relative_error(out.reshape(-1, HIDDEN), down_at_fp8) <= 2 * error_bf16
+
+    out.backward(grad_out)
+    if gradient_format is not None:
+        # The down wgrad reads the product recomputed from the saved gate and up, with the forward's scale.
+        rows = x[..., 0].numel()
+        act_q_t, recomputed_scale = next(call[2:4] for call in gemm_calls[3:] if call[2].shape == (INTERMEDIATE, rows))
+        assert torch.equal(recomputed_scale, act_scale)
+        recompute_error = relative_error(dequantized(act_q_t, act_scale).t(), act)
+        print(f"swiglu product recomputed for the down wgrad {recompute_error:.3f}")
+        assert 0 < recompute_error <= FORWARD_CHAIN_BOUND
 
     exact, exact_grads = float64_mlp_grads(x, weights, grad_out)
     print(f"swiglu forward end to end {relative_error(out, exact):.3f}")
@@ -185,14 +215,13 @@ def test_swiglu_mlp_saves_fp8_only(device):
     rows = x[..., 0].numel()
     expected = {
         (E4M3, (HIDDEN, rows)),  # input, transposed, for the gate and up wgrads
-        (E4M3, (rows, INTERMEDIATE)),  # gate and up, 1 x 16 groups, for SiLU*mul's backward
+        (E4M3, (rows, INTERMEDIATE)),  # gate and up, 1 x 16 groups: SiLU*mul's backward and the down wgrad
         (torch.float32, (rows, INTERMEDIATE // 16)),  # their scales
-        (E4M3, (INTERMEDIATE, rows)),  # the product, transposed, for the down wgrad
         (torch.float32, ()),  # per-tensor scales, and the weights' amax that backward quantizes them with
     }
     assert {(t.dtype, tuple(t.shape)) for t in activations} == expected
-    # input + scale, gate + scales, up + scales, product + scale, amax of the gate/up and of the down weights
-    assert len(activations) == 10
+    # input + scale, gate + scales, up + scales, the product's scale, amax of the gate/up and down weights
+    assert len(activations) == 9
     assert all(t.dtype != torch.bfloat16 for t in activations)
 
 
@@ -252,18 +281,21 @@ def float64_grads(fn, leaves, grad_out):
     return out.detach(), [leaf.grad for leaf in leaves]
 
 
-def test_before_attention(device):
+def test_before_attention(device, gemm_calls):
     x, norm_weight, _ = make_norm(device)
     weights = [randn(n, HIDDEN, scale=HIDDEN**-0.5, seed=20 + i, device=device) for i, n in enumerate((64, 32, 32))]
     leaves = [t.clone().requires_grad_() for t in (x, norm_weight, *weights)]
     outputs, saved = run_saving(
         lambda: coat_functional.before_attention(leaves[0], leaves[1], EPS, [(w, None) for w in leaves[2:]])
     )
-    # The three GEMMs read the normalized input in FP8, saved once, transposed, and the three weights
-    # quantized with one shared per-tensor scale (one GEMM over the stacked weights).
-    normed_t = [t for t in saved if t.dtype == E4M3 and t.shape == (HIDDEN, x[..., 0].numel())]
-    assert len(normed_t) == 1
-    normed = normed_t[0].double().t() * [t for t in saved if t.dim() == 0][0].double()
+    # Only the norm's input is saved in FP8 (1 x 16 groups), not the normalized output.
+    rows = x[..., 0].numel()
+    assert [tuple(t.shape) for t in saved if t.dtype == E4M3] == [(rows, HIDDEN)]
+    # The three GEMMs read the normalized input in FP8 and the three weights quantized with one shared
+    # per-tensor scale (one GEMM over the stacked weights).
+    assert len(gemm_calls) == 3 and all(call[0] is gemm_calls[0][0] for call in gemm_calls)
+    normed_q, normed_scale = gemm_calls[0][:2]
+    normed = dequantized(normed_q, normed_scale)
     stacked = quantize_per_tensor_dequantized(torch.cat(weights), E4M3)
     for out, weight in zip(outputs, stacked.split([w.shape[0] for w in weights])):
         at_fp8 = normed @ weight.t()
@@ -272,6 +304,12 @@ def test_before_attention(device):
 
     grads = [randn(*o.shape, seed=30 + i, device=device) for i, o in enumerate(outputs)]
     torch.autograd.backward(outputs, grads)
+    # The wgrad reads the normalized input recomputed from the saved x, with the forward's scale.
+    (normed_q_t, recomputed_scale), = [call[2:4] for call in gemm_calls[3:] if call[2].shape == (HIDDEN, rows)]
+    assert torch.equal(recomputed_scale, normed_scale)
+    recompute_error = relative_error(dequantized(normed_q_t, normed_scale).t(), normed)
+    print(f"before_attention normed input recomputed for the wgrads {recompute_error:.3f}")
+    assert 0 < recompute_error <= FORWARD_CHAIN_BOUND
 
     def exact_fn(x, norm_weight, *weights):
         normed = reference.rms_norm(x, norm_weight, EPS)
@@ -317,12 +355,15 @@ def test_after_attention(device, attention_keeps_output):
         assert relative_error(leaf.grad, expected) <= BACKWARD_CHAIN_BOUND
 
 
-@pytest.mark.parametrize("smooth_swiglu", [False, True])
-def test_mlp_residual(device, smooth_swiglu):
+@pytest.mark.parametrize("smooth_swiglu, saved_format", [(False, "e4m3"), (True, "e4m3"), (False, "fp4")])
+def test_mlp_residual(device, smooth_swiglu, saved_format):
+    """With saved_format="fp4" the norm's input and gate and up are kept as FP4 (relative RMS error 0.094
+    each, tests/test_fp4.py): three of the chain's E4M3 terms become FP4 ones, sqrt(2 * 0.072^2 + 2 * 0.036^2
+    + 3 * 0.094^2) = 0.19, bound 0.3."""
     x, norm_weight, _ = make_norm(device)
     _, weights, _ = make_mlp(device)
     leaves = [t.clone().requires_grad_() for t in (x, norm_weight, *weights)]
-    config = coat.nn.FP8Config(smooth_swiglu=smooth_swiglu)
+    config = coat.nn.FP8Config(smooth_swiglu=smooth_swiglu, saved_format=saved_format)
     out = coat_functional.mlp_residual(leaves[0], leaves[1], EPS, *((w, None) for w in leaves[2:]), config)
     grad_out = randn(*TOKENS, HIDDEN, seed=50, device=device)
     out.backward(grad_out)
@@ -332,17 +373,20 @@ def test_mlp_residual(device, smooth_swiglu):
 
     exact, exact_grads = float64_grads(exact_fn, (x, norm_weight, *weights), grad_out)
     assert relative_error(out - x, exact - x.double()) <= FORWARD_CHAIN_BOUND
+    bound = BACKWARD_CHAIN_BOUND if saved_format == "e4m3" else FP4_BACKWARD_CHAIN_BOUND
     for name, leaf, expected in zip(("x", "norm", "gate", "up", "down"), leaves, exact_grads):
-        print(f"mlp_residual d{name} end to end {relative_error(leaf.grad, expected):.3f}")
-        assert relative_error(leaf.grad, expected) <= BACKWARD_CHAIN_BOUND
+        print(f"mlp_residual {saved_format} d{name} end to end {relative_error(leaf.grad, expected):.3f}")
+        assert relative_error(leaf.grad, expected) <= bound
 
 
-def test_blocks_without_autograd_match_training_forward(device):
-    """Inference skips the transposed copies and saves nothing, but computes the same values."""
+@pytest.mark.parametrize("saved_format", ["e4m3", "fp4"])
+def test_blocks_without_autograd_match_training_forward(device, saved_format):
+    """Inference saves nothing, but computes the same values, whatever the format training keeps."""
     x, norm_weight, _ = make_norm(device)
     _, weights, _ = make_mlp(device)
     params = [(w, None) for w in weights]
-    trained = coat_functional.mlp_residual(x.clone().requires_grad_(), norm_weight, EPS, *params)
+    config = coat.nn.FP8Config(saved_format=saved_format)
+    trained = coat_functional.mlp_residual(x.clone().requires_grad_(), norm_weight, EPS, *params, config)
     with torch.no_grad():
         inferred = coat_functional.mlp_residual(x, norm_weight, EPS, *params)
     assert torch.equal(trained.detach(), inferred)

@@ -1,4 +1,5 @@
-"""The options every coat layer takes: group size, FP8 formats, gradient handling, Smooth-SwiGLU."""
+"""The options every coat layer takes: group size, FP8 formats, gradient handling, Smooth-SwiGLU, the format
+of saved activations."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,7 @@ from coat.ops import GROUP_SIZES, fp8_dtype
 # Stage-1 group of "group scaling" (per-tensor amax computed as a max over per-group maxima). It changes
 # only how the reduction is split, never a value: 128 keeps the intermediate small.
 AMAX_GROUP_SIZE = 128
+SAVED_FORMATS = ("e4m3", "fp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,16 +31,23 @@ class FP8Config:
     smooth_swiglu:   scale each channel of SiLU(gate)*up by a power of two before it is quantized for the
                      down projection, and fold the inverse into the down projection's weight (Smooth-SwiGLU,
                      Fishman et al. 2024), so that channels with outliers do not crush the per-tensor scale.
+    saved_format:    how the inputs of RMSNorm and SiLU*mul are kept for backward, in 1 x group_size groups:
+                     "e4m3" (8 bits + a float32 scale per group, the paper's) or "fp4" (FP4 E2M1, 4 bits + a
+                     float32 scale per group, quantized from the op's input itself; AGoQ's low-bit storage).
+                     Backward expands an FP4 copy exactly into the E4M3 layout and recomputes from it.
     """
 
     group_size: int = 16
     forward_format: str = "e4m3"
     gradient_format: str | None = "e5m2"
     smooth_swiglu: bool = False
+    saved_format: str = "e4m3"
 
     def __post_init__(self):
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
+        if self.saved_format not in SAVED_FORMATS:
+            raise ValueError(f"saved_format must be one of {SAVED_FORMATS}, got {self.saved_format!r}")
         forward = fp8_dtype(self.forward_format)
         if self.gradient_format is not None and forward == fp8_dtype(self.gradient_format) == torch.float8_e5m2:
             raise ValueError(

@@ -5,6 +5,10 @@ and multiplies them with an FP8 GEMM (torch._scaled_mm: fp32 accumulation, outpu
 For backward it saves the transposed FP8 copy of its input, the operand the weight-gradient GEMM reads, and
 that copy's scale; never the BF16 input, and never an FP8 copy of the weight, which backward quantizes again
 from the parameter (paper appendix G.5). See :class:`coat.nn.FP8Config` for the gradient options.
+Where a fused RMSNorm or SiLU*mul produced that input, the block Functions save only the op's own inputs
+(E4M3, 1 x G groups) and recompute the transposed operand from them in backward, with the forward's scale:
+one saved copy per op instead of two (AGoQ, section 4). The weight gradient then reads the op's output
+recomputed from its FP8-rounded inputs; the README states the cost in precision.
 
 The shapes torch._scaled_mm accepts on GPUs are: A row-major, B column-major, the contraction dimension K
 and the output width N multiples of 16. :func:`fp8_gemm` zero-pads K and N to the next multiple of 16
@@ -180,11 +184,13 @@ class Projections:
         return w_q_t, w_scale
 
     def backward(self, grads, x_q_t, x_scale, weight_amax, needs, config: FP8Config, input_grad_dtype, site=None):
-        """grads: the [M, N_i] gradients of the outputs (None for an unused output). needs:
+        """grads: the [M, N_i] gradients of the outputs (None for an unused output). x_q_t: the transposed FP8
+        input the wgrad reads (None when no weight needs a gradient). needs:
         (need_input_grad, [(need_weight_grad, need_bias_grad) per projection]). Returns the input's gradient
         ([M, K] in input_grad_dtype, None when not needed) and [grad_w_0, grad_b_0, grad_w_1, ...]."""
         need_input_grad, need_param_grads = needs
-        grads = [_matrix(g) if g is not None else w.new_zeros(x_q_t.shape[1], w.shape[0], dtype=input_grad_dtype)
+        rows = _matrix(next(g for g in grads if g is not None)).shape[0]
+        grads = [_matrix(g) if g is not None else w.new_zeros(rows, w.shape[0], dtype=input_grad_dtype)
                  for g, w in zip(grads, self.weights)]
         need_weight_grads = any(need_weight for need_weight, _ in need_param_grads)
         if config.gradient_dtype is None:
@@ -345,27 +351,57 @@ def _saved(ctx) -> dict:
 # Fused non-linear ops (coat.ops.rmsnorm_quantize, silu_mul_quantize and their backwards)
 
 
-def _rmsnorm_quantize(x2d, weight, eps: float, config: FP8Config, transpose: bool):
-    """-> (y, y_scale, y_t, x_saved, x_saved_scales, rstd): y = RMSNorm(x) * weight quantized per tensor
-    (its transpose y_t when ``transpose``, else None), x as E4M3 in 1 x group_size groups, rstd per row."""
-    return ops.rmsnorm_quantize(
+def _kept_for_backward(x2d, codes, scales, config: FP8Config):
+    """The copy of a fused op's input that backward reads, in ``config.saved_format``: the E4M3 1 x G copy
+    the op wrote, or an FP4 one quantized from the input itself (the E4M3 copy is then dropped)."""
+    if config.saved_format == "fp4":
+        return ops.quantize_fp4(x2d, config.group_size)
+    return codes, scales
+
+
+def _as_e4m3(codes, scales, cols: int, config: FP8Config):
+    """A kept input in the E4M3 1 x G layout the backward kernels read: an FP4 copy expands exactly."""
+    if config.saved_format == "fp4":
+        return ops.fp4_to_e4m3(codes, scales, cols, config.group_size)
+    return codes, scales
+
+
+def _expand_saved(saved: dict, codes_key: str, scales_key: str, cols: int, config: FP8Config) -> None:
+    saved[codes_key], saved[scales_key] = _as_e4m3(saved[codes_key], saved[scales_key], cols, config)
+
+
+def _rmsnorm_quantize(x2d, weight, eps: float, config: FP8Config, for_backward: bool = False):
+    """-> (y, y_scale, None, x_saved, x_saved_scales, rstd): y = RMSNorm(x) * weight quantized per tensor,
+    x in 1 x group_size groups (in ``config.saved_format`` when ``for_backward``, else E4M3), rstd per row."""
+    y, y_scale, y_t, x_saved, x_saved_scales, rstd = ops.rmsnorm_quantize(
         x2d,
         weight,
         eps,
         save_group_size=config.group_size,
         amax_group_size=AMAX_GROUP_SIZE,
         format=config.forward_dtype,
-        transpose=transpose,
     )
+    if for_backward:
+        x_saved, x_saved_scales = _kept_for_backward(x2d, x_saved, x_saved_scales, config)
+    return y, y_scale, y_t, x_saved, x_saved_scales, rstd
 
 
 def _record_rmsnorm(site, input_name: str, output_name: str, x2d, weight, quantized, config: FP8Config) -> None:
-    """Records what :func:`_rmsnorm_quantize` quantized: its input, saved in 1 x G groups, and its output,
+    """Records what :func:`_rmsnorm_quantize` quantized: its input, kept in 1 x G groups, and its output,
     recomputed in float32 in the kernel's order, (x * rstd) * weight, with the kernel's rstd."""
     y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
-    site.record(input_name, x2d, x_saved, x_saved_scales, config.group_size)
+    site.record(input_name, x2d, *_as_e4m3(x_saved, x_saved_scales, x2d.shape[1], config), config.group_size)
     site.record(output_name, lambda rows: _rows(x2d, rows).float() * _rows(rstd, rows)[:, None] * weight.float(),
                 y, y_scale)
+
+
+def _rmsnorm_output_t(saved: dict, weight, y_scale, config: FP8Config) -> torch.Tensor:
+    """The transposed FP8 norm output the wgrads read, recomputed from the saved input (expanded to E4M3)
+    and rstd with the forward's scale (values the saved copy rounds past the forward's amax saturate)."""
+    return ops.rmsnorm_requantize(
+        saved["x_saved"], saved["x_saved_scales"], saved["rstd"], weight, y_scale, config.group_size,
+        config.forward_dtype,
+    )
 
 
 def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype):
@@ -398,25 +434,30 @@ def _smoothed_down_weight(weight: torch.Tensor, smooth_scale: torch.Tensor | Non
 def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for_backward: bool, site=None):
     """down(SiLU(gate(x)) * up(x)) from an input already in FP8. params: [(w, b)] for gate, up, down; gate
     and up share one weight scale (:class:`Projections`).
-    Returns the output and the tensors backward needs: the weights' amax, SiLU*mul's inputs in 1 x G FP8
-    groups, the transposed FP8 product that feeds the down projection (its wgrad operand) and its scale.
+    Returns the output and the tensors backward needs: the weights' amax, SiLU*mul's inputs in 1 x G groups
+    (in ``config.saved_format`` when ``keep_for_backward``) and the scale of the FP8 product that feeds the
+    down projection. The product itself is not
+    saved: backward recomputes its transpose (the down wgrad's operand) from the saved inputs.
     gate and up themselves live only until the fused op has read them."""
     gate_up = Projections(params[:2], "gate_up")
     gate_up_amax = gate_up.weight_amax()
     gate, up = gate_up.forward(x_q, x_scale, config, out_dtype, gate_up_amax, site)
     smooth_scale = smooth_swiglu_scale(gate, up) if config.smooth_swiglu else None
-    act_q, act_scale, act_q_t, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(
+    act_q, act_scale, _, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(
         gate,
         up,
         smooth_scale,
         save_group_size=config.group_size,
         amax_group_size=AMAX_GROUP_SIZE,
         format=config.forward_dtype,
-        transpose=keep_for_backward,
     )
+    if keep_for_backward:
+        gate_saved, gate_scales = _kept_for_backward(gate, gate_saved, gate_scales, config)
+        up_saved, up_scales = _kept_for_backward(up, up_saved, up_scales, config)
     if site is not None:
-        site.record("gate_output", gate, gate_saved, gate_scales, config.group_size)
-        site.record("up_output", up, up_saved, up_scales, config.group_size)
+        cols = gate.shape[1]
+        site.record("gate_output", gate, *_as_e4m3(gate_saved, gate_scales, cols, config), config.group_size)
+        site.record("up_output", up, *_as_e4m3(up_saved, up_scales, cols, config), config.group_size)
         # The kernel's fp32 product before quantization, recomputed with torch's SiLU (the kernel has its own
         # exp, so a value may differ in its last float32 bit). A partial, not a closure: closing over gate and
         # up would make the `del` below a bytecode torch.compile cannot trace.
@@ -432,7 +473,6 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
         gate_scales=gate_scales,
         up_saved=up_saved,
         up_scales=up_scales,
-        act_q_t=act_q_t,
         act_scale=act_scale,
         smooth_scale=smooth_scale,
     )
@@ -452,10 +492,20 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
     for gate, up, down."""
     need_input_grad, need_param_grads = needs
     smooth_scale = saved["smooth_scale"]
+    cols = params[0][0].shape[0]
+    _expand_saved(saved, "gate_saved", "gate_scales", cols, config)
+    _expand_saved(saved, "up_saved", "up_scales", cols, config)
+    act_q_t = None
+    if _params_need_grad(need_param_grads[2:]):
+        act_q_t = ops.silu_mul_requantize(
+            saved["gate_saved"], saved["gate_scales"], saved["up_saved"], saved["up_scales"], smooth_scale,
+            saved["act_scale"], config.group_size, config.forward_dtype,
+        )
     grad_act, down_grads = Projections([_smoothed_down(params[2], smooth_scale)], "down").backward(
-        [grad_out2d], saved["act_q_t"], saved["act_scale"], saved["down_amax"], (True, need_param_grads[2:]),
+        [grad_out2d], act_q_t, saved["act_scale"], saved["down_amax"], (True, need_param_grads[2:]),
         config, act_dtype, site,
     )
+    del act_q_t
     if down_grads[0] is not None and smooth_scale is not None:
         down_grads[0] = down_grads[0] * smooth_scale.reciprocal().to(down_grads[0].dtype)
 
@@ -498,7 +548,7 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, eps: float, config: FP8Config, out_dtype):
         site = _capture.forward_site()
         x2d = _matrix(x)
-        quantized = _rmsnorm_quantize(x2d, weight, eps, config, False)
+        quantized = _rmsnorm_quantize(x2d, weight, eps, config, for_backward=True)
         if site is not None:
             _record_rmsnorm(site, "norm_input", "norm_output", x2d, weight, quantized, config)
         y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
@@ -509,6 +559,7 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         saved = _saved(ctx)
+        _expand_saved(saved, "x_saved", "x_saved_scales", saved["weight"].shape[0], ctx.config)
         grad_x, grad_weight = _rmsnorm_backward(_matrix(grad_y), saved, saved["weight"], ctx.config, ctx.x_dtype)
         return grad_x.view(grad_y.shape), grad_weight, None, None, None
 
@@ -520,7 +571,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, config: FP8Confi
     out_dtype = output_dtype(x)
     if _needs_autograd(x, weight):
         return _RMSNormFunction.apply(x, weight, eps, config, out_dtype)
-    y, y_scale, *_ = _rmsnorm_quantize(_matrix(x), weight, eps, config, False)
+    y, y_scale, *_ = _rmsnorm_quantize(_matrix(x), weight, eps, config)
     return _dequantized(y, y_scale, out_dtype).view(x.shape)
 
 
@@ -580,11 +631,11 @@ def swiglu_mlp(x: torch.Tensor, gate, up, down, config: FP8Config = FP8Config())
 
 
 class _BeforeAttentionFunction(torch.autograd.Function):
-    """RMSNorm then the q, k, v projections. The fused norm writes its output directly in FP8 (with the
-    transpose the wgrads read), which feeds the three GEMMs (:class:`Projections`): no BF16 round trip, one
-    saved copy.
-    Saves: x as E4M3 in 1 x G groups + scales + rstd (the norm's backward), the transposed FP8 normed
-    output + its scale (the wgrads), the weights' amax, and the parameters."""
+    """RMSNorm then the q, k, v projections. The fused norm writes its output directly in FP8, which feeds
+    the three GEMMs (:class:`Projections`): no BF16 round trip.
+    Saves one copy of the input: x as E4M3 in 1 x G groups + scales + rstd, which the norm's backward reads
+    and from which backward recomputes the transposed FP8 normed output the wgrads read (with the forward's
+    scale, saved); plus the weights' amax and the parameters."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
@@ -592,10 +643,10 @@ class _BeforeAttentionFunction(torch.autograd.Function):
         param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
         site = ctx.report_site = _capture.forward_site()
         x2d = _matrix(x)
-        quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, transpose=_params_need_grad(param_needs))
+        quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, for_backward=True)
         if site is not None:
             _record_rmsnorm(site, "attn_norm_input", "qkv_input", x2d, norm_weight, quantized, config)
-        y, y_scale, y_t, x_saved, x_saved_scales, rstd = quantized
+        y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
         projections = Projections(params, "qkv")
         weight_amax = projections.weight_amax()
         outputs = projections.forward(y, y_scale, config, out_dtype, weight_amax, site)
@@ -605,7 +656,6 @@ class _BeforeAttentionFunction(torch.autograd.Function):
             x_saved_scales=x_saved_scales,
             rstd=rstd,
             norm_weight=norm_weight,
-            y_t=y_t,
             y_scale=y_scale,
             weight_amax=weight_amax,
             **_named_params(flat_params),
@@ -619,8 +669,12 @@ class _BeforeAttentionFunction(torch.autograd.Function):
         params = _pairs(_params_from(saved))
         param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
+        _expand_saved(saved, "x_saved", "x_saved_scales", saved["norm_weight"].shape[0], ctx.config)
+        y_t = None
+        if _params_need_grad(param_needs):
+            y_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["y_scale"], ctx.config)
         grad_y, param_grads = Projections(params, "qkv").backward(
-            grads, saved["y_t"], saved["y_scale"], saved["weight_amax"], (need_x or need_norm_weight, param_needs),
+            grads, y_t, saved["y_scale"], saved["weight_amax"], (need_x or need_norm_weight, param_needs),
             ctx.config, ctx.x_dtype, _capture.backward_site(ctx),
         )
         grad_x, grad_norm_weight = None, None
@@ -642,7 +696,7 @@ def before_attention(x, norm_weight, eps: float, projections, config: FP8Config 
     out_dtype = output_dtype(x)
     if _needs_autograd(x, norm_weight, *flat_params):
         return _BeforeAttentionFunction.apply(x, norm_weight, eps, config, out_dtype, *flat_params)
-    y, y_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config, transpose=False)
+    y, y_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config)
     fused = Projections(_pairs(flat_params))
     outputs = fused.forward(y, y_scale, config, out_dtype, fused.weight_amax())
     return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
@@ -715,10 +769,10 @@ def after_attention(
 
 class _MLPResidualFunction(torch.autograd.Function):
     """x + down(SiLU(gate(n)) * up(n)) with n = RMSNorm(x): the post-attention norm writes n in FP8 for the
-    gate/up GEMM, SiLU*mul writes its product in FP8 for the down GEMM. Saves: x as E4M3 1 x G groups
-    + scales + rstd, the transposed FP8 n + its scale, gate and up as E4M3 1 x G groups + scales, the
-    transposed FP8 product + its scale (and Smooth-SwiGLU's per-channel scale), the weights' amax, and the
-    parameters."""
+    gate/up GEMM, SiLU*mul writes its product in FP8 for the down GEMM. Saves one copy of each non-linear
+    op's inputs: x as E4M3 1 x G groups + scales + rstd, gate and up as E4M3 1 x G groups + scales (and
+    Smooth-SwiGLU's per-channel scale); backward recomputes from them the transposed FP8 n and product
+    that the wgrads read, with the forward's scales (saved). Plus the weights' amax and the parameters."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
@@ -726,10 +780,10 @@ class _MLPResidualFunction(torch.autograd.Function):
         param_needs = _param_needs(ctx.needs_input_grad, 5, 3)
         site = ctx.report_site = _capture.forward_site()
         x2d = _matrix(x)
-        quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, transpose=_params_need_grad(param_needs[:2]))
+        quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, for_backward=True)
         if site is not None:
             _record_rmsnorm(site, "mlp_norm_input", "gate_up_input", x2d, norm_weight, quantized, config)
-        n_q, n_scale, n_q_t, x_saved, x_saved_scales, rstd = quantized
+        n_q, n_scale, _, x_saved, x_saved_scales, rstd = quantized
         mlp_out, mlp_saved = _swiglu_forward(n_q, n_scale, params, config, out_dtype, keep_for_backward=True,
                                              site=site)
         _save(
@@ -738,7 +792,6 @@ class _MLPResidualFunction(torch.autograd.Function):
             x_saved_scales=x_saved_scales,
             rstd=rstd,
             norm_weight=norm_weight,
-            n_q_t=n_q_t,
             n_scale=n_scale,
             **mlp_saved,
             **_named_params(flat_params),
@@ -752,8 +805,12 @@ class _MLPResidualFunction(torch.autograd.Function):
         params = _pairs(_params_from(saved))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
         needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 5, 3))
+        _expand_saved(saved, "x_saved", "x_saved_scales", saved["norm_weight"].shape[0], ctx.config)
+        n_q_t = None
+        if _params_need_grad(needs[1][:2]):
+            n_q_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["n_scale"], ctx.config)
         grad_n, param_grads = _swiglu_backward(
-            _matrix(grad_out), saved, saved["n_q_t"], saved["n_scale"], params, needs, ctx.config, ctx.x_dtype,
+            _matrix(grad_out), saved, n_q_t, saved["n_scale"], params, needs, ctx.config, ctx.x_dtype,
             ctx.out_dtype, _capture.backward_site(ctx),
         )
         grad_x, grad_norm_weight = None, None
@@ -775,7 +832,7 @@ def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config =
     out_dtype = output_dtype(x)
     if _needs_autograd(x, norm_weight, *flat_params):
         return _MLPResidualFunction.apply(x, norm_weight, eps, config, out_dtype, *flat_params)
-    n_q, n_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config, transpose=False)
+    n_q, n_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config)
     mlp_out, _ = _swiglu_forward(n_q, n_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False)
     return x + mlp_out.view(x.shape)
 
