@@ -28,8 +28,8 @@ on its own micro-batch. For each variant:
   - peak GPU memory (torch.cuda.max_memory_allocated, and reserved) at the equal micro-batches of
     --memory-batches, each on a fresh model, over --warmup steps (the first allocates the optimizer state)
     and --steps timed ones; "steady GiB" leaves the first step out; the maximum over ranks under torchrun;
-  - the largest micro-batch that trains: doubling from 1, then bisection, each trial --warmup full steps, up
-    to --max-batch; a batch that runs out of memory on any rank does not fit (under torchrun the allocator
+  - the largest micro-batch that trains: doubling from 1, then bisection, each trial --warmup and --steps
+    full steps, up to --max-batch; a batch that runs out of memory on any rank does not fit (under torchrun the allocator
     may use --memory-cap = 95% of each GPU, so that every rank runs out at the same allocation);
   - tokens/s per GPU at that batch: batch * seq / median step time (CUDA events) of --steps steps after
     --warmup steps; the slowest rank's under torchrun;
@@ -315,27 +315,31 @@ def largest_fitting(fits, cap: int, unit: int = 1) -> int:
     return good
 
 
-def largest_batch(training: Training, seq: int, warmup: int, cap: int, known: dict[int, bool]) -> int:
-    """The largest batch <= cap that trains at `seq`."""
+def largest_batch(training: Training, seq: int, warmup: int, steps: int, cap: int, tried: dict[int, dict | None]) -> int:
+    """The largest batch <= cap that trains at `seq`. Each batch tried runs the full trial (warm-up and timed
+    steps), whose result lands in `tried` (None: out of memory), so the batch found is the one measured:
+    a search of warm-up steps alone let batches pass that ran out of memory in the longer timed trial."""
 
     def fits(batch: int) -> bool:
-        if batch not in known:
-            known[batch] = trial(training, batch, seq, warmup, 0) is not None
-            log(f"{training.variant}: batch {batch} {'fits' if known[batch] else 'OOM'}")
-        return known[batch]
+        if batch not in tried:
+            tried[batch] = trial(training, batch, seq, warmup, steps)
+            log(f"{training.variant}: batch {batch} {'fits' if tried[batch] else 'OOM'}")
+        return tried[batch] is not None
 
     return largest_fitting(fits, cap)
 
 
-def longest_sequence(training: Training, warmup: int, cap: int, unit: int) -> int:
-    """The longest sequence, a multiple of `unit` <= cap, that trains at batch 1."""
+def longest_sequence(training: Training, warmup: int, steps: int, cap: int, unit: int) -> tuple[int, dict | None]:
+    """The longest sequence, a multiple of `unit` <= cap, that trains at batch 1, and its trial's result."""
+    tried = {}
 
     def fits(seq: int) -> bool:
-        ok = trial(training, 1, seq, warmup, 0) is not None
-        log(f"{training.variant}: batch 1 x seq {seq} {'fits' if ok else 'OOM'}")
-        return ok
+        tried[seq] = trial(training, 1, seq, warmup, steps)
+        log(f"{training.variant}: batch 1 x seq {seq} {'fits' if tried[seq] else 'OOM'}")
+        return tried[seq] is not None
 
-    return largest_fitting(fits, cap, unit)
+    seq = largest_fitting(fits, cap, unit)
+    return seq, tried.get(seq)
 
 
 def measure(variant: str, args, config: LlamaConfig, device: torch.device, mesh, rank: int, world: int) -> list[dict]:
@@ -351,23 +355,21 @@ def measure(variant: str, args, config: LlamaConfig, device: torch.device, mesh,
         training.build()
         rows = [row("smoke", SMOKE_BATCH, trial(training, SMOKE_BATCH, args.seq, 0, 2))]
     else:
-        rows, known = [], {}
+        rows, tried = [], {}
         for batch in args.memory_batches:
             training.build()  # fresh: every peak includes the first step, which allocates the optimizer state
-            result = trial(training, batch, args.seq, args.warmup, args.steps)
-            known[batch] = result is not None
-            rows.append(row("equal batch", batch, result))
+            tried[batch] = trial(training, batch, args.seq, args.warmup, args.steps)
+            rows.append(row("equal batch", batch, tried[batch]))
         if training.model is None:
             training.build()
-        batch = largest_batch(training, args.seq, args.warmup, args.max_batch, known)
+        batch = largest_batch(training, args.seq, args.warmup, args.steps, args.max_batch, tried)
         if batch:
-            rows.append(row("largest batch", batch, trial(training, batch, args.seq, args.warmup, args.steps)))
+            rows.append(row("largest batch", batch, tried[batch]))
         if args.max_seq:
             if training.model is None:
                 training.build()
-            seq = longest_sequence(training, args.warmup, args.max_seq, args.seq_unit)
+            seq, result = longest_sequence(training, args.warmup, args.steps, args.max_seq, args.seq_unit)
             if seq:
-                result = trial(training, 1, seq, args.warmup, args.steps)
                 rows.append({**row(f"longest seq {seq}", 1, result), "seq": seq})
     training.free()
     return rows

@@ -87,12 +87,14 @@ def test_e2e_largest_batch_search_recovers_from_out_of_memory(monkeypatch):
         return step(ids)
 
     training.step = step_out_of_memory_above_5
-    known = {}
-    assert e2e.largest_batch(training, seq=8, warmup=2, cap=64, known=known) == 5
-    assert known == {1: True, 2: True, 4: True, 8: False, 6: False, 5: True}
-    assert e2e.largest_batch(training, seq=8, warmup=2, cap=3, known={}) == 3
-    result = e2e.trial(training, 5, seq=8, warmup=2, steps=2)
-    assert all(math.isfinite(loss) for loss in result["losses"])
+    tried = {}
+    assert e2e.largest_batch(training, seq=8, warmup=2, steps=2, cap=64, tried=tried) == 5
+    assert {batch: result is not None for batch, result in tried.items()} == {
+        1: True, 2: True, 4: True, 8: False, 6: False, 5: True
+    }
+    # the batch found was measured in the search itself, timed steps included
+    assert len(tried[5]["losses"]) == 2 and all(math.isfinite(loss) for loss in tried[5]["losses"])
+    assert e2e.largest_batch(training, seq=8, warmup=2, steps=1, cap=3, tried={}) == 3
 
 
 def test_e2e_sequence_search_finds_the_longest_multiple_of_its_unit(monkeypatch):
