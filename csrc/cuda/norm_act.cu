@@ -791,8 +791,8 @@ struct SavedRows {
 
 // An op of the second pass loads a chunk's Inputs (prefetched a tile ahead), the per-column data of its
 // chunk column once (Column), and computes y from them and a Table in shared memory that it fills once per
-// block (empty but for SiLU*mul of bf16 rows). kVector: y's codes and the per-column data move 8 and 16
-// bytes at a time.
+// block (empty but for SiLU*mul of bf16 rows and of saved gates). kVector: y's codes and the per-column data
+// move 8 and 16 bytes at a time.
 template <class Source>
 struct RmsnormApply {
   static constexpr bool kVector = Source::kVector;
