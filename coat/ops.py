@@ -531,8 +531,9 @@ def silu_mul_requantize(
 ) -> torch.Tensor:
     """The transposed FP8 output ``y_t`` [I, rows] of :func:`silu_mul_quantize`, recomputed from the saved
     gate and up (dequantized as :func:`silu_mul_backward` reads them, g' and u') and the forward's
-    ``y_scale``: ``y = silu(g') * u' [* smooth_scale]`` with the forward's silu, then as
-    :func:`rmsnorm_requantize` (saturation, NaN, and the tie to the forward's y_t)."""
+    ``y_scale``: ``y = silu(bf16(g')) * u' [* smooth_scale]`` with the forward's silu of g' rounded to bf16
+    (nearest even; under 2^-8 relative, so that the GPU reads silu from the forward's bf16 table), then as
+    :func:`rmsnorm_requantize` (saturation, NaN, and the tie to the forward's y_t for bf16 gates)."""
     check_device_supported(gate_saved, "coat.ops.silu_mul_requantize")
     return torch.ops.coat.silu_mul_requantize(
         gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size, fp8_dtype(format)

@@ -210,6 +210,17 @@ def silu_mul_f32(gate32, up32, smooth_scale=None) -> torch.Tensor:
     return y if smooth_scale is None else y * smooth_scale
 
 
+def requantize_gate_f32(gate32: torch.Tensor) -> torch.Tensor:
+    """The gate silu_mul_requantize takes silu of: the decoded gate g' rounded to the nearest bf16, ties to even
+    (torch's float -> bfloat16: +-Inf kept, finite values past the largest bf16 to +-Inf, NaN kept)."""
+    return gate32.to(torch.bfloat16).float()
+
+
+def silu_mul_requantize_f32(gate32, up32, smooth_scale=None) -> torch.Tensor:
+    """y of silu_mul_requantize from the decoded saved inputs: silu(bf16(g')) * u' [* smooth], u' in fp32."""
+    return silu_mul_f32(requantize_gate_f32(gate32), up32, smooth_scale)
+
+
 def silu_mul_backward_f32(dy32, gate32, up32, smooth_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     s = sigmoid_f32(gate32)
     dy_s = dy32 if smooth_scale is None else dy32 * smooth_scale

@@ -491,12 +491,14 @@ def test_coat_exp_accuracy():
 # ----------------------------------------------------------------------------------------------------
 # Requantize: the forward's y_t recomputed from what it saved
 #
-# Bit for bit: y_t equals the fp32 replay of the forward's formula on the decoded saved inputs, quantized with
-# the given y_scale (reference_norm_act.quantize_with_scale), NaN codes positive. Against the forward:
-# where every input is FP8-representable in its group (x == x'), y_t equals the forward's y_t bit for bit;
-# in general the saved x' is within half an E4M3 step of x (e_x), so y' is within D of y (RMSNorm:
-# D = e_x |rstd * weight|; SiLU*mul: D = smooth (1.1 e_g (|u| + e_u) + |silu(g)| e_u), silu being
-# 1.1-Lipschitz), and the two codes, each within half an FP8 step of its value (or saturated, which only
+# Bit for bit: y_t equals the fp32 replay of the forward's formula on the decoded saved inputs (SiLU*mul: with
+# the decoded gate rounded to bf16, reference_norm_act.silu_mul_requantize_f32), quantized with the given
+# y_scale (reference_norm_act.quantize_with_scale), NaN codes positive. Against the forward: where every input
+# is FP8-representable in its group (x == x'; for SiLU*mul bf16 gates, which the bf16 rounding keeps), y_t
+# equals the forward's y_t bit for bit; in general the saved x' is within half an E4M3 step of x (e_x), so y'
+# is within D of y (RMSNorm: D = e_x |rstd * weight|; SiLU*mul: D = smooth (1.1 e_g (|u| + e_u) +
+# |silu(g)| e_u), silu being 1.1-Lipschitz, with e_g = e_x of the gate + 2^-8 (|g| + e_x) for the bf16
+# rounding), and the two codes, each within half an FP8 step of its value (or saturated, which only
 # brings it closer), differ by at most D / y_scale + half a step of each code, plus 1e-5 relative for the
 # fp32 arithmetic.
 
@@ -595,6 +597,7 @@ def test_silu_mul_requantize_equals_forward_on_representable_inputs(device):
 def silu_mul_bound(gate, up, saved, smooth, group_size):
     g, u = rows_of(gate).double(), rows_of(up).double()
     e_g = ref.e4m3_half_step(gate, saved[1], group_size)
+    e_g = e_g + 2.0**-8 * (g.abs() + e_g)  # bf16(g') is within half a bf16 ulp, under 2^-8 |g'|, of g'
     e_u = ref.e4m3_half_step(up, saved[3], group_size)
     bound = ref.SILU_LIPSCHITZ * e_g * (u.abs() + e_u) + (g * torch.sigmoid(g)).abs() * e_u
     return bound if smooth is None else bound * smooth.double()
@@ -605,7 +608,7 @@ def test_silu_mul_requantize(device, shape):
     gate, up = gate_up(shape, torch.bfloat16, seed=78 + shape[-1])
     _, y_scale, y_t, *saved = silu_mul_forward(gate, up)
     requantized = silu_mul_requantize(saved, None, y_scale, device=device)
-    y32 = ref.silu_mul_f32(ref.decode_saved(*saved[:2], 16), ref.decode_saved(*saved[2:], 16))
+    y32 = ref.silu_mul_requantize_f32(ref.decode_saved(*saved[:2], 16), ref.decode_saved(*saved[2:], 16))
     check_requantized(requantized, y32, y_scale)
     check_near_forward(requantized, y_t, y_scale, silu_mul_bound(gate, up, saved, None, 16))
 
@@ -620,7 +623,8 @@ def test_silu_mul_requantize_smooth_dtypes_and_groups(device, dtype, group_size,
     _, y_scale, y_t, *saved = silu_mul_forward(gate, up, smooth, group_size=group_size, fp8=fp8)
     requantized = silu_mul_requantize(saved, smooth, y_scale, group_size, fp8, device=device)
     assert requantized.dtype == fp8
-    y32 = ref.silu_mul_f32(ref.decode_saved(*saved[:2], group_size), ref.decode_saved(*saved[2:], group_size), smooth)
+    y32 = ref.silu_mul_requantize_f32(ref.decode_saved(*saved[:2], group_size), ref.decode_saved(*saved[2:], group_size),
+                                      smooth)
     check_requantized(requantized, y32, y_scale)
     check_near_forward(requantized, y_t, y_scale, silu_mul_bound(gate, up, saved, smooth, group_size))
 
@@ -636,7 +640,8 @@ def test_requantize_saturates(device, fp8):
     rmsnorm_y32 = ref.rmsnorm_forward_f32(ref.decode_saved(*saved, 16), rstd, weight.float())
     gate, up = gate_up((9, 256), torch.bfloat16, seed=83)
     _, silu_scale, _, *silu_saved = silu_mul_forward(gate, up, fp8=fp8)
-    silu_y32 = ref.silu_mul_f32(ref.decode_saved(*silu_saved[:2], 16), ref.decode_saved(*silu_saved[2:], 16))
+    silu_y32 = ref.silu_mul_requantize_f32(ref.decode_saved(*silu_saved[:2], 16),
+                                           ref.decode_saved(*silu_saved[2:], 16))
     fp8_max = ref.FP8_MAX[fp8]
     tiny = torch.tensor(2.0**-126)
     cases = []
@@ -696,6 +701,44 @@ def test_requantize_nan_in_saved_inputs(device):
     out = requantized.view(torch.uint8)
     assert out[7, 4] == 0x7F and int(((out & 0x7F) == 0x7F).sum()) == 1
 
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=str)
+def test_silu_mul_requantize_special_gates(device, fp8):
+    """The decoded gate is rounded to bf16 before silu, and its +-Inf and NaN behave as the forward's bf16 +-Inf
+    and NaN gates: silu(+Inf) = +Inf (so y = +-Inf, saturated by E4M3, Inf in E5M2), silu(-Inf) = -Inf * 0 = NaN,
+    silu(NaN) = NaN. Gates get there from a group saved with an Inf scale (nonzero codes: +-Inf; zero: NaN),
+    from a finite g' past the largest bf16 (448 * 7.59e35 = 3.4003e38, finite in fp32, rounds to +-Inf), and from
+    NaN codes. Every other element of those groups is still the bit-exact replay."""
+    gate, up = gate_up((4, 64), torch.bfloat16, seed=88)
+    _, y_scale, _, gate_saved, gate_scales, up_saved, up_scales = silu_mul_forward(gate, up, fp8=fp8)
+    codes = gate_saved.view(torch.uint8).clone()
+    scales = gate_scales.clone()
+    scales[0, 0] = math.inf
+    codes[0, :16] = torch.tensor([0x38, 0xB8, 0x00, 0x80, 0x7F, 0x7E, 0xFE, 0x01] * 2, dtype=torch.uint8)
+    scales[1, 1] = 7.59e35
+    codes[1, 16:32] = torch.tensor([0x7E, 0xFE, 0x7F, 0x38] * 4, dtype=torch.uint8)
+    saved = (codes.view(E4M3), scales, up_saved, up_scales)
+    requantized = silu_mul_requantize(saved, None, y_scale, fp8=fp8, device=device)
+    g_decoded, u_decoded = ref.decode_saved(*saved[:2], 16), ref.decode_saved(*saved[2:], 16)
+    g = ref.requantize_gate_f32(g_decoded)
+    assert g_decoded[1, 16].item() < 3.4028e38 and g[1, 16].item() == math.inf and g[1, 17].item() == -math.inf
+    y32 = ref.silu_mul_requantize_f32(g_decoded, u_decoded)
+    check_requantized(requantized, y32, y_scale)
+    # the forward's silu on the same bf16 gates
+    forward_y32 = ref.silu_mul_f32(g.bfloat16().float(), u_decoded)
+    assert_same_bits(torch.nan_to_num(y32, nan=0.0), torch.nan_to_num(forward_y32, nan=0.0), "y vs forward formula")
+    assert y32.isnan().equal(forward_y32.isnan())
+    out = requantized.view(torch.uint8).T
+    special = g.isinf() | g.isnan()
+    nonzero_up = u_decoded != 0
+    positive_inf = (g == math.inf) & nonzero_up
+    assert positive_inf.sum() >= 4 and ((g == -math.inf) | g.isnan()).sum() >= 8
+    assert (out[(g == -math.inf) | g.isnan()] == 0x7F).all()
+    top = 0x7E if fp8 == E4M3 else 0x7C  # +-448 saturated / +-Inf
+    expected_top = torch.where(u_decoded[positive_inf] > 0, top, top | 0x80).to(torch.uint8)
+    assert out[positive_inf].equal(expected_top)
+    assert not (out[~special] == 0x7F).any()
 
 # ----------------------------------------------------------------------------------------------------
 # Kernel paths: values and shapes that send the CUDA kernels down their other paths (the chunk-wise fast

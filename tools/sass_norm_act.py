@@ -4,7 +4,7 @@ Compiles csrc/cuda/norm_act.cu with the build's nvcc flags, disassembles it with
 each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its main loop with the walker of
 tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks,
 finite values, gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its
-transpose, H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each). Counts are dynamic for that path (each
+transpose (the requantize ops: vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each). Counts are dynamic for that path (each
 executed SASS instruction once, branches and barriers included), divided by the elements a lane handles
 per iteration. Also prints each kernel's registers, and the blocks per SM they allow.
 
@@ -61,6 +61,11 @@ KERNELS = {
     "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16], "silu_mul_stats_kernel(", *SILU_LOOP),
     "silu_mul_apply": Loop(["apply_quantize_kernelINS_12SiluMulApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
     "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16], "silu_mul_backward_kernel(", *SILU_LOOP),
+    # the requantize ops: the second pass on the FP8-saved inputs (vector codes), y_t only
+    "rmsnorm_requantize": Loop(["apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1E"],
+                               "apply_quantize_kernel(", *APPLY_LOOP),
+    "silu_mul_requantize": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1E"],
+                                "apply_quantize_kernel(", *APPLY_LOOP),
 }
 
 
@@ -127,7 +132,8 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
                     "if (count > 0)"):
         rules.update({key(line): into(line) for line in every(snippet)})
     group_amax = Source(os.path.join(ROOT, "csrc", "cuda", "group_amax.cuh"))
-    load = to(cu, "for (int w = 0; w < kWords; ++w) raw.words[w] = count > 0 ? p[w]")
+    load = (to(cu, "const uint2 raw = *reinterpret_cast<const uint2*>(src);") if kernel.endswith("requantize")
+            else to(cu, "for (int w = 0; w < kWords; ++w) raw.words[w] = count > 0 ? p[w]"))
     rules.update({
         # G = 16: a group is two lanes of 8 elements in the RMSNorm kernels (one shuffle: the loop's guard and
         # its back-edge fall through), one lane of 16 in the SiLU*mul kernels (the guard skips the loop)
@@ -138,6 +144,10 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         # E4M3 y
         cu.key("codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"):
             to(cu, "codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"),
+        # the forward ops write y, the requantize ops y_t only
+        cu.key("if (y != nullptr) store_codes("):
+            ("away:" if kernel.endswith("requantize") else "to:")
+            + cu.key("if (count > 0) *reinterpret_cast<uint2*>(dst) = make_uint2(codes.lo, codes.hi);"),
         # with y_t, rows % 4 == 0
         cu.key("if (y_t != nullptr) {"): into(cu.find("if (y_t != nullptr) {")),
         cu.key("if (y_t == nullptr) continue;"): to(cu, "__syncthreads();", cu.find("if (y_t == nullptr) continue;")),

@@ -243,7 +243,7 @@ coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float*
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t scale_index = r * ngroups + c / save_group_size;
-      const float gate = coat_saved_value(gate_saved[r * cols + c], gate_scales[scale_index]);
+      const float gate = coat_requantize_gate(gate_saved[r * cols + c], gate_scales[scale_index]);
       const float up = coat_saved_value(up_saved[r * cols + c], up_scales[scale_index]);
       const float value = coat_canonical_nan(
           coat_silu_mul(coat_silu(gate, coat_sigmoid(gate)), up, smooth_scale ? smooth_scale[c] : 1.0f));

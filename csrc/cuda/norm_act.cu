@@ -736,8 +736,36 @@ struct HighPrecisionRows {
   __device__ __forceinline__ void values(const Chunk& chunk, float v[kChunk]) const { io.unpack(chunk, v); }
 };
 
+// g rounded to the nearest bf16, ties to even, as a float: coat_bf16_to_f32(coat_f32_to_bf16(g)) for every
+// g but NaN, which gives a NaN (of another payload; silu keeps it NaN and the encoder makes it canonical). On
+// the GPU one cvt.rn.bf16.f32 (sm_80+): no flush of subnormals, overflow to +-Inf, NaN to 0x7FFF.
+__device__ __forceinline__ float round_to_bf16(float g) {
+#ifdef __CUDA_ARCH__
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(g));
+  return __uint_as_float(static_cast<uint32_t>(h) << 16);
+#else
+  return coat_bf16_to_f32(coat_f32_to_bf16(g));
+#endif
+}
+
+// The gates of the SiLU*mul requantize op: silu of the decoded gate rounded to bf16 (coat_requantize_gate),
+// so from the bf16 table (and its computed fallback) of the forward.
+struct SiluOfDecodedGates {
+  using Bf16 = SiluOfGates<VectorIo<COAT_BFLOAT16>>;
+  using Table = Bf16::Table;
+  __device__ __forceinline__ static void fill(Table& table) { Bf16::fill(table); }
+  __device__ __forceinline__ static void chunk(const Table& table, const float g[kChunk], float silu[kChunk]) {
+    float rounded[kChunk];
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) rounded[e] = round_to_bf16(g[e]);
+    Bf16::chunk(table, rounded, silu);
+  }
+};
+
 // A saved input: codes rows x cols, contiguous, and one scale per 1 x 2^group_shift group. kVectorCodes:
-// cols % 8 == 0 and 8-byte aligned codes. Decoded values are not bf16 values, so silu is computed.
+// cols % 8 == 0 and 8-byte aligned codes. As a gate, the decoded value is rounded to bf16 before silu
+// (coat_requantize_gate).
 template <bool kVectorCodes>
 struct SavedRows {
   static constexpr bool kVector = kVectorCodes;
@@ -745,7 +773,7 @@ struct SavedRows {
     Codes codes;
     float scale;
   };
-  using Gates = SiluOfGates<SavedRows>;
+  using Gates = SiluOfDecodedGates;
   const uint8_t* codes;
   const float* scales;
   int cols;
@@ -763,8 +791,8 @@ struct SavedRows {
 
 // An op of the second pass loads a chunk's Inputs (prefetched a tile ahead), the per-column data of its
 // chunk column once (Column), and computes y from them and a Table in shared memory that it fills once per
-// block (empty but for SiLU*mul of bf16 rows). kVector: y's codes and the per-column data move 8 and 16
-// bytes at a time.
+// block (empty but for SiLU*mul of bf16 rows and of saved gates). kVector: y's codes and the per-column data
+// move 8 and 16 bytes at a time.
 template <class Source>
 struct RmsnormApply {
   static constexpr bool kVector = Source::kVector;

@@ -245,16 +245,24 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
   same(out[0].y_amax, out[1].y_amax, "y_amax", name);
 
   const SavedCodes gate_saved = codes_at(out[0].gate_saved, offset), up_saved = codes_at(out[0].up_saved, 0);
+  // The forward's gate scales, and a copy in which some groups have an Inf scale (decoded gates +-Inf, NaN) or
+  // one that takes the largest codes past the largest bf16 (448 * 7.59e35 is finite in fp32, Inf in bf16).
+  std::vector<float> far_gate_scales = out[0].gate_scales;
+  for (size_t i = 0; i < far_gate_scales.size(); ++i)
+    if (i % 5 == 2) far_gate_scales[i] = INFINITY;
+    else if (i % 7 == 3) far_gate_scales[i] = 7.59e35f;
+  for (const std::vector<float>* gate_scales : {&out[0].gate_scales, &far_gate_scales})
   for (const float y_scale : requantize_scales(out[0].y_scale[0])) {
     std::vector<uint8_t> y_t[2] = {std::vector<uint8_t>(n, 0xAB), std::vector<uint8_t>(n, 0xCD)};
-    const coat_status cpu_r = coat_silu_mul_requantize_cpu(gate_saved.data, out[0].gate_scales.data(), up_saved.data,
+    const coat_status cpu_r = coat_silu_mul_requantize_cpu(gate_saved.data, gate_scales->data(), up_saved.data,
                                                            out[0].up_scales.data(), group, rows, cols, smooth_ptr,
                                                            &y_scale, format, y_t[0].data());
-    const coat_status gpu_r = coat_silu_mul_requantize_cuda(gate_saved.data, out[0].gate_scales.data(),
+    const coat_status gpu_r = coat_silu_mul_requantize_cuda(gate_saved.data, gate_scales->data(),
                                                             up_saved.data, out[0].up_scales.data(), group, rows, cols,
                                                             smooth_ptr, &y_scale, format, y_t[1].data(), nullptr);
     CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", name, cpu_r, gpu_r);
-    same(y_t[0], y_t[1], "requantized y_t", name);
+    same(y_t[0], y_t[1], gate_scales == &far_gate_scales ? "requantized y_t, far gate scales" : "requantized y_t",
+         name);
   }
 
   const Matrix dy = make_matrix(rows, cols, stride, offset, dtype, specials);

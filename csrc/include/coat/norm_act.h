@@ -162,11 +162,17 @@ coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_
                                          uint8_t* y_t, coat_cuda_stream stream);
 
 /** SiLU*mul's FP8 transposed output recomputed from the FP8-saved inputs g' and u' (decoded as
- *  coat_silu_mul_backward_* decode them):
- *    y_f32 = (silu(g'[r,c]) * u'[r,c]) * smooth_scale[c]     (coat_silu_mul with the forward's silu)
- *    y_t[c*rows + r] = fp8_encode(y_f32 / y_scale[0])        in `y_format`, NaN canonical (0x7F)
- *  with y_scale, saturation and the tie to the forward's y_t as in coat_rmsnorm_requantize_*, and NaN from the
- *  formula (a NaN code, or a zero code in a group saved with an Inf scale, decodes to NaN).
+ *  coat_silu_mul_backward_* decode them), silu taken of g' ROUNDED TO BF16 (nearest, ties to even):
+ *    y_f32 = (silu(bf16(g'[r,c])) * u'[r,c]) * smooth_scale[c]   (coat_silu_mul with the forward's silu; u' fp32)
+ *    y_t[c*rows + r] = fp8_encode(y_f32 / y_scale[0])            in `y_format`, NaN canonical (0x7F)
+ *  Why bf16: the CUDA kernel then reads silu from the same table of silu over bf16 gates as the forward, instead
+ *  of evaluating coat's exp per element; the rounding moves g' by at most half a bf16 ulp (under 2^-8 |g'|),
+ *  1/16 of the relative error (up to 2^-4) the E4M3 copy g' already carries (coat_requantize_gate).
+ *  bf16(g') keeps +-Inf and NaN, and a finite g' past the largest bf16 becomes +-Inf; silu then behaves as the
+ *  forward's on such bf16 gates: silu(+Inf) = +Inf, silu(-Inf) = -Inf * 0 = NaN, silu(NaN) = NaN.
+ *  y_scale, saturation and the tie to the forward's y_t are as in coat_rmsnorm_requantize_* (for bf16 gates
+ *  bf16(g') = g' whenever g' = g), and NaN comes from the formula (a NaN code, or a zero code in a group saved
+ *  with an Inf scale, decodes to NaN).
  *  gate_saved / up_saved (rows*cols bytes), gate_scales / up_scales (rows*ceil(cols/G) fp32): as
  *  coat_silu_mul_quantize_* returned them; smooth_scale: `cols` fp32 or NULL; y_t: cols*rows bytes. */
 coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float* gate_scales, const uint8_t* up_saved,

@@ -174,6 +174,15 @@ COAT_INLINE float coat_silu(float gate, float sigmoid_gate) { return gate * sigm
  *  without one (multiplying by 1 is exact). A NaN result is made canonical where it is quantized. */
 COAT_INLINE float coat_silu_mul(float silu, float up, float smooth) { return (silu * up) * smooth; }
 
+/** The gate the requantize op takes silu of: the saved gate g' (coat_saved_value) rounded to the nearest bf16,
+ *  ties to even (coat_f32_to_bf16: +-Inf stays +-Inf, a finite g' past the largest bf16 rounds to +-Inf, NaN
+ *  stays NaN), so that the CUDA kernel reads silu from the forward's table of silu over bf16 gates. The
+ *  rounding moves a finite g' (below the bf16 overflow) by at most half a bf16 ulp, under 2^-8 |g'|: 1/16 of
+ *  the relative error, up to 2^-4, that saving the gate as E4M3 already allows (more for E4M3 subnormals). */
+COAT_INLINE float coat_requantize_gate(uint8_t code, float scale) {
+  return coat_bf16_to_f32(coat_f32_to_bf16(coat_saved_value(code, scale)));
+}
+
 /** Gradients of coat_silu_mul at (gate, up) for the output gradient dy (see coat_silu_mul_backward_cpu);
  *  s = coat_sigmoid(gate). */
 COAT_INLINE void coat_silu_mul_grads(float dy, float gate, float s, float up, float smooth, float* dgate,
