@@ -14,7 +14,8 @@ backward in 1 x G groups, the per-tensor FP8 inputs and weights of every GEMM, a
 of the backward GEMMs; at its end it reads the optimizer's FP8 moments. Rows are named by module (the
 converted decoder layer, ``model.layers.3``, or a coat.nn module outside one, e.g. ``lm_head``) and tensor:
 
-    attn_norm_input       input of the attention RMSNorm, saved in E4M3 1 x G groups for its backward
+    attn_norm_input       input of the attention RMSNorm, kept in 1 x G groups for its backward (E4M3, or FP4
+                          with saved_format="fp4": the format column says which)
     qkv_input             the RMSNorm's output, the FP8 input of the q/k/v GEMMs (per tensor)
     qkv_weight            q, k and v weights, quantized together with one scale
     o_input, o_weight     attention output and o_proj weight
@@ -74,6 +75,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import functools
 import math
 import os
@@ -92,6 +94,10 @@ TENSOR_METRICS = ("amax", "nonfinite", "flushed", "saturated", "rel_error")
 MOMENT_METRICS = ("amax", "nonfinite", "zero_codes", "k_min", "k_median", "k_max", "k_expanded")
 METRICS = tuple(dict.fromkeys(TENSOR_METRICS + MOMENT_METRICS))
 CSV_COLUMNS = ("step", "layer", "tensor", "format", "numel", *METRICS)
+# The inputs of RMSNorm and SiLU*mul that a layer keeps for backward in its saved_format, and the largest
+# FP4 relative error QuantizationReport.choose_saved_formats keeps FP4 at by default.
+KEPT_INPUTS = ("attn_norm_input", "mlp_norm_input", "gate_output", "up_output", "norm_input")
+FP4_MAX_REL_ERROR = 0.12
 METRIC_DESCRIPTIONS = {
     "amax": "max |x|",
     "nonfinite": "share of NaN / Inf elements",
@@ -286,11 +292,13 @@ class _Site:
     def __init__(self, report: "QuantizationReport", layer: str):
         self.report, self.layer = report, layer
 
-    def record(self, tensor: str, x, q: torch.Tensor, scale: torch.Tensor, group_size: int | None = None) -> None:
+    def record(self, tensor: str, x, q: torch.Tensor, scale: torch.Tensor, group_size: int | None = None,
+               format: str | None = None) -> None:
         """x was quantized to the FP8 codes q with ``scale`` (per tensor) or per-group scales (group_size).
         x is the tensor, or, for a value the kernel never wrote out, a function of a row index (or None for
-        every row) that recomputes those rows of it."""
-        self.report._record(self.layer, tensor, x, q, scale, group_size)
+        every row) that recomputes those rows of it. ``format``: the stored format when q is an exact E4M3
+        expansion of another one ("fp4"); None: q's own."""
+        self.report._record(self.layer, tensor, x, q, scale, group_size, format)
 
 
 class QuantizationReport:
@@ -403,11 +411,11 @@ class QuantizationReport:
 
     @torch.no_grad()
     def _record(self, layer: str, tensor: str, x, q: torch.Tensor, scale: torch.Tensor,
-                group_size: int | None) -> None:
+                group_size: int | None, format: str | None) -> None:
         if q.numel() == 0:
             return
         rows = self._measured_rows(q.shape[0], q.device) if q.dim() == 2 else None
-        key, fmt = (layer, tensor), _FORMAT_NAMES[q.dtype]
+        key, fmt = (layer, tensor), format or _FORMAT_NAMES[q.dtype]
         self._sums.setdefault(key, (fmt, None))  # rows come out in the order tensors were first recorded
         if rows is None:  # a whole tensor: reduced now, so that no full-size copy waits for the capture's end
             self._add(key, fmt, _quantization_sums(x(None) if callable(x) else x, q, scale, group_size))
@@ -478,6 +486,36 @@ class QuantizationReport:
             for metric in METRICS
             if row[metric] is not None
         }
+
+    def choose_saved_formats(self, max_rel_error: float = FP4_MAX_REL_ERROR) -> dict[str, str]:
+        """Sets, per converted layer, how the inputs of its RMSNorms and SiLU*mul are kept for backward, from
+        the last capture, and returns ``{layer: "fp4" or "e4m3"}``. The rule: a layer whose kept inputs the
+        capture measured in FP4 (it ran with ``saved_format="fp4"``) keeps FP4 if every one of them had a
+        relative error of at most ``max_rel_error``, and goes to E4M3 otherwise. The default, 0.12, is 1.3x
+        FP4's error on Gaussian data at G = 16 (0.094): inputs whose 1 x G blocks hold outliers, where FP4
+        loses the small values beside them, get 8 bits. Layers measured in E4M3 are left as they are (their
+        FP4 error is unknown). Capture again with FP4 to re-decide."""
+        if not max_rel_error >= 0:
+            raise ValueError(f"coat.report: max_rel_error must be >= 0, got {max_rel_error!r}")
+        kept: dict[str, list[dict]] = {}
+        for row in self.rows():
+            if row["tensor"] in KEPT_INPUTS:
+                kept.setdefault(row["layer"], []).append(row)
+        choice = {}
+        for layer, rows in kept.items():
+            if any(row["format"] != "fp4" for row in rows):
+                continue
+            module = self._modules[layer]
+            attribute = "fp8_config" if hasattr(module, "fp8_config") else "config"
+            fits = all(row["rel_error"] <= max_rel_error for row in rows)  # NaN fails
+            choice[layer] = "fp4" if fits else "e4m3"
+            setattr(module, attribute, dataclasses.replace(getattr(module, attribute), saved_format=choice[layer]))
+        if not choice:
+            raise ValueError(
+                "coat.report: the last capture measured no kept input in FP4; convert with saved_format=\"fp4\" "
+                "(or set it on the layers) and capture a step before choosing"
+            )
+        return choice
 
     def worst(self, metric: str = "rel_error") -> tuple[str, str, float]:
         """(layer, tensor, value) of the last capture's largest ``metric``; NaN counts as the largest."""

@@ -162,6 +162,8 @@ def main() -> None:
     if args.bf16_weights:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 shards themselves
     if args.coat:
+        if args.saved_format == "auto":
+            raise SystemExit("--saved-format auto is train_llama.py's (it captures a report step): use e4m3 or fp4")
         coat.convert(model, saved_format=args.saved_format)
     shard(model, device, args.fp8_all_gather)
     if args.fp8_reduce_scatter:

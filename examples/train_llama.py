@@ -16,11 +16,14 @@ the summary, and OUT/NAME.png plots the loss of this run and of every --compare 
 
 With --coat --report-every N, every N-th step is captured by coat.report: a line names the tensor with the
 largest quantization error, OUT/NAME-report.csv gets a row per (step, layer, tensor), and at the end
-OUT/NAME-report.png draws the last captured step's relative errors, layers x tensors.
+OUT/NAME-report.png draws the last captured step's relative errors, layers x tensors. --saved-format auto
+converts with FP4-kept activations, captures the first step and keeps FP4 in the layers whose kept inputs
+measured within coat.report's bound (QuantizationReport.choose_saved_formats), E4M3 in the others.
 
     python examples/train_llama.py                                   # tiny preset, BF16, a few minutes on a CPU
     python examples/train_llama.py --coat --compare runs/tiny-bf16.csv
     python examples/train_llama.py --coat --report-every 50          # + quantization report
+    python examples/train_llama.py --coat --saved-format auto        # FP4-kept activations where the report allows
     python examples/train_llama.py --preset 100m [--coat]            # ~100M parameters, 2000 steps, one GPU
 """
 from __future__ import annotations
@@ -73,7 +76,7 @@ def main() -> None:
     if args.bf16_weights:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 weights themselves
     if args.coat:
-        coat.convert(model, saved_format=args.saved_format)
+        coat.convert(model, saved_format="fp4" if args.saved_format == "auto" else args.saved_format)
     optimizer = build_optimizer(args, model)
     scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
     data = load_text(args, tokenizer)
@@ -85,16 +88,26 @@ def main() -> None:
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     log = TrainingLog(args, first_step=0, tokens_per_step=args.batch * args.seq, device=device)
     report = QuantizationLog(args, model, optimizer) if args.report_every else None
+    # --saved-format auto: the first step is captured (in FP4) to choose each layer's format
+    chooser = coat.report.QuantizationReport(model) if args.saved_format == "auto" else None
+    saved_formats = None
     interval_loss = torch.zeros((), device=device)
     model.train()
     for step in range(args.steps):
         batch = data.train_batch(step, args.batch).to(device, non_blocking=True)
         done = step + 1
         capturing = report is not None and done % args.report_every == 0
-        with report.capture(done) if capturing else contextlib.nullcontext():
+        choosing = chooser is not None and step == 0
+        capture = report.capture(done) if capturing else chooser.capture(done) if choosing else contextlib.nullcontext()
+        with capture:
             interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
         if capturing:
             report.log(done)
+        if choosing:
+            saved_formats = (report.report if capturing else chooser).choose_saved_formats()
+            fp4_layers = sum(fmt == "fp4" for fmt in saved_formats.values())
+            tqdm.write(f"saved formats from step 1's report: FP4 in {fp4_layers} of {len(saved_formats)} layers"
+                       + "".join(f", {layer} E4M3" for layer, fmt in saved_formats.items() if fmt != "fp4"))
         log.step_done()
         if done % args.log_every == 0 or done == args.steps:
             intervals = done % args.log_every or args.log_every
@@ -106,6 +119,7 @@ def main() -> None:
 
     summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
                           "fp8_grads": args.fp8_grads, "saved_format": args.saved_format,
+                          "saved_formats_chosen": saved_formats,
                           "preset": None if args.model else args.preset,
                           "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq})
     print(f"{args.name}: held-out loss {summary['final_val_loss']:.4f}, training loss (last 10%) "

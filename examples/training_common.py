@@ -65,9 +65,11 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how --bf16-weights rounds each update (stochastic keeps updates below half an ulp)")
     parser.add_argument("--fp8-grads", choices=["e5m2", "e4m3"],
                         help="with --coat: keep gradients in FP8 with a per-tensor scale after backward (1 byte)")
-    parser.add_argument("--saved-format", choices=["e4m3", "fp4"], default="e4m3",
+    parser.add_argument("--saved-format", choices=["e4m3", "fp4", "auto"], default="e4m3",
                         help="with --coat: how RMSNorm and SiLU*mul keep their inputs for backward (fp4: 4 bits "
-                             "+ a float32 scale per 16, AGoQ's low-bit storage; coat.convert(saved_format=...))")
+                             "+ a float32 scale per 16, AGoQ's low-bit storage; coat.convert(saved_format=...)); "
+                             "auto (train_llama.py): FP4 per layer where the first step's report finds it within "
+                             "coat.report's bound, E4M3 elsewhere")
     parser.add_argument("--steps", type=int, help="optimizer steps")
     parser.add_argument("--batch", type=int, help="sequences per step (per process under torchrun)")
     parser.add_argument("--seq", type=int, help="tokens per sequence")

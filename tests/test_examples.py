@@ -69,6 +69,18 @@ def test_train_llama_quantization_report(tmp_path):
     assert (tmp_path / "runs" / "tiny-coat-report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_train_llama_chooses_saved_formats_from_the_first_step(tmp_path):
+    """--saved-format auto: step 1 captured in FP4 decides each layer; the later reports show the choice."""
+    completed = run([os.path.join(EXAMPLES, "train_llama.py"), *QUICK, "--coat", "--saved-format", "auto",
+                     "--report-every", "3", "--out", "runs"], tmp_path)
+    assert "saved formats from step 1's report: FP4 in" in completed.stdout
+    chosen = json.loads((tmp_path / "runs" / "tiny-coat-auto-saved.json").read_text())["saved_formats_chosen"]
+    assert chosen and set(chosen.values()) <= {"fp4", "e4m3"}
+    rows = read_csv(tmp_path / "runs" / "tiny-coat-auto-saved-report.csv")
+    kept = {(row["layer"], row["format"]) for row in rows if row["tensor"] in ("attn_norm_input", "gate_output")}
+    assert kept == set(chosen.items())
+
+
 def test_train_llama_from_a_local_model_directory(tmp_path):
     from optim_helpers import tiny_llama
 
@@ -83,6 +95,7 @@ def test_train_llama_from_a_local_model_directory(tmp_path):
     ("--eval-every (4) must be a multiple of --log-every (3)", ["--eval-every", "4", "--log-every", "3"]),
     ("--compare: no CSV log at missing.csv", ["--compare", "missing.csv"]),
     ("--report-every needs --coat", ["--report-every", "5"]),
+    ("--saved-format is an option of coat.convert: add --coat", ["--saved-format", "fp4"]),
 ])
 def test_train_llama_explains_bad_options(tmp_path, error, arguments):
     completed = run([os.path.join(EXAMPLES, "train_llama.py"), *arguments], tmp_path, expect_success=False)

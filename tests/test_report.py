@@ -176,6 +176,48 @@ def test_capture_names_every_quantized_tensor_of_each_layer(model):
     assert tensor.endswith("grad_output") and value == max(row["rel_error"] for row in rows)
 
 
+def test_fp4_kept_inputs_are_reported_as_fp4_and_choose_each_layers_format():
+    """With saved_format="fp4" the kept inputs are measured in FP4 (about 0.094 relative error on Gaussian
+    data, tests/test_fp4.py); choose_saved_formats keeps FP4 where every kept input of a layer is within the
+    bound and sets E4M3 elsewhere, and the next step keeps what it chose."""
+    model = coat.convert(tiny_llama(seed=0), saved_format="fp4")
+    report = coat.report.QuantizationReport(model)
+    with report.capture(step=1):
+        train_step(model, None, tokens())
+    kept = [row for row in report.rows() if row["tensor"] in coat.report.KEPT_INPUTS]
+    assert len(kept) == 8 and {row["format"] for row in kept} == {"fp4"}
+    assert all(0.03 < row["rel_error"] < 0.2 for row in kept)
+    others = [row for row in report.rows() if row not in kept]
+    assert {row["format"] for row in others} == {"e4m3", "e5m2"}
+
+    layer0 = [row["rel_error"] for row in kept if row["layer"] == "model.layers.0"]
+    layer1 = [row["rel_error"] for row in kept if row["layer"] == "model.layers.1"]
+    bound = (max(layer0) + max(layer1)) / 2
+    if max(layer0) > max(layer1):
+        expected = {"model.layers.0": "e4m3", "model.layers.1": "fp4"}
+    else:
+        expected = {"model.layers.0": "fp4", "model.layers.1": "e4m3"}
+    assert report.choose_saved_formats(max_rel_error=bound) == expected
+    layers = model.model.layers
+    assert {f"model.layers.{i}": layer.fp8_config.saved_format for i, layer in enumerate(layers)} == expected
+
+    with report.capture(step=2):
+        train_step(model, None, tokens(seed=1))
+    formats = {(row["layer"], row["format"]) for row in report.rows() if row["tensor"] in coat.report.KEPT_INPUTS}
+    assert formats == set(expected.items())
+    # The layer now in E4M3 is left as it is; the FP4 one is decided again.
+    assert report.choose_saved_formats(max_rel_error=0.0) == {
+        layer: "e4m3" for layer, fmt in expected.items() if fmt == "fp4"
+    }
+    assert {layer.fp8_config.saved_format for layer in layers} == {"e4m3"}
+    with report.capture(step=3):
+        train_step(model, None, tokens(seed=2))
+    with pytest.raises(ValueError, match="measured no kept input in FP4"):
+        report.choose_saved_formats()
+    with pytest.raises(ValueError, match="max_rel_error"):
+        report.choose_saved_formats(max_rel_error=math.nan)
+
+
 def test_recorded_values_match_a_reference_from_the_model(model):
     """qkv_weight: the three weights quantized as one tensor; attn_norm_input: the layer's input in 1 x 16
     groups; grad_output rows only with FP8 gradients. Every row measured (sample_rows=None)."""

@@ -390,7 +390,8 @@ def _record_rmsnorm(site, input_name: str, output_name: str, x2d, weight, quanti
     """Records what :func:`_rmsnorm_quantize` quantized: its input, kept in 1 x G groups, and its output,
     recomputed in float32 in the kernel's order, (x * rstd) * weight, with the kernel's rstd."""
     y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
-    site.record(input_name, x2d, *_as_e4m3(x_saved, x_saved_scales, x2d.shape[1], config), config.group_size)
+    site.record(input_name, x2d, *_as_e4m3(x_saved, x_saved_scales, x2d.shape[1], config), config.group_size,
+                config.saved_format)
     site.record(output_name, lambda rows: _rows(x2d, rows).float() * _rows(rstd, rows)[:, None] * weight.float(),
                 y, y_scale)
 
@@ -456,8 +457,10 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
         up_saved, up_scales = _kept_for_backward(up, up_saved, up_scales, config)
     if site is not None:
         cols = gate.shape[1]
-        site.record("gate_output", gate, *_as_e4m3(gate_saved, gate_scales, cols, config), config.group_size)
-        site.record("up_output", up, *_as_e4m3(up_saved, up_scales, cols, config), config.group_size)
+        site.record("gate_output", gate, *_as_e4m3(gate_saved, gate_scales, cols, config), config.group_size,
+                    config.saved_format)
+        site.record("up_output", up, *_as_e4m3(up_saved, up_scales, cols, config), config.group_size,
+                    config.saved_format)
         # The kernel's fp32 product before quantization, recomputed with torch's SiLU (the kernel has its own
         # exp, so a value may differ in its last float32 bit). A partial, not a closure: closing over gate and
         # up would make the `del` below a bytecode torch.compile cannot trace.
