@@ -545,7 +545,7 @@ def _params_need_grad(param_needs) -> bool:
 
 class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm(x) * weight through the fused op, returned dequantized from its per-tensor FP8 output.
-    Saves x as E4M3 in 1 x G groups, its scales, rstd, and the weight parameter."""
+    Saves x in 1 x G groups (E4M3, or FP4 with saved_format="fp4"), its scales, rstd, and the weight parameter."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, config: FP8Config, out_dtype):
@@ -636,9 +636,9 @@ def swiglu_mlp(x: torch.Tensor, gate, up, down, config: FP8Config = FP8Config())
 class _BeforeAttentionFunction(torch.autograd.Function):
     """RMSNorm then the q, k, v projections. The fused norm writes its output directly in FP8, which feeds
     the three GEMMs (:class:`Projections`): no BF16 round trip.
-    Saves one copy of the input: x as E4M3 in 1 x G groups + scales + rstd, which the norm's backward reads
-    and from which backward recomputes the transposed FP8 normed output the wgrads read (with the forward's
-    scale, saved); plus the weights' amax and the parameters."""
+    Saves one copy of the input: x in 1 x G groups (``config.saved_format``) + scales + rstd, which the
+    norm's backward reads and from which backward recomputes the transposed FP8 normed output the wgrads
+    read (with the forward's scale, saved); plus the weights' amax and the parameters."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
@@ -773,7 +773,7 @@ def after_attention(
 class _MLPResidualFunction(torch.autograd.Function):
     """x + down(SiLU(gate(n)) * up(n)) with n = RMSNorm(x): the post-attention norm writes n in FP8 for the
     gate/up GEMM, SiLU*mul writes its product in FP8 for the down GEMM. Saves one copy of each non-linear
-    op's inputs: x as E4M3 1 x G groups + scales + rstd, gate and up as E4M3 1 x G groups + scales (and
+    op's inputs in 1 x G groups (``config.saved_format``): x + scales + rstd, gate and up + scales (and
     Smooth-SwiGLU's per-channel scale); backward recomputes from them the transposed FP8 n and product
     that the wgrads read, with the forward's scales (saved). Plus the weights' amax and the parameters."""
 
