@@ -13,9 +13,11 @@ recomputed from its FP8-rounded inputs; the README states the cost in precision.
 The shapes torch._scaled_mm accepts on GPUs are: A row-major, B column-major, the contraction dimension K
 and the output width N multiples of 16. :func:`fp8_gemm` zero-pads K and N to the next multiple of 16
 (zeros add nothing to a dot product, and the padded output columns are dropped), so any shape works and the
-padding costs one copy of the operands only for shapes that need it. On devices without FP8 GEMMs (CUDA
-GPUs before compute capability 8.9) it multiplies the FP8 values in float32 instead and applies both
-scales after, which computes the same products; CPUs run torch._scaled_mm's CPU implementation.
+padding costs one copy of the operands only for shapes that need it. Where there are no FP8 GEMMs (CUDA
+GPUs before compute capability 8.9, and CPUs) it multiplies the FP8 values in float32 instead and applies
+both scales after, which computes the same products. torch's CPU torch._scaled_mm is not used: on torch
+2.11 it took 603 ms for one 512 x 512 x 512 product on 16 threads (7 s on one), against 11 ms on torch 2.13
+and 5-9 ms for the float32 matmul.
 
 The block Functions at the end implement the paper's FP8 precision flow for a Llama-style decoder layer
 (appendix G.1). Their docstrings say what each saves.
@@ -49,9 +51,7 @@ _HAS_FP8_GEMM: dict[torch.device, bool] = {}
 @torch.compiler.assume_constant_result  # torch.compile bakes the answer in instead of tracing the query
 def _device_has_fp8_gemm(device: torch.device) -> bool:
     if device not in _HAS_FP8_GEMM:
-        _HAS_FP8_GEMM[device] = (
-            torch.cuda.get_device_capability(device) >= (8, 9) if device.type == "cuda" else device.type == "cpu"
-        )
+        _HAS_FP8_GEMM[device] = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     return _HAS_FP8_GEMM[device]
 
 
@@ -87,7 +87,8 @@ def fp8_gemm(
     :func:`coat.ops.quantize_tensor`). bias: [N] or None. Returns a contiguous [M, N] tensor.
 
     This calls torch._scaled_mm, whose schema is the same on every supported torch (2.11 and 2.13) and which
-    has a CPU implementation; torch.nn.functional.scaled_mm, its public successor, describes scaling with
+    has a CPU implementation (not used, see the module docstring); torch.nn.functional.scaled_mm, its public
+    successor, describes scaling with
     recipe enums that are still being extended, and gains nothing for per-tensor scales.
     """
     n = b_t.shape[0]
