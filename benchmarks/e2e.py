@@ -19,7 +19,9 @@ other:
     coat-fp8-grads    coat-bf16w with gradients kept in FP8 (E5M2, per-tensor scale) after backward: 5.09 bytes
                       (one process only: FP8 gradients need unsharded parameters)
     coat-fp8-comm     under torchrun only: coat-bf16w whose gradients FSDP2 reduce-scatters as block-scaled FP8
-                      (coat.distributed.fp8_reduce_scatter)
+                      (coat.distributed.fp8_reduce_scatter) and whose projection weights it all-gathers in FP8
+                      (coat.distributed.fp8_all_gather); "all-gather MB/step" and "reduce-scatter MB/step" are
+                      what this rank's FP8 collectives sent per timed step
 
 A step is zero_grad, forward with the loss over the batch's own tokens, backward, optimizer step; no gradient
 checkpointing. Under torchrun every decoder layer and the root are fully_shard'ed (FSDP2), and each rank trains
@@ -135,7 +137,7 @@ def torchao_missing() -> str | None:
 
 
 def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tuple:
-    """The model and its optimizer. Under FSDP2 the model is built on the meta device and sharded before it
+    """The model, its optimizer, and the logs of coat's FP8 collectives ({} when there are none). Under FSDP2 the model is built on the meta device and sharded before it
     gets memory, so that the whole model never sits on one GPU."""
     # The bf16-weight variants are built in bfloat16, so that no float32 copy of the model ever exists.
     dtype = torch.bfloat16 if variant in BF16_WEIGHT_VARIANTS else torch.float32
@@ -159,7 +161,10 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
         torch._dynamo.reset()
         for layer in model.model.layers:
             layer.compile()
+    logs = {}  # what coat's FP8 collectives sent, by collective
     if mesh is not None:
+        if variant == "coat-fp8-comm":
+            logs["all-gather"] = coat.distributed.fp8_all_gather(model).log  # before fully_shard
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -167,7 +172,7 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
         model.to_empty(device=device)
         initialise(model, config)
         if variant == "coat-fp8-comm":
-            coat.distributed.fp8_reduce_scatter(model)
+            logs["reduce-scatter"] = coat.distributed.fp8_reduce_scatter(model).log
     params = list(model.parameters())
     if variant in BF16_WEIGHT_VARIANTS:
         fp8_grads = "e5m2" if variant == "coat-fp8-grads" else None
@@ -176,7 +181,7 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
         optimizer = coat.optim.AdamW(params, lr=LR)
     else:
         optimizer = torch.optim.AdamW(params, lr=LR, fused=device.type == "cuda")
-    return model.train(), optimizer
+    return model.train(), optimizer, logs
 
 
 class Training:
@@ -187,6 +192,7 @@ class Training:
         self.autocast = mesh is None  # under FSDP2 the MixedPrecisionPolicy casts instead
         self.generator = torch.Generator().manual_seed(rank)  # each rank its own micro-batches
         self.model = self.optimizer = None
+        self.comm_logs = {}
 
     def tokens(self, batch: int, seq: int) -> torch.Tensor:
         return torch.randint(self.config.vocab_size, (batch, seq), generator=self.generator).to(self.device)
@@ -224,7 +230,7 @@ class Training:
     def build(self) -> None:
         """A fresh model and optimizer, in place of the current ones."""
         self.free()
-        self.model, self.optimizer = build(self.variant, self.config, self.device, self.mesh)
+        self.model, self.optimizer, self.comm_logs = build(self.variant, self.config, self.device, self.mesh)
 
 
 def all_ranks(values: list[float], op, device: torch.device) -> list[float]:
@@ -274,6 +280,7 @@ def trial(training: Training, batch: int, seq: int, warmup: int, steps: int) -> 
         timed_steps(training, ids, first_steps)
         first = peak_gib(cuda)
         timed_steps(training, ids, warmup - first_steps)
+        sent_before = {name: log.bytes_sent for name, log in training.comm_logs.items()}
         times, losses = timed_steps(training, ids, steps)
         ok = 1.0
     except torch.OutOfMemoryError:
@@ -293,6 +300,8 @@ def trial(training: Training, batch: int, seq: int, warmup: int, steps: int) -> 
         result.update({"step ms": median_ms, "tokens/s/GPU": batch * seq / median_ms * 1e3})
         result["state B/param"] = training.state_bytes_per_param()  # after a step: gradients still held
         result["losses"] = [loss.item() for loss in losses]
+        for name, log in training.comm_logs.items():  # this rank's FP8 collectives, per timed step
+            result[f"{name} MB/step"] = (log.bytes_sent - sent_before[name]) / len(times) / 2**20
     return result
 
 
@@ -586,7 +595,7 @@ def main():
 
     if rank == 0:
         columns = ["variant", "world size", "measured", "batch", "peak GiB", "steady GiB", "reserved GiB", "step ms",
-                   "tokens/s/GPU", "state B/param"]
+                   "tokens/s/GPU", "state B/param", "all-gather MB/step", "reduce-scatter MB/step"]
         print_table(rows, columns)
         summary = summarize(rows, args, world, missing)
         print({k: v for k, v in summary.items() if k not in ("smoke", "layers", "seq")})

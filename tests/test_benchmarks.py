@@ -46,6 +46,9 @@ def check_e2e(result: dict, world_size: int) -> None:
         assert 5.09 <= state["coat-fp8-grads"] <= 5.2
     else:
         assert 6.09 <= state["coat-fp8-comm"] <= 6.2  # bf16 weights and gradients
+        (row,) = [row for row in result["rows"] if row["variant"] == "coat-fp8-comm"]
+        # FP8 weight all-gather and gradient reduce-scatter: what this rank sent per step
+        assert row["all-gather MB/step"] > 0 and row["reduce-scatter MB/step"] > 0
 
 
 @pytest.mark.parametrize("script", ["linear", "layer", "e2e", "rope", "report", "fp4"])
