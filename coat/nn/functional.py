@@ -438,8 +438,8 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
     and up share one weight scale (:class:`Projections`).
     Returns the output and the tensors backward needs: the weights' amax, SiLU*mul's inputs in 1 x G groups
     (in ``config.saved_format`` when ``keep_for_backward``) and the scale of the FP8 product that feeds the
-    down projection. The product itself is not
-    saved: backward recomputes its transpose (the down wgrad's operand) from the saved inputs.
+    down projection. The product itself is not saved: backward recomputes its transpose (the down wgrad's
+    operand) from the saved inputs.
     gate and up themselves live only until the fused op has read them."""
     gate_up = Projections(params[:2], "gate_up")
     gate_up_amax = gate_up.weight_amax()
