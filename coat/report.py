@@ -88,7 +88,7 @@ from torch import nn
 from coat import ops
 from coat.nn import _capture
 from coat.nn.modules import Linear, RMSNorm, SwiGLUMLP
-from coat.optim.adamw import AdamW, _as_rows, _local
+from coat.optim.adamw import AdamW
 
 TENSOR_METRICS = ("amax", "nonfinite", "flushed", "saturated", "rel_error")
 MOMENT_METRICS = ("amax", "nonfinite", "zero_codes", "k_min", "k_median", "k_max", "k_expanded")
@@ -118,7 +118,6 @@ _FORMAT_NAMES = {dtype: name for name, dtype in ops.FP8_DTYPES.items()}
 _CLIP_THRESHOLD = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
 _SIGN_MASK_OFF = 0x7F  # an FP8 code without its sign bit: 0 is +-0 in both formats
 # (moment, codes key, meta key) in coat.optim.AdamW's state
-_MOMENT_STATES = (("m", "exp_avg", "exp_avg_meta"), ("v", "exp_avg_sq", "exp_avg_sq_meta"))
 _NO_MODULE = "coat.nn.functional"  # the layer name of a Function called outside any coat module
 _ROOT = "(model)"  # the layer name of the model itself, whose module name is empty
 
@@ -446,13 +445,8 @@ class QuantizationReport:
         if self._optimizer is not None:
             for group in self._optimizer.param_groups:
                 for param in group["params"]:
-                    state = self._optimizer.state.get(param)
-                    if not state or _local(param).numel() == 0:
-                        continue
                     layer, name = self._moment_names[id(param)]
-                    for moment, codes_key, meta_key in _MOMENT_STATES:
-                        codes = _as_rows(_local(state[codes_key]))
-                        meta = _local(state[meta_key])
+                    for moment, (codes, meta) in self._optimizer.fp8_moments(param).items():
                         rows = self._measured_rows(codes.shape[0], codes.device) if codes.dim() == 2 else None
                         values = _moment_values(codes, meta, group["group_size"], rows)
                         entries.append((layer, f"{name}.{moment}", _FORMAT_NAMES[codes.dtype], values, _moment_metrics))

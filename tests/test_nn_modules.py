@@ -392,6 +392,24 @@ def test_blocks_without_autograd_match_training_forward(device, saved_format):
     assert torch.equal(trained.detach(), inferred)
 
 
+def test_layers_take_any_layout_like_torch_layers(device):
+    """Transposed inputs and the expanded gradient of a .sum() (stride 0) are read as their values: the
+    results equal those of contiguous copies, bit for bit."""
+    _, _, mlp = make_mlp(device)
+    _, _, norm = make_norm(device)
+    for module in (norm, mlp, mlp.gate_proj):
+        x = randn(HIDDEN, 24, device=device).t()  # [24, HIDDEN], column-major
+        results = []
+        for layout in (x, x.contiguous()):
+            leaf = layout.detach().requires_grad_()
+            module.zero_grad()
+            out = module(leaf)
+            out.sum().backward()
+            results.append([out.detach(), leaf.grad] + [p.grad for p in module.parameters()])
+        for transposed, contiguous in zip(*results):
+            assert torch.equal(transposed, contiguous)
+
+
 @requires_cuda
 def test_mlp_residual_cuda_matches_cpu():
     """The fused kernels and quantizers agree bit for bit; GEMMs differ only in fp32 summation order."""

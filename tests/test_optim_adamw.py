@@ -352,6 +352,21 @@ def test_empty_and_zero_dim_parameters():
     assert scalar.item() == pytest.approx(1.5 - 3 * 0.1, abs=1e-3)
 
 
+def test_fp8_moments_are_the_state_as_rows():
+    """What coat.report reads: each moment's codes (a 0-d parameter as one row of one element) and meta."""
+    matrix, scalar, empty = (torch.nn.Parameter(t) for t in (torch.randn(4, 300), torch.tensor(1.5), torch.empty(0, 7)))
+    opt = AdamW([matrix, scalar, empty], lr=0.1)
+    assert opt.fp8_moments(matrix) == {}
+    matrix.grad, scalar.grad, empty.grad = torch.randn(4, 300), torch.tensor(2.0), torch.empty(0, 7)
+    opt.step()
+    moments = opt.fp8_moments(matrix)
+    assert list(moments) == ["m", "v"]
+    assert moments["m"][0] is opt.state[matrix]["exp_avg"] and moments["v"][1] is opt.state[matrix]["exp_avg_sq_meta"]
+    (codes, meta), _ = opt.fp8_moments(scalar).values()
+    assert codes.shape == (1,) and codes.data_ptr() == opt.state[scalar]["exp_avg"].data_ptr() and meta.shape == (1, 3)
+    assert opt.fp8_moments(empty) == {}
+
+
 # --- errors -------------------------------------------------------------------------------------------------
 
 

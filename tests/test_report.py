@@ -218,6 +218,18 @@ def test_fp4_kept_inputs_are_reported_as_fp4_and_choose_each_layers_format():
         report.choose_saved_formats(max_rel_error=math.nan)
 
 
+def test_choose_saved_formats_sets_the_config_of_lone_coat_modules():
+    config = coat.nn.FP8Config(saved_format="fp4")
+    torch.manual_seed(0)
+    model = nn.Sequential(coat.nn.RMSNorm(64, config=config), coat.nn.SwiGLUMLP(64, 96, config=config))
+    report = coat.report.QuantizationReport(model)
+    with report.capture():
+        model(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    assert report.choose_saved_formats(max_rel_error=1.0) == {"0": "fp4", "1": "fp4"}
+    assert report.choose_saved_formats(max_rel_error=0.0) == {"0": "e4m3", "1": "e4m3"}
+    assert model[0].config.saved_format == model[1].config.saved_format == "e4m3"
+
+
 def test_recorded_values_match_a_reference_from_the_model(model):
     """qkv_weight: the three weights quantized as one tensor; attn_norm_input: the layer's input in 1 x 16
     groups; grad_output rows only with FP8 gradients. Every row measured (sample_rows=None)."""

@@ -258,9 +258,13 @@ def _dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def _matrix(t: torch.Tensor) -> torch.Tensor:
-    """t as a [rows, last-dim] matrix, a view whenever the layout allows: coat's ops read row-strided
-    matrices in place."""
-    return t.reshape(-1, t.shape[-1])
+    """t as a [rows, last-dim] matrix that coat's ops can read: a view whenever the layout allows (they
+    read row-strided matrices in place), a copy otherwise, as for the expanded gradient of a .sum() or a
+    transposed input, which torch's own layers accept too."""
+    matrix = t.reshape(-1, t.shape[-1])
+    if matrix.stride(-1) == 1 and (matrix.shape[0] <= 1 or matrix.stride(0) >= matrix.shape[1]):
+        return matrix
+    return matrix.contiguous()
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:

@@ -225,6 +225,18 @@ class AdamW(torch.optim.Optimizer):
             return param.grad
         return ops.dequantize(*stored, None, torch.float32).view(param.shape)
 
+    def fp8_moments(self, param: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The FP8 moments of ``param`` as ``{"m": (codes, meta), "v": (codes, meta)}``, this process's shard
+        for a DTensor parameter: codes as rows (a 0-d parameter is one row of one element) and meta
+        (scale, k, C) per group; {} before the parameter's first step or for an empty shard."""
+        state = self.state.get(param)
+        if not state or _local(param).numel() == 0:
+            return {}
+        return {
+            ("m", "v")[index]: (_as_rows(_local(state[codes_key])), _local(state[meta_key]))
+            for codes_key, meta_key, _, index in _MOMENTS
+        }
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch.optim.Optimizer.zero_grad, and drops the FP8 gradients of fp8_grads."""
         super().zero_grad(set_to_none)
