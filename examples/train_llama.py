@@ -25,6 +25,9 @@ measured within coat.report's bound (QuantizationReport.choose_saved_formats), E
     python examples/train_llama.py --coat --report-every 50          # + quantization report
     python examples/train_llama.py --coat --saved-format auto        # FP4-kept activations where the report allows
     python examples/train_llama.py --preset 100m [--coat]            # ~100M parameters, 2000 steps, one GPU
+
+--uniform-fp4 (with --coat --saved-format fp4) also keeps attention's saved activations in FP4
+(coat.nn.saved_in_fp4): the uniform-4-bit arm of AGoQ's ablation, for comparison only.
 """
 from __future__ import annotations
 
@@ -59,7 +62,13 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--report-every", type=int, metavar="N",
                         help="with --coat: capture every N-th step in a coat.report quantization report "
                              "(OUT/NAME-report.csv and .png); captured steps take longer")
+    parser.add_argument("--uniform-fp4", action="store_true",
+                        help="with --coat --saved-format fp4: keep attention's saved activations (and every other "
+                             "16-bit one) in FP4 as well (coat.nn.saved_in_fp4): the uniform-4-bit ablation")
     args = resolve(parser.parse_args())
+    if args.uniform_fp4 and (not args.coat or args.saved_format != "fp4"):
+        raise SystemExit("--uniform-fp4 extends coat's FP4-kept activations to every saved activation: "
+                         "add --coat --saved-format fp4")
     if args.report_every is not None and (not args.coat or args.report_every < 1):
         raise SystemExit("--report-every needs --coat (only coat's FP8 layers are reported on) and N >= 1, "
                          f"got N = {args.report_every}{'' if args.coat else ' without --coat'}")
@@ -99,7 +108,7 @@ def main() -> None:
         capturing = report is not None and done % args.report_every == 0
         choosing = chooser is not None and step == 0
         capture = report.capture(done) if capturing else chooser.capture(done) if choosing else contextlib.nullcontext()
-        with capture:
+        with capture, coat.nn.saved_in_fp4() if args.uniform_fp4 else contextlib.nullcontext():
             interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
         if capturing:
             report.log(done)
@@ -118,7 +127,7 @@ def main() -> None:
                        (lambda: held_out_loss(model, validation, device, autocast).item()) if evaluate else None)
 
     summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
-                          "fp8_grads": args.fp8_grads, "saved_format": args.saved_format,
+                          "fp8_grads": args.fp8_grads, "saved_format": args.saved_format, "uniform_fp4": args.uniform_fp4,
                           "saved_formats_chosen": saved_formats,
                           "preset": None if args.model else args.preset,
                           "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq})

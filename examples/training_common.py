@@ -110,6 +110,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             variant += f"-{args.fp8_grads}-grads"
         if args.saved_format != "e4m3":
             variant += f"-{args.saved_format}-saved"
+        if getattr(args, "uniform_fp4", False):
+            variant += "-uniform"
         if getattr(args, "fp8_reduce_scatter", False):
             variant += "-fp8-reduce-scatter"
         if getattr(args, "fp8_all_gather", False):

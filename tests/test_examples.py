@@ -96,6 +96,8 @@ def test_train_llama_from_a_local_model_directory(tmp_path):
     ("--compare: no CSV log at missing.csv", ["--compare", "missing.csv"]),
     ("--report-every needs --coat", ["--report-every", "5"]),
     ("--saved-format is an option of coat.convert: add --coat", ["--saved-format", "fp4"]),
+    ("--uniform-fp4 extends coat's FP4-kept activations to every saved activation: add --coat --saved-format fp4",
+     ["--coat", "--uniform-fp4"]),
 ])
 def test_train_llama_explains_bad_options(tmp_path, error, arguments):
     completed = run([os.path.join(EXAMPLES, "train_llama.py"), *arguments], tmp_path, expect_success=False)
