@@ -482,13 +482,16 @@ def silu_mul_backward(
     up_scales: torch.Tensor,
     smooth_scale: torch.Tensor | None = None,
     save_group_size: int = 16,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients ``(dgate, dup)`` of :func:`silu_mul_quantize`, in dy's dtype, from the dequantized saved
-    inputs g and u: with s = sigmoid(g) and dy_s = dy * smooth_scale (or dy)::
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dgate, dup, d_amax)`` of :func:`silu_mul_quantize`, dgate and dup in dy's dtype, from the
+    dequantized saved inputs g and u: with s = sigmoid(g) and dy_s = dy * smooth_scale (or dy)::
 
         dup   = dy_s * g * s
         dgate = dy_s * u * s * (1 + g * (1 - s))
-    """
+
+    ``d_amax`` (0-d float32) is the largest |dgate| and |dup|, NaN ignored: :func:`tensor_amax` of the two,
+    computed in the same pass, which :func:`quantize_tensors` takes as ``amax`` to quantize both gradients with
+    one scale."""
     check_device_supported(dy, "coat.ops.silu_mul_backward")
     return torch.ops.coat.silu_mul_backward(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size)
 
@@ -593,7 +596,7 @@ def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_
 @torch.library.register_fake("coat::silu_mul_backward")
 def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size):
     _check_named_group_size(save_group_size, "save_group_size", "coat.silu_mul_backward")
-    return dy.new_empty(dy.shape), dy.new_empty(dy.shape)
+    return dy.new_empty(dy.shape), dy.new_empty(dy.shape), dy.new_empty((), dtype=torch.float32)
 
 
 @torch.library.register_fake("coat::rmsnorm_requantize")

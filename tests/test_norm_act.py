@@ -426,7 +426,13 @@ def test_silu_mul_forward_special_values(device):
 # SiLU * mul backward
 
 
-def check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup) -> None:
+def check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup, d_amax) -> None:
+    """dgate and dup against the documented fp32 arithmetic (bit for bit) and the float64 formula (the bf16
+    tolerance rule); d_amax against the largest magnitude of the two outputs, NaN ignored (bit for bit)."""
+    magnitudes = torch.cat([dgate.float().abs().flatten(), dup.float().abs().flatten()])
+    expected_amax = torch.nan_to_num(magnitudes, nan=0.0).max() if magnitudes.numel() else torch.tensor(0.0)
+    assert d_amax.dtype == torch.float32 and d_amax.shape == ()
+    assert_same_bits(d_amax.cpu(), expected_amax, "d_amax vs max(|dgate|, |dup|)")
     gate_saved, gate_scales, up_saved, up_scales = saved
     g = ops.dequantize(gate_saved, gate_scales, group_size, torch.float32)
     u = ops.dequantize(up_saved, up_scales, group_size, torch.float32)
@@ -453,25 +459,25 @@ def silu_mul_backward_case(shape, dtype, smooth=None, group_size=16, seed=0):
 @pytest.mark.parametrize("shape", SILU_SHAPES, ids=str)
 def test_silu_mul_backward(device, shape):
     dy, saved = silu_mul_backward_case(shape, torch.bfloat16, seed=shape[1])
-    dgate, dup = run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, device=device)
-    check_silu_mul_backward(dy, saved, None, 16, dgate, dup)
+    dgate, dup, d_amax = run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, device=device)
+    check_silu_mul_backward(dy, saved, None, 16, dgate, dup, d_amax)
 
 
 @pytest.mark.parametrize("dtype, group_size", [(torch.float32, 32), (torch.float16, 64), (torch.bfloat16, 128)], ids=str)
 def test_silu_mul_backward_smooth_dtypes_and_groups(device, dtype, group_size):
     smooth = torch.exp(torch.randn(1000, generator=torch.Generator().manual_seed(31)))
     dy, saved = silu_mul_backward_case((33, 1000), dtype, smooth, group_size, seed=32)
-    dgate, dup = run(torch.ops.coat.silu_mul_backward, dy, *saved, smooth, group_size, device=device)
+    dgate, dup, d_amax = run(torch.ops.coat.silu_mul_backward, dy, *saved, smooth, group_size, device=device)
     assert dgate.dtype == dtype and dup.dtype == dtype
-    check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup)
+    check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup, d_amax)
 
 
 def test_silu_mul_backward_strided_dy(device):
     dy_wide, saved = silu_mul_backward_case((2, 9, 176), torch.bfloat16, seed=33)
     dy = torch.cat([dy_wide, dy_wide], dim=-1)[..., 3:179]
-    dgate, dup = run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, device=device)
+    dgate, dup, d_amax = run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, device=device)
     assert dgate.shape == (2, 9, 176) and dgate.is_contiguous()
-    check_silu_mul_backward(dy, saved, None, 16, dgate, dup)
+    check_silu_mul_backward(dy, saved, None, 16, dgate, dup, d_amax)
 
 
 def test_coat_exp_accuracy():

@@ -184,11 +184,13 @@ class Projections:
                                                  columnwise=True)
         return w_q_t, w_scale
 
-    def backward(self, grads, x_q_t, x_scale, weight_amax, needs, config: FP8Config, input_grad_dtype, site=None):
+    def backward(self, grads, x_q_t, x_scale, weight_amax, needs, config: FP8Config, input_grad_dtype, site=None,
+                 grad_amax=None):
         """grads: the [M, N_i] gradients of the outputs (None for an unused output). x_q_t: the transposed FP8
         input the wgrad reads (None when no weight needs a gradient). needs:
-        (need_input_grad, [(need_weight_grad, need_bias_grad) per projection]). Returns the input's gradient
-        ([M, K] in input_grad_dtype, None when not needed) and [grad_w_0, grad_b_0, grad_w_1, ...]."""
+        (need_input_grad, [(need_weight_grad, need_bias_grad) per projection]). grad_amax: the gradients'
+        joint amax when the op that produced them computed it (else a pass over them computes it). Returns
+        the input's gradient ([M, K] in input_grad_dtype, None when not needed) and [grad_w_0, grad_b_0, ...]."""
         need_input_grad, need_param_grads = needs
         rows = _matrix(next(g for g in grads if g is not None)).shape[0]
         grads = [_matrix(g) if g is not None else w.new_zeros(rows, w.shape[0], dtype=input_grad_dtype)
@@ -198,8 +200,8 @@ class Projections:
             grad_input, weight_grads = self._backward_unquantized(grads, x_q_t, x_scale, need_input_grad,
                                                                   need_weight_grads, input_grad_dtype)
         else:
-            g_q, g_scale, g_q_t = ops.quantize_tensors(grads, config.gradient_dtype, dim=1, rowwise=need_input_grad,
-                                                       columnwise=need_weight_grads)
+            g_q, g_scale, g_q_t = ops.quantize_tensors(grads, config.gradient_dtype, dim=1, amax=grad_amax,
+                                                       rowwise=need_input_grad, columnwise=need_weight_grads)
             if site is not None:
                 _record_joint(site, self.report_name("grad_output"), grads, g_q, g_scale, g_q_t, dim=1)
             grad_input = weight_grads = None
@@ -517,7 +519,7 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
     if down_grads[0] is not None and smooth_scale is not None:
         down_grads[0] = down_grads[0] * smooth_scale.reciprocal().to(down_grads[0].dtype)
 
-    grad_gate, grad_up = ops.silu_mul_backward(
+    grad_gate, grad_up, grad_amax = ops.silu_mul_backward(
         grad_act,
         saved["gate_saved"],
         saved["gate_scales"],
@@ -529,7 +531,7 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
     del grad_act
     grad_input, gate_up_grads = Projections(params[:2], "gate_up").backward(
         [grad_gate, grad_up], x_q_t, x_scale, saved["gate_up_amax"], (need_input_grad, need_param_grads[:2]), config,
-        x_dtype, site,
+        x_dtype, site, grad_amax,
     )
     return grad_input, gate_up_grads + down_grads
 

@@ -68,6 +68,18 @@ std::vector<int64_t> grouped_shape(const at::Tensor& x, int64_t group_size) {
   return shape;
 }
 
+at::Tensor zero_amax(const at::Tensor& like) {
+  at::Tensor amax = at::empty({}, like.options().dtype(at::kFloat));
+#ifdef COAT_WITH_CUDA
+  if (like.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(like.device());
+    C10_CUDA_CHECK(cudaMemsetAsync(amax.data_ptr(), 0, sizeof(float), at::cuda::getCurrentCUDAStream()));
+    return amax;
+  }
+#endif
+  return amax.zero_();
+}
+
 void check_status(coat_status status, const char* function) {
 #ifdef COAT_WITH_CUDA
   if (status == COAT_ERROR_CUDA) C10_CUDA_CHECK(cudaGetLastError());

@@ -39,6 +39,10 @@ void check_group_size(int64_t group_size, const char* op);
 // x's shape with the last dimension replaced by its number of 1 x group_size groups, ceil(cols / G).
 std::vector<int64_t> grouped_shape(const at::Tensor& x, int64_t group_size);
 
+// A 0-d float32 zero on like's device, the start of an accumulated amax: on CUDA a memset on the current stream
+// (cheaper on the host than at::zeros, which dispatches a fill kernel).
+at::Tensor zero_amax(const at::Tensor& like);
+
 // Turns a core status into an exception; for COAT_ERROR_CUDA it reports cudaGetLastError().
 void check_status(coat_status status, const char* function);
 

@@ -26,7 +26,7 @@ TORCH_LIBRARY(coat, m) {
         " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor gate_saved, Tensor gate_scales, Tensor up_saved,"
         " Tensor up_scales)");
   m.def("silu_mul_backward(Tensor dy, Tensor gate_saved, Tensor gate_scales, Tensor up_saved, Tensor up_scales,"
-        " Tensor? smooth_scale, int save_group_size) -> (Tensor dgate, Tensor dup)");
+        " Tensor? smooth_scale, int save_group_size) -> (Tensor dgate, Tensor dup, Tensor d_amax)");
   m.def("rmsnorm_requantize(Tensor x_saved, Tensor x_saved_scales, Tensor rstd, Tensor weight, Tensor y_scale,"
         " int save_group_size, ScalarType fp8_dtype) -> Tensor");
   m.def("silu_mul_requantize(Tensor gate_saved, Tensor gate_scales, Tensor up_saved, Tensor up_scales,"

@@ -211,7 +211,7 @@ SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor
   return {y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales};
 }
 
-std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& dy, const at::Tensor& gate_saved,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& dy, const at::Tensor& gate_saved,
                                                      const at::Tensor& gate_scales, const at::Tensor& up_saved,
                                                      const at::Tensor& up_scales,
                                                      const std::optional<at::Tensor>& smooth_scale,
@@ -230,11 +230,12 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& dy, const
 
   at::Tensor dgate = at::empty(dy.sizes(), dy.options());
   at::Tensor dup = at::empty(dy.sizes(), dy.options());
+  at::Tensor d_amax = zero_amax(dy);
   COAT_CALL_CORE(dy, coat_silu_mul_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
                  data_as<const uint8_t>(gate_saved), data_as<const float>(gate_scales),
                  data_as<const uint8_t>(up_saved), data_as<const float>(up_scales), smooth, save_group_size,
-                 dgate.data_ptr(), dup.data_ptr());
-  return {dgate, dup};
+                 dgate.data_ptr(), dup.data_ptr(), data_as<float>(d_amax));
+  return {dgate, dup, d_amax};
 }
 
 at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& gate_scales, const at::Tensor& up_saved,

@@ -77,7 +77,7 @@ void check_tensor_list(at::TensorList xs, const char* op) {
 at::Tensor tensor_amax(at::TensorList xs) {
   constexpr const char* op = "coat.tensor_amax";
   check_tensor_list(xs, op);
-  at::Tensor amax = at::zeros({}, xs[0].options().dtype(at::kFloat));
+  at::Tensor amax = zero_amax(xs[0]);
   for (const at::Tensor& x : xs) {
     const RowMatrix m = as_row_matrix(x, op, "xs");
     COAT_CALL_CORE(x, coat_tensor_amax, x.data_ptr(), input_dtype(x, op, "xs"), m.rows, m.cols, m.row_stride,

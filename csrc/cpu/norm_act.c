@@ -182,13 +182,14 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
                                        int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                        const uint8_t* up_saved, const float* up_scales,
                                        const float* smooth_scale, int64_t save_group_size, void* dgate,
-                                       void* dup) {
+                                       void* dup, float* d_amax) {
   if (!valid_matrix(dy, rows, cols, row_stride) || !coat_is_valid_group_size(save_group_size) ||
       (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || up_saved == NULL || up_scales == NULL ||
                            dgate == NULL || dup == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t ngroups = coat_ceil_div(cols, save_group_size);
-#pragma omp parallel for schedule(static)
+  float amax = 0.0f; /* of the unrounded values: rounded once at the end (coat_round_as) */
+#pragma omp parallel for schedule(static) reduction(max : amax)
   for (int64_t r = 0; r < rows; ++r) {
     const void* dy_row = row_at(dy, dy_dtype, r, row_stride);
     for (int64_t c = 0; c < cols; ++c) {
@@ -200,8 +201,10 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
                           smooth_scale ? smooth_scale[c] : 1.0f, &dgate_value, &dup_value);
       coat_store_as(dgate, dy_dtype, r * cols + c, dgate_value);
       coat_store_as(dup, dy_dtype, r * cols + c, dup_value);
+      amax = coat_amax_step(coat_amax_step(amax, dgate_value), dup_value);
     }
   }
+  if (d_amax != NULL) d_amax[0] = coat_amax_step(d_amax[0], coat_round_as(dy_dtype, amax));
   return COAT_SUCCESS;
 }
 

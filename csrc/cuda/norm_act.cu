@@ -18,7 +18,7 @@
 //   rmsnorm_backward_kernel  L threads per slice of rows, the next row in flight: dx, and one partial dweight
 //                            row per slice
 //   dweight_finish_kernel    the slices' partial dweight rows summed in the documented order
-//   silu_mul_backward_kernel persistent, laid out as silu_mul_stats_kernel: dgate, dup
+//   silu_mul_backward_kernel persistent, laid out as silu_mul_stats_kernel: dgate, dup and their joint amax
 //
 // Fast paths. The arithmetic that used to dominate (IEEE divisions, coat's exp with its range checks, FP8,
 // bf16 and fp16 conversions with their special cases) runs in forms that give the same bits on the values
@@ -1295,6 +1295,7 @@ struct SiluMulBackwardArgs {
   int strands;
   void* dgate;
   void* dup;
+  float* d_amax;  // null: not wanted
 };
 
 // A lane's 16 columns of one row: dy, the saved codes and their scales (G >= 16 and the lane's columns start
@@ -1327,6 +1328,7 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
     return in;
   };
 
+  float amax = 0.0f;  // of the unrounded gradients: rounded once, after the warp's reduction
   SiluMulBackwardInputs<Io> next;
   if (at.first_row < a.rows) next = load_row(at.first_row);
   for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {
@@ -1346,8 +1348,14 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
       for (int e = 0; e < kChunk; ++e) coat_silu_mul_grads(dy[e], gate[e], s[e], up[e], smooth[e], &dgate[e], &dup[e]);
       io.store(row_at(a.dgate, io.element_size(), row, a.cols), col, count, dgate);
       io.store(row_at(a.dup, io.element_size(), row, a.cols), col, count, dup);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e)
+        if (e < count) amax = amax_step(amax_step(amax, dgate[e]), dup[e]);
     }
   }
+  if (a.d_amax == nullptr) return;
+  amax = warp_max(amax);
+  if (threadIdx.x % kWarpSize == 0) atomic_max_nonnegative(a.d_amax, coat_round_as(a.dy_dtype, amax));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1661,7 +1669,7 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
                                         int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                         const uint8_t* up_saved, const float* up_scales,
                                         const float* smooth_scale, int64_t save_group_size, void* dgate,
-                                        void* dup, coat_cuda_stream stream) {
+                                        void* dup, float* d_amax, coat_cuda_stream stream) {
   if (!valid_matrix(dy, rows, cols, row_stride) || !coat_is_valid_group_size(save_group_size) ||
       (rows * cols > 0 && (gate_saved == nullptr || gate_scales == nullptr || up_saved == nullptr ||
                            up_scales == nullptr || dgate == nullptr || dup == nullptr)))
@@ -1681,6 +1689,7 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
   args.group_shift = coat::device::ceil_log2(save_group_size);
   args.dgate = dgate;
   args.dup = dup;
+  args.d_amax = d_amax;
   const bool vector = cols % kChunk == 0 && rows_aligned16(dy, dy_dtype, row_stride) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(dgate, 16) &&
                       aligned(dup, 16) && aligned(gate_saved, 8) && aligned(up_saved, 8);

@@ -268,16 +268,24 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
   const Matrix dy = make_matrix(rows, cols, stride, offset, dtype, specials);
   std::vector<uint8_t> dgate[2], dup[2];
   for (int k = 0; k < 2; ++k) dgate[k].assign(n * bytes_of(dtype), 0xAB), dup[k].assign(n * bytes_of(dtype), 0xAB);
+  // a nonzero start: the amax accumulates into what the buffer holds
+  float d_amax[2] = {0.125f, 0.125f};
   const coat_status cpu_b =
       coat_silu_mul_backward_cpu(dy.data, dtype, rows, cols, stride, out[0].gate_saved.data(), out[0].gate_scales.data(),
                                  out[0].up_saved.data(), out[0].up_scales.data(), smooth_ptr, group, dgate[0].data(),
-                                 dup[0].data());
+                                 dup[0].data(), &d_amax[0]);
   const coat_status gpu_b = coat_silu_mul_backward_cuda(
       dy.data, dtype, rows, cols, stride, out[0].gate_saved.data(), out[0].gate_scales.data(), out[0].up_saved.data(),
-      out[0].up_scales.data(), smooth_ptr, group, dgate[1].data(), dup[1].data(), nullptr);
+      out[0].up_scales.data(), smooth_ptr, group, dgate[1].data(), dup[1].data(), &d_amax[1], nullptr);
   CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s backward: status %d %d", name, cpu_b, gpu_b);
   same(dgate[0], dgate[1], "dgate", name);
   same(dup[0], dup[1], "dup", name);
+  float stored_amax = 0.125f;
+  for (int64_t i = 0; i < n; ++i)
+    stored_amax = coat_amax_step(coat_amax_step(stored_amax, coat_load_f32(dgate[0].data(), dtype, i)),
+                                 coat_load_f32(dup[0].data(), dtype, i));
+  CHECK(f2u(d_amax[0]) == f2u(stored_amax) && f2u(d_amax[1]) == f2u(stored_amax),
+        "%s backward: d_amax %a (CPU) %a (CUDA), stored values' amax %a", name, d_amax[0], d_amax[1], stored_amax);
 }
 
 // sigmoid_near(g) == coat_sigmoid(g) for every float g >= -80 (every `step`-th bit pattern), on all cores.

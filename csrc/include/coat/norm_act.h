@@ -125,17 +125,22 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
  *    dup      = dy_s * (g' * s)
  *    dgate    = (dy_s * u') * (s * (1 + g' * (1 - s)))
  *  both rounded to dy's dtype. dy: `dy_dtype`, rows x cols with row_stride; dgate, dup: rows*cols
- *  contiguous elements of `dy_dtype`. */
+ *  contiguous elements of `dy_dtype`.
+ *  d_amax: NULL, or one fp32 accumulated as coat_tensor_amax_* accumulates (it must hold a value >= 0 and not
+ *  NaN, 0 to start):
+ *    d_amax[0] = max(d_amax[0], max |dgate|, max |dup|)       over the stored (rounded) values, NaN ignored
+ *  which is what the per-tensor quantization of the two gradients with one shared scale needs, without
+ *  another pass over them (coat_tensor_amax_* of dgate then dup gives the same value). */
 coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                        const uint8_t* up_saved, const float* up_scales,
                                        const float* smooth_scale, int64_t save_group_size, void* dgate,
-                                       void* dup);
+                                       void* dup, float* d_amax);
 coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                         int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                         const uint8_t* up_saved, const float* up_scales,
                                         const float* smooth_scale, int64_t save_group_size, void* dgate,
-                                        void* dup, coat_cuda_stream stream);
+                                        void* dup, float* d_amax, coat_cuda_stream stream);
 
 /** RMSNorm's FP8 transposed output recomputed from what the forward saved, so that a layer need not keep y_t
  *  for backward. With x' = fp8_decode(x_saved) * scale of its group (fp32, as coat_rmsnorm_backward_* decode it):

@@ -29,6 +29,16 @@ COAT_INLINE void coat_store_as(void* out, coat_dtype dtype, int64_t i, float v) 
   }
 }
 
+/* v rounded to `dtype` and read back: what coat_store_as then coat_load_f32 give (NaN canonical). Rounding to
+ * nearest is monotonic and symmetric, so the largest |v| of a set, rounded, is the largest rounded |v|. */
+COAT_INLINE float coat_round_as(coat_dtype dtype, float v) {
+  switch (dtype) {
+    case COAT_BFLOAT16: return coat_bf16_to_f32(coat_f32_to_bf16(v));
+    case COAT_FLOAT16: return coat_f16_to_f32(coat_f32_to_f16(v));
+    default: return coat_canonical_nan(v);
+  }
+}
+
 /* max(a, |x|) with NaN x ignored. Not fmaxf: glibc's returns NaN for a signalling NaN operand. */
 COAT_INLINE float coat_amax_step(float a, float x) {
   const float magnitude = fabsf(x);
