@@ -10,6 +10,8 @@ attention). Every run times, in one process on the same inputs:
     coat eager          the layer after coat.convert
     coat compiled       the same under torch.compile
     coat fp4 eager      coat.convert(saved_format="fp4"): RMSNorm's and SiLU*mul's inputs kept as FP4 E2M1
+                        in 1 x 16 blocks
+    coat fp4 G=128 eager    the same in 1 x 128 blocks (AGoQ's block size: fewer scales, coarser blocks)
 
 Times are CUDA-event medians after warm-up (backward = total - forward). "saved" is what the forward leaves
 allocated for backward: the memory allocated across the forward minus its output, in MB and in units
@@ -41,7 +43,10 @@ SETTINGS = [(2048, 2048), (2048, 4096), (4096, 2048), (4096, 4096)]  # (hidden, 
 SMOKE_BATCH, SMOKE_SETTINGS = 2, [(64, 32)]
 SPEED_TARGET, PEER_TARGET, SAVED_TARGET_U, FP4_SAVED_TARGET_U = 1.8, 1.1, 9.0, 6.0
 BASELINE, PEER = "BF16 eager", "torchao compiled"
-VARIANTS = [BASELINE, "BF16 compiled", PEER, "coat eager", "coat compiled", "coat fp4 eager"]
+VARIANTS = [BASELINE, "BF16 compiled", PEER, "coat eager", "coat compiled", "coat fp4 eager", "coat fp4 G=128 eager"]
+# coat.convert's saved_format and group_size of each coat variant
+COAT_VARIANTS = {"coat eager": ("e4m3", 16), "coat compiled": ("e4m3", 16), "coat fp4 eager": ("fp4", 16),
+                 "coat fp4 G=128 eager": ("fp4", 128)}
 
 
 def llama_config(hidden: int) -> LlamaConfig:
@@ -73,8 +78,8 @@ def build_variant(stock: nn.Module, name: str):
     if name == PEER:
         layer = torchao_float8(copy.deepcopy(stock))
         return layer if isinstance(layer, str) else compile_for_fixed_shapes(layer)
-    saved_format = "fp4" if name == "coat fp4 eager" else "e4m3"
-    converted = coat.convert(nn.ModuleList([copy.deepcopy(stock)]), saved_format=saved_format)[0]
+    saved_format, group_size = COAT_VARIANTS[name]
+    converted = coat.convert(nn.ModuleList([copy.deepcopy(stock)]), saved_format=saved_format, group_size=group_size)[0]
     return compile_for_fixed_shapes(converted) if name == "coat compiled" else converted
 
 
@@ -199,12 +204,13 @@ def main():
         "min_speedup": min(row["vs BF16 eager"] for row in coat_eager),
         "max_saved_U": max(row["saved U"] for row in coat_eager),
     }
-    coat_fp4 = {(r["hidden"], r["seq"]): r for r in rows if r["layer"] == "coat fp4 eager" and "total ms" in r}
-    if coat_fp4:
-        summary["max_fp4_saved_U"] = max(row["saved U"] for row in coat_fp4.values())
-        summary["min_fp4_vs_coat_eager"] = min(
-            row["total ms"] / coat_fp4[(row["hidden"], row["seq"])]["total ms"] for row in coat_eager
-        )
+    for fp4_name, key in (("coat fp4 eager", "fp4"), ("coat fp4 G=128 eager", "fp4_g128")):
+        coat_fp4 = {(r["hidden"], r["seq"]): r for r in rows if r["layer"] == fp4_name and "total ms" in r}
+        if coat_fp4:
+            summary[f"max_{key}_saved_U"] = max(row["saved U"] for row in coat_fp4.values())
+            summary[f"min_{key}_vs_coat_eager"] = min(
+                row["total ms"] / coat_fp4[(row["hidden"], row["seq"])]["total ms"] for row in coat_eager
+            )
     if all("vs torchao" in row for row in coat_eager):
         summary["min_vs_torchao"] = min(row["vs torchao"] for row in coat_eager)
     if coat_compiled:
