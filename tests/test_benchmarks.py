@@ -51,7 +51,7 @@ def check_e2e(result: dict, world_size: int) -> None:
         assert row["all-gather MB/step"] > 0 and row["reduce-scatter MB/step"] > 0
 
 
-@pytest.mark.parametrize("script", ["linear", "layer", "e2e", "rope", "report", "fp4"])
+@pytest.mark.parametrize("script", ["linear", "layer", "layer_host_time", "e2e", "rope", "report", "fp4"])
 def test_benchmark_smoke_mode(script, tmp_path):
     result = run_smoke([sys.executable], script, tmp_path)
     assert result["summary"]["smoke"] and result["rows"]
@@ -60,8 +60,8 @@ def test_benchmark_smoke_mode(script, tmp_path):
         # The saved bytes do not depend on the device: at least 1.8x less than BF16 (the paper's figure) here too.
         saved = {row["layer"]: row["saved U"] for row in result["rows"]}
         assert saved["coat eager"] * 1.8 <= saved["BF16 eager"]
-        assert saved["coat fp4 eager"] < saved["coat eager"]
-        assert {row["layer"] for row in result["rows"]} == {"BF16 eager", "coat eager", "coat fp4 eager"}
+        assert saved["coat fp4 G=128 eager"] < saved["coat fp4 eager"] < saved["coat eager"]
+        assert set(saved) == {"BF16 eager", "coat eager", "coat fp4 eager", "coat fp4 G=128 eager"}
     if script == "e2e":
         check_e2e(result, world_size=1)
 
