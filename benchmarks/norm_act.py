@@ -5,6 +5,8 @@ and SiLU*mul"), with N = rows * H elements and bf16 inputs:
 
     rmsnorm_quantize       6.25 N  (x read twice 4N, x_saved N, its 1x16 scales N/4, y N) + N with y_t
     rmsnorm_backward       5.25 N  (dy 2N, x_saved N + N/4, dx 2N)
+      +residual            7.25 N  (and the residual 2N, added to dx in the kernel); the same op followed by
+                                   torch's add is timed for context, by the same count
     rmsnorm_requantize     2.25 N  (x_saved N + N/4, y_t N): y_t recomputed in backward instead of kept
     silu_mul_quantize     11.5  N  (gate, up read twice 8N, saved 2N + N/2, y N) + N with y_t
     silu_mul_backward      8.5  N  (dy 2N, saved 2N + N/2, dgate, dup 4N)
@@ -44,6 +46,7 @@ def rmsnorm_cases(rows, cols):
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
+    residual = torch.randn_like(x)
     _, y_scale, _, x_saved, x_scales, rstd = ops.rmsnorm_quantize(x, weight)
     copy_dst = torch.empty_like(x)
     return {
@@ -52,6 +55,12 @@ def rmsnorm_cases(rows, cols):
         "rmsnorm_quantize": (lambda: ops.rmsnorm_quantize(x, weight), 6.25 * n),
         "rmsnorm_quantize +transpose": (lambda: ops.rmsnorm_quantize(x, weight, transpose=True), 7.25 * n),
         "rmsnorm_backward": (lambda: ops.rmsnorm_backward(dy, x_saved, x_scales, rstd, weight), 5.25 * n),
+        "rmsnorm_backward +residual": (
+            lambda: ops.rmsnorm_backward(dy, x_saved, x_scales, rstd, weight, residual=residual), 7.25 * n
+        ),
+        "rmsnorm_backward, + residual (context)": (
+            lambda: ops.rmsnorm_backward(dy, x_saved, x_scales, rstd, weight)[0] + residual, 7.25 * n
+        ),
         "rmsnorm_requantize": (lambda: ops.rmsnorm_requantize(x_saved, x_scales, rstd, weight, y_scale), 2.25 * n),
         "unfused chain (context)": (lambda: rmsnorm_unfused(x, weight), 4 * n + 3.25 * n + 2 * n + 4 * n),
     }

@@ -379,7 +379,8 @@ def _fp4_to_e4m3_fake(codes, scales, cols, block_size):
 # computes y; y_scale = max(amax(y) / FP8_MAX, 2**-126) and y is bit for bit quantize_tensor of the fp32
 # result. The op's inputs are saved for backward as FP8 E4M3 with 1 x save_group_size groups, bit for bit
 # quantize_group of the inputs. Every NaN code the fused ops write is the positive NaN (0x7F).
-# Backward: reads only what the forward saved (plus dy) and returns gradients in dy's dtype.
+# Backward: reads only what the forward saved (plus dy) and returns gradients in dy's dtype (rmsnorm_backward's
+# dx in the residual's dtype when it adds one).
 # Requantize: recomputes the forward's y_t in backward from what the forward saved and its y_scale, so that a
 # layer need not keep y_t between forward and backward.
 # CPU and CUDA give the same bits: every sum has a fixed reduction order.
@@ -432,6 +433,8 @@ def rmsnorm_backward(
     rstd: torch.Tensor,
     weight: torch.Tensor,
     save_group_size: int = 16,
+    *,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`rmsnorm_quantize` from what it saved. With x' the dequantized ``x_saved``,
     xhat = x' * rstd and g = dy * weight, per row::
@@ -439,10 +442,16 @@ def rmsnorm_backward(
         dx      = (g - xhat * sum_c(g * xhat) / H) * rstd          in dy's dtype
         dweight = sum over rows of dy * xhat                        float32 [H] (cast it to weight's dtype)
 
+    ``residual``: a gradient to add to dx in the same kernel, such as the one that reaches the input of a
+    residual block ``x + f(rmsnorm(x))`` around the norm (float32 / bfloat16 / float16, dy's shape,
+    contiguous). dx is then in residual's dtype: dx (rounded to dy's dtype as above) + residual, added in
+    float32 and rounded once, which is ``dx.to(residual.dtype) + residual`` bit for bit when residual has dy's
+    dtype or is float32. A NaN in dx is the canonical quiet NaN.
+
     Both sums have a fixed reduction order, so results are reproducible and the same on CPU and CUDA.
     """
     check_device_supported(dy, "coat.ops.rmsnorm_backward")
-    return torch.ops.coat.rmsnorm_backward(dy, x_saved, x_saved_scales, rstd, weight, save_group_size)
+    return torch.ops.coat.rmsnorm_backward(dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual)
 
 
 def silu_mul_quantize(
@@ -568,11 +577,17 @@ def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8
 
 
 @torch.library.register_fake("coat::rmsnorm_backward")
-def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group_size):
+def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual=None):
     op = "coat.rmsnorm_backward"
     _check_named_group_size(save_group_size, "save_group_size", op)
     _check_rmsnorm_cols(dy, "dy", op)
-    return dy.new_empty(dy.shape), dy.new_empty((dy.shape[-1],), dtype=torch.float32)
+    if residual is not None and residual.shape != dy.shape:
+        raise RuntimeError(
+            f"{op}: residual has shape {tuple(residual.shape)} but dy has shape {tuple(dy.shape)}; "
+            "it must have dy's shape"
+        )
+    dx_dtype = dy.dtype if residual is None else residual.dtype
+    return dy.new_empty(dy.shape, dtype=dx_dtype), dy.new_empty((dy.shape[-1],), dtype=torch.float32)
 
 
 @torch.library.register_fake("coat::silu_mul_quantize")

@@ -20,6 +20,8 @@ What is checked, and against what:
   * rstd: the flash-attention rule against float64, and the tighter fp32 bound derived in
     test_rmsnorm_forward.
 - Requantize: bit for bit against an fp32 replay, and against the forward's y_t (see its section).
+- rmsnorm_backward with a residual gradient: dx equals the op's dx without one, .to(residual.dtype) + residual
+  (torch's add), bit for bit, with every NaN canonical.
 - CUDA (skipped without a GPU): every output equal to the C core's, bit for bit.
 """
 from __future__ import annotations
@@ -346,6 +348,75 @@ def test_rmsnorm_zero_rows(device):
     assert y_scale.item() == 2.0**-126
     dx, dweight = run(torch.ops.coat.rmsnorm_backward, x, x_saved, x_saved_scales, rstd, weight, 16, device=device)
     assert dx.shape == (0, 64) and (dweight == 0).all()
+    dx, dweight = run(torch.ops.coat.rmsnorm_backward, x, x_saved, x_saved_scales, rstd, weight, 16, x.float(),
+                      device=device)
+    assert dx.shape == (0, 64) and dx.dtype == torch.float32 and (dweight == 0).all()
+
+
+# With a residual gradient: dx = round(residual dtype, float(dx in dy's dtype) + residual), which is torch's
+# dx.to(residual.dtype) + residual when dy's dtype converts to residual's exactly; NaN canonical.
+
+
+def canonical_nan(t: torch.Tensor) -> torch.Tensor:
+    """t with every NaN the canonical quiet NaN (torch's own: 0x7FC00000, bf16 0x7FC0, fp16 0x7E00)."""
+    return torch.where(t.isnan(), torch.full_like(t, math.nan), t)
+
+
+def check_rmsnorm_backward_residual(case, residual, device) -> torch.Tensor:
+    """dx and dweight with the residual against the op without it; returns dx."""
+    dx, dweight = run(torch.ops.coat.rmsnorm_backward, *case, 16, device=device)
+    dx_residual, dweight_residual = run(torch.ops.coat.rmsnorm_backward, *case, 16, residual, device=device)
+    assert dx_residual.dtype == residual.dtype and dx_residual.shape == dx.shape
+    assert_same_bits(dx_residual, canonical_nan(dx.to(residual.dtype) + residual), "dx vs dx + residual in torch")
+    assert_same_bits(dweight_residual, dweight, "dweight with a residual vs without")
+    return dx_residual
+
+
+# (97, 1000): the CUDA kernel's 16-byte path; (5, 100): element by element (H % 8 != 0)
+@pytest.mark.parametrize("shape", [(97, 1000), (5, 100)], ids=str)
+@pytest.mark.parametrize("dy_dtype, residual_dtype", [
+    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+    (torch.float16, torch.float16),
+], ids=str)
+def test_rmsnorm_backward_residual(device, shape, dy_dtype, residual_dtype):
+    case = rmsnorm_backward_case(shape, dy_dtype, seed=15)
+    residual = activations(shape, residual_dtype, seed=16)
+    check_rmsnorm_backward_residual(case, residual, device)
+
+
+def test_rmsnorm_backward_residual_nd_and_wrapper(device):
+    """An N-D dy read as row-strided rows with a contiguous residual of its shape, through coat.ops."""
+    x = activations((2, 7, 128), torch.bfloat16, seed=17)
+    weight = torch.rand(128).bfloat16() + 0.5
+    _, _, _, x_saved, x_saved_scales, rstd = rmsnorm_forward(x, weight)
+    dy = activations((2, 7, 160), torch.bfloat16, seed=18)[..., 16:144]
+    residual = activations((2, 7, 128), torch.float32, seed=19)
+    dx = check_rmsnorm_backward_residual((dy, x_saved, x_saved_scales, rstd, weight), residual, device)
+    assert dx.shape == (2, 7, 128) and dx.is_contiguous()
+    dx_ops, _ = ops.rmsnorm_backward(*(on_device(t, device) for t in (dy, x_saved, x_saved_scales, rstd, weight)),
+                                     residual=on_device(residual, device))
+    assert_same_bits(dx_ops.cpu(), dx, "coat.ops.rmsnorm_backward(residual=)")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_rmsnorm_backward_residual_special_values(device, dtype):
+    """NaN (of either sign) and +-Inf in the residual, rows of dx that are NaN or +-Inf (from dy), sums past the
+    dtype's largest value: each as the formula says, every NaN canonical (positive)."""
+    case = rmsnorm_backward_case((8, 512), dtype, seed=20)
+    case[0][4, 7], case[0][5, 9] = math.nan, math.inf  # dx: row 4 NaN; row 5 +-Inf, NaN at the Inf
+    residual = activations((8, 512), dtype, seed=21, outliers=False)
+    residual[0, 1], residual[0, 2], residual[0, 3], residual[4, 7] = math.nan, math.inf, -math.inf, math.inf
+    nan_bits = bits(torch.tensor(math.nan, dtype=dtype))
+    bits(residual)[1] = nan_bits | torch.iinfo(nan_bits.dtype).min  # a negative NaN: the sign bit set
+    largest = torch.finfo(dtype).max
+    case[0][2:4] *= largest / 100  # dx of rows 2 and 3 up to 1% of largest, past half the last step below it
+    residual[2, :] = largest
+    residual[3, :] = -largest
+    dx = check_rmsnorm_backward_residual(case, residual, device)
+    assert dx[0, 1].isnan() and dx[0, 2] == math.inf and dx[0, 3] == -math.inf
+    assert dx[[1, 4]].isnan().all() and (bits(dx[1]) == bits(torch.tensor(math.nan, dtype=dtype))).all()
+    assert not dx[5].isfinite().any()
+    assert dx[2].isinf().any() and dx[3].isinf().any()  # largest + dx rounds past the largest value
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -850,9 +921,11 @@ def test_opcheck(device):
     # implement for FP8 tensors, and the backward ops take FP8 inputs; the other checks all run.
     fp8_input_checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     _, _, _, x_saved, x_saved_scales, rstd = torch.ops.coat.rmsnorm_quantize(x, weight, EPS, 16, 128, E4M3, False)
-    torch.library.opcheck(
-        torch.ops.coat.rmsnorm_backward.default, (x, x_saved, x_saved_scales, rstd, weight, 16), test_utils=fp8_input_checks
-    )
+    for residual in (None, x.float()):
+        torch.library.opcheck(
+            torch.ops.coat.rmsnorm_backward.default, (x, x_saved, x_saved_scales, rstd, weight, 16, residual),
+            test_utils=fp8_input_checks,
+        )
     for s in (None, smooth):
         torch.library.opcheck(
             torch.ops.coat.silu_mul_backward.default,
@@ -898,6 +971,10 @@ def test_errors():
         (lambda: backward(x, saved.view(torch.uint8), scales, rstd, w, 16), "x_saved must be torch.float8_e4m3fn"),
         (lambda: backward(x, saved, scales, rstd, w, 32), r"x_saved_scales must have shape \[4, 2\]"),
         (lambda: backward(x, saved, scales, rstd[:2], w, 16), "one value per row"),
+        (lambda: backward(x, saved, scales, rstd, w, 16, x[:2]), "residual has shape .* but dy has shape"),
+        (lambda: backward(x, saved, scales, rstd, w, 16, x.T.contiguous().T),
+         r"residual must be contiguous; call .contiguous\(\)"),
+        (lambda: backward(x, saved, scales, rstd, w, 16, x.int()), "residual must be float32, bfloat16 or float16"),
         (lambda: torch.ops.coat.silu_mul_backward(x, saved, scales, saved.T, scales, None, 16), "up_saved has shape"),
     ]
     y_scale = torch.tensor(0.01)
@@ -928,3 +1005,11 @@ def test_errors():
         with pytest.raises(RuntimeError, match=message):
             call()
 
+
+def test_rmsnorm_backward_residual_on_another_device(cuda_device):
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    _, _, _, saved, scales, rstd = torch.ops.coat.rmsnorm_quantize(x, weight, EPS, 16, 128, E4M3, False)
+    on_gpu = [t.to(cuda_device) for t in (x, saved, scales, rstd, weight)]
+    with pytest.raises(RuntimeError, match="residual is on cpu but the input is on cuda"):
+        torch.ops.coat.rmsnorm_backward(*on_gpu, 16, x)

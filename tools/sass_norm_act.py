@@ -48,6 +48,8 @@ class Loop(typing.NamedTuple):
 
 APPLY_LOOP = ("for (int parity = 0; row_tile < row_tiles;",
               "if (row_tile + row_strands < row_tiles) next = load_tile(row_tile + row_strands);", 16)
+BACKWARD_LOOP = ("for (int64_t i = 0; i < a.rows_per_slice; ++i)",
+                 "if (i + 1 < a.rows_per_slice) next = load_row(i + 1);", 32)
 SILU_LOOP = ("for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {",
              "if (row + at.row_step < a.rows) next = load_row(row + at.row_step);", 16)
 KERNELS = {
@@ -55,9 +57,11 @@ KERNELS = {
                           "for (int64_t group = blockIdx.x; group < a.row_groups;",
                           "if (group + gridDim.x < a.row_groups) next = load_row(group + gridDim.x);", 32),
     "rmsnorm_apply": Loop(["apply_quantize_kernelINS_12RmsnormApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
-    "rmsnorm_backward": Loop(["rmsnorm_backward_kernelILi256E", BF16], "rmsnorm_backward_kernel(",
-                             "for (int64_t i = 0; i < a.rows_per_slice; ++i)",
-                             "if (i + 1 < a.rows_per_slice) next = load_row(i + 1);", 32),
+    # without a residual (ResidualIo = void), and with a bf16 one (S3_: the same VectorIo again)
+    "rmsnorm_backward": Loop(["rmsnorm_backward_kernelILi256E", BF16 + "EEvE"], "rmsnorm_backward_kernel(",
+                             *BACKWARD_LOOP),
+    "rmsnorm_backward_residual": Loop(["rmsnorm_backward_kernelILi256E", BF16 + "EES3_E"], "rmsnorm_backward_kernel(",
+                                      *BACKWARD_LOOP),
     "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16], "silu_mul_stats_kernel(", *SILU_LOOP),
     "silu_mul_apply": Loop(["apply_quantize_kernelINS_12SiluMulApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
     "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16], "silu_mul_backward_kernel(", *SILU_LOOP),
@@ -100,7 +104,8 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
     fp8 = headers["fp8.h"]
     cold_lines(fp8, "COAT_INLINE uint8_t coat_f32_to_e4m3(float f) {", "return (uint8_t)(sign | code);")
     bits = headers["float_bits.h"]
-    cold_lines(bits, "COAT_INLINE uint16_t coat_f32_to_bf16(float f) {", "return (uint16_t)(u >> 16);")
+    if kernel != "rmsnorm_backward_residual":  # which rounds dx to bf16 by it before adding the residual
+        cold_lines(bits, "COAT_INLINE uint16_t coat_f32_to_bf16(float f) {", "return (uint16_t)(u >> 16);")
 
     def to(source: Source, snippet: str, after: int = 0) -> str:  # toward the first line holding snippet
         return "to:" + source.key(snippet, after)
@@ -128,8 +133,8 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
     rules: dict[str, str] = {}
     # L = 128: four whole chunks per lane and row in every loop over them; whole chunks of a row inside the
     # matrix everywhere
-    for snippet in ("for (int k = 0; k < kChunksPerLane; ++k) {", "if (count == 0) continue;", "if (count > 0) {",
-                    "if (count > 0)"):
+    for snippet in ("for (int k = 0; k < kChunksPerLane; ++k) {", "if (k * a.lanes >= chunks) break;",
+                    "if (count == 0) continue;", "if (count > 0) {", "if (count > 0)"):
         rules.update({key(line): into(line) for line in every(snippet)})
     group_amax = Source(os.path.join(ROOT, "csrc", "cuda", "group_amax.cuh"))
     load = (to(cu, "const uint2 raw = *reinterpret_cast<const uint2*>(src);") if kernel.endswith("requantize")
@@ -176,11 +181,14 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
             to(cu, "const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(data) + offset);"),
         cu.key("if (dtype == COAT_BFLOAT16) {", cu.find("__device__ __forceinline__ void unpack_16bit(")):
             to(cu, "out[0] = __uint_as_float(pair << 16);"),
+        # bf16 dy in the sum with the residual (the switch on its dtype, taken once per chunk)
+        cu.key("dx[e] = coat_rmsnorm_dx_plus_residual("):
+            to(math, "case COAT_BFLOAT16: return coat_bf16_to_f32(coat_f32_to_bf16(dx)) + residual;"),
         cu.key("if (smooth_scale != nullptr) {"):
             "away:" + cu.key("load_chunk(smooth_scale, COAT_FLOAT32, col, count, vector, v);"),
     })
-    # the next row or tile is loaded
-    for snippet in ("next = load_row(", "next = load_tile("):
+    # the next row or tile is loaded, and the backward's residual
+    for snippet in ("next = load_row(", "next = load_tile(", "residual[k] = dx_io.load("):
         rules.update({key(line): load for line in every(snippet)})
     return cold, rules
 

@@ -412,9 +412,12 @@ def _rmsnorm_output_t(saved: dict, weight, y_scale, config: FP8Config) -> torch.
     )
 
 
-def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype):
+def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype, residual=None):
+    """The norm's input and weight gradients; ``residual``, a contiguous gradient of grad_y2d's shape, is added to
+    the input's in the kernel (see ops.rmsnorm_backward)."""
     grad_x, grad_weight = ops.rmsnorm_backward(
-        grad_y2d, saved["x_saved"], saved["x_saved_scales"], saved["rstd"], weight, config.group_size
+        grad_y2d, saved["x_saved"], saved["x_saved_scales"], saved["rstd"], weight, config.group_size,
+        residual=residual,
     )
     return grad_x.to(x_dtype), grad_weight.to(weight.dtype)
 
@@ -819,15 +822,20 @@ class _MLPResidualFunction(torch.autograd.Function):
         n_q_t = None
         if _params_need_grad(needs[1][:2]):
             n_q_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["n_scale"], ctx.config)
+        grad_out2d = _matrix(grad_out)
         grad_n, param_grads = _swiglu_backward(
-            _matrix(grad_out), saved, n_q_t, saved["n_scale"], params, needs, ctx.config, ctx.x_dtype,
-            ctx.out_dtype, _capture.backward_site(ctx),
+            grad_out2d, saved, n_q_t, saved["n_scale"], params, needs, ctx.config, ctx.x_dtype, ctx.out_dtype,
+            _capture.backward_site(ctx),
         )
-        grad_x, grad_norm_weight = None, None
+        grad_x, grad_norm_weight = grad_out, None
         if grad_n is not None:
-            grad_x, grad_norm_weight = _rmsnorm_backward(grad_n, saved, saved["norm_weight"], ctx.config, ctx.x_dtype)
+            # x's gradient through the residual connection, grad_out, is added inside the norm's backward kernel.
+            residual = grad_out2d.contiguous() if need_x else None
+            grad_x, grad_norm_weight = _rmsnorm_backward(
+                grad_n, saved, saved["norm_weight"], ctx.config, ctx.x_dtype, residual
+            )
         return (
-            grad_x.view(ctx.x_shape) + grad_out if need_x else None,
+            grad_x.view(ctx.x_shape) if need_x else None,
             grad_norm_weight if need_norm_weight else None,
             None,
             None,

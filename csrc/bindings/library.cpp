@@ -20,7 +20,7 @@ TORCH_LIBRARY(coat, m) {
         " ScalarType fp8_dtype, bool transpose)"
         " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor x_saved, Tensor x_saved_scales, Tensor rstd)");
   m.def("rmsnorm_backward(Tensor dy, Tensor x_saved, Tensor x_saved_scales, Tensor rstd, Tensor weight,"
-        " int save_group_size) -> (Tensor dx, Tensor dweight)");
+        " int save_group_size, Tensor? residual=None) -> (Tensor dx, Tensor dweight)");
   m.def("silu_mul_quantize(Tensor gate, Tensor up, Tensor? smooth_scale, int save_group_size, int amax_group_size,"
         " ScalarType fp8_dtype, bool transpose)"
         " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor gate_saved, Tensor gate_scales, Tensor up_saved,"

@@ -119,9 +119,20 @@ void check_rstd(const at::Tensor& rstd, const at::Tensor& input, int64_t rows, c
               "), as rmsnorm_quantize returns it, got ", rstd.scalar_type(), " of shape ", rstd.sizes());
 }
 
+// The gradient rmsnorm_backward adds to dx, read in place as dy's rows x cols: dy's shape, contiguous.
+coat_dtype check_residual(const at::Tensor& residual, const at::Tensor& dy, const char* op) {
+  check_same_device(dy, residual, op, "residual");
+  const coat_dtype dtype = input_dtype(residual, op, "residual");
+  TORCH_CHECK(residual.sizes() == dy.sizes(), op, ": residual has shape ", residual.sizes(), " but dy has shape ",
+              dy.sizes(), "; it must have dy's shape");
+  TORCH_CHECK(residual.is_contiguous(), op, ": residual must be contiguous; call .contiguous() first");
+  return dtype;
+}
+
 std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const at::Tensor& x_saved,
                                                     const at::Tensor& x_saved_scales, const at::Tensor& rstd,
-                                                    const at::Tensor& weight, int64_t save_group_size) {
+                                                    const at::Tensor& weight, int64_t save_group_size,
+                                                    const std::optional<at::Tensor>& residual) {
   constexpr const char* op = "coat.rmsnorm_backward";
   check_device(dy, op, "dy");
   const coat_dtype dy_dtype = input_dtype(dy, op, "dy");
@@ -133,13 +144,15 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const 
   check_rstd(rstd, dy, m.rows, op);
   check_channel_vector(weight, dy, m.cols, op, "weight");
   const coat_dtype weight_dtype = input_dtype(weight, op, "weight");
+  const coat_dtype residual_dtype = residual ? check_residual(*residual, dy, op) : dy_dtype;
 
-  at::Tensor dx = at::empty(dy.sizes(), dy.options());
+  at::Tensor dx = at::empty(dy.sizes(), dy.options().dtype(residual ? residual->scalar_type() : dy.scalar_type()));
   at::Tensor dweight = at::empty({m.cols}, dy.options().dtype(at::kFloat));
   at::Tensor workspace = at::empty({coat_rmsnorm_backward_workspace_size(m.rows, m.cols)}, dy.options().dtype(at::kFloat));
   COAT_CALL_CORE(dy, coat_rmsnorm_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
                  data_as<const uint8_t>(x_saved), data_as<const float>(x_saved_scales), save_group_size,
-                 data_as<const float>(rstd), weight.data_ptr(), weight_dtype, dx.data_ptr(), data_as<float>(dweight),
+                 data_as<const float>(rstd), weight.data_ptr(), weight_dtype,
+                 residual ? residual->data_ptr() : nullptr, residual_dtype, dx.data_ptr(), data_as<float>(dweight),
                  data_as<float>(workspace));
   return {dx, dweight};
 }

@@ -89,7 +89,8 @@ int64_t coat_rmsnorm_backward_workspace_size(int64_t rows, int64_t cols) {
 coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                       int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
                                       int64_t save_group_size, const float* rstd, const void* weight,
-                                      coat_dtype weight_dtype, void* dx, float* dweight, float* workspace) {
+                                      coat_dtype weight_dtype, const void* residual, coat_dtype residual_dtype,
+                                      void* dx, float* dweight, float* workspace) {
   if (!valid_matrix(dy, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL ||
       dweight == NULL || !coat_is_valid_group_size(save_group_size) ||
       (rows > 0 && (x_saved == NULL || x_saved_scales == NULL || rstd == NULL || dx == NULL || workspace == NULL)))
@@ -98,6 +99,7 @@ coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64
   const int64_t ngroups = coat_ceil_div(cols, save_group_size);
   const int64_t rows_per_slice = coat_rmsnorm_backward_rows_per_slice(rows, cols);
   const int64_t slices = rows > 0 ? coat_ceil_div(rows, rows_per_slice) : 0;
+  const coat_dtype dx_dtype = residual != NULL ? residual_dtype : dy_dtype;
 #pragma omp parallel for schedule(static)
   for (int64_t slice = 0; slice < slices; ++slice) {
     float* slice_dweight = workspace + slice * cols;
@@ -120,7 +122,11 @@ coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64
         const float xhat = coat_rmsnorm_xhat(codes[c], scales[c / save_group_size], row_rstd);
         const float dy_value = coat_load_f32(dy_row, dy_dtype, c);
         const float g = dy_value * coat_load_f32(weight, weight_dtype, c);
-        coat_store_as(dx, dy_dtype, r * cols + c, coat_rmsnorm_dx(g, xhat, mean_dot, row_rstd));
+        float dx_value = coat_rmsnorm_dx(g, xhat, mean_dot, row_rstd);
+        if (residual != NULL)
+          dx_value = coat_rmsnorm_dx_plus_residual(dx_value, dy_dtype,
+                                                   coat_load_f32(residual, residual_dtype, r * cols + c));
+        coat_store_as(dx, dx_dtype, r * cols + c, dx_value);
         slice_dweight[c] = slice_dweight[c] + dy_value * xhat;
       }
     }

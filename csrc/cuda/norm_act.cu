@@ -15,8 +15,8 @@
 //   apply_quantize_kernel    persistent over 64 x 64 tiles, the next tile in flight: recomputes y from the
 //                            inputs, writes it in FP8 and, through a shared-memory tile, its transpose; the
 //                            requantize ops run it on the saved FP8 inputs with the forward's scale, y_t only
-//   rmsnorm_backward_kernel  L threads per slice of rows, the next row in flight: dx, and one partial dweight
-//                            row per slice
+//   rmsnorm_backward_kernel  L threads per slice of rows, the next row in flight: dx (plus the residual
+//                            gradient when there is one), and one partial dweight row per slice
 //   dweight_finish_kernel    the slices' partial dweight rows summed in the documented order
 //   silu_mul_backward_kernel persistent, laid out as silu_mul_stats_kernel: dgate, dup and their joint amax
 //
@@ -1078,6 +1078,7 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(Sil
 struct RmsnormBackwardArgs {
   const void* dy;
   coat_dtype dy_dtype;
+  coat_dtype dx_dtype;  // the residual's, or dy's without one
   int64_t rows;
   int cols;
   int64_t row_stride;
@@ -1089,6 +1090,7 @@ struct RmsnormBackwardArgs {
   coat_dtype weight_dtype;
   int lanes;
   int64_t rows_per_slice, slices;
+  const void* residual;  // or nullptr
   void* dx;
   float* workspace;
 };
@@ -1125,10 +1127,14 @@ size_t backward_shared_bytes(int cols) {
 template <int kMaxThreads, class Io>
 constexpr int kBackwardMinBlocks = kMaxThreads == 256 && sizeof(typename Io::Raw) == 16 ? 2 : 1;
 
-template <int kMaxThreads, class Io>
+// Io reads dy. ResidualIo is void without a residual (dx in dy's dtype, written by Io), else the Io that reads
+// the residual and writes dx, in the residual's dtype.
+template <int kMaxThreads, class Io, class ResidualIo>
 __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, Io>))
     rmsnorm_backward_kernel(RmsnormBackwardArgs a) {
   constexpr bool kPrefetch = kMaxThreads <= 512;
+  constexpr bool kResidual = !std::is_void<ResidualIo>::value;
+  using DxIo = typename std::conditional<kResidual, ResidualIo, Io>::type;
   __shared__ float warp_sums[2][kMaxThreads / kWarpSize];
   extern __shared__ float4 dweight_partials[];  // backward_shared_bytes(cols): the partials, then the weight
   const WeightPlanes weights{dweight_partials + kChunksPerLane * 2 * kMaxThreads, (a.cols + kChunk - 1) / kChunk};
@@ -1138,6 +1144,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, 
     else load_chunk(a.weight, a.weight_dtype, col, count, Io::kVector, w);
   };
   const Io io{a.dy_dtype};
+  const DxIo dx_io{a.dx_dtype};
   const int lane = threadIdx.x % a.lanes;
   const int64_t slice = static_cast<int64_t>(blockIdx.x) * (kMaxThreads / a.lanes) + threadIdx.x / a.lanes;
   const int chunks = (a.cols + kChunk - 1) / kChunk;
@@ -1188,7 +1195,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, 
     }
     const int64_t row = slice * a.rows_per_slice + i;
     const bool active = slice < a.slices && row < a.rows;
-    void* dx_row = row_at(a.dx, io.element_size(), active ? row : 0, a.cols);
+    void* dx_row = row_at(a.dx, dx_io.element_size(), active ? row : 0, a.cols);
     // Chunks past the row add nothing; in a short chunk the terms past the row are +0 (as in the forward,
     // adding them changes nothing).
     float partial = 0.0f;
@@ -1204,6 +1211,17 @@ __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, 
       xhat_of(current, k, xhat);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) partial = partial + (dy[e] * weight[e]) * xhat[e];
+    }
+    // The row's residual is loaded while its dot product is reduced (with the next row's inputs it would not fit
+    // in registers).
+    typename DxIo::Raw residual[kChunksPerLane];
+    if constexpr (kResidual) {
+      const void* residual_row = row_at(a.residual, dx_io.element_size(), active ? row : 0, a.cols);
+#pragma unroll
+      for (int k = 0; k < kChunksPerLane; ++k) {
+        const int col = (lane + k * a.lanes) * kChunk;
+        residual[k] = dx_io.load(residual_row, col, active ? chunk_count(col, a.cols) : 0);
+      }
     }
     const float mean_dot = coat_div_rn(row_sum(partial, a.lanes, warp_sums[i % 2]), static_cast<float>(a.cols));
 #pragma unroll
@@ -1226,7 +1244,13 @@ __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, 
       }
       low = make_float4(sums[0], sums[1], sums[2], sums[3]);
       high = make_float4(sums[4], sums[5], sums[6], sums[7]);
-      io.store(dx_row, col, count, dx);
+      if constexpr (kResidual) {
+        float residual_chunk[kChunk];
+        dx_io.unpack(residual[k], residual_chunk);
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) dx[e] = coat_rmsnorm_dx_plus_residual(dx[e], a.dy_dtype, residual_chunk[e]);
+      }
+      dx_io.store(dx_row, col, count, dx);
     }
   }
   if (slice >= a.slices) return;
@@ -1456,13 +1480,22 @@ coat_status launch_rmsnorm_stats(RmsnormStatsArgs args, cudaStream_t stream) {
   return launch_status();
 }
 
-template <int kMaxThreads, class Io>
+template <int kMaxThreads, class Io, class ResidualIo>
 coat_status launch_rmsnorm_backward(const RmsnormBackwardArgs& args, cudaStream_t stream) {
   const size_t shared_bytes = backward_shared_bytes<kMaxThreads>(args.cols);
-  if (!allow_dynamic_shared<rmsnorm_backward_kernel<kMaxThreads, Io>>(shared_bytes)) return COAT_ERROR_CUDA;
+  if (!allow_dynamic_shared<rmsnorm_backward_kernel<kMaxThreads, Io, ResidualIo>>(shared_bytes))
+    return COAT_ERROR_CUDA;
   const unsigned blocks = static_cast<unsigned>(coat_ceil_div(args.slices, kMaxThreads / args.lanes));
-  rmsnorm_backward_kernel<kMaxThreads, Io><<<blocks, kMaxThreads, shared_bytes, stream>>>(args);
+  rmsnorm_backward_kernel<kMaxThreads, Io, ResidualIo><<<blocks, kMaxThreads, shared_bytes, stream>>>(args);
   return launch_status();
+}
+
+// launch_rmsnorm_backward with the block size for the row's L lanes.
+template <class Io, class ResidualIo>
+coat_status launch_rmsnorm_backward(const RmsnormBackwardArgs& args, cudaStream_t stream) {
+  if (args.lanes <= kRowBlockThreads) return launch_rmsnorm_backward<kRowBlockThreads, Io, ResidualIo>(args, stream);
+  if (args.lanes == 512) return launch_rmsnorm_backward<512, Io, ResidualIo>(args, stream);
+  return launch_rmsnorm_backward<1024, Io, ResidualIo>(args, stream);
 }
 
 // The SiLU*mul kernels' grid: segments of 512 columns times strands of 8-row blocks.
@@ -1526,8 +1559,8 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
 coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
                                        int64_t save_group_size, const float* rstd, const void* weight,
-                                       coat_dtype weight_dtype, void* dx, float* dweight, float* workspace,
-                                       coat_cuda_stream stream) {
+                                       coat_dtype weight_dtype, const void* residual, coat_dtype residual_dtype,
+                                       void* dx, float* dweight, float* workspace, coat_cuda_stream stream) {
   if (!valid_matrix(dy, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr ||
       dweight == nullptr || !coat_is_valid_group_size(save_group_size) ||
       (rows > 0 && (x_saved == nullptr || x_saved_scales == nullptr || rstd == nullptr || dx == nullptr ||
@@ -1549,18 +1582,29 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
   args.lanes = static_cast<int>(coat_rmsnorm_lanes(cols));
   args.rows_per_slice = coat_rmsnorm_backward_rows_per_slice(rows, cols);
   args.slices = rows > 0 ? coat_ceil_div(rows, args.rows_per_slice) : 0;
+  args.residual = residual;
+  args.dx_dtype = residual != nullptr ? residual_dtype : dy_dtype;
   args.dx = dx;
   args.workspace = workspace;
   if (rows > 0) {
-    // dx is contiguous (16-byte aligned rows when cols % 8 == 0); codes move 8 bytes at a time.
+    // dx and the residual are contiguous (16-byte aligned rows when cols % 8 == 0); codes move 8 bytes at a time.
+    // A residual takes the 16-byte path in dy's dtype or in fp32 (an fp32 residual stream); other dtype pairs,
+    // which no layer makes, go element by element.
+    const bool vector_residual = residual == nullptr || (aligned(residual, 16) && (residual_dtype == dy_dtype ||
+                                                                                   residual_dtype == COAT_FLOAT32));
     const bool vector = cols % kChunk == 0 && rows_aligned16(dy, dy_dtype, row_stride) && aligned(weight, 16) &&
-                        aligned(dx, 16) && aligned(x_saved, 8);
+                        aligned(dx, 16) && aligned(x_saved, 8) && vector_residual;
     coat_status status = COAT_SUCCESS;
     with_io(dy_dtype, vector, [&](auto io) {
       using Io = decltype(io);
-      if (args.lanes <= kRowBlockThreads) status = launch_rmsnorm_backward<kRowBlockThreads, Io>(args, cuda_stream);
-      else if (args.lanes == 512) status = launch_rmsnorm_backward<512, Io>(args, cuda_stream);
-      else status = launch_rmsnorm_backward<1024, Io>(args, cuda_stream);
+      if (residual == nullptr) {
+        status = launch_rmsnorm_backward<Io, void>(args, cuda_stream);
+      } else if constexpr (Io::kVector) {
+        if (residual_dtype == dy_dtype) status = launch_rmsnorm_backward<Io, Io>(args, cuda_stream);
+        else status = launch_rmsnorm_backward<Io, VectorIo<COAT_FLOAT32>>(args, cuda_stream);
+      } else {
+        status = launch_rmsnorm_backward<Io, ElementIo>(args, cuda_stream);
+      }
     });
     if (status != COAT_SUCCESS) return status;
   }

@@ -1,13 +1,13 @@
 // Runs csrc/cuda/norm_act.cu's kernels under the CPU emulation (cuda_runtime.h here) and compares every output
 // with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward, requantize (with the
-// forward's y_scale and with one that saturates, from aligned and misaligned codes) and backward, over row
-// widths of every lane count, odd widths and misaligned views (the element-wise path), row strides, the
-// three dtypes, every save group size, both FP8 formats, with and without the transpose, NaN / Inf / zero /
-// subnormal / huge inputs and gates past the fast sigmoid's range, on 1 to 3 emulated SMs (so that the
-// persistent kernels walk several rows or tiles per block and their prefetch paths run). It also checks
-// the fast sigmoid against coat_sigmoid and the save scale against coat_scale_from_amax on every float they
-// take (`full`) or on a sample, and the fast quotient's codes on random values. Built and run by run.sh,
-// which generates norm_act_emulated.cpp from the .cu file.
+// forward's y_scale and with one that saturates, from aligned and misaligned codes) and backward (without a
+// residual gradient, and with one of dy's dtype or another), over row widths of every lane count, odd widths
+// and misaligned views (the element-wise path), row strides, the three dtypes, every save group size, both FP8
+// formats, with and without the transpose, NaN / Inf / zero / subnormal / huge inputs and gates past the fast
+// sigmoid's range, on 1 to 3 emulated SMs (so that the persistent kernels walk several rows or tiles per block
+// and their prefetch paths run). It also checks the fast sigmoid against coat_sigmoid and the save scale against
+// coat_scale_from_amax on every float they take (`full`) or on a sample, and the fast quotient's codes on random
+// values. Built and run by run.sh, which generates norm_act_emulated.cpp from the .cu file.
 #include "norm_act_emulated.cpp"
 
 #include <math.h>
@@ -127,7 +127,8 @@ const char* dtype_name(coat_dtype d) { return d == COAT_FLOAT32 ? "f32" : d == C
 
 // RMSNorm forward and backward, C core against the emulated kernels.
 void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, coat_dtype x_dtype, coat_dtype w_dtype,
-                  int64_t group, coat_fp8_format format, bool transpose, int specials, float eps) {
+                  int64_t group, coat_fp8_format format, bool transpose, int specials, float eps,
+                  const std::vector<coat_dtype>& residual_dtypes) {
   char name[160];
   snprintf(name, sizeof name, "rmsnorm %lldx%lld stride %lld +%d %s/%s G%lld %s%s%s eps %g sms %d",
            (long long)rows, (long long)cols, (long long)row_stride, offset, dtype_name(x_dtype), dtype_name(w_dtype),
@@ -175,28 +176,41 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
     same(y_t[0], y_t[1], "requantized y_t", name);
   }
 
-  // Backward from the saved input, with a dy of the same layout.
-  const Matrix dy = make_matrix(rows, cols, row_stride, offset, x_dtype, specials & kSpecial ? kSpecial : kPlain);
-  struct Grads {
-    std::vector<uint8_t> dx;
-    std::vector<float> dweight, workspace;
-  } grads[2];
-  for (Grads& g : grads) {
-    g.dx.assign(n * bytes_of(x_dtype), 0xAB);
-    g.dweight.assign(cols, -1.0f);
-    g.workspace.assign(coat_rmsnorm_backward_workspace_size(rows, cols) + 1, -1.0f);
+  // Backward from the saved input, with a dy of the same layout: without a residual, then with one of each of
+  // `residual_dtypes` (contiguous, `offset` elements into its buffer like dy).
+  const int dy_specials = specials & kSpecial ? kSpecial : kPlain;
+  const Matrix dy = make_matrix(rows, cols, row_stride, offset, x_dtype, dy_specials);
+  std::vector<Matrix> residuals;
+  for (const coat_dtype dtype : residual_dtypes)
+    residuals.push_back(make_matrix(rows, cols, cols, offset, dtype, dy_specials));
+  for (size_t k = 0; k <= residuals.size(); ++k) {
+    const Matrix* residual = k > 0 ? &residuals[k - 1] : nullptr;
+    const coat_dtype dx_dtype = residual ? residual->dtype : x_dtype;
+    char backward_name[200];
+    snprintf(backward_name, sizeof backward_name, "%s backward, residual %s", name,
+             residual ? dtype_name(dx_dtype) : "none");
+    struct Grads {
+      std::vector<uint8_t> dx;
+      std::vector<float> dweight, workspace;
+    } grads[2];
+    for (Grads& g : grads) {
+      g.dx.assign(n * bytes_of(dx_dtype), 0xAB);
+      g.dweight.assign(cols, -1.0f);
+      g.workspace.assign(coat_rmsnorm_backward_workspace_size(rows, cols) + 1, -1.0f);
+    }
+    const void* residual_data = residual ? residual->data : nullptr;
+    const coat_status cpu_b = coat_rmsnorm_backward_cpu(
+        dy.data, x_dtype, rows, cols, row_stride, out[0].saved.data(), out[0].scales.data(), group, out[0].rstd.data(),
+        weight.data, w_dtype, residual_data, dx_dtype, grads[0].dx.data(), grads[0].dweight.data(),
+        grads[0].workspace.data());
+    const coat_status gpu_b = coat_rmsnorm_backward_cuda(
+        dy.data, x_dtype, rows, cols, row_stride, out[0].saved.data(), out[0].scales.data(), group, out[0].rstd.data(),
+        weight.data, w_dtype, residual_data, dx_dtype, grads[1].dx.data(), grads[1].dweight.data(),
+        grads[1].workspace.data(), nullptr);
+    CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s: status %d %d", backward_name, cpu_b, gpu_b);
+    same(grads[0].dx, grads[1].dx, "dx", backward_name);
+    same(grads[0].dweight, grads[1].dweight, "dweight", backward_name);
   }
-  const coat_status cpu_b = coat_rmsnorm_backward_cpu(dy.data, x_dtype, rows, cols, row_stride, out[0].saved.data(),
-                                                      out[0].scales.data(), group, out[0].rstd.data(), weight.data,
-                                                      w_dtype, grads[0].dx.data(), grads[0].dweight.data(),
-                                                      grads[0].workspace.data());
-  const coat_status gpu_b = coat_rmsnorm_backward_cuda(dy.data, x_dtype, rows, cols, row_stride, out[0].saved.data(),
-                                                       out[0].scales.data(), group, out[0].rstd.data(), weight.data,
-                                                       w_dtype, grads[1].dx.data(), grads[1].dweight.data(),
-                                                       grads[1].workspace.data(), nullptr);
-  CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s backward: status %d %d", name, cpu_b, gpu_b);
-  same(grads[0].dx, grads[1].dx, "dx", name);
-  same(grads[0].dweight, grads[1].dweight, "dweight", name);
 }
 
 // SiLU*mul forward and backward. gate and up are the two halves of one [rows, 2 cols + pad] matrix (row-strided
@@ -363,16 +377,34 @@ int main(int argc, char** argv) {
       const coat_dtype x_dtype = dtypes[(i + variant) % 3], w_dtype = dtypes[(i + 2 * variant + 1) % 3];
       const int64_t stride = shape[1] + (variant == 1 ? 8 : 0);
       const int offset = variant == 2 && shape[1] <= 4096 ? 1 : 0;
+      // A residual of dy's dtype or, every other case, of another: fp32 for 16-bit dy (the 16-byte path's mixed
+      // pair), bf16 for fp32 dy (element by element). Not beside the widest rows, slow to emulate (see below).
+      const coat_dtype other = x_dtype == COAT_FLOAT32 ? COAT_BFLOAT16 : COAT_FLOAT32;
+      std::vector<coat_dtype> residual_dtypes;
+      if (shape[1] <= 4096) residual_dtypes.push_back(i % 2 ? other : x_dtype);
       rmsnorm_case(shape[0], shape[1], stride, offset, x_dtype, w_dtype, groups[(i + variant) % 4],
                    (i + variant) % 2 ? COAT_E5M2 : COAT_E4M3, variant != 1, variant == 0 ? kSpecial : kPlain,
-                   variant == 2 ? 0.0f : 1e-6f);
+                   variant == 2 ? 0.0f : 1e-6f, residual_dtypes);
     }
   }
   // Slices of several rows in the backward: 4 rows of one warp (L = 32), 2 rows of two warps (L = 64).
   emu_sms = 1;
-  rmsnorm_case(3 * 2048 + 5, 64, 64, 0, COAT_BFLOAT16, COAT_BFLOAT16, 16, COAT_E4M3, true, kPlain, 1e-6f);
+  rmsnorm_case(3 * 2048 + 5, 64, 64, 0, COAT_BFLOAT16, COAT_BFLOAT16, 16, COAT_E4M3, true, kPlain, 1e-6f,
+               {COAT_BFLOAT16});
   emu_sms = 2;
-  rmsnorm_case(1029, 2048, 2048, 0, COAT_BFLOAT16, COAT_FLOAT32, 32, COAT_E4M3, true, kSpecial, 1e-6f);
+  rmsnorm_case(1029, 2048, 2048, 0, COAT_BFLOAT16, COAT_FLOAT32, 32, COAT_E4M3, true, kSpecial, 1e-6f,
+               {COAT_FLOAT32});
+  // Residuals beside finite rows (with special values most rows above are NaN or Inf, which hides the sum): each
+  // residual Io of the 256-thread kernel (dy's dtype, fp32 beside 16-bit dy, element by element for another
+  // pair or a misaligned residual), and the 1024-thread kernel, which loads rows without prefetching.
+  emu_sms = 1;
+  rmsnorm_case(67, 176, 176, 0, COAT_BFLOAT16, COAT_BFLOAT16, 16, COAT_E4M3, true, kPlain, 1e-6f, {COAT_FLOAT32});
+  rmsnorm_case(9, 1000, 1000, 0, COAT_FLOAT16, COAT_FLOAT32, 32, COAT_E4M3, true, kPlain, 1e-6f, {COAT_FLOAT16});
+  rmsnorm_case(33, 1032, 1040, 0, COAT_FLOAT32, COAT_BFLOAT16, 64, COAT_E5M2, false, kPlain, 1e-6f, {COAT_FLOAT32});
+  rmsnorm_case(4, 100, 100, 0, COAT_FLOAT32, COAT_FLOAT16, 128, COAT_E4M3, true, kPlain, 1e-6f, {COAT_BFLOAT16});
+  rmsnorm_case(5, 64, 64, 1, COAT_BFLOAT16, COAT_FLOAT32, 16, COAT_E4M3, true, kPlain, 1e-6f, {COAT_BFLOAT16});
+  emu_sms = 2;
+  rmsnorm_case(2, 16392, 16392, 0, COAT_FLOAT16, COAT_BFLOAT16, 16, COAT_E4M3, false, kPlain, 1e-6f, {COAT_FLOAT32});
 
   const int64_t silu_shapes[][2] = {{5, 64},   {37, 176}, {9, 1000}, {3, 7}, {4, 100},
                                     {6, 1032}, {3, 2048}, {70, 16},  {1, 8}};

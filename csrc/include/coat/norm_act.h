@@ -84,19 +84,27 @@ int64_t coat_rmsnorm_backward_workspace_size(int64_t rows, int64_t cols);
  *    dot     = sum_c g[c] * xhat[c]                         (fixed reduction order, as the forward's sum)
  *    dx[r,c] = (g[c] - xhat[c] * (dot / cols)) * rstd[r]    rounded to dy's dtype
  *    dweight[c] = sum_r dy[r,c] * xhat[c]                   (fp32, fixed order over rows)
+ *  With a residual (the gradient that reaches the norm's input around it, as in x + f(norm(x))), dx is
+ *  written in `residual_dtype` instead, that dx plus the residual in one fp32 addition:
+ *    dx[r,c] = round_to(residual_dtype, float(round_to(dy_dtype, dx_f32[r,c])) + float(residual[r,c]))
+ *  which is torch's dx.to(residual.dtype) + residual whenever dy's dtype converts to residual's exactly (the
+ *  same dtype, or an fp32 residual): torch adds 16-bit tensors in fp32 and rounds once. A NaN dx is stored
+ *  canonically in every dtype (0x7FC00000, bf16 0x7FC0, fp16 0x7E00), whichever operand it came from.
  *  dy: `dy_dtype`, rows x cols with row_stride; x_saved: rows*cols E4M3 bytes; x_saved_scales:
- *  rows*ceil(cols/G) fp32; rstd: `rows` fp32; weight: `cols` elements of `weight_dtype`; dx: rows*cols
- *  contiguous elements of `dy_dtype`; dweight: `cols` fp32; workspace: coat_rmsnorm_backward_workspace_size
- *  fp32 of scratch. 1 <= cols <= COAT_RMSNORM_MAX_COLS. */
+ *  rows*ceil(cols/G) fp32; rstd: `rows` fp32; weight: `cols` elements of `weight_dtype`; residual: NULL, or
+ *  rows*cols contiguous elements of `residual_dtype` (ignored without one); dx: rows*cols contiguous elements
+ *  of `residual_dtype` with a residual, of `dy_dtype` without; dweight: `cols` fp32; workspace:
+ *  coat_rmsnorm_backward_workspace_size fp32 of scratch. 1 <= cols <= COAT_RMSNORM_MAX_COLS. */
 coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                       int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
                                       int64_t save_group_size, const float* rstd, const void* weight,
-                                      coat_dtype weight_dtype, void* dx, float* dweight, float* workspace);
+                                      coat_dtype weight_dtype, const void* residual, coat_dtype residual_dtype,
+                                      void* dx, float* dweight, float* workspace);
 coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
                                        int64_t save_group_size, const float* rstd, const void* weight,
-                                       coat_dtype weight_dtype, void* dx, float* dweight, float* workspace,
-                                       coat_cuda_stream stream);
+                                       coat_dtype weight_dtype, const void* residual, coat_dtype residual_dtype,
+                                       void* dx, float* dweight, float* workspace, coat_cuda_stream stream);
 
 /** SiLU*mul forward (SwiGLU's activation) with FP8 output and FP8-saved inputs.
  *    y_f32 = (silu(gate[r,c]) * up[r,c]) * smooth_scale[c]     (a factor of 1, which is exact, when

@@ -129,6 +129,16 @@ COAT_INLINE float coat_rmsnorm_dx(float g, float xhat, float mean_dot, float rst
   return (g - xhat * mean_dot) * rstd;
 }
 
+/** dx plus the residual gradient, before the rounding to the residual's dtype: dx as it would be stored in
+ *  dy's dtype (read back exactly), plus the residual, in one fp32 addition. */
+COAT_INLINE float coat_rmsnorm_dx_plus_residual(float dx, coat_dtype dy_dtype, float residual) {
+  switch (dy_dtype) {
+    case COAT_BFLOAT16: return coat_bf16_to_f32(coat_f32_to_bf16(dx)) + residual;
+    case COAT_FLOAT16: return coat_f16_to_f32(coat_f32_to_f16(dx)) + residual;
+    default: return dx + residual;
+  }
+}
+
 /* ------------------------------------------------------------------------------------------------ */
 /* SiLU                                                                                               */
 
