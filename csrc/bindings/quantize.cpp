@@ -193,8 +193,8 @@ std::vector<int64_t> check_fp4_operands(const at::Tensor& codes, const at::Tenso
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), op,
               ": scales must be a contiguous float32 tensor, as coat.ops.quantize_fp4 returns, got ",
               scales.scalar_type(), scales.is_contiguous() ? "" : " (non-contiguous)");
-  std::vector<int64_t> shape(codes.sizes().begin(), codes.sizes().end());
-  shape.back() = cols;
+  std::vector<int64_t> shape(codes.sizes().begin(), codes.sizes().end() - 1);  // dim() >= 1, checked above
+  shape.push_back(cols);
   std::vector<int64_t> expected = shape;
   expected.back() = (cols + block_size - 1) / block_size;
   TORCH_CHECK(scales.sizes() == at::IntArrayRef(expected), op, ": with block_size=", block_size, " and cols=", cols,
