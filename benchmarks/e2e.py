@@ -20,8 +20,7 @@ other:
                       (one process only: FP8 gradients need unsharded parameters)
     coat-fp8-comm     under torchrun only: coat-bf16w whose gradients FSDP2 reduce-scatters as block-scaled FP8
                       (coat.distributed.fp8_reduce_scatter) and whose projection weights it all-gathers in FP8
-                      (coat.distributed.fp8_all_gather); "all-gather MB/step" and "reduce-scatter MB/step" are
-                      what this rank's FP8 collectives sent per timed step
+                      (coat.distributed.fp8_all_gather)
 
 A step is zero_grad, forward with the loss over the batch's own tokens, backward, optimizer step; no gradient
 checkpointing. Under torchrun every decoder layer and the root are fully_shard'ed (FSDP2), and each rank trains
@@ -35,6 +34,10 @@ on its own micro-batch. For each variant:
     may use --memory-cap = 95% of each GPU, so that every rank runs out at the same allocation);
   - tokens/s per GPU at that batch: batch * seq / median step time (CUDA events) of --steps steps after
     --warmup steps; the slowest rank's under torchrun;
+  - under torchrun, "all-gather MB/step" and "reduce-scatter MB/step": the bytes this rank handed to
+    torch.distributed's collectives per timed step (their input tensors, counted at the call): FSDP2's own
+    all-gathers and reduce-scatters for every variant, and for coat-fp8-comm the all-gathers of FP8 codes and
+    the all-to-alls of coat's FP8 reduce-scatter (its amax all-reduces go under "all-reduce MB/step");
   - with --max-seq N: the longest sequence (a multiple of --seq-unit, up to N) that trains at batch 1, by the
     same doubling and bisection, and tokens/s there.
 
@@ -58,8 +61,10 @@ Adam state), so at small batches the memory ratio tends to 1.59. A BF16 run that
     python benchmarks/e2e.py --smoke                           (CPU: checks that the script runs)
     python benchmarks/e2e.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
 """
+import collections
 import datetime
 import gc
+import inspect
 import os
 import statistics
 import sys
@@ -137,7 +142,7 @@ def torchao_missing() -> str | None:
 
 
 def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tuple:
-    """The model, its optimizer, and the logs of coat's FP8 collectives ({} when there are none). Under FSDP2 the model is built on the meta device and sharded before it
+    """The model and its optimizer. Under FSDP2 the model is built on the meta device and sharded before it
     gets memory, so that the whole model never sits on one GPU."""
     # The bf16-weight variants are built in bfloat16, so that no float32 copy of the model ever exists.
     dtype = torch.bfloat16 if variant in BF16_WEIGHT_VARIANTS else torch.float32
@@ -161,10 +166,9 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
         torch._dynamo.reset()
         for layer in model.model.layers:
             layer.compile()
-    logs = {}  # what coat's FP8 collectives sent, by collective
     if mesh is not None:
         if variant == "coat-fp8-comm":
-            logs["all-gather"] = coat.distributed.fp8_all_gather(model).log  # before fully_shard
+            coat.distributed.fp8_all_gather(model)  # before fully_shard
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -172,7 +176,7 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
         model.to_empty(device=device)
         initialise(model, config)
         if variant == "coat-fp8-comm":
-            logs["reduce-scatter"] = coat.distributed.fp8_reduce_scatter(model).log
+            coat.distributed.fp8_reduce_scatter(model)
     params = list(model.parameters())
     if variant in BF16_WEIGHT_VARIANTS:
         fp8_grads = "e5m2" if variant == "coat-fp8-grads" else None
@@ -181,7 +185,52 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
         optimizer = coat.optim.AdamW(params, lr=LR)
     else:
         optimizer = torch.optim.AdamW(params, lr=LR, fused=device.type == "cuda")
-    return model.train(), optimizer, logs
+    return model.train(), optimizer
+
+
+class CollectiveBytes:
+    """Counts the bytes this rank hands to torch.distributed's collectives while it is entered: the input
+    tensor of each outermost call, by kind. Every collective FSDP2 and coat issue goes through these
+    functions of torch.distributed (looked up at call time), whichever of them a torch version uses."""
+
+    KINDS = {"all_gather_into_tensor": "all-gather", "all_gather_single": "all-gather",
+             "reduce_scatter_tensor": "reduce-scatter", "reduce_scatter_single": "reduce-scatter",
+             "all_to_all_single": "reduce-scatter",  # coat's FP8 reduce-scatter is an all-to-all
+             "all_reduce": "all-reduce"}
+    INPUTS = ("input_tensor", "input", "tensor")
+
+    def __init__(self):
+        self.bytes = collections.Counter()
+        self._depth = 0
+        self._originals = {}
+
+    def _counting(self, name: str, function):
+        signature = inspect.signature(function)
+
+        def counted(*args, **kwargs):
+            if self._depth == 0:
+                arguments = signature.bind(*args, **kwargs).arguments
+                tensor = next(arguments[key] for key in self.INPUTS if key in arguments)
+                self.bytes[self.KINDS[name]] += tensor.numel() * tensor.element_size()
+            self._depth += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def __enter__(self):
+        for name in self.KINDS:
+            if hasattr(dist, name):
+                self._originals[name] = getattr(dist, name)
+                setattr(dist, name, self._counting(name, self._originals[name]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, function in self._originals.items():
+            setattr(dist, name, function)
+        self._originals.clear()
 
 
 class Training:
@@ -192,7 +241,6 @@ class Training:
         self.autocast = mesh is None  # under FSDP2 the MixedPrecisionPolicy casts instead
         self.generator = torch.Generator().manual_seed(rank)  # each rank its own micro-batches
         self.model = self.optimizer = None
-        self.comm_logs = {}
 
     def tokens(self, batch: int, seq: int) -> torch.Tensor:
         return torch.randint(self.config.vocab_size, (batch, seq), generator=self.generator).to(self.device)
@@ -230,7 +278,7 @@ class Training:
     def build(self) -> None:
         """A fresh model and optimizer, in place of the current ones."""
         self.free()
-        self.model, self.optimizer, self.comm_logs = build(self.variant, self.config, self.device, self.mesh)
+        self.model, self.optimizer = build(self.variant, self.config, self.device, self.mesh)
 
 
 def all_ranks(values: list[float], op, device: torch.device) -> list[float]:
@@ -280,8 +328,8 @@ def trial(training: Training, batch: int, seq: int, warmup: int, steps: int) -> 
         timed_steps(training, ids, first_steps)
         first = peak_gib(cuda)
         timed_steps(training, ids, warmup - first_steps)
-        sent_before = {name: log.bytes_sent for name, log in training.comm_logs.items()}
-        times, losses = timed_steps(training, ids, steps)
+        with CollectiveBytes() as sent:
+            times, losses = timed_steps(training, ids, steps)
         ok = 1.0
     except torch.OutOfMemoryError:
         ok = 0.0
@@ -300,8 +348,9 @@ def trial(training: Training, batch: int, seq: int, warmup: int, steps: int) -> 
         result.update({"step ms": median_ms, "tokens/s/GPU": batch * seq / median_ms * 1e3})
         result["state B/param"] = training.state_bytes_per_param()  # after a step: gradients still held
         result["losses"] = [loss.item() for loss in losses]
-        for name, log in training.comm_logs.items():  # this rank's FP8 collectives, per timed step
-            result[f"{name} MB/step"] = (log.bytes_sent - sent_before[name]) / len(times) / 2**20
+        if training.mesh is not None:  # what this rank handed to collectives per timed step
+            for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+                result[f"{kind} MB/step"] = sent.bytes[kind] / len(times) / 2**20
     return result
 
 
@@ -421,6 +470,9 @@ def summarize(rows: list[dict], args, world: int, missing: dict[str, str]) -> di
     coat_equal = speed_ratios_equal.get("coat", {}).get("1")
     state_bytes = {v: next((r["state B/param"] for r in rows if r["variant"] == v and "state B/param" in r), None)
                    for v in variants}
+    # collective bytes per step depend on the parameters, not on the batch: each variant's first measured row
+    sent = {kind: {v: next((r[f"{kind} MB/step"] for r in rows if r["variant"] == v and f"{kind} MB/step" in r), None)
+                   for v in variants} for kind in ("all-gather", "reduce-scatter")}
     return {
         "smoke": args.smoke,
         "shape": args.shape,
@@ -438,6 +490,9 @@ def summarize(rows: list[dict], args, world: int, missing: dict[str, str]) -> di
         "tokens_per_s_per_gpu_at_max_batch": speed,
         "speed_ratio_over_bf16_at_max_batch": speed_ratios,
         "speed_ratio_coat_over_bf16": coat_speed,
+        "collective_mb_per_step": sent if world > 1 else None,
+        "collective_bytes_over_bf16": ({kind: {v: ratio(mb, by_variant.get("bf16")) for v, mb in by_variant.items()}
+                                       for kind, by_variant in sent.items()} if world > 1 else None),
         # batch 1, the longest sequence that trains (--max-seq; 0 where none does, absent when not searched)
         "longest_seq_at_batch_1": {v: r["seq"] if r else 0 for v, r in longest.items()} if args.max_seq else None,
         "tokens_per_s_at_longest_seq": ({v: r.get("tokens/s/GPU") if r else None for v, r in longest.items()}
@@ -595,7 +650,7 @@ def main():
 
     if rank == 0:
         columns = ["variant", "world size", "measured", "batch", "peak GiB", "steady GiB", "reserved GiB", "step ms",
-                   "tokens/s/GPU", "state B/param", "all-gather MB/step", "reduce-scatter MB/step"]
+                   "tokens/s/GPU", "state B/param", "all-gather MB/step", "reduce-scatter MB/step", "all-reduce MB/step"]
         print_table(rows, columns)
         summary = summarize(rows, args, world, missing)
         print({k: v for k, v in summary.items() if k not in ("smoke", "layers", "seq")})

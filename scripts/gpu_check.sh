@@ -7,7 +7,7 @@
 #   stages: build, tests, tests:PATTERN (pytest -k), test:NAME (tests/test_NAME.py alone),
 #           bench (every benchmarks/*.py), bench:NAME[:ARGS] (one script,
 #           extra ARGS comma-separated, e.g. bench:layer:--settings,4096x2048,--profile),
-#           torchrun:NAME (benchmarks/NAME.py on every visible GPU under torchrun),
+#           torchrun:NAME[:ARGS] (benchmarks/NAME.py on every visible GPU under torchrun, ARGS as for bench),
 #           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side, or
 #           the runs CONVERGENCE_RUNS names, e.g. "bf16=;coat=--coat;coat-fp8g=--coat,--bf16-weights,--fp8-grads,e5m2",
 #           spread over the GPUs; extra ARGS comma-separated, for every run; CSVs, summaries and the plot in
@@ -82,10 +82,11 @@ for stage in "${stages[@]}"; do
       IFS=, read -r -a extra_args <<< "$extra"
       run_bench "$name" "${extra_args[@]}" ;;
     torchrun:*)
-      name=${stage#torchrun:}
-      echo "== benchmark $name, torchrun on $(nvidia-smi -L | wc -l) GPUs =="
+      IFS=: read -r _ name extra <<< "$stage"
+      IFS=, read -r -a extra_args <<< "$extra"
+      echo "== benchmark $name ${extra_args[*]}, torchrun on $(nvidia-smi -L | wc -l) GPUs =="
       torchrun --standalone --nproc_per_node "$(nvidia-smi -L | wc -l)" "benchmarks/$name.py" --results-dir "$out/results" \
-        2>&1 | tee "$out/logs/torchrun_$name.log" | grep -v "step/s" | tail -n 40
+        "${extra_args[@]}" 2>&1 | tee "$out/logs/torchrun_$name.log" | grep -v "step/s" | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     convergence:*)
       IFS=: read -r _ preset extra <<< "$stage"
