@@ -28,22 +28,24 @@ to FP8 as soon as it is gathered, so :func:`fp8_all_gather` quantizes the shards
 (FSDP2's fsdp_pre_all_gather / fsdp_post_all_gather extension, as torchao's float8 all-gather):
 
     every rank:   amax_local = max |W_j| over its shards of the group's weights      (coat.ops.tensor_amax)
-    all-reduce:   amax = MAX over ranks of amax_local                                (4 bytes)
+    all-reduce:   amax = MAX over ranks of amax_local                                (4 bytes, once per group)
     every rank:   codes = fp8(W_shard / scale), scale = max(amax / FP8_MAX, 2^-126)  (coat.ops.quantize_tensors)
     all-gather:   the codes, as uint8                                                (1 byte per element)
     every rank:   the layer reads the gathered codes and the scale (coat.nn.FP8Weight): forward as they are,
-                  backward's dgrad GEMM their byte transpose; nothing is quantized again
+                  backward's dgrad GEMM their transpose (the same codes); nothing is
+                  quantized to a new scale
 
 A group is the weights that one per-tensor scale covers (:class:`coat.nn.functional.Projections`): q, k and v;
 gate and up; o; down; a lone coat.nn.Linear. Quantization is elementwise once the scale is fixed and the max
 is exact in any order, so the codes and the scale are those of the unsharded layer bit for bit: same losses,
 same gradients. The weights are cast to the policy's parameter dtype first, as FSDP2 would gather them.
 
-Bytes sent per element of a weight: 1, plus 4 per weight and all-gather for its amax, against 2 for a bf16
+Bytes sent per element of a weight: 1, plus 4 per group and all-gather for its amax, against 2 for a bf16
 all-gather and 4 for float32. The amax is all-reduced inside the pre-all-gather hook, not precomputed after
 each optimizer step as torchao can: the scale then cannot be stale (after a step, a checkpoint load or any
-other change of the weights), at the price of one 4-byte all-reduce per FP8 weight and gather, which costs
-latency, not bandwidth. Each rank reads its own shards of the sibling weights, so the weights of a group must
+other change of the weights), at the price of one 4-byte all-reduce per group and gather, which costs
+latency, not bandwidth: every all-reduce makes the ranks wait for each other. The first weight of a group
+that FSDP2 gathers computes and all-reduces the amax; its siblings, gathered in the same call, reuse it. Each rank reads its own shards of the sibling weights, so the weights of a group must
 be sharded by one fully_shard call (they are when decoder layers are the units).
 
 The parameters keep their high-precision shards, gradients and optimizer states: FSDP2 reduce-scatters the
@@ -52,6 +54,7 @@ is not a coat projection weight (norms, embeddings, the LM head unless converted
 """
 from __future__ import annotations
 
+import collections
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,18 +76,25 @@ from coat.nn.modules import Linear, SwiGLUMLP
 
 @dataclass
 class CommunicationLog:
-    """What coat's collectives sent: one (dtype, elements) entry per tensor this rank handed to a collective,
-    and the elements of the high-precision buffers they stand for. :class:`FP8ReduceScatter`: all-to-alls of
-    codes and scales for gradient buffers. :class:`FP8AllGather`: all-gathers of uint8 codes and 1-element
-    all-reduces of float32 amaxes for weight shards."""
+    """Running totals of what coat's collectives sent from this rank: elements by dtype, the tensors handed to
+    collectives, and the elements of the high-precision buffers they stand for. :class:`FP8ReduceScatter`:
+    all-to-alls of uint8 codes and float32 scales for gradient buffers. :class:`FP8AllGather`: all-gathers of
+    uint8 codes for weight shards and 1-element all-reduces of float32 amaxes, one per group. Totals, not a
+    record per call, so that a log kept for a whole run stays a few numbers."""
 
-    sent: list[tuple[torch.dtype, int]] = field(default_factory=list)
+    sent: collections.Counter = field(default_factory=collections.Counter)  # torch.dtype -> elements
+    tensors: collections.Counter = field(default_factory=collections.Counter)  # torch.dtype -> tensors sent
     buffer_elements: int = 0
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            self.sent[tensor.dtype] += tensor.numel()
+            self.tensors[tensor.dtype] += 1
 
     @property
     def bytes_sent(self) -> int:
         """Bytes this rank handed to collectives."""
-        return sum(count * dtype.itemsize for dtype, count in self.sent)
+        return sum(count * dtype.itemsize for dtype, count in self.sent.items())
 
 
 class FP8ReduceScatter(ReduceScatter):
@@ -123,12 +133,15 @@ class FP8ReduceScatter(ReduceScatter):
         # uint8: not every backend takes float8 dtypes
         dist.all_to_all_single(received_codes.view(torch.uint8), codes.view(torch.uint8), group=group)
         dist.all_to_all_single(received_scales, scales, group=group)
-        self.log.sent += [(torch.uint8, codes.numel()), (scales.dtype, scales.numel())]
+        self.log.add(codes.view(torch.uint8), scales)
         self.log.buffer_elements += input_tensor.numel()
-        total = ops.dequantize(received_codes, received_scales, self.block_size, torch.float32).sum(dim=0)
+        received = ops.dequantize(received_codes, received_scales, self.block_size, torch.float32)
+        # A float32 output takes the sum in place; a bf16 / fp16 one gets it rounded once.
+        total = torch.sum(received, dim=0, out=output_tensor if output_tensor.dtype == torch.float32 else None)
         if op == dist.ReduceOp.AVG:
             total /= world_size
-        output_tensor.copy_(total)
+        if total is not output_tensor:
+            output_tensor.copy_(total)
         return None
 
 
@@ -151,8 +164,8 @@ class FP8AllGather:
     def __init__(self) -> None:
         self.log = CommunicationLog()
 
-    def record(self, codes: torch.Tensor, amax: torch.Tensor) -> None:
-        self.log.sent += [(torch.uint8, codes.numel()), (amax.dtype, amax.numel())]
+    def record(self, codes: torch.Tensor) -> None:
+        self.log.add(codes)
         self.log.buffer_elements += codes.numel()
 
 
@@ -164,6 +177,28 @@ class _ScaleGroup:
     modules: list[nn.Module]
     fp8_dtype: torch.dtype
     comm: FP8AllGather
+
+    # The amax all-reduced by the gather of one member, kept for the members not yet gathered in that call.
+    _amax: torch.Tensor | None = None
+    _awaiting: set[int] = field(default_factory=set)
+
+    def agreed_amax(self, member: int, dtype: torch.dtype, process_group) -> torch.Tensor:
+        """The group's amax over its weights on every rank, cast to ``dtype`` as they are gathered. FSDP2
+        prepares every parameter of a unit for one all-gather before it gathers any (fsdp_post_all_gather ends the
+        gather: :meth:`end_gather`), and nothing changes them in between: the first member asked computes the
+        amax and all-reduces it, its siblings in that gather take it. A member asked again computes it afresh."""
+        if member not in self._awaiting:  # the first member of this gather
+            amax = ops.tensor_amax([shard.to(dtype) for shard in self.local_shards()]).reshape(1)
+            dist.all_reduce(amax, dist.ReduceOp.MAX, group=process_group)
+            self.comm.log.add(amax)
+            self._amax, self._awaiting = amax.reshape(()), set(range(len(self.modules))) - {member}
+        else:
+            self._awaiting.discard(member)
+        return self._amax
+
+    def end_gather(self) -> None:
+        """Called once a gather's codes arrived: the weights may change before the next gather."""
+        self._amax, self._awaiting = None, set()
 
     def local_shards(self) -> list[torch.Tensor]:
         shards = []
@@ -202,7 +237,7 @@ class FP8AllGatherWeight(torch.Tensor):
     high-precision tensor, which every operation other than FSDP2's reads and writes unchanged."""
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, group: _ScaleGroup):
+    def __new__(cls, tensor: torch.Tensor, group: _ScaleGroup, member: int):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -214,9 +249,10 @@ class FP8AllGatherWeight(torch.Tensor):
             requires_grad=tensor.requires_grad,
         )
 
-    def __init__(self, tensor: torch.Tensor, group: _ScaleGroup):
+    def __init__(self, tensor: torch.Tensor, group: _ScaleGroup, member: int):
         self._tensor = tensor
         self.group = group
+        self.member = member  # its index in the group
 
     def __repr__(self) -> str:
         return f"FP8AllGatherWeight({self._tensor})"
@@ -227,37 +263,36 @@ class FP8AllGatherWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        group = next(t.group for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, FP8AllGatherWeight))
+        weight = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, FP8AllGatherWeight))
         args, kwargs = pytree.tree_map_only(FP8AllGatherWeight, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _OPS_KEEPING_THE_WRAPPER:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: FP8AllGatherWeight(t, group), out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: FP8AllGatherWeight(t, weight.group, weight.member), out)
 
     def __tensor_flatten__(self):
-        return ["_tensor"], self.group
+        return ["_tensor"], (self.group, self.member)
 
     @staticmethod
-    def __tensor_unflatten__(inner_tensors, group, outer_size, outer_stride):
-        return FP8AllGatherWeight(inner_tensors["_tensor"], group)
+    def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
+        return FP8AllGatherWeight(inner_tensors["_tensor"], *context)
 
     @torch.no_grad()
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self.dtype  # what FSDP2 would have gathered, and the layer quantized
         group = self.group
-        amax = ops.tensor_amax([shard.to(dtype) for shard in group.local_shards()]).reshape(1)
-        dist.all_reduce(amax, dist.ReduceOp.MAX, group=mesh.get_group())
-        amax = amax.reshape(())
+        amax = group.agreed_amax(self.member, dtype, mesh.get_group())
         codes, scale, _ = ops.quantize_tensors([self._tensor.to(dtype)], group.fp8_dtype, dim=0, amax=amax)
         # Every rank sends as many rows as FSDP2's first shard holds; the last ranks' shards are padded.
         padded_rows = -(-outer_size[0] // mesh.size())
         codes = F.pad(codes.view(torch.uint8), (0, 0, 0, padded_rows - codes.shape[0]))
-        group.comm.record(codes, amax)
+        group.comm.record(codes)
         return (codes,), (scale, amax, outer_size[0])
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (codes,) = all_gather_outputs
         scale, amax, rows = metadata
+        self.group.end_gather()
         if out is not None:  # FSDP2 gathered into the buffer of the previous gather: the scale may be new
             out.scale, out.amax = scale, amax
             return None
@@ -348,8 +383,9 @@ def fp8_all_gather(model: nn.Module) -> FP8AllGather:
     comm = FP8AllGather()
     for _, names, modules, config in groups:
         group = _ScaleGroup(names, modules, config.forward_dtype, comm)
-        for module in modules:
+        for member, module in enumerate(modules):
             weight = module.weight
-            module.weight = nn.Parameter(FP8AllGatherWeight(weight.detach(), group), requires_grad=weight.requires_grad)
+            module.weight = nn.Parameter(FP8AllGatherWeight(weight.detach(), group, member),
+                                         requires_grad=weight.requires_grad)
             module.register_state_dict_post_hook(_plain_weight_in_state_dict)
     return comm

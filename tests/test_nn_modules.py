@@ -423,3 +423,23 @@ def test_mlp_residual_cuda_matches_cpu():
         results.append([out.detach().cpu()] + [leaf.grad.cpu() for leaf in leaves])
     for on_cpu, on_cuda in zip(*results):
         assert relative_error(on_cuda, on_cpu) <= 0.02
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_transposed_codes_of_fp8_gathered_weights_are_the_byte_transpose(device, fp8):
+    """Backward's dgrad operand of weights all-gathered in FP8: every one of the 256 codes, in weights of
+    uneven widths stacked by rows, lands transposed with its own bits; NaN codes stay NaN."""
+    from coat.nn.fp8_weight import FP8Weight, transposed_codes
+
+    generator = torch.Generator().manual_seed(3)
+    widths, k = (48, 80, 17), 64
+    codes = [torch.randint(0, 256, (n, k), generator=generator, dtype=torch.uint8) for n in widths]
+    codes[0].view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    weights = [FP8Weight(c.to(device).view(fp8), torch.tensor(0.5, device=device), torch.tensor(1.0, device=device),
+                         torch.bfloat16) for c in codes]
+    got = transposed_codes(weights)
+    assert got.dtype == fp8 and got.shape == (k, sum(widths)) and got.is_contiguous()
+    expected = torch.cat(codes).t()
+    nan = expected.view(fp8).float().isnan()
+    assert torch.equal(got.cpu().view(torch.uint8)[~nan], expected[~nan])
+    assert got.cpu().float()[nan].isnan().all()
