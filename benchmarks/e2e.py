@@ -508,7 +508,7 @@ def summarize(rows: list[dict], args, world: int, missing: dict[str, str]) -> di
 
 def plot(result_paths: list[str], png_path: str) -> None:
     """Bars of the result files: peak memory at each equal batch, and tokens/s per GPU at each variant's
-    largest batch, BF16 beside coat, one group per file (one GPU, FSDP2 on N GPUs)."""
+    largest batch, BF16 beside coat, one group per setup (shape and GPUs; files of one setup share a group)."""
     import json
 
     import matplotlib
@@ -517,6 +517,11 @@ def plot(result_paths: list[str], png_path: str) -> None:
     import matplotlib.pyplot as plt
 
     results = [json.load(open(path)) for path in result_paths]
+    setups: dict[str, list[dict]] = {}  # "7B, FSDP2, 2 GPUs" -> the rows of every file of that setup
+    for result in results:
+        world = result["summary"]["world_size"]
+        setup = result["summary"].get("shape", "7b").upper() + (", 1 GPU" if world == 1 else f", FSDP2, {world} GPUs")
+        setups.setdefault(setup, []).extend(result["rows"])
     labelled = set()
 
     def legend_label(ax, variant: str) -> str | None:
@@ -526,51 +531,50 @@ def plot(result_paths: list[str], png_path: str) -> None:
         labelled.add((id(ax), variant))
         return variant
 
-    variants = list(dict.fromkeys(r["variant"] for result in results for r in result["rows"]))
-    figure, (memory_ax, speed_ax) = plt.subplots(1, 2, figsize=(6 + 2 * len(variants), 4.5))
+    variants = list(dict.fromkeys(r["variant"] for rows in setups.values() for r in rows))
+    memory_groups = [(setup, batch) for setup, rows in setups.items()
+                     for batch in sorted({r["batch"] for r in rows if r["measured"] == "equal batch"})]
+    group_width = 0.5 + 0.35 * len(variants)  # inches per group of bars
+    figure, (memory_ax, speed_ax) = plt.subplots(
+        1, 2, figsize=(2 + group_width * (len(memory_groups) + len(setups)), 4.8),
+        gridspec_kw={"width_ratios": [max(len(memory_groups), 1), max(len(setups), 1)]})
     width = 0.8 / len(variants)
     offsets = {v: (i - (len(variants) - 1) / 2) * width for i, v in enumerate(variants)}
-    memory_labels, speed_labels = [], []
-    for result in results:
-        world = result["summary"]["world_size"]
-        setup = result["summary"].get("shape", "7b").upper() + (", 1 GPU" if world == 1 else f", FSDP2, {world} GPUs")
-        rows = result["rows"]
-        for batch in sorted({r["batch"] for r in rows if r["measured"] == "equal batch"}):
-            memory_labels.append(f"{setup}\nbatch {batch}")
-            for variant, offset in offsets.items():
-                row = next((r for r in rows if r["variant"] == variant and r["measured"] == "equal batch"
-                            and r["batch"] == batch), None)
-                if row is None:
-                    continue
-                fits = row["peak GiB"] != "OOM"
-                bar = memory_ax.bar(len(memory_labels) - 1 + offset, row["peak GiB"] if fits else 0, width,
-                                    color=VARIANT_COLORS[variant], label=legend_label(memory_ax, variant))
-                memory_ax.bar_label(bar, labels=[f"{row['peak GiB']:.1f}" if fits else "OOM"], fontsize=7)
-        speed_labels.append(setup)
+    for position, (setup, batch) in enumerate(memory_groups):
+        for variant, offset in offsets.items():
+            row = next((r for r in setups[setup] if r["variant"] == variant and r["measured"] == "equal batch"
+                        and r["batch"] == batch), None)
+            if row is None:
+                continue
+            fits = row["peak GiB"] != "OOM"
+            bar = memory_ax.bar(position + offset, row["peak GiB"] if fits else 0, width,
+                                color=VARIANT_COLORS[variant], label=legend_label(memory_ax, variant))
+            memory_ax.bar_label(bar, labels=[f"{row['peak GiB']:.1f}" if fits else "OOM"], fontsize=7)
+    for position, (setup, rows) in enumerate(setups.items()):
         for variant, offset in offsets.items():
             if not any(r["variant"] == variant for r in rows):
                 continue
             row = next((r for r in rows if r["variant"] == variant and r["measured"] == "largest batch"
                         and "tokens/s/GPU" in r), None)  # a largest batch that ran out of memory when timed: OOM
-            bar = speed_ax.bar(len(speed_labels) - 1 + offset, row["tokens/s/GPU"] if row else 0, width,
+            bar = speed_ax.bar(position + offset, row["tokens/s/GPU"] if row else 0, width,
                                color=VARIANT_COLORS[variant], label=legend_label(speed_ax, variant))
             speed_ax.bar_label(bar, labels=[f"{row['tokens/s/GPU']:,.0f}\nbatch {row['batch']}" if row else "OOM"],
-                               fontsize=8)
-    memory_ax.set_xticks(range(len(memory_labels)), memory_labels)
+                               fontsize=7)
+    memory_ax.set_xticks(range(len(memory_groups)), [f"{setup}\nbatch {batch}".replace(", FSDP2", "\nFSDP2")
+                                                     for setup, batch in memory_groups], fontsize=8)
     memory_ax.set_ylabel("peak GiB per GPU")
     memory_ax.set_title("peak memory at equal micro-batch (lower is better)")
-    speed_ax.set_xticks(range(len(speed_labels)), speed_labels)
+    speed_ax.set_xticks(range(len(setups)), [setup.replace(", FSDP2", "\nFSDP2") for setup in setups], fontsize=8)
     speed_ax.set_ylabel("tokens/s per GPU")
     speed_ax.set_title("tokens/s at each one's largest micro-batch")
     for ax in (memory_ax, speed_ax):
-        ax.legend()
+        ax.legend(fontsize=8)
         ax.margins(y=0.15)
     device = results[0]["device"]
     figure.suptitle(f"Llama-2 shapes, sequence {results[0]['summary']['seq']}, {device}, torch {results[0]['torch']}")
     figure.tight_layout()
     figure.savefig(png_path, dpi=120)
     plt.close(figure)
-
 
 
 def log(message: str) -> None:
@@ -634,6 +638,11 @@ def main():
     config = llama_config(args.shape, args.layers, args.smoke)
 
     variants = args.variants or (SMOKE_VARIANTS if args.smoke else VARIANTS)
+    name = "e2e-1gpu" if world == 1 else f"e2e-fsdp2-{world}gpu"
+    if args.shape != "7b":
+        name = name.replace("e2e-", f"e2e-{args.shape}-")
+    if args.smoke:
+        name = "e2e-smoke" if world == 1 else "e2e-fsdp2-smoke"
     missing = {}
     rows = []
     for variant in variants:
@@ -647,6 +656,8 @@ def main():
             log(f"{variant}: skipped, {missing[variant]}")
             continue
         rows += measure(variant, args, config, device, mesh, rank, world)  # frees its model before the next
+        if rank == 0:  # after every variant, so that a run cut short keeps what it measured
+            write_results(args.results_dir, name, rows, summarize(rows, args, world, missing))
 
     if rank == 0:
         columns = ["variant", "world size", "measured", "batch", "peak GiB", "steady GiB", "reserved GiB", "step ms",
@@ -654,11 +665,6 @@ def main():
         print_table(rows, columns)
         summary = summarize(rows, args, world, missing)
         print({k: v for k, v in summary.items() if k not in ("smoke", "layers", "seq")})
-        name = "e2e-1gpu" if world == 1 else f"e2e-fsdp2-{world}gpu"
-        if args.shape != "7b":
-            name = name.replace("e2e-", f"e2e-{args.shape}-")
-        if args.smoke:
-            name = "e2e-smoke" if world == 1 else "e2e-fsdp2-smoke"
         print(f"wrote {write_results(args.results_dir, name, rows, summary)}")
     if world > 1:
         dist.destroy_process_group()
