@@ -58,6 +58,8 @@ Adam state), so at small batches the memory ratio tends to 1.59. A BF16 run that
     python benchmarks/e2e.py --shape 13b --variants coat-fp8-grads --memory-batches 1
     python benchmarks/e2e.py --variants bf16 coat --max-seq 65536     (+ the longest sequence at batch 1)
     torchrun --nproc_per_node 2 benchmarks/e2e.py              (FSDP2, two GPUs)
+    torchrun --nproc_per_node 2 benchmarks/e2e.py --profile --layers 8 --memory-batches 1 --variants coat-bf16w coat-fp8-comm
+                                                               (where the step time goes: torch.profiler tables)
     python benchmarks/e2e.py --smoke                           (CPU: checks that the script runs)
     python benchmarks/e2e.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
 """
@@ -400,6 +402,27 @@ def longest_sequence(training: Training, warmup: int, steps: int, cap: int, unit
     return seq, tried.get(seq)
 
 
+def profile_steps(variant: str, args, config: LlamaConfig, device: torch.device, mesh, rank: int) -> None:
+    """--profile: where one variant's step time goes at the first --memory-batches batch. Times --steps steps
+    after --warmup, then prints rank 0's torch.profiler tables of two more steps (CPU and CUDA activity, by
+    CUDA time and by CPU time). NCCL kernels count the time they wait for the other ranks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    training = Training(variant, config, device, mesh, rank)
+    training.build()
+    ids = training.tokens(args.memory_batches[0], args.seq)
+    timed_steps(training, ids, args.warmup)
+    times, _ = timed_steps(training, ids, args.steps)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timed_steps(training, ids, 2)
+    if rank == 0:
+        log(f"{variant}, {args.layers} layers, batch {args.memory_batches[0]}: step ms {sorted(times)}")
+        for key in (("cuda_time_total",) if device.type == "cuda" else ()) + ("cpu_time_total",):
+            print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
+    training.free()
+
+
 def measure(variant: str, args, config: LlamaConfig, device: torch.device, mesh, rank: int, world: int) -> list[dict]:
     training = Training(variant, config, device, mesh, rank)
     base = {"variant": variant, "world size": world}
@@ -599,6 +622,9 @@ def main():
                    help="under torchrun: the fraction of each GPU's memory the allocator may use, on every rank")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, metavar="NAME",
                    help=f"what to train, of: {', '.join(VARIANTS)} (default: all; --smoke: {', '.join(SMOKE_VARIANTS)})")
+    p.add_argument("--profile", action="store_true",
+                   help="instead of measuring: time and torch.profiler tables of two steps of each variant at the "
+                        "first --memory-batches batch (try --layers 8)")
     p.add_argument("--plot", nargs="+", metavar="JSON", help="only draw these result files into --plot-file")
     p.add_argument("--plot-file", default=os.path.join(RESULTS_DIR, "e2e.png"))
     args = p.parse_args()
@@ -655,11 +681,14 @@ def main():
         if variant in missing:
             log(f"{variant}: skipped, {missing[variant]}")
             continue
+        if args.profile:
+            profile_steps(variant, args, config, device, mesh, rank)
+            continue
         rows += measure(variant, args, config, device, mesh, rank, world)  # frees its model before the next
         if rank == 0:  # after every variant, so that a run cut short keeps what it measured
             write_results(args.results_dir, name, rows, summarize(rows, args, world, missing))
 
-    if rank == 0:
+    if rank == 0 and not args.profile:
         columns = ["variant", "world size", "measured", "batch", "peak GiB", "steady GiB", "reserved GiB", "step ms",
                    "tokens/s/GPU", "state B/param", "all-gather MB/step", "reduce-scatter MB/step", "all-reduce MB/step"]
         print_table(rows, columns)

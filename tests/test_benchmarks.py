@@ -83,6 +83,22 @@ def test_e2e_smoke_mode_fsdp2(tmp_path):
     check_e2e(result, world_size=2)
 
 
+def test_e2e_profile_mode_prints_where_the_step_goes(tmp_path):
+    """--profile: step times and torch.profiler tables per variant, and no result file."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    completed = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "e2e.py"), "--smoke", "--profile", "--variants", "bf16", "coat",
+         "--results-dir", str(tmp_path)],
+        capture_output=True, text=True, env=environment, timeout=600,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    for variant in ("bf16", "coat"):
+        assert f"{variant}, 2 layers, batch 1: step ms" in completed.stderr + completed.stdout
+    assert completed.stdout.count("Self CPU time total") == 2
+    assert "coat::rmsnorm_quantize" in completed.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_e2e_largest_batch_search_recovers_from_out_of_memory(monkeypatch):
     """The GPU-only search, on the CPU with out-of-memory errors simulated above batch 5: doubling, then
     bisection, and the model rebuilt after each failure still trains."""
