@@ -95,7 +95,7 @@ def test_e2e_profile_mode_prints_where_the_step_goes(tmp_path):
     for variant in ("bf16", "coat"):
         assert f"{variant}, 2 layers, batch 1: step ms" in completed.stderr + completed.stdout
     assert completed.stdout.count("Self CPU time total") == 2
-    assert "coat::rmsnorm_quantize" in completed.stdout
+    assert "_MLPResidualFunction" in completed.stdout  # coat's MLP block, which holds most of its forward
     assert list(tmp_path.iterdir()) == []
 
 
