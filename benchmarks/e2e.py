@@ -58,7 +58,7 @@ Adam state), so at small batches the memory ratio tends to 1.59. A BF16 run that
     python benchmarks/e2e.py --shape 13b --variants coat-fp8-grads --memory-batches 1
     python benchmarks/e2e.py --variants bf16 coat --max-seq 65536     (+ the longest sequence at batch 1)
     torchrun --nproc_per_node 2 benchmarks/e2e.py              (FSDP2, two GPUs)
-    torchrun --nproc_per_node 2 benchmarks/e2e.py --profile --layers 8 --memory-batches 1 --variants coat-bf16w coat-fp8-comm
+    torchrun --nproc_per_node 2 benchmarks/e2e.py --profile --layers 8 --variants coat-bf16w coat-fp8-comm
                                                                (where the step time goes: torch.profiler tables)
     python benchmarks/e2e.py --smoke                           (CPU: checks that the script runs)
     python benchmarks/e2e.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
@@ -690,7 +690,8 @@ def main():
 
     if rank == 0 and not args.profile:
         columns = ["variant", "world size", "measured", "batch", "peak GiB", "steady GiB", "reserved GiB", "step ms",
-                   "tokens/s/GPU", "state B/param", "all-gather MB/step", "reduce-scatter MB/step", "all-reduce MB/step"]
+                   "tokens/s/GPU", "state B/param", "all-gather MB/step", "reduce-scatter MB/step",
+                   "all-reduce MB/step"]
         print_table(rows, columns)
         summary = summarize(rows, args, world, missing)
         print({k: v for k, v in summary.items() if k not in ("smoke", "layers", "seq")})

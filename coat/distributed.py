@@ -32,8 +32,8 @@ to FP8 as soon as it is gathered, so :func:`fp8_all_gather` quantizes the shards
     every rank:   codes = fp8(W_shard / scale), scale = max(amax / FP8_MAX, 2^-126)  (coat.ops.quantize_tensors)
     all-gather:   the codes, as uint8                                                (1 byte per element)
     every rank:   the layer reads the gathered codes and the scale (coat.nn.FP8Weight): forward as they are,
-                  backward's dgrad GEMM their transpose (the same codes); nothing is
-                  quantized to a new scale
+                  backward's dgrad GEMM their transpose (the same codes); nothing is quantized to a
+                  new scale
 
 A group is the weights that one per-tensor scale covers (:class:`coat.nn.functional.Projections`): q, k and v;
 gate and up; o; down; a lone coat.nn.Linear. Quantization is elementwise once the scale is fixed and the max
@@ -45,8 +45,9 @@ all-gather and 4 for float32. The amax is all-reduced inside the pre-all-gather 
 each optimizer step as torchao can: the scale then cannot be stale (after a step, a checkpoint load or any
 other change of the weights), at the price of one 4-byte all-reduce per group and gather, which costs
 latency, not bandwidth: every all-reduce makes the ranks wait for each other. The first weight of a group
-that FSDP2 gathers computes and all-reduces the amax; its siblings, gathered in the same call, reuse it. Each rank reads its own shards of the sibling weights, so the weights of a group must
-be sharded by one fully_shard call (they are when decoder layers are the units).
+that FSDP2 gathers computes and all-reduces the amax; its siblings, gathered in the same call, reuse it.
+Each rank reads its own shards of the sibling weights, so the weights of a group must be sharded by one
+fully_shard call (they are when decoder layers are the units).
 
 The parameters keep their high-precision shards, gradients and optimizer states: FSDP2 reduce-scatters the
 gradients as before (fp8_reduce_scatter works alongside), and state dicts hold plain tensors. Everything that
@@ -136,11 +137,13 @@ class FP8ReduceScatter(ReduceScatter):
         self.log.add(codes.view(torch.uint8), scales)
         self.log.buffer_elements += input_tensor.numel()
         received = ops.dequantize(received_codes, received_scales, self.block_size, torch.float32)
-        # A float32 output takes the sum in place; a bf16 / fp16 one gets it rounded once.
-        total = torch.sum(received, dim=0, out=output_tensor if output_tensor.dtype == torch.float32 else None)
+        # A float32 output takes the sum in place (viewed as the sum's shape, so that out= never resizes it); a
+        # bf16 / fp16 one gets it rounded once.
+        in_place = output_tensor.view(received.shape[1:]) if output_tensor.dtype == torch.float32 else None
+        total = torch.sum(received, dim=0, out=in_place)
         if op == dist.ReduceOp.AVG:
             total /= world_size
-        if total is not output_tensor:
+        if in_place is None:
             output_tensor.copy_(total)
         return None
 

@@ -381,7 +381,8 @@ def fsdp2_fp8_all_gather(rank: int, world_size: int, device: torch.device, out: 
                 opt.step()
                 model.zero_grad(set_to_none=True)
                 if comm is not None:
-                    sent_per_step.append({str(dtype): (count, comm.log.tensors[dtype]) for dtype, count in comm.log.sent.items()})
+                    sent_per_step.append({str(dtype): (count, comm.log.tensors[dtype])
+                                          for dtype, count in comm.log.sent.items()})
                     comm.log = coat.distributed.CommunicationLog()
             params = {name: local(p).detach().cpu().clone() for name, p in model.named_parameters()}
             runs[gather_in_fp8] = dict(losses=losses, tensors={**grads, **params}, weight_types=sorted(weight_types),
@@ -513,7 +514,8 @@ def test_fp8_reduce_scatter_sends_fp8_and_tracks_the_exact_gradients(results):
         # of each rank's chunk (a chunk's last block may be short)
         codes, scales = result["sent"]["torch.uint8"], result["sent"]["torch.float32"]
         calls = result["tensors"]["torch.uint8"]
-        assert result["sent"].keys() == {"torch.uint8", "torch.float32"} and result["tensors"]["torch.float32"] == calls > 0
+        assert result["sent"].keys() == {"torch.uint8", "torch.float32"}
+        assert result["tensors"]["torch.float32"] == calls > 0
         assert codes == result["buffer_elements"]
         assert codes / 128 <= scales < codes / 128 + calls * WORLD_SIZE
         sent_bytes = codes + 4 * scales
