@@ -125,15 +125,27 @@ _ROOT = "(model)"  # the layer name of the model itself, whose module name is em
 # ------------------------------------------------------------------------------------------- one tensor
 
 
+@functools.lru_cache(maxsize=None)
+def _clip_threshold(fp8: torch.dtype, device: torch.device) -> torch.Tensor:
+    """_CLIP_THRESHOLD[fp8] as a 0-d float32 tensor on ``device``, made once: built from a Python number on a GPU
+    at every use, it would be a host-to-device copy, which synchronizes the stream."""
+    return torch.full((), _CLIP_THRESHOLD[fp8], dtype=torch.float32, device=device)
+
+
+def _count(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor.numel() as a 0-d float64 tensor on its device, filled there (no host-to-device copy)."""
+    return torch.full((), tensor.numel(), dtype=torch.float64, device=tensor.device)
+
+
 def _prepare(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None):
     """x (float32), its dequantized FP8 copy, the scales (broadcastable to x: each element's) and the clipping
-    threshold of q's format."""
+    threshold of q's format (0-d, on q's device)."""
     x = x.float()
     q = q.contiguous()  # column blocks of jointly quantized gradients; dequantize reads contiguous codes
     dequantized = ops.dequantize(q, scale, group_size, torch.float32)
     if group_size is not None:  # the scale of each element's group
         scale = scale.repeat_interleave(group_size, dim=-1)[..., : x.shape[-1]]
-    return x, dequantized, scale, _CLIP_THRESHOLD[q.dtype]
+    return x, dequantized, scale, _clip_threshold(q.dtype, q.device)
 
 
 def _sums(prepared: list[tuple], amaxes: list[torch.Tensor]) -> torch.Tensor:
@@ -144,10 +156,8 @@ def _sums(prepared: list[tuple], amaxes: list[torch.Tensor]) -> torch.Tensor:
     x = torch.cat([entry[0].reshape(-1) for entry in prepared])
     dequantized = torch.cat([entry[1].reshape(-1) for entry in prepared])
     scale = torch.cat([entry[2].expand(entry[0].shape).reshape(-1) for entry in prepared])
+    clip = torch.cat([entry[3].expand(entry[0].numel()) for entry in prepared])
     lengths = [entry[0].numel() for entry in prepared]
-    clip = torch.tensor([entry[3] for entry in prepared], device=x.device).repeat_interleave(
-        torch.tensor(lengths, device=x.device)
-    )
     error = dequantized - x
     finite = error.isfinite()  # NaN or Inf in x, in its FP8 copy, or in both
     x = torch.where(finite, x, 0.0)
@@ -180,7 +190,7 @@ def _quantization_sums(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, gr
         torch.count_nonzero((x / scale).abs() >= clip),
     ]
     return torch.stack([
-        torch.tensor(x.numel(), dtype=torch.float64, device=x.device),
+        _count(x),
         *(count.double() for count in counts),
         error.double().square().sum(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
         x.double().square().sum(),
@@ -238,7 +248,7 @@ def _moment_values(codes: torch.Tensor, meta: torch.Tensor, group_size: int, row
     values = ops.dequantize_expanded(codes, meta, group_size)
     finite = torch.isfinite(values)
     return torch.stack([
-        torch.tensor(codes.numel(), dtype=torch.float64, device=codes.device),
+        _count(codes),
         (~finite).sum(dtype=torch.float64),
         ((codes.view(torch.uint8) & _SIGN_MASK_OFF) == 0).sum(dtype=torch.float64),
         torch.where(finite, values.abs(), 0.0).amax().double(),

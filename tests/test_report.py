@@ -283,6 +283,34 @@ def test_sampled_rows_are_evenly_spaced_and_amax_is_exact(model):
             coat.report.QuantizationReport(model, sample_rows=bad)
 
 
+@pytest.mark.parametrize("sample_rows", [8, None])
+def test_a_capture_builds_no_tensor_from_host_data(model, sample_rows):
+    """torch.tensor(data, device=...) is a host-to-device copy that synchronizes a GPU's stream: a capture, moments
+    included, creates every tensor it needs on the device (sampled rows and every row alike), so a captured step
+    builds no more tensors from host data than a plain one (transformers builds a few of its own)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostData(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func is torch.ops.aten.lift_fresh.default  # what torch.tensor(data) dispatches
+            return func(*args, **(kwargs or {}))
+
+    optimizer = coat.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step(model, optimizer, tokens())
+    report = coat.report.QuantizationReport(model, optimizer, sample_rows=sample_rows)
+    with HostData() as plain:
+        train_step(model, optimizer, tokens(seed=1))
+    with HostData() as captured:
+        with report.capture():
+            train_step(model, optimizer, tokens(seed=1))
+    assert any(row["k_min"] is not None for row in report.rows())  # moments were measured
+    assert captured.calls == plain.calls
+
+
 def test_a_lone_linear_layer_reports_its_input_weight_and_output_gradient(rng):
     """The input needs no gradient, so backward quantizes the output gradient only transposed (for the
     weight gradient): the report reads those codes."""
