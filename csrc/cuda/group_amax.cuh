@@ -27,6 +27,7 @@
 #include <stdint.h>
 
 #include "coat/detail/quantize_math.h"
+#include "fp8_chunk.cuh"
 
 namespace coat {
 namespace device {
@@ -45,7 +46,7 @@ template <int kCount>
 __device__ __forceinline__ float lane_amax(const float (&values)[kCount]) {
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < kCount; ++i) amax = coat_amax_step(amax, values[i]);
+  for (int i = 0; i < kCount; ++i) amax = amax_step(amax, values[i]);
   return amax;
 }
 

@@ -23,8 +23,8 @@
 // Fast paths. The arithmetic that used to dominate (IEEE divisions, coat's exp with its range checks, FP8,
 // bf16 and fp16 conversions with their special cases) runs in forms that give the same bits on the values
 // that occur in training, behind one test per chunk that sends every other chunk (NaN, Inf, scales below
-// 2^-80, gates below -80) through the plain formulas: see save_scale, quotient, reciprocal_of_normal,
-// encode_chunk, decode_e4m3, sigmoid_near, SiluOfGates (a table of silu for bf16 gates) and the Io stores.
+// 2^-80, gates below -80) through the plain formulas: see fp8_chunk.cuh (scale_from_amax, quotient,
+// reciprocal_of_normal, encode_chunk), decode_e4m3, sigmoid_near, SiluOfGates (a table of silu for bf16 gates) and the Io stores.
 // tools/cuda_emulation runs these kernels on the CPU against the C core.
 #include <cuda_runtime.h>
 
@@ -32,12 +32,19 @@
 
 #include "coat/detail/norm_act_math.h"
 #include "coat/norm_act.h"
+#include "fp8_chunk.cuh"
 #include "group_amax.cuh"
 #include "launch.cuh"
 
 namespace {
 
+using coat::device::amax_step;
+using coat::device::Codes;
+using coat::device::code_at;
+using coat::device::encode_chunk;
 using coat::device::group_amax_reduce;
+using coat::device::reciprocal_of_normal;
+using coat::device::scale_from_amax;
 using coat::device::launch_status;
 
 constexpr int kChunk = COAT_NORM_ACT_CHUNK;
@@ -60,7 +67,7 @@ constexpr int kSegmentCols = kWarpSize * kUnit;
 constexpr int kElementwiseThreads = 256;
 constexpr int kElementwiseWarps = kElementwiseThreads / kWarpSize;
 
-static_assert(kChunk == 8, "the loads and stores below move 8 elements per chunk");
+static_assert(kChunk == coat::device::kCodeChunk, "the loads and stores below move 8 elements per chunk");
 
 __device__ __forceinline__ int chunk_count(int col, int cols) { return col < cols ? min(cols - col, kChunk) : 0; }
 
@@ -77,49 +84,6 @@ __device__ __forceinline__ size_t element_size(coat_dtype dtype) { return dtype 
 
 // ---------------------------------------------------------------------------------------------------
 // Arithmetic: cheaper forms of coat/detail steps, each equal bit for bit to the step it replaces
-
-// max(amax, |v|) with a NaN v ignored, as coat_amax_step: on the GPU one FMNMX, which returns the operand
-// that is not NaN (amax never is).
-__device__ __forceinline__ float amax_step(float amax, float v) {
-#ifdef __CUDA_ARCH__
-  return fmaxf(amax, fabsf(v));
-#else
-  return coat_amax_step(amax, v);
-#endif
-}
-
-// 1 / d rounded to nearest, for 2^-126 <= d < 2^126 (exponent field 1 ... 252): the sequence ptxas emits for
-// rcp.rn.f32 on sm_80 ... sm_120 (MUFU.RCP, one Newton step) without its range test and slow-path branch.
-// Given an Inf d it returns NaN, which every caller sends to a slow path.
-__device__ __forceinline__ float reciprocal_of_normal(float d) {
-#ifdef __CUDA_ARCH__
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
-  return __fmaf_rn(y, __fmaf_rn(-d, y, 1.0f), y);
-#else
-  return 1.0f / d;
-#endif
-}
-
-// coat_scale_from_amax(amax, COAT_E4M3) = max(amax / 448, 2^-126) for an amax >= 0 (not NaN), by the
-// reciprocal of 448 and one Markstein correction: equal on every such float (tools/cuda_emulation checks
-// them all). An Inf amax keeps its product, Inf.
-__device__ __forceinline__ float save_scale(float amax) {
-  constexpr float kInverse = 1.0f / COAT_E4M3_MAX;
-  const float q = amax * kInverse;
-  const float corrected = __fmaf_rn(__fmaf_rn(-q, COAT_E4M3_MAX, amax), kInverse, q);
-  return fmaxf(amax < INFINITY ? corrected : q, COAT_MIN_SCALE);
-}
-
-// x / scale rounded to nearest, given reciprocal = 1 / scale rounded to nearest: the Markstein correction of
-// coat_divide_by_scale, q - (q * scale - x) * reciprocal, in the form whose zero result keeps the sign of x
-// (x - q * scale turns -0 into +0). For scale >= COAT_MIN_FAST_DIVISION_SCALE its FP8 code is that of
-// copysign(coat_divide_by_scale(x, scale, reciprocal), x), which coat_quantize_scaled encodes, whenever it
-// is finite; it is NaN or Inf when x or scale is not finite.
-__device__ __forceinline__ float quotient(float x, float scale, float reciprocal) {
-  const float q = x * reciprocal;
-  return __fmaf_rn(__fmaf_rn(q, scale, -x), -reciprocal, q);
-}
 
 // coat_sigmoid(g) for g >= -80, bit for bit (tools/cuda_emulation checks every such float). e^-g as
 // coat_exp computes it, but with 2^n added to the exponent field: for -g in [-80, 80], n is in [-115, 115]
@@ -152,16 +116,6 @@ __device__ __forceinline__ void sigmoid_chunk(const float g[kChunk], float s[kCh
 // ---------------------------------------------------------------------------------------------------
 // FP8 codes of a chunk
 
-// Eight FP8 codes, byte e of the chunk in byte e % 4 of word e / 4.
-struct Codes {
-  uint32_t lo;
-  uint32_t hi;
-};
-
-__device__ __forceinline__ uint8_t code_at(Codes codes, int e) {
-  return static_cast<uint8_t>((e < 4 ? codes.lo >> (8 * e) : codes.hi >> (8 * (e - 4))) & 0xFFu);
-}
-
 // `vector`: count is 0 or 8 and the codes are 8-byte aligned; otherwise byte by byte.
 __device__ __forceinline__ Codes load_codes(const uint8_t* src, int count, bool vector) {
   if (vector) {
@@ -188,56 +142,6 @@ __device__ __forceinline__ void store_codes(uint8_t* dst, Codes codes, int count
 #pragma unroll
   for (int e = 0; e < kChunk; ++e)
     if (e < count) dst[e] = code_at(codes, e);
-}
-
-// The codes of eight finite quotients: on sm_89+ converted in pairs by the hardware (which equals coat's
-// encoder on finite values: the two differ on NaN and, for E5M2, Inf only), elsewhere by coat's encoder.
-template <coat_fp8_format kFormat>
-__device__ __forceinline__ Codes codes_of_finite(const float q[kChunk]) {
-#ifdef COAT_HARDWARE_FP8_CONVERT
-  constexpr __nv_fp8_interpretation_t kKind = kFormat == COAT_E4M3 ? __NV_E4M3 : __NV_E5M2;
-  uint32_t words[2];
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(q[4 * w], q[4 * w + 1]), __NV_SATFINITE, kKind);
-    const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(q[4 * w + 2], q[4 * w + 3]), __NV_SATFINITE, kKind);
-    words[w] = low | (high << 16);
-  }
-  return {words[0], words[1]};
-#else
-  Codes codes{0u, 0u};
-#pragma unroll
-  for (int e = 0; e < kChunk; ++e) {
-    const uint32_t code = coat_f32_to_fp8(q[e], kFormat);
-    if (e < 4) codes.lo |= code << (8 * e);
-    else codes.hi |= code << (8 * (e - 4));
-  }
-  return codes;
-#endif
-}
-
-// codes[e] = coat_quantize_value(v[e], scale), reciprocal = 1 / scale (garbage is fine when scale is Inf).
-// A chunk whose quotients are all finite takes quotient() and codes_of_finite(); any other (a NaN or Inf
-// value, an Inf scale, a scale below 2^-80) goes through coat_quantize_value itself, with NaN made canonical
-// first when kCanonicalNan (op results, as the C core does; saved inputs keep their NaN's sign).
-template <coat_fp8_format kFormat, bool kCanonicalNan>
-__device__ __forceinline__ Codes encode_chunk(const float v[kChunk], float scale, float reciprocal) {
-  float q[kChunk];
-  bool finite = scale >= COAT_MIN_FAST_DIVISION_SCALE;
-#pragma unroll
-  for (int e = 0; e < kChunk; ++e) {
-    q[e] = quotient(v[e], scale, reciprocal);
-    finite &= fabsf(q[e]) < INFINITY;
-  }
-  if (finite) return codes_of_finite<kFormat>(q);
-  Codes codes{0u, 0u};
-#pragma unroll
-  for (int e = 0; e < kChunk; ++e) {
-    const uint32_t code = coat_quantize_value(kCanonicalNan ? coat_canonical_nan(v[e]) : v[e], scale, kFormat);
-    if (e < 4) codes.lo |= code << (8 * e);
-    else codes.hi |= code << (8 * (e - 4));
-  }
-  return codes;
 }
 
 // v[e] = coat_e4m3_to_f32(code e): on sm_89+ converted in pairs to fp16 by the hardware (exact) and widened.
@@ -581,7 +485,7 @@ __device__ __forceinline__ void save_chunks(const float (&v)[kChunks][kChunk], i
     for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, v[c][e]);
   amax = group_amax_reduce(amax, lanes_per_group);
   if (col >= valid_cols) return;
-  const float scale = save_scale(amax);
+  const float scale = scale_from_amax<COAT_E4M3>(amax);
   const float reciprocal = reciprocal_of_normal(scale);
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {

@@ -15,6 +15,7 @@
 
 #include "coat/detail/quantize_math.h"
 #include "coat/quantize.h"
+#include "fp8_chunk.cuh"
 #include "group_amax.cuh"
 #include "launch.cuh"
 
@@ -311,24 +312,26 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
           } else if constexpr (kMode != QuantizeMode::kTensorScale) {
             const float amax = group_amax_reduce(lane_amax(values), reduce_lanes);
             if constexpr (kMode == QuantizeMode::kGroupScale) {
-              scale = coat_scale_from_amax(amax, kFormat);
-              reciprocal = 1.0f / scale;
+              scale = scale_from_amax<kFormat>(amax);
+              reciprocal = reciprocal_of_normal(scale);
             }
             if (row_valid && col < p.cols && starts_group(col, group_size))
               p.stats[row * ngroups + (col >> p.group_log2)] = kMode == QuantizeMode::kAmaxOnly ? amax : scale;
           }
 
           if constexpr (kQuantizes) {
-            Chunk<uint8_t, kQuantizeChunk> codes;
-#pragma unroll
-            for (int i = 0; i < kQuantizeChunk; ++i) codes.e[i] = coat_quantize_scaled(values[i], scale, reciprocal, kFormat);
-            if (p.q != nullptr) store_chunk<kVector>(codes, p.q, row * p.q_stride, col, p.cols, row_valid);
+            const Codes encoded = encode_chunk<kFormat, false>(values, scale, reciprocal);
+            if (p.q != nullptr) {
+              Chunk<uint8_t, kQuantizeChunk> codes;
+              reinterpret_cast<uint32_t*>(codes.e)[0] = encoded.lo;
+              reinterpret_cast<uint32_t*>(codes.e)[1] = encoded.hi;
+              store_chunk<kVector>(codes, p.q, row * p.q_stride, col, p.cols, row_valid);
+            }
             if constexpr (kTranspose) {
               // Staged unconditionally: the transpose phase skips rows and columns out of range.
-              const uint32_t* code_words = reinterpret_cast<const uint32_t*>(codes.e);
               uint32_t* staged = transpose_tile() + tile_row * kTilePitchWords + 2 * lane_in_row;
-              staged[0] = code_words[0];
-              staged[1] = code_words[1];
+              staged[0] = encoded.lo;
+              staged[1] = encoded.hi;
             }
           }
         }

@@ -13,11 +13,12 @@
 #     hardware instructions it uses on sm_80+ (FP8 and bf16 conversions, MUFU.RCP in rcp.rn's own sequence) are
 #     replaced by the C core's functions they equal.
 #   rope: rotary_embedding forward and inverse bit for bit (test_emulated_rope.cpp).
-#   fp4: quantize_fp4, dequantize_fp4 and fp4_to_e4m3 of csrc/cuda/quantize.cu bit for bit (test_emulated_fp4.cpp).
-#     Without __CUDA_ARCH__ coat_divide_by_scale divides, so the fast quotient of the GPU path is not exercised.
+#   quantize: the FP8 quantizers (group, tensor, amax, transpose, dequantize) and the FP4 codec of csrc/cuda/quantize.cu
+#     bit for bit (test_emulated_quantize.cpp). Without __CUDA_ARCH__ coat_divide_by_scale divides; the fast
+#     quotient of fp8_chunk.cuh runs as on the GPU.
 # It checks the kernels' logic (tiles, lanes, shuffles, votes, fast and general paths, prefetching), not the
 # GPU's own arithmetic.
-#   tools/cuda_emulation/run.sh [quick|full] [adamw|norm_act|rope|fp4]
+#   tools/cuda_emulation/run.sh [quick|full] [adamw|norm_act|rope|quantize]
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -53,10 +54,10 @@ if [ -z "$only" ] || [ "$only" = rope ]; then
   g++ "$out/rope_emulated.o" "$out/rope_test.o" "$out/cpu_rope.o" "$out/common.o" -o "$out/test_emulated_rope" -lpthread
   "$out/test_emulated_rope"
 fi
-if [ -z "$only" ] || [ "$only" = fp4 ]; then
+if [ -z "$only" ] || [ "$only" = quantize ]; then
   python3 "$here/launch_rewrite.py" "$root/csrc/cuda/quantize.cu" "$out/quantize_emulated.cpp"
   g++ $cxxflags -c "$out/quantize_emulated.cpp" -o "$out/quantize_emulated.o"
-  g++ -std=c++20 -O2 -ffp-contract=off -I"$here" -I"$root/csrc/include" -c "$here/test_emulated_fp4.cpp" -o "$out/fp4_test.o"
-  g++ "$out/quantize_emulated.o" "$out/fp4_test.o" "$out/cpu_quantize.o" "$out/common.o" -o "$out/test_emulated_fp4" -lpthread
-  "$out/test_emulated_fp4" "$mode"
+  g++ -std=c++20 -O2 -ffp-contract=off -I"$here" -I"$root/csrc/include" -c "$here/test_emulated_quantize.cpp" -o "$out/quantize_test.o"
+  g++ "$out/quantize_emulated.o" "$out/quantize_test.o" "$out/cpu_quantize.o" "$out/common.o" -o "$out/test_emulated_quantize" -lpthread
+  "$out/test_emulated_quantize" "$mode"
 fi

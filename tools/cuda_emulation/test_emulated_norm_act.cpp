@@ -327,15 +327,17 @@ void check_sigmoid_near(uint32_t step) {
   printf("sigmoid_near checked on every %u-th float >= -80: %ld mismatches\n", step, total);
 }
 
-// save_scale(amax) == coat_scale_from_amax(amax, COAT_E4M3) for every float amax in [0, Inf] (every `step`-th).
-void check_save_scale(uint32_t step) {
+// scale_from_amax<format>(amax) == coat_scale_from_amax(amax, format) for every float amax in [0, Inf] (every
+// `step`-th), in both formats.
+void check_scale_from_amax(uint32_t step) {
   long mismatches = 0;
   for (uint64_t bits = 0; bits <= 0x7F800000u; bits += step) {
     const float amax = u2f(static_cast<uint32_t>(bits));
-    if (f2u(save_scale(amax)) != f2u(coat_scale_from_amax(amax, COAT_E4M3))) ++mismatches;
+    if (f2u(scale_from_amax<COAT_E4M3>(amax)) != f2u(coat_scale_from_amax(amax, COAT_E4M3))) ++mismatches;
+    if (f2u(scale_from_amax<COAT_E5M2>(amax)) != f2u(coat_scale_from_amax(amax, COAT_E5M2))) ++mismatches;
   }
-  CHECK(mismatches == 0, "save_scale != coat_scale_from_amax on %ld floats", mismatches);
-  printf("save_scale checked on every %u-th amax in [0, Inf]: %ld mismatches\n", step, mismatches);
+  CHECK(mismatches == 0, "scale_from_amax != coat_scale_from_amax on %ld floats", mismatches);
+  printf("scale_from_amax checked on every %u-th amax in [0, Inf], both formats: %ld mismatches\n", step, mismatches);
 }
 
 // The codes of quotient() against coat_quantize_value (the IEEE division) in both formats, for scales from
@@ -351,7 +353,7 @@ void check_quotient(long samples) {
     const float x = static_cast<float>((rng() & 1 ? -1 : 1) * scale * m);
     if (!isfinite(x)) continue;
     ++checked;
-    if (coat_f32_to_fp8(quotient(x, scale, 1.0f / scale), format) != coat_quantize_value(x, scale, format)) ++mismatches;
+    if (coat_f32_to_fp8(coat::device::quotient(x, scale, 1.0f / scale), format) != coat_quantize_value(x, scale, format)) ++mismatches;
   }
   CHECK(mismatches == 0, "quotient's code != coat_quantize_value's on %ld of %ld samples", mismatches, checked);
 }
@@ -363,7 +365,7 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
   check_sigmoid_near(full ? 1u : 4099u);
   check_quotient(full ? 100000000L : 2000000L);
-  check_save_scale(full ? 1u : 997u);
+  check_scale_from_amax(full ? 1u : 997u);
 
   const coat_dtype dtypes[] = {COAT_BFLOAT16, COAT_FLOAT32, COAT_FLOAT16};
   const int64_t groups[] = {16, 32, 64, 128};
