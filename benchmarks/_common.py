@@ -51,6 +51,49 @@ def time_cuda_ms(fn, warmup: int, repeat: int) -> float:
     return statistics.median(times)
 
 
+_sleep_cycles_per_ms: dict[int, float] = {}
+
+
+def _sleep_cycles(ms: float) -> int:
+    """Cycles of torch.cuda._sleep (a spin kernel) that keep the current GPU busy for about ``ms``."""
+    device = torch.cuda.current_device()
+    if device not in _sleep_cycles_per_ms:
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _sleep_cycles_per_ms[device] = cycles / start.elapsed_time(end)
+    return int(ms * _sleep_cycles_per_ms[device])
+
+
+def time_cuda_gpu_ms(fn, warmup: int, repeat: int) -> float:
+    """Median milliseconds of fn()'s GPU work alone, CUDA events after warm-up. Unlike time_cuda_ms, each call
+    is enqueued while the GPU is kept busy (torch.cuda._sleep for twice the longest enqueue seen in warm-up), so
+    that the host's time to enqueue it (Python, the op's checks, allocations, the launches) is not counted: what
+    a kernel's bandwidth is measured on. time_cuda_ms gives what a caller that waits for the result sees."""
+    host_ms = 0.0
+    for _ in range(max(warmup, 1)):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        host_ms = max(host_ms, (time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    cycles = _sleep_cycles(2 * host_ms + 0.05)
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def time_ms(fn, warmup: int, repeat: int, device: torch.device | str) -> float:
     """Median milliseconds of fn(): CUDA events on a GPU, time.perf_counter on the CPU, where the benchmarks
     only run their smoke mode (tiny shapes, to check that they still work, not to time anything)."""
