@@ -13,6 +13,7 @@ import torch
 import coat
 from coat import ops
 from coat.optim import AdamW
+from coat.optim import adamw as adamw_module
 
 # Shapes with short last groups at G = 16 and 128, a 3-D tensor, a vector and a scalar.
 SHAPES = {"matrix": (24, 40), "wide": (3, 300), "cube": (2, 3, 20), "vector": (50,), "scalar": ()}
@@ -316,6 +317,39 @@ def test_params_without_grad_keep_their_own_step_count():
     assert opt.state[params["vector"]]["step"].item() == 3
     assert_same_run(params, opt, separate, main_opt, [n for n in params if n != "vector"])
     assert_same_run(params, opt, separate, vector_opt, ["vector"])
+
+
+def test_groups_larger_than_one_kernel_call_step_like_separate_optimizers():
+    # A group's step enqueues the kernel for 32 parameters at a time (the GPU starts while the host prepares the
+    # rest). Every parameter must still step as with an optimizer of its own, a lagging step count included, and a
+    # bad gradient anywhere must be refused before any parameter changes.
+    torch.manual_seed(0)
+    count = 2 * adamw_module._PARAMS_PER_CALL + 5
+    params = [torch.nn.Parameter(torch.randn(3, 16)) for _ in range(count)]
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = AdamW(params, lr=1e-2)
+    alone_opts = [AdamW([p], lr=1e-2) for p in alone]
+    lagging = count - 3  # in the last slice; it has no gradient on odd steps
+    for step in range(4):
+        for i, (p, q) in enumerate(zip(params, alone)):
+            grad = None if i == lagging and step % 2 else torch.randn(3, 16)
+            p.grad, q.grad = grad, None if grad is None else grad.clone()
+        opt.step()
+        for q, q_opt in zip(alone, alone_opts):
+            if q.grad is not None:
+                q_opt.step()
+    for p, q in zip(params, alone):
+        assert torch.equal(bits(p), bits(q))
+    assert opt.state[params[lagging]]["step"].item() == 2
+
+    before = [bits(p).clone() for p in params]
+    for p in params:
+        p.grad = torch.randn(3, 16)
+    params[-1].grad_dtype = None
+    params[-1].grad = torch.randn(3, 16, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16 gradients"):
+        opt.step()
+    assert all(torch.equal(bits(p), b) for p, b in zip(params, before))
 
 
 def test_zero_grad_and_closure():

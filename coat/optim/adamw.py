@@ -80,6 +80,10 @@ _PARAM_ROUNDINGS = ("nearest", "stochastic")
 # FP8 gradients are dequantized to bfloat16 for the fused step in chunks of at most this many elements, so the
 # step never holds more than 128 MiB of them at once (one larger tensor is its own chunk).
 _DEQUANTIZED_GRAD_CHUNK = 1 << 26
+# Parameters of a group whose kernel call is enqueued before the host prepares the next ones: the CUDA kernel's
+# launch size (kTensorsPerLaunch in csrc/cuda/adamw.cu), so that the GPU runs one launch while the host builds
+# the next call's tensor lists and the binding checks them, instead of waiting for all of the group's.
+_PARAMS_PER_CALL = 32
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 _MASK32 = (1 << 32) - 1
@@ -295,14 +299,22 @@ class AdamW(torch.optim.Optimizer):
         if not params:
             return
         states = []
-        for param in params:
+        for param in params:  # every parameter checked before any is updated
             _check_for_step(param, self._fp8_grads.get(param))
             state = self.state[param]
             if not state:
                 _init_state(param, group, state)
             states.append(state)
         torch._foreach_add_([state["step"] for state in states], 1.0)
+        index_of = _param_indices(self.param_groups) if group["param_rounding"] == "stochastic" else {}
+        for start in range(0, len(params), _PARAMS_PER_CALL):
+            end = start + _PARAMS_PER_CALL
+            self._step_params(group, params[start:end], states[start:end], index_of)
 
+    def _step_params(
+        self, group: dict[str, Any], params: list[torch.Tensor], states: list[dict[str, Any]], index_of: dict[int, int]
+    ) -> None:
+        """The kernel calls of a slice of the group's parameters, checked and with their step counts raised."""
         # One kernel call per device and step count (and per chunk of dequantized FP8 gradients). A group's
         # parameters normally share one count; one added later, or one without a gradient on some steps, has its
         # own, hence its own bias corrections.
@@ -318,7 +330,6 @@ class AdamW(torch.optim.Optimizer):
         lr = _host_lr(group["lr"])
         expand_m, expand_v = group["expand"]
         stochastic = group["param_rounding"] == "stochastic"
-        index_of = _param_indices(self.param_groups) if stochastic else {}
         for (_, step), entries in batches.items():
             # float64 on the host from the step count, exactly as torch.optim.AdamW computes them.
             decay_factor, step_size, bias_correction2_sqrt = ops.adamw_scalars(
