@@ -1,5 +1,5 @@
-// Device-side FP8 quantization of chunks of 8 values, shared by the quantizers (quantize.cu) and the fused
-// RMSNorm / SiLU*mul kernels (norm_act.cu).
+// Device-side FP8 quantization of chunks of 8 values, and the rounding of results to 16-bit pairs, shared by the
+// quantizers (quantize.cu) and the fused RMSNorm / SiLU*mul kernels (norm_act.cu).
 //
 // coat's quantization (coat/detail/quantize_math.h) divides by the scale with IEEE rounding and encodes with
 // coat's FP8 rules; compiled as written, that is an IEEE division (with its range check and slow-path branch)
@@ -122,6 +122,31 @@ __device__ __forceinline__ Codes encode_chunk(const float v[kCodeChunk], float s
     else codes.hi |= code << (8 * (e - 4));
   }
   return codes;
+}
+
+/** a and b rounded to bf16 (kDtype COAT_BFLOAT16) or fp16 by coat's conversions, a in the low half. */
+template <coat_dtype kDtype>
+__device__ __forceinline__ uint32_t pack_16bit(float a, float b) {
+  if constexpr (kDtype == COAT_BFLOAT16)
+    return static_cast<uint32_t>(coat_f32_to_bf16(a)) | (static_cast<uint32_t>(coat_f32_to_bf16(b)) << 16);
+  else
+    return static_cast<uint32_t>(coat_f32_to_f16(a)) | (static_cast<uint32_t>(coat_f32_to_f16(b)) << 16);
+}
+
+/** pack_16bit for a and b that are not NaN: one cvt.rn instruction on sm_80+, which rounds as coat's
+ *  conversions do (to nearest even, overflow to Inf, subnormals kept) and differs on NaN only. */
+template <coat_dtype kDtype>
+__device__ __forceinline__ uint32_t pack_16bit_not_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t packed;
+  if constexpr (kDtype == COAT_BFLOAT16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(b), "f"(a));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(b), "f"(a));
+  return packed;
+#else
+  return pack_16bit<kDtype>(a, b);
+#endif
 }
 
 }  // namespace device

@@ -43,6 +43,8 @@ using coat::device::Codes;
 using coat::device::code_at;
 using coat::device::encode_chunk;
 using coat::device::group_amax_reduce;
+using coat::device::pack_16bit;
+using coat::device::pack_16bit_not_nan;
 using coat::device::reciprocal_of_normal;
 using coat::device::scale_from_amax;
 using coat::device::launch_status;
@@ -182,30 +184,6 @@ __device__ __forceinline__ void unpack_16bit(uint32_t pair, coat_dtype dtype, fl
     out[0] = coat_f16_to_f32(static_cast<uint16_t>(pair & 0xFFFFu));
     out[1] = coat_f16_to_f32(static_cast<uint16_t>(pair >> 16));
   }
-}
-
-template <coat_dtype kDtype>
-__device__ __forceinline__ uint32_t pack_16bit(float a, float b) {
-  if constexpr (kDtype == COAT_BFLOAT16)
-    return static_cast<uint32_t>(coat_f32_to_bf16(a)) | (static_cast<uint32_t>(coat_f32_to_bf16(b)) << 16);
-  else
-    return static_cast<uint32_t>(coat_f32_to_f16(a)) | (static_cast<uint32_t>(coat_f32_to_f16(b)) << 16);
-}
-
-// pack_16bit for a and b that are not NaN: one cvt.rn instruction on sm_80+, which rounds as coat's
-// conversions do (to nearest even, overflow to Inf, subnormals kept) and differs on NaN only.
-template <coat_dtype kDtype>
-__device__ __forceinline__ uint32_t pack_16bit_not_nan(float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  uint32_t packed;
-  if constexpr (kDtype == COAT_BFLOAT16)
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(b), "f"(a));
-  else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(b), "f"(a));
-  return packed;
-#else
-  return pack_16bit<kDtype>(a, b);
-#endif
 }
 
 // v[0..8) = elements [offset, offset + count) of `data` as fp32, zeros past count; `vector`: count is 0 or 8

@@ -462,10 +462,25 @@ __global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(const Dequantiz
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int64_t row = row0 + (first_pass + b) * rows_per_pass + row_in_pass;
-          Chunk<T, kDequantizeChunk> values;
+          // coat_dequantize_value: the product, canonical when NaN (a NaN code, or 0 * Inf). A chunk without
+          // NaN rounds to bf16 by pairs in hardware (pack_16bit_not_nan); one with NaN by coat's rounding.
+          float v[kDequantizeChunk];
+          bool nan = false;
 #pragma unroll
-          for (int i = 0; i < kDequantizeChunk; ++i)
-            values.e[i] = Output<kOutDtype>::from_f32(coat_dequantize_value(decoded[codes[b].e[i]], scales[b]));
+          for (int i = 0; i < kDequantizeChunk; ++i) {
+            v[i] = decoded[codes[b].e[i]] * scales[b];
+            nan |= v[i] != v[i];
+          }
+          Chunk<T, kDequantizeChunk> values;
+          if (kOutDtype == COAT_BFLOAT16 && !nan) {
+            uint32_t* pairs = reinterpret_cast<uint32_t*>(values.e);
+#pragma unroll
+            for (int i = 0; i < kDequantizeChunk; i += 2) pairs[i / 2] = pack_16bit_not_nan<COAT_BFLOAT16>(v[i], v[i + 1]);
+          } else {
+#pragma unroll
+            for (int i = 0; i < kDequantizeChunk; ++i)
+              values.e[i] = Output<kOutDtype>::from_f32(nan ? coat_canonical_nan(v[i]) : v[i]);
+          }
           store_chunk<kVector>(values, out, row * p.cols, col, p.cols, row < p.rows);
         }
       }
