@@ -13,7 +13,11 @@ attention). Every run times, in one process on the same inputs:
                         in 1 x 16 blocks
     coat fp4 G=128 eager    the same in 1 x 128 blocks (AGoQ's block size: fewer scales, coarser blocks)
 
-Times are CUDA-event medians after warm-up (backward = total - forward). "saved" is what the forward leaves
+Times are CUDA-event medians after warm-up (backward = total - forward); each step starts on an idle GPU, so
+they include the host's time to enqueue the step's first kernels. "GPU ms" is forward + backward with the GPU
+kept busy while the host enqueues (_common.time_cuda_gpu_ms): the step's GPU work alone, what a layer costs
+inside a model whose host runs ahead of the GPU (for every variant here the host's time to enqueue a step is
+below the GPU's). "saved" is what the forward leaves
 allocated for backward: the memory allocated across the forward minus its output, in MB and in units
 U = 2 bytes x tokens x hidden (one BF16 copy of the layer's input). On the CPU (--smoke) it is the distinct
 storages autograd saves, parameters excluded (torch.autograd.graph.saved_tensors_hooks), for the eager rows.
@@ -36,7 +40,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 import coat
 
-from _common import compile_for_fixed_shapes, kernel_profile, parser, print_table, time_ms, write_results
+from _common import (compile_for_fixed_shapes, kernel_profile, parser, print_table, time_cuda_gpu_ms, time_ms,
+                     write_results)
 
 BATCH = 4
 SETTINGS = [(2048, 2048), (2048, 4096), (4096, 2048), (4096, 4096)]  # (hidden, sequence length)
@@ -123,14 +128,16 @@ def measure(layer, hidden_states, position_embeddings, grad, warmup, repeat, dev
 
     total_ms = time_ms(forward_backward, warmup, repeat, device)  # first: compiled variants compile here
     forward_ms = time_ms(forward, warmup, repeat, device)
+    timings = {"fwd ms": forward_ms, "bwd ms": total_ms - forward_ms, "total ms": total_ms}
+    if torch.device(device).type == "cuda":
+        timings["GPU ms"] = time_cuda_gpu_ms(forward_backward, warmup, repeat)
     for p in parameters:
         p.grad = None
     if torch.device(device).type == "cuda":
         saved = saved_by_allocator_mb(forward)
     else:
         saved = saved_by_hooks_mb(forward, {p.untyped_storage().data_ptr() for p in parameters})
-    return {"fwd ms": forward_ms, "bwd ms": total_ms - forward_ms, "total ms": total_ms, "saved MB": saved,
-            "profile": forward_backward}
+    return {**timings, "saved MB": saved, "profile": forward_backward}
 
 
 def main():
@@ -184,11 +191,15 @@ def main():
             row["vs BF16 eager"] = baseline["total ms"] / result["total ms"]
             if "total ms" in peer:
                 row["vs torchao"] = peer["total ms"] / result["total ms"]
+            if "GPU ms" in result:
+                row["GPU vs BF16"] = baseline["GPU ms"] / result["GPU ms"]
+                if "GPU ms" in peer:
+                    row["GPU vs torchao"] = peer["GPU ms"] / result["GPU ms"]
             rows.append(row)
         del stock, hidden_states, grad
 
     columns = ["hidden", "seq", "batch", "layer", "fwd ms", "bwd ms", "total ms", "vs BF16 eager", "vs torchao",
-               "saved MB", "saved U"]
+               "GPU ms", "GPU vs BF16", "GPU vs torchao", "saved MB", "saved U"]
     for name, profile in profiles.items():
         print(f"\n== kernels of {name}, per fwd+bwd step ==")
         print_table(profile["kernels"][:30], ["kernel", "class", "calls", "us"])
@@ -213,6 +224,10 @@ def main():
             )
     if all("vs torchao" in row for row in coat_eager):
         summary["min_vs_torchao"] = min(row["vs torchao"] for row in coat_eager)
+    if all("GPU vs BF16" in row for row in coat_eager):
+        summary["min_gpu_speedup"] = min(row["GPU vs BF16"] for row in coat_eager)
+    if all("GPU vs torchao" in row for row in coat_eager):
+        summary["min_gpu_vs_torchao"] = min(row["GPU vs torchao"] for row in coat_eager)
     if coat_compiled:
         summary["min_compiled_vs_eager"] = min(
             row["total ms"] / coat_compiled[(row["hidden"], row["seq"])]["total ms"] for row in coat_eager
