@@ -35,20 +35,24 @@ def compile_for_fixed_shapes(fn):
     return torch.compile(fn, dynamic=False)
 
 
+def _event_ms(fn, sleep_cycles: int = 0) -> float:
+    """Milliseconds between CUDA events recorded around fn(), behind a GPU sleep of sleep_cycles when nonzero."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if sleep_cycles:
+        torch.cuda._sleep(sleep_cycles)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def time_cuda_ms(fn, warmup: int, repeat: int) -> float:
     """Median milliseconds of fn() on the current CUDA stream, timed with CUDA events, after warm-up."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(_event_ms(fn) for _ in range(repeat))
 
 
 _sleep_cycles_per_ms: dict[int, float] = {}
@@ -60,12 +64,7 @@ def _sleep_cycles(ms: float) -> int:
     if device not in _sleep_cycles_per_ms:
         cycles = 10_000_000
         torch.cuda._sleep(cycles)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _sleep_cycles_per_ms[device] = cycles / start.elapsed_time(end)
+        _sleep_cycles_per_ms[device] = cycles / _event_ms(lambda: torch.cuda._sleep(cycles))
     return int(ms * _sleep_cycles_per_ms[device])
 
 
@@ -82,16 +81,7 @@ def time_cuda_gpu_ms(fn, warmup: int, repeat: int) -> float:
         host_ms = max(host_ms, (time.perf_counter() - start) * 1e3)
     torch.cuda.synchronize()
     cycles = _sleep_cycles(2 * host_ms + 0.05)
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(cycles)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(_event_ms(fn, cycles) for _ in range(repeat))
 
 
 def time_ms(fn, warmup: int, repeat: int, device: torch.device | str) -> float:

@@ -58,10 +58,8 @@ static bool same_bytes(const Buffer& a, const Buffer& b, const char* what, int64
 
 static int cases = 0;
 
-// shift: elements the input starts past a 16-byte boundary, and bytes the decoders' outputs do (0: vector path).
-static void run_case(int64_t rows, int64_t cols, coat_dtype dtype, int64_t block_size, int64_t row_stride, int shift,
-                     bool specials) {
-  ++cases;
+// x as `dtype` elements, rows x cols with rows row_stride apart, starting `shift` elements past a 16-byte boundary.
+static Buffer random_matrix(int64_t rows, int64_t cols, coat_dtype dtype, int64_t row_stride, int shift, bool specials) {
   const size_t size = element_size(dtype);
   Buffer x(((rows ? rows - 1 : 0) * row_stride + cols) * size, shift * size, 0);
   for (int64_t r = 0; r < rows; ++r)
@@ -76,6 +74,14 @@ static void run_case(int64_t rows, int64_t cols, coat_dtype dtype, int64_t block
         memcpy(target, &h, 2);
       }
     }
+  return x;
+}
+
+// shift: elements the input starts past a 16-byte boundary, and bytes the decoders' outputs do (0: vector path).
+static void run_case(int64_t rows, int64_t cols, coat_dtype dtype, int64_t block_size, int64_t row_stride, int shift,
+                     bool specials) {
+  ++cases;
+  const Buffer x = random_matrix(rows, cols, dtype, row_stride, shift, specials);
   const int64_t row_bytes = (cols + 1) / 2;
   const int64_t nblocks = (cols + block_size - 1) / block_size;
   Buffer codes[2] = {Buffer(rows * row_bytes, 0, 0xAB), Buffer(rows * row_bytes, 0, 0xAB)};
@@ -104,25 +110,6 @@ static void run_case(int64_t rows, int64_t cols, coat_dtype dtype, int64_t block
   status[1] = coat_fp4_to_e4m3_cuda(codes[0].data, rows, cols, q[1].data, nullptr);
   CHECK(status[0] == COAT_SUCCESS && status[1] == COAT_SUCCESS, "fp4_to_e4m3 status %d / %d", status[0], status[1]);
   same_bytes(q[0], q[1], "fp4_to_e4m3", rows, cols, dtype, block_size, row_stride, shift);
-}
-
-// x as `dtype` elements, rows x cols with rows row_stride apart, starting `shift` elements past a 16-byte boundary.
-static Buffer random_matrix(int64_t rows, int64_t cols, coat_dtype dtype, int64_t row_stride, int shift, bool specials) {
-  const size_t size = element_size(dtype);
-  Buffer x(((rows ? rows - 1 : 0) * row_stride + cols) * size, shift * size, 0);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < row_stride; ++c) {
-      if (r == rows - 1 && c >= cols) break;
-      const float v = random_value(specials);
-      uint8_t* target = x.data + (r * row_stride + c) * size;
-      if (dtype == COAT_FLOAT32) {
-        memcpy(target, &v, 4);
-      } else {
-        const uint16_t h = dtype == COAT_BFLOAT16 ? coat_f32_to_bf16(v) : coat_f32_to_f16(v);
-        memcpy(target, &h, 2);
-      }
-    }
-  return x;
 }
 
 // The FP8 quantizers of one matrix against the C core: group scaling (codes, scales, transpose), group and tensor
