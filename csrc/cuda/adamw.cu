@@ -10,7 +10,8 @@
 // Step kernel. A warp takes a tile of 512 consecutive columns of one row, 16 consecutive elements per lane:
 // 16-byte loads and stores throughout (4 per fp32 array, 2 per 16-bit array, 1 per FP8 state) when the tensor is
 // aligned (cols % 16 == 0 and aligned pointers) and the tile whole, element by element otherwise (a variant of
-// the tile chosen per warp). 512 is a multiple of every group size, so a group of G columns is G/16 (1 to 8)
+// the tile chosen per warp); a whole tile's new fp32 parameters go out through shared memory as 512-byte warp
+// stores (step_param_stage). 512 is a multiple of every group size, so a group of G columns is G/16 (1 to 8)
 // adjacent lanes, and its range (amax, amin) is a butterfly of shuffles. Per element and state:
 //   decode  beta * x' = (entry.factor * head) * approx_exp2(fmaf(entry.log2, inverse_k, fraction))
 //           one shared-memory lookup of the code's {log2 |decode(code)|, sign} (k == 1: {0, decode(code)}), one
