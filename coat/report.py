@@ -238,25 +238,66 @@ def tensor_stats(
         return _tensor_metrics(_quantization_sums(x, q, scale, group_size).tolist())
 
 
-def _moment_values(codes: torch.Tensor, meta: torch.Tensor, group_size: int, rows: torch.Tensor | None) -> torch.Tensor:
-    """float64 [numel, nonfinite, zero codes, amax, k min, k median, k max, share of k != 1] of one FP8
-    moment of coat.optim.AdamW (local shard, as rows): k over every group, the rest over ``rows`` (all when
-    None)."""
-    k = meta[..., 1].double().flatten()
-    if rows is not None:
-        codes, meta = codes.index_select(0, rows), meta.index_select(0, rows)
-    values = ops.dequantize_expanded(codes, meta, group_size)
-    finite = torch.isfinite(values)
-    return torch.stack([
-        _count(codes),
-        (~finite).sum(dtype=torch.float64),
-        ((codes.view(torch.uint8) & _SIGN_MASK_OFF) == 0).sum(dtype=torch.float64),
-        torch.where(finite, values.abs(), 0.0).amax().double(),
-        k.min(),
-        k.median(),
-        k.max(),
-        (k != 1).double().mean(),
-    ])
+# Measured moment elements reduced together at most (one larger moment is reduced alone): bounds the float32
+# values, flags and their float copies a capture's end holds at once.
+_MOMENT_BATCH_ELEMENTS = 1 << 24
+
+
+def _moments_values(moments: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """float64 [numel, nonfinite, zero codes, amax, k min, k median, k max, share of k != 1] of each FP8 moment of
+    coat.optim.AdamW, given as (codes as rows, meta, group size, measured rows): k over every group, the rest over
+    the measured rows (all when None). Each moment is dequantized alone; the element-wise passes then run once
+    over a batch of one device's moments and the per-moment reductions are multi-tensor (torch._foreach_*)
+    calls, so that a capture's host issues a few calls per moment instead of one per statistic and moment."""
+    results: list[torch.Tensor | None] = [None] * len(moments)
+    for device in {codes.device for codes, _, _, _ in moments}:
+        batch, elements = [], 0
+        for i, (codes, _, _, rows) in enumerate(moments):
+            if codes.device != device:
+                continue
+            measured = codes.numel() if rows is None else rows.numel() * codes.shape[-1]
+            if batch and elements + measured > _MOMENT_BATCH_ELEMENTS:
+                _fill_moment_batch(moments, batch, results)
+                batch, elements = [], 0
+            batch.append(i)
+            elements += measured
+        _fill_moment_batch(moments, batch, results)
+    return results
+
+
+def _fill_moment_batch(moments, batch: list[int], results: list) -> None:
+    """Fills results[i] for the moments[i] of ``batch`` (indices of moments on one device)."""
+    values, codes, k = [], [], []
+    for i in batch:
+        moment_codes, meta, group_size, rows = moments[i]
+        k.append(meta[..., 1].reshape(-1))
+        if rows is not None:
+            moment_codes, meta = moment_codes.index_select(0, rows), meta.index_select(0, rows)
+        values.append(ops.dequantize_expanded(moment_codes, meta, group_size).reshape(-1))
+        codes.append(moment_codes.view(torch.uint8).reshape(-1))
+    lengths, k_lengths = [v.numel() for v in values], [t.numel() for t in k]
+    values, codes, k = torch.cat(values), torch.cat(codes), torch.cat(k).double()
+    finite = values.isfinite()
+
+    def counts(flags: torch.Tensor, parts: list[int]) -> list[torch.Tensor]:
+        # sums of 0 and 1, exact in float32 up to 2^24 per part
+        dtype = torch.float32 if max(parts) <= 1 << 24 else torch.float64
+        return torch._foreach_norm(list(flags.to(dtype).split(parts)), 1)
+
+    k_parts = list(k.split(k_lengths))
+    columns = [
+        counts(torch.ones_like(finite), lengths),  # the element counts, made on the device
+        counts(~finite, lengths),
+        counts((codes & _SIGN_MASK_OFF) == 0, lengths),
+        torch._foreach_max(list(torch.where(finite, values.abs(), 0.0).split(lengths))),
+        torch._foreach_neg(torch._foreach_max(torch._foreach_neg(k_parts))),
+        [part.median() for part in k_parts],
+        torch._foreach_max(k_parts),
+        torch._foreach_div(counts(k != 1, k_lengths), [float(n) for n in k_lengths]),
+    ]
+    stats = torch.stack([torch.stack(column).double() for column in columns], dim=1)
+    for i, row in zip(batch, stats.unbind(0)):
+        results[i] = row
 
 
 def _moment_metrics(values: list[float]) -> dict[str, float]:
@@ -453,13 +494,16 @@ class QuantizationReport:
             self._pending = []
         entries = [(layer, tensor, fmt, sums, _tensor_metrics) for (layer, tensor), (fmt, sums) in self._sums.items()]
         if self._optimizer is not None:
+            named, moments = [], []
             for group in self._optimizer.param_groups:
                 for param in group["params"]:
                     layer, name = self._moment_names[id(param)]
                     for moment, (codes, meta) in self._optimizer.fp8_moments(param).items():
                         rows = self._measured_rows(codes.shape[0], codes.device) if codes.dim() == 2 else None
-                        values = _moment_values(codes, meta, group["group_size"], rows)
-                        entries.append((layer, f"{name}.{moment}", _FORMAT_NAMES[codes.dtype], values, _moment_metrics))
+                        named.append((layer, f"{name}.{moment}", _FORMAT_NAMES[codes.dtype]))
+                        moments.append((codes, meta, group["group_size"], rows))
+            for (layer, tensor, fmt), values in zip(named, _moments_values(moments)):
+                entries.append((layer, tensor, fmt, values, _moment_metrics))
         host = _to_host([values for _, _, _, values, _ in entries])
         rows = []
         for (layer, tensor, fmt, _, metrics), values in zip(entries, host):

@@ -389,6 +389,44 @@ def test_optimizer_moments_and_expansion_exponents(model):
     assert moments and all(row["k_min"] == row["k_max"] == 1 and row["k_expanded"] == 0 for row in moments)
 
 
+def test_moment_statistics_reduced_in_batches_match_each_moment_alone(model, monkeypatch):
+    # The capture reduces the moments of many parameters together, in batches of at most
+    # _MOMENT_BATCH_ELEMENTS measured elements; every row must equal that moment's statistics computed alone:
+    # both FP8 formats, two group sizes, sampled rows, a moment holding NaN and Inf, batches of one and of many.
+    monkeypatch.setattr(coat.report, "_MOMENT_BATCH_ELEMENTS", 600)
+    params = list(model.parameters())
+    optimizer = coat.optim.AdamW([{"params": params[: len(params) // 2], "group_size": 16, "m_format": "e5m2"},
+                                  {"params": params[len(params) // 2 :]}], lr=1e-3)
+    train_step(model, optimizer, tokens())
+    report = coat.report.QuantizationReport(model, optimizer, sample_rows=3)
+    poisoned = optimizer.state[params[1]]["exp_avg"]
+    poisoned.view(torch.uint8).view(-1)[:2] = torch.tensor([0x7F, 0x7C], dtype=torch.uint8)  # NaN; E5M2 Inf
+    with report.capture():
+        train_step(model, None, tokens(seed=1))
+    rows = {(row["layer"], row["tensor"]): row for row in report.rows()}
+    checked = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            layer, name = report._moment_names[id(param)]
+            for moment, (codes, meta) in optimizer.fp8_moments(param).items():
+                row = rows[(layer, f"{name}.{moment}")]
+                k = meta[..., 1].double().flatten()
+                sampled = codes.dim() == 2 and codes.shape[0] > 3
+                picked = torch.linspace(0, codes.shape[0] - 1, 3).round().long() if sampled else None
+                c, m = (codes.index_select(0, picked), meta.index_select(0, picked)) if sampled else (codes, meta)
+                values = coat.ops.dequantize_expanded(c, m, group["group_size"])
+                finite = values.isfinite()
+                assert row["numel"] == c.numel()
+                assert row["nonfinite"] == (~finite).sum().item() / c.numel()
+                assert row["zero_codes"] == ((c.view(torch.uint8) & 0x7F) == 0).sum().item() / c.numel()
+                assert row["amax"] == torch.where(finite, values.abs(), 0.0).amax().item()
+                assert (row["k_min"], row["k_median"], row["k_max"]) == (k.min().item(), k.median().item(), k.max().item())
+                assert row["k_expanded"] == (k != 1).double().mean().item()
+                checked += 1
+    assert checked == 2 * len(params)
+    assert rows[report._moment_names[id(params[1])][0], report._moment_names[id(params[1])][1] + ".m"]["nonfinite"] > 0
+
+
 def test_csv_round_trip_and_heatmap(model, tmp_path):
     optimizer = coat.optim.AdamW(model.parameters(), lr=1e-3)
     report = coat.report.QuantizationReport(model, optimizer)
