@@ -56,7 +56,9 @@ is not a coat projection weight (norms, embeddings, the LM head unless converted
 from __future__ import annotations
 
 import collections
+import copy
 import sys
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -174,16 +176,27 @@ class FP8AllGather:
 
 @dataclass(eq=False, repr=False)
 class _ScaleGroup:
-    """Projections whose weights share one FP8 scale, and where to find their shards."""
+    """Projections whose weights share one FP8 scale, and where to find their shards.
+
+    The weights hold their group, so the group holds its modules weakly: once FSDP2 has trained the model,
+    C++ also holds the wrapped shards, the garbage collector no longer looks into their attributes, and a
+    strong reference back to the modules kept the whole model alive after the user dropped it (at 7B on two
+    GPUs, 12.6 GiB per rank for each model built in turn)."""
 
     names: list[str]
-    modules: list[nn.Module]
+    modules: list[weakref.ref]  # to nn.Module
     fp8_dtype: torch.dtype
     comm: FP8AllGather
 
     # The amax all-reduced by the gather of one member, kept for the members not yet gathered in that call.
     _amax: torch.Tensor | None = None
     _awaiting: set[int] = field(default_factory=set)
+
+    def __deepcopy__(self, memo) -> "_ScaleGroup":
+        """The group of a copied model: its weights point to the copied modules, not to the originals."""
+        modules = [copy.deepcopy(module(), memo) for module in self.modules]
+        return _ScaleGroup(list(self.names), [weakref.ref(module) for module in modules], self.fp8_dtype,
+                           copy.deepcopy(self.comm, memo))
 
     def agreed_amax(self, member: int, dtype: torch.dtype, process_group) -> torch.Tensor:
         """The group's amax over its weights on every rank, cast to ``dtype`` as they are gathered. FSDP2
@@ -206,7 +219,7 @@ class _ScaleGroup:
     def local_shards(self) -> list[torch.Tensor]:
         shards = []
         for name, module in zip(self.names, self.modules):
-            weight = module.weight
+            weight = module().weight
             local = weight._local_tensor if isinstance(weight, DTensor) else weight
             if not isinstance(local, FP8AllGatherWeight):
                 raise RuntimeError(
@@ -385,7 +398,7 @@ def fp8_all_gather(model: nn.Module) -> FP8AllGather:
                 )
     comm = FP8AllGather()
     for _, names, modules, config in groups:
-        group = _ScaleGroup(names, modules, config.forward_dtype, comm)
+        group = _ScaleGroup(names, [weakref.ref(m) for m in modules], config.forward_dtype, comm)
         for member, module in enumerate(modules):
             weight = module.weight
             module.weight = nn.Parameter(FP8AllGatherWeight(weight.detach(), group, member),

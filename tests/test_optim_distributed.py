@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -420,7 +422,12 @@ def fsdp2_fp8_all_gather(rank: int, world_size: int, device: torch.device, out: 
         after_fully_shard = ""
     except ValueError as error:
         after_fully_shard = str(error)
-    torch.save({"variants": results, "after_fully_shard": after_fully_shard}, out / f"rank{rank}.pt")
+    # A trained model dropped by its user is freed: its memory is not held until the process ends.
+    model_ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    torch.save({"variants": results, "after_fully_shard": after_fully_shard, "model_freed": model_ref() is None},
+               out / f"rank{rank}.pt")
 
 
 SCENARIOS = (
@@ -583,6 +590,7 @@ def test_fp8_all_gather_sends_fp8_codes_and_trains_bit_for_bit(results):
     # resharding) as uint8 codes; each gather of a group (q/k/v, o, gate/up, down) all-reduces its amax once.
     for result in results["fsdp2_fp8_all_gather"]:
         assert result["after_fully_shard"].startswith("coat.distributed.fp8_all_gather must run before fully_shard")
+        assert result["model_freed"]
         assert_all_equal(result["variants"].pop("uneven")["compared"])
         for variant, got in result["variants"].items():
             assert got["weight_types"] == ["FP8Weight"], variant
@@ -641,6 +649,18 @@ def test_fp8_all_gather_keeps_a_plain_model_working():
     state = model.state_dict()
     assert all(type(t) is torch.Tensor for t in state.values())
     assert_all_equal({name: (t, state[name]) for name, t in reference.state_dict().items()})
+
+
+def test_fp8_all_gather_model_copies_with_its_own_scale_groups():
+    """A deep copy's weights compute their shared scale from the copy's weights, not the original's."""
+    model = fp8_gathered(tiny_llama(seed=0))
+    copied = copy.deepcopy(model)
+    for original_layer, layer in zip(model.model.layers, copied.model.layers):
+        for parent, members in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+            group = getattr(parent, members[0]).weight.group
+            assert [module() for module in group.modules] == [getattr(parent, member) for member in members]
+        assert layer.self_attn.q_proj.weight.group.comm is copied.model.layers[0].self_attn.q_proj.weight.group.comm
+        assert layer.self_attn.q_proj.weight.group is not original_layer.self_attn.q_proj.weight.group
 
 
 def test_fp8_reduce_scatter_refuses_what_it_cannot_do():
