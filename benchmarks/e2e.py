@@ -31,7 +31,9 @@ on its own micro-batch. For each variant:
     and --steps timed ones; "steady GiB" leaves the first step out; the maximum over ranks under torchrun;
   - the largest micro-batch that trains: doubling from 1, then bisection, each trial --warmup and --steps
     full steps, up to --max-batch; a batch that runs out of memory on any rank does not fit (under torchrun the allocator
-    may use --memory-cap = 95% of each GPU, so that every rank runs out at the same allocation);
+    may use --memory-cap = 95% of each GPU, so that every rank runs out at the same allocation, and a batch
+    whose peak, extrapolated linearly from the two largest that fit, exceeds 95% of that cap is not run: one
+    rank running out alone would leave the others waiting in a collective);
   - tokens/s per GPU at that batch: batch * seq / median step time (CUDA events) of --steps steps after
     --warmup steps; the slowest rank's under torchrun;
   - under torchrun, "all-gather MB/step" and "reduce-scatter MB/step": the bytes this rank handed to
@@ -99,6 +101,7 @@ MEMORY_TARGET, SPEED_TARGET, EQUAL_BATCH_SPEED_TARGET = 1.6, 1.8, 1.3
 LR = 1e-5
 SMOKE_BATCH, SMOKE_SEQ, SMOKE_LAYERS = 2, 32, 2
 GIB = 2**30
+CAP_MARGIN = 0.95  # under torchrun, the fraction of the allocator cap a batch's extrapolated peak may reach
 
 
 def llama_config(shape_name: str, layers: int, smoke: bool) -> LlamaConfig:
@@ -375,15 +378,36 @@ def largest_fitting(fits, cap: int, unit: int = 1) -> int:
     return good
 
 
-def largest_batch(training: Training, seq: int, warmup: int, steps: int, cap: int, tried: dict[int, dict | None]) -> int:
+def extrapolated_peak(tried: dict[int, dict | None], batch: int) -> float | None:
+    """The peak GiB at `batch`, extrapolated linearly from the two largest batches in `tried` that fit and
+    are below it (activations grow linearly with the batch); None without two such batches."""
+    fitting = sorted((b, result["peak GiB"]) for b, result in tried.items() if result and b < batch)
+    if len(fitting) < 2:
+        return None
+    (b0, p0), (b1, p1) = fitting[-2:]
+    return p1 + (p1 - p0) / (b1 - b0) * (batch - b1)
+
+
+def largest_batch(training: Training, seq: int, warmup: int, steps: int, cap: int, tried: dict[int, dict | None],
+                  memory_cap_gib: float | None = None) -> int:
     """The largest batch <= cap that trains at `seq`. Each batch tried runs the full trial (warm-up and timed
     steps), whose result lands in `tried` (None: out of memory), so the batch found is the one measured:
-    a search of warm-up steps alone let batches pass that ran out of memory in the longer timed trial."""
+    a search of warm-up steps alone let batches pass that ran out of memory in the longer timed trial.
+    With memory_cap_gib (under torchrun), a batch whose extrapolated peak exceeds CAP_MARGIN of it is not
+    run and counts as out of memory: near the cap one rank can run out alone and leave the others waiting in
+    a collective until NCCL's timeout ends the whole run (it did on 2 H200s, and on 4 H100s at a batch whose
+    allocated peak would have been within 5% of the cap; the rest of the cap goes to fragmentation)."""
 
     def fits(batch: int) -> bool:
         if batch not in tried:
-            tried[batch] = trial(training, batch, seq, warmup, steps)
-            log(f"{training.variant}: batch {batch} {'fits' if tried[batch] else 'OOM'}")
+            predicted = extrapolated_peak(tried, batch) if memory_cap_gib else None
+            if predicted is not None and predicted > CAP_MARGIN * memory_cap_gib:
+                tried[batch] = None
+                log(f"{training.variant}: batch {batch} not run, its extrapolated peak {predicted:.1f} GiB exceeds "
+                    f"{CAP_MARGIN:.0%} of the allocator cap {memory_cap_gib:.1f}")
+            else:
+                tried[batch] = trial(training, batch, seq, warmup, steps)
+                log(f"{training.variant}: batch {batch} {'fits' if tried[batch] else 'OOM'}")
         return tried[batch] is not None
 
     return largest_fitting(fits, cap)
@@ -443,7 +467,10 @@ def measure(variant: str, args, config: LlamaConfig, device: torch.device, mesh,
             rows.append(row("equal batch", batch, tried[batch]))
         if training.model is None:
             training.build()
-        batch = largest_batch(training, args.seq, args.warmup, args.steps, args.max_batch, tried)
+        memory_cap_gib = None
+        if mesh is not None and device.type == "cuda":
+            memory_cap_gib = args.memory_cap * torch.cuda.get_device_properties(device).total_memory / GIB
+        batch = largest_batch(training, args.seq, args.warmup, args.steps, args.max_batch, tried, memory_cap_gib)
         if batch:
             rows.append(row("largest batch", batch, tried[batch]))
         if args.max_seq:
@@ -547,11 +574,11 @@ def plot(result_paths: list[str], png_path: str) -> None:
         setups.setdefault(setup, []).extend(result["rows"])
     labelled = set()
 
-    def legend_label(ax, variant: str) -> str | None:
-        """The variant's name on its first bar in each chart, so that the legend lists every variant once."""
-        if (id(ax), variant) in labelled:
+    def legend_label(variant: str) -> str | None:
+        """The variant's name on its first bar, so that the legend lists every variant once."""
+        if variant in labelled:
             return None
-        labelled.add((id(ax), variant))
+        labelled.add(variant)
         return variant
 
     variants = list(dict.fromkeys(r["variant"] for rows in setups.values() for r in rows))
@@ -571,7 +598,7 @@ def plot(result_paths: list[str], png_path: str) -> None:
                 continue
             fits = row["peak GiB"] != "OOM"
             bar = memory_ax.bar(position + offset, row["peak GiB"] if fits else 0, width,
-                                color=VARIANT_COLORS[variant], label=legend_label(memory_ax, variant))
+                                color=VARIANT_COLORS[variant], label=legend_label(variant))
             memory_ax.bar_label(bar, labels=[f"{row['peak GiB']:.1f}" if fits else "OOM"], fontsize=7)
     for position, (setup, rows) in enumerate(setups.items()):
         for variant, offset in offsets.items():
@@ -580,7 +607,7 @@ def plot(result_paths: list[str], png_path: str) -> None:
             row = next((r for r in rows if r["variant"] == variant and r["measured"] == "largest batch"
                         and "tokens/s/GPU" in r), None)  # a largest batch that ran out of memory when timed: OOM
             bar = speed_ax.bar(position + offset, row["tokens/s/GPU"] if row else 0, width,
-                               color=VARIANT_COLORS[variant], label=legend_label(speed_ax, variant))
+                               color=VARIANT_COLORS[variant])
             speed_ax.bar_label(bar, labels=[f"{row['tokens/s/GPU']:,.0f}\nbatch {row['batch']}" if row else "OOM"],
                                fontsize=7)
     memory_ax.set_xticks(range(len(memory_groups)), [f"{setup}\nbatch {batch}".replace(", FSDP2", "\nFSDP2")
@@ -590,8 +617,8 @@ def plot(result_paths: list[str], png_path: str) -> None:
     speed_ax.set_xticks(range(len(setups)), [setup.replace(", FSDP2", "\nFSDP2") for setup in setups], fontsize=8)
     speed_ax.set_ylabel("tokens/s per GPU")
     speed_ax.set_title("tokens/s at each one's largest micro-batch")
+    memory_ax.legend(fontsize=8)  # one legend: the colours are the same in both charts, and it would cover labels
     for ax in (memory_ax, speed_ax):
-        ax.legend(fontsize=8)
         ax.margins(y=0.15)
     device = results[0]["device"]
     figure.suptitle(f"Llama-2 shapes, sequence {results[0]['summary']['seq']}, {device}, torch {results[0]['torch']}")

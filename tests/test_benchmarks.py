@@ -125,6 +125,32 @@ def test_e2e_largest_batch_search_recovers_from_out_of_memory(monkeypatch):
     assert e2e.largest_batch(training, seq=8, warmup=2, steps=1, cap=3, tried={}) == 3
 
 
+def test_e2e_largest_batch_search_skips_batches_extrapolated_over_the_memory_cap(monkeypatch):
+    """Under torchrun a batch whose peak, extrapolated from the two largest that fit, exceeds 95% of the
+    allocator cap is not run (one rank out of memory alone hangs the others); the rest run as before."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e
+
+    run = []
+
+    def trial(training, batch, seq, warmup, steps):  # 10 GiB + 5 GiB per sequence, out of memory over 70
+        run.append(batch)
+        return {"peak GiB": 10.0 + 5.0 * batch} if 10.0 + 5.0 * batch <= 70.0 else None
+
+    monkeypatch.setattr(e2e, "trial", trial)
+    training = e2e.Training("bf16", e2e.llama_config("7b", 2, smoke=True), torch.device("cpu"), mesh=None, rank=0)
+    tried = {}
+    assert e2e.CAP_MARGIN == 0.95
+    assert e2e.largest_batch(training, seq=8, warmup=2, steps=2, cap=64, tried=tried, memory_cap_gib=75.0) == 12
+    assert run == [1, 2, 4, 8, 12]  # 16 (predicted 90 GiB), 14 (80) and 13 (75) are over 71.25 GiB: not run
+    assert {batch for batch, result in tried.items() if result is None} == {16, 14, 13}
+    assert e2e.extrapolated_peak({1: {"peak GiB": 20.0}, 2: {"peak GiB": 22.0}, 4: None}, 8) == 34.0
+    assert e2e.extrapolated_peak({1: {"peak GiB": 20.0}}, 8) is None
+    run.clear()
+    assert e2e.largest_batch(training, seq=8, warmup=2, steps=2, cap=64, tried={}) == 12
+    assert run == [1, 2, 4, 8, 16, 12, 14, 13]  # without the cap every batch runs
+
+
 def test_e2e_sequence_search_finds_the_longest_multiple_of_its_unit(monkeypatch):
     """The longest-sequence search at batch 1, with out-of-memory errors simulated above 5 x 1024 tokens."""
     monkeypatch.syspath_prepend(BENCHMARKS)
