@@ -395,8 +395,8 @@ def largest_batch(training: Training, seq: int, warmup: int, steps: int, cap: in
     a search of warm-up steps alone let batches pass that ran out of memory in the longer timed trial.
     With memory_cap_gib (under torchrun), a batch whose extrapolated peak exceeds CAP_MARGIN of it is not
     run and counts as out of memory: near the cap one rank can run out alone and leave the others waiting in
-    a collective until NCCL's timeout ends the whole run (it did on 2 H200s, and on 4 H100s at a batch whose
-    allocated peak would have been within 5% of the cap; the rest of the cap goes to fragmentation)."""
+    a collective until NCCL's timeout ends the whole run (it did on 2 H200s, and on 4 H100s at a batch
+    extrapolated to 96% of the cap: the allocator reserves up to ~10% more than the peak it allocates)."""
 
     def fits(batch: int) -> bool:
         if batch not in tried:
