@@ -320,8 +320,8 @@ def test_params_without_grad_keep_their_own_step_count():
 
 
 def test_groups_larger_than_one_kernel_call_step_like_separate_optimizers():
-    # A group's step enqueues the kernel for 32 parameters at a time (the GPU starts while the host prepares the
-    # rest). Every parameter must still step as with an optimizer of its own, a lagging step count included, and a
+    # A group's step enqueues the kernel for 2 parameters, then 32 at a time (the GPU starts while the host
+    # prepares the rest). Every parameter must still step as with an optimizer of its own, a lagging step count included, and a
     # bad gradient anywhere must be refused before any parameter changes.
     torch.manual_seed(0)
     count = 2 * adamw_module._PARAMS_PER_CALL + 5

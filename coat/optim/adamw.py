@@ -82,8 +82,10 @@ _PARAM_ROUNDINGS = ("nearest", "stochastic")
 _DEQUANTIZED_GRAD_CHUNK = 1 << 26
 # Parameters of a group whose kernel call is enqueued before the host prepares the next ones: the CUDA kernel's
 # launch size (kTensorsPerLaunch in csrc/cuda/adamw.cu), so that the GPU runs one launch while the host builds
-# the next call's tensor lists and the binding checks them, instead of waiting for all of the group's.
+# the next call's tensor lists and the binding checks them, instead of waiting for all of the group's. The first
+# call takes fewer, so that the GPU starts after a few parameters' preparation rather than 32 parameters'.
 _PARAMS_PER_CALL = 32
+_PARAMS_IN_FIRST_CALL = 2
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 _MASK32 = (1 << 32) - 1
@@ -307,8 +309,8 @@ class AdamW(torch.optim.Optimizer):
             states.append(state)
         torch._foreach_add_([state["step"] for state in states], 1.0)
         index_of = _param_indices(self.param_groups) if group["param_rounding"] == "stochastic" else {}
-        for start in range(0, len(params), _PARAMS_PER_CALL):
-            end = start + _PARAMS_PER_CALL
+        bounds = [0, *range(_PARAMS_IN_FIRST_CALL, len(params), _PARAMS_PER_CALL), len(params)]
+        for start, end in zip(bounds, bounds[1:]):
             self._step_params(group, params[start:end], states[start:end], index_of)
 
     def _step_params(
