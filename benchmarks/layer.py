@@ -9,6 +9,8 @@ attention). Every run times, in one process on the same inputs:
                         torchao is not installed (pip install -e ".[bench]")
     coat eager          the layer after coat.convert
     coat compiled       the same under torch.compile
+    coat fast-accum eager   coat.convert(fast_accum=True): the forward GEMMs accumulate as torchao's do (the
+                        tensor cores' fast FP8 accumulation), the backward GEMMs in fp32 as before
     coat fp4 eager      coat.convert(saved_format="fp4"): RMSNorm's and SiLU*mul's inputs kept as FP4 E2M1
                         in 1 x 16 blocks
     coat fp4 G=128 eager    the same in 1 x 128 blocks (AGoQ's block size: fewer scales, coarser blocks)
@@ -48,10 +50,11 @@ SETTINGS = [(2048, 2048), (2048, 4096), (4096, 2048), (4096, 4096)]  # (hidden, 
 SMOKE_BATCH, SMOKE_SETTINGS = 2, [(64, 32)]
 SPEED_TARGET, PEER_TARGET, SAVED_TARGET_U, FP4_SAVED_TARGET_U = 1.8, 1.1, 9.0, 6.0
 BASELINE, PEER = "BF16 eager", "torchao compiled"
-VARIANTS = [BASELINE, "BF16 compiled", PEER, "coat eager", "coat compiled", "coat fp4 eager", "coat fp4 G=128 eager"]
-# coat.convert's saved_format and group_size of each coat variant
-COAT_VARIANTS = {"coat eager": ("e4m3", 16), "coat compiled": ("e4m3", 16), "coat fp4 eager": ("fp4", 16),
-                 "coat fp4 G=128 eager": ("fp4", 128)}
+# coat.convert's options of each coat variant
+COAT_VARIANTS = {"coat eager": {}, "coat compiled": {}, "coat fast-accum eager": {"fast_accum": True},
+                 "coat fp4 eager": {"saved_format": "fp4"},
+                 "coat fp4 G=128 eager": {"saved_format": "fp4", "group_size": 128}}
+VARIANTS = [BASELINE, "BF16 compiled", PEER, *COAT_VARIANTS]
 
 
 def llama_config(hidden: int) -> LlamaConfig:
@@ -83,8 +86,7 @@ def build_variant(stock: nn.Module, name: str):
     if name == PEER:
         layer = torchao_float8(copy.deepcopy(stock))
         return layer if isinstance(layer, str) else compile_for_fixed_shapes(layer)
-    saved_format, group_size = COAT_VARIANTS[name]
-    converted = coat.convert(nn.ModuleList([copy.deepcopy(stock)]), saved_format=saved_format, group_size=group_size)[0]
+    converted = coat.convert(nn.ModuleList([copy.deepcopy(stock)]), **COAT_VARIANTS[name])[0]
     return compile_for_fixed_shapes(converted) if name == "coat compiled" else converted
 
 
@@ -228,6 +230,10 @@ def main():
         summary["min_gpu_speedup"] = min(row["GPU vs BF16"] for row in coat_eager)
     if all("GPU vs torchao" in row for row in coat_eager):
         summary["min_gpu_vs_torchao"] = min(row["GPU vs torchao"] for row in coat_eager)
+    coat_fast = {(r["hidden"], r["seq"]): r for r in rows if r["layer"] == "coat fast-accum eager" and "total ms" in r}
+    if coat_fast and all("GPU vs torchao" in row for row in coat_fast.values()):
+        summary["min_fast_accum_vs_torchao"] = min(row["vs torchao"] for row in coat_fast.values())
+        summary["min_fast_accum_gpu_vs_torchao"] = min(row["GPU vs torchao"] for row in coat_fast.values())
     if coat_compiled:
         summary["min_compiled_vs_eager"] = min(
             row["total ms"] / coat_compiled[(row["hidden"], row["seq"])]["total ms"] for row in coat_eager

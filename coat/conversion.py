@@ -22,6 +22,7 @@ def convert(
     gradient_format: str | None = "e5m2",
     smooth_swiglu: bool = False,
     saved_format: str = "e4m3",
+    fast_accum: bool = False,
     modules_to_convert: Sequence[str] | None = None,
     skip_modules: Sequence[str] = (),
 ) -> nn.Module:
@@ -32,7 +33,8 @@ def convert(
     Parameters are shared, not copied, so ``state_dict()`` keys and values, ``save_pretrained`` /
     ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
 
-    group_size, forward_format, gradient_format, smooth_swiglu, saved_format: see :class:`coat.nn.FP8Config`.
+    group_size, forward_format, gradient_format, smooth_swiglu, saved_format, fast_accum: see
+        :class:`coat.nn.FP8Config`.
     modules_to_convert: fnmatch patterns of qualified module names (``"model.layers.*"``, ``"lm_head"``);
         the matching decoder layers are converted, and matching ``nn.Linear`` modules outside them become
         :class:`coat.nn.Linear`. None (the default) converts every decoder layer and nothing else.
@@ -52,6 +54,7 @@ def convert(
         gradient_format=gradient_format,
         smooth_swiglu=smooth_swiglu,
         saved_format=saved_format,
+        fast_accum=fast_accum,
     )
     converted_classes = tuple(FP8_DECODER_LAYERS.values())
     named = list(model.named_modules())

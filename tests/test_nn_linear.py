@@ -122,6 +122,29 @@ def saved_tensors(fn):
     return list(by_storage.values())
 
 
+@pytest.mark.parametrize("shape", [(64, 96, 80), (128, 4096, 64)])
+def test_fast_accum_changes_only_the_forward_gemm(shape, device):
+    # The tensor cores' fast accumulation (GPU only) keeps the forward within the precise GEMM's bound against
+    # float64 at the FP8 operands, also over a long K; backward GEMMs accumulate in fp32 either way, so with the
+    # same output gradient every gradient is the precise layer's, bit for bit. On the CPU nothing changes.
+    x, weight, bias, grad_y, layer = make_case(shape, device)
+    precise = run_layer(layer, x, grad_y)
+    layer.config = coat.nn.FP8Config(fast_accum=True)
+    layer.zero_grad()
+    fast = run_layer(layer, x, grad_y)
+
+    at_fp8 = quantize_per_tensor_dequantized(x, E4M3) @ quantize_per_tensor_dequantized(weight, E4M3).t()
+    at_fp8 = at_fp8 + bias.double()
+    error_fast, error_bf16 = relative_error(fast[0], at_fp8), bf16_error(F.linear, x, weight, bias)
+    print(f"fast accumulation {shape}: vs float64 at FP8 operands {error_fast:.2e} (precise "
+          f"{relative_error(precise[0], at_fp8):.2e}, BF16 torch {error_bf16:.2e})")
+    assert error_fast <= 2 * error_bf16
+    if torch.device(device).type == "cpu":
+        assert torch.equal(fast[0], precise[0])
+    for fast_grad, precise_grad in zip(fast[1:], precise[1:]):
+        assert torch.equal(fast_grad, precise_grad)
+
+
 def test_saves_only_the_transposed_fp8_input(device):
     x, _, _, _, layer = make_case((64, 96, 80), device)
     x = x.view(4, 16, 96).requires_grad_()
@@ -212,6 +235,8 @@ def test_errors_for_bad_inputs():
         coat.nn.FP8Config(gradient_format="e3m4")
     with pytest.raises(ValueError, match="both be e5m2"):
         coat.nn.FP8Config(forward_format="e5m2", gradient_format="e5m2")
+    with pytest.raises(TypeError, match="fast_accum must be True or False"):
+        coat.nn.FP8Config(fast_accum="yes")
 
 
 @requires_cuda

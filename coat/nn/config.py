@@ -35,6 +35,11 @@ class FP8Config:
                      "e4m3" (8 bits + a float32 scale per group, the paper's) or "fp4" (FP4 E2M1, 4 bits + a
                      float32 scale per group, quantized from the op's input itself; AGoQ's low-bit storage).
                      Backward expands an FP4 copy exactly into the E4M3 layout and recomputes from it.
+    fast_accum:      the forward GEMMs accumulate in the tensor cores' own FP8 accumulator, which Hopper
+                     promotes to fp32 less often (torch._scaled_mm's use_fast_accum): faster, and less precise
+                     over long K. torchao's float8 training and TransformerEngine accumulate the forward GEMM
+                     this way by default; coat does not (the paper's GEMMs accumulate in fp32). The backward
+                     GEMMs accumulate in fp32 either way. No effect on the CPU, whose path is exact in fp32.
     """
 
     group_size: int = 16
@@ -42,8 +47,11 @@ class FP8Config:
     gradient_format: str | None = "e5m2"
     smooth_swiglu: bool = False
     saved_format: str = "e4m3"
+    fast_accum: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.fast_accum, bool):
+            raise TypeError(f"fast_accum must be True or False, got {self.fast_accum!r}")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
         if self.saved_format not in SAVED_FORMATS:

@@ -79,8 +79,10 @@ def fp8_gemm(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """``(a * a_scale) @ (b_t * b_scale).T + bias`` with fp32 accumulation, rounded once to ``out_dtype``.
+    """``(a * a_scale) @ (b_t * b_scale).T + bias`` with fp32 accumulation, rounded once to ``out_dtype``;
+    ``fast_accum``: the tensor cores' faster accumulation on GPUs (:class:`coat.nn.FP8Config`).
 
     a: [M, K] FP8, contiguous (row-major). b_t: [N, K] FP8, contiguous, i.e. B = b_t.T is the column-major
     [K, N] operand. Scales are one-element float32 tensors (the dequantization scales of
@@ -104,7 +106,8 @@ def fp8_gemm(
     epilogue_bias = None
     if bias is not None and out_dtype != torch.float32:
         epilogue_bias = F.pad(bias.to(out_dtype), (0, b_t.shape[0] - n))
-    out = torch._scaled_mm(a, b_t.t(), a_scale, b_scale, bias=epilogue_bias, out_dtype=out_dtype)
+    out = torch._scaled_mm(a, b_t.t(), a_scale, b_scale, bias=epilogue_bias, out_dtype=out_dtype,
+                           use_fast_accum=fast_accum)
     if out.shape[1] != n:
         out = out[:, :n].contiguous()
     if bias is not None and epilogue_bias is None:
@@ -163,7 +166,8 @@ class Projections:
     def forward(self, x_q, x_scale, config: FP8Config, out_dtype, weight_amax, site=None) -> list[torch.Tensor]:
         """[x @ W_i^T + b_i for each projection]."""
         w_blocks, w_scale = self._fp8_weights(config.forward_dtype, weight_amax, site)
-        return [fp8_gemm(x_q, x_scale, w_i, w_scale, out_dtype, bias) for w_i, bias in zip(w_blocks, self.biases)]
+        return [fp8_gemm(x_q, x_scale, w_i, w_scale, out_dtype, bias, config.fast_accum)
+                for w_i, bias in zip(w_blocks, self.biases)]
 
     def _fp8_weights(self, fp8, weight_amax, site):
         """Each projection's [N_i, K] FP8 weight and their shared scale: the gathered codes, or the weights
