@@ -57,8 +57,8 @@ def gemm_calls(monkeypatch):
     calls = []
     gemm = coat_functional.fp8_gemm
 
-    def recording_gemm(a, a_scale, b_t, b_scale, out_dtype, bias=None):
-        out = gemm(a, a_scale, b_t, b_scale, out_dtype, bias)
+    def recording_gemm(a, a_scale, b_t, b_scale, out_dtype, bias=None, fast_accum=False):
+        out = gemm(a, a_scale, b_t, b_scale, out_dtype, bias, fast_accum)
         calls.append((a, a_scale, b_t, b_scale, out))
         return out
 
