@@ -5,7 +5,7 @@
 // second pass over the output. The layout they assume:
 //
 //   * Each lane owns E consecutive elements of one row, E a power of two dividing G (coat's quantizers
-//     use E = 8). The lanes of a row are consecutive threads, lane k of the row owning columns
+//     use E = 8 or 16). The lanes of a row are consecutive threads, lane k of the row owning columns
 //     [k*E, (k+1)*E), and a row's first lane is a multiple of the row's lane count L (a power of two).
 //     A 1xG group is then group_lanes(G, E, L) consecutive, aligned lanes of one warp.
 //   * Columns >= cols (a short last group, padding lanes) are given to lane_amax as 0, which leaves

@@ -30,8 +30,12 @@ constexpr int kWarps = kThreads / 32;
 /** Passes of a tile: each thread handles one chunk of a different row in each pass. */
 constexpr int kPasses = 4;
 
-/** Quantizers: elements of one row per lane and pass (one 16-byte load of bf16 / fp16, two of fp32). */
+/** Quantizers: elements of one row per lane and pass. 8 (one 16-byte load of bf16 / fp16, two of fp32) on the
+ *  transposing kernels, whose shared tile is laid out for it, and on the element-wise path; 16 on the
+ *  row-wise vector path, where the group reductions and scales then cost half as much per element (G = 128
+ *  from 0.81 to 0.91 of copy on an H200, benchmarks/NOTES.md). */
 constexpr int kQuantizeChunk = 8;
+constexpr int kWideQuantizeChunk = 16;
 /** Dequantizer: FP8 codes of one row per lane and pass (one 16-byte load). */
 constexpr int kDequantizeChunk = 16;
 /** Amax reduction: floats per lane and pass (one 16-byte load). */
@@ -241,25 +245,27 @@ __device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint
 
 /**
  * Quantizes, or takes the group or tensor amax of, a rows x cols matrix, in tiles of kPasses * (256 / L) rows by
- * 8 * L columns, with L = 2^lanes_per_row_log2 lanes per row (L = 16 when transposing: 64 x 128 tiles).
+ * E * L columns, with L = 2^lanes_per_row_log2 lanes per row and E = kChunk elements per lane (8 or 16, see
+ * kQuantizeChunk; L = 16 and E = 8 when transposing: 64 x 128 tiles).
  *
- * In each of kPasses passes a thread owns the 8 elements [col, col + 8) of one row, col = tile column +
- * 8 * (its lane in the row). It loads the chunks of a batch of passes (batch_chunks), then per pass:
+ * In each of kPasses passes a thread owns the E elements [col, col + E) of one row, col = tile column +
+ * E * (its lane in the row). It loads the chunks of a batch of passes (batch_chunks), then per pass:
  *   - converts them to fp32;
- *   - group modes: reduces the amax over the group_lanes(G, 8, L) lanes of its group (out-of-range
+ *   - group modes: reduces the amax over the group_lanes(G, E, L) lanes of its group (out-of-range
  *     columns count as 0); the lane holding the group's first columns writes the amax (kAmaxOnly) or
  *     the scale (kGroupScale);
  *   - kTensorAmax: keeps a running max, reduced per warp at the end into one atomicMax;
- *   - quantizing modes: encode 8 codes with the group's (or the tensor's) scale, store them to q (unless
+ *   - quantizing modes: encode E codes with the group's (or the tensor's) scale, store them to q (unless
  *     q is null) and, when kTranspose, to the block's shared tile, which the block then writes to q_t.
  * Blocks loop over tiles, grid-stride in both dimensions; row tiles vary fastest across blockIdx.x, so
  * that blocks running together complete each other's q_t lines.
  *
- * kVector: x's chunks are 16-byte aligned and cols % 8 == 0 (one or two 16-byte loads and one 8-byte
- * store per chunk). Otherwise every element is loaded and stored on its own, with column bounds.
+ * kVector: x's chunks are 16-byte aligned and cols % E == 0 (16-byte loads, one E-byte store of codes per
+ * chunk). Otherwise every element is loaded and stored on its own, with column bounds.
  */
-template <QuantizeMode kMode, coat_dtype kDtype, coat_fp8_format kFormat, bool kTranspose, bool kVector>
+template <QuantizeMode kMode, coat_dtype kDtype, coat_fp8_format kFormat, bool kTranspose, bool kVector, int kChunk>
 __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeParams p) {
+  static_assert(kChunk % kCodeChunk == 0 && (!kTranspose || kChunk == kQuantizeChunk));
   using T = typename Input<kDtype>::Storage;
   const T* __restrict__ x = static_cast<const T*>(p.x);
 
@@ -268,10 +274,10 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
   const int row_in_pass = threadIdx.x >> lanes_log2;
   const int rows_per_pass = kThreads >> lanes_log2;
   const int64_t tile_rows = int64_t{rows_per_pass} * kPasses;
-  const int64_t tile_cols = int64_t{kQuantizeChunk} << lanes_log2;
+  const int64_t tile_cols = int64_t{kChunk} << lanes_log2;
   const int group_size = 1 << p.group_log2;
   const int64_t ngroups = (p.cols + group_size - 1) >> p.group_log2;
-  const int reduce_lanes = group_lanes(group_size, kQuantizeChunk, 1 << lanes_log2);
+  const int reduce_lanes = group_lanes(group_size, kChunk, 1 << lanes_log2);
 
   constexpr bool kQuantizes = kMode == QuantizeMode::kGroupScale || kMode == QuantizeMode::kTensorScale;
   float tensor_scale = 0.0f;
@@ -283,13 +289,13 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
   }
   float running_amax = 0.0f;
 
-  constexpr int kBatch = batch_chunks<kVector, T, kQuantizeChunk>();
+  constexpr int kBatch = batch_chunks<kVector, T, kChunk>();
   for (int64_t col0 = blockIdx.y * tile_cols; col0 < p.cols; col0 += gridDim.y * tile_cols) {
-    const int64_t col = col0 + lane_in_row * kQuantizeChunk;
+    const int64_t col = col0 + lane_in_row * kChunk;
     for (int64_t row0 = blockIdx.x * tile_rows; row0 < p.rows; row0 += gridDim.x * tile_rows) {
 #pragma unroll
       for (int first_pass = 0; first_pass < kPasses; first_pass += kBatch) {
-        Chunk<T, kQuantizeChunk> chunks[kBatch];
+        Chunk<T, kChunk> chunks[kBatch];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int64_t row = row0 + (first_pass + b) * rows_per_pass + row_in_pass;
@@ -301,9 +307,9 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
           const int tile_row = (first_pass + b) * rows_per_pass + row_in_pass;
           const int64_t row = row0 + tile_row;
           const bool row_valid = row < p.rows;
-          float values[kQuantizeChunk];
+          float values[kChunk];
 #pragma unroll
-          for (int i = 0; i < kQuantizeChunk; ++i) values[i] = Input<kDtype>::to_f32(chunks[b].e[i]);
+          for (int i = 0; i < kChunk; ++i) values[i] = Input<kDtype>::to_f32(chunks[b].e[i]);
 
           float scale = tensor_scale;
           float reciprocal = tensor_reciprocal;
@@ -320,18 +326,20 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
           }
 
           if constexpr (kQuantizes) {
-            const Codes encoded = encode_chunk<kFormat, false>(values, scale, reciprocal);
-            if (p.q != nullptr) {
-              Chunk<uint8_t, kQuantizeChunk> codes;
-              reinterpret_cast<uint32_t*>(codes.e)[0] = encoded.lo;
-              reinterpret_cast<uint32_t*>(codes.e)[1] = encoded.hi;
-              store_chunk<kVector>(codes, p.q, row * p.q_stride, col, p.cols, row_valid);
+            Chunk<uint8_t, kChunk> codes;
+            uint32_t* words = reinterpret_cast<uint32_t*>(codes.e);
+#pragma unroll
+            for (int part = 0; part < kChunk / kCodeChunk; ++part) {
+              const Codes encoded = encode_chunk<kFormat, false>(values + part * kCodeChunk, scale, reciprocal);
+              words[2 * part] = encoded.lo;
+              words[2 * part + 1] = encoded.hi;
             }
+            if (p.q != nullptr) store_chunk<kVector>(codes, p.q, row * p.q_stride, col, p.cols, row_valid);
             if constexpr (kTranspose) {
               // Staged unconditionally: the transpose phase skips rows and columns out of range.
               uint32_t* staged = transpose_tile() + tile_row * kTilePitchWords + 2 * lane_in_row;
-              staged[0] = encoded.lo;
-              staged[1] = encoded.hi;
+              staged[0] = words[0];
+              staged[1] = words[1];
             }
           }
         }
@@ -658,6 +666,17 @@ void dispatch_bool(bool flag, Body&& body) {
     body(Constant<false>{});
 }
 
+/** The three layouts of quantize_kernel's chunks: wide vectors, vectors, or element by element. */
+template <typename Body>
+void dispatch_chunks(bool vector, bool wide, Body&& body) {
+  if (wide)
+    body(Constant<true>{}, Constant<kWideQuantizeChunk>{});
+  else if (vector)
+    body(Constant<true>{}, Constant<kQuantizeChunk>{});
+  else
+    body(Constant<false>{}, Constant<kQuantizeChunk>{});
+}
+
 template <typename Body>
 void dispatch_input_dtype(coat_dtype dtype, Body&& body) {
   switch (dtype) {
@@ -699,33 +718,45 @@ QuantizeParams matrix_params(const void* x, int64_t rows, int64_t cols, int64_t 
   return p;
 }
 
-/** Launches quantize_kernel for a non-empty matrix: picks the tile width, the vector path and the
+/** Whether quantize_kernel can load and store chunks of `chunk` elements as vectors. */
+bool vector_chunks(const QuantizeParams& p, coat_dtype dtype, int chunk) {
+  return p.cols % chunk == 0 && is_aligned(p.x, 16) && (p.rows == 1 || p.row_stride * element_size(dtype) % 16 == 0) &&
+         (p.q == nullptr || (is_aligned(p.q, chunk) && p.q_stride % chunk == 0));
+}
+
+/** Launches quantize_kernel for a non-empty matrix: picks the chunk and tile width, the vector path and the
  *  instantiation. p.q_t selects the transposing kernel. */
 template <QuantizeMode kMode>
 coat_status launch_quantize(QuantizeParams p, coat_dtype dtype, coat_fp8_format format, cudaStream_t stream) {
   const bool transpose = p.q_t != nullptr;
-  const bool vector = p.cols % kQuantizeChunk == 0 && is_aligned(p.x, 16) &&
-                      (p.rows == 1 || p.row_stride * element_size(dtype) % 16 == 0) &&
-                      (p.q == nullptr || (is_aligned(p.q, 8) && p.q_stride % kQuantizeChunk == 0));
-  // Rows as wide as the data allows (up to a whole block per row), for long contiguous runs.
-  p.lanes_per_row_log2 =
-      transpose ? kTransposeLanesLog2 : min(ceil_log2(coat_ceil_div(p.cols, kQuantizeChunk)), kThreadsLog2);
+  const bool wide = !transpose && vector_chunks(p, dtype, kWideQuantizeChunk);
+  const bool vector = wide || vector_chunks(p, dtype, kQuantizeChunk);
+  const int chunk = wide ? kWideQuantizeChunk : kQuantizeChunk;
+  // Rows as wide as the data allows (up to a whole block per row), for long contiguous runs; narrower (down to
+  // a warp) where that makes the tile width divide the row, so that the last tile of a row has no idle lanes.
+  p.lanes_per_row_log2 = transpose ? kTransposeLanesLog2 : min(ceil_log2(coat_ceil_div(p.cols, chunk)), kThreadsLog2);
+  while (!transpose && p.lanes_per_row_log2 > 5 && p.cols % (int64_t{chunk} << p.lanes_per_row_log2) != 0)
+    --p.lanes_per_row_log2;
   p.q_t_word_stores = transpose && p.rows % 4 == 0 && p.q_t_stride % 4 == 0 && is_aligned(p.q_t, 4);
   const int64_t tile_rows = int64_t{kThreads >> p.lanes_per_row_log2} * kPasses;
-  const int64_t tile_cols = int64_t{kQuantizeChunk} << p.lanes_per_row_log2;
+  const int64_t tile_cols = int64_t{chunk} << p.lanes_per_row_log2;
   const dim3 grid(clamp_grid(coat_ceil_div(p.rows, tile_rows), kMaxGridX),
                   clamp_grid(coat_ceil_div(p.cols, tile_cols), kMaxGridY));
 
   dispatch_input_dtype(dtype, [&](auto input) {
-    dispatch_bool(vector, [&](auto vectorized) {
+    constexpr coat_dtype kDtype = decltype(input)::value;
+    dispatch_chunks(vector, wide, [&](auto vectorized, auto chunk_size) {
+      constexpr bool kVector = decltype(vectorized)::value;
+      constexpr int kChunk = decltype(chunk_size)::value;
       if constexpr (kMode == QuantizeMode::kAmaxOnly || kMode == QuantizeMode::kTensorAmax) {
-        quantize_kernel<kMode, decltype(input)::value, COAT_E4M3, false, decltype(vectorized)::value>
-            <<<grid, kThreads, 0, stream>>>(p);
+        quantize_kernel<kMode, kDtype, COAT_E4M3, false, kVector, kChunk><<<grid, kThreads, 0, stream>>>(p);
       } else {
         dispatch_format(format, [&](auto fp8) {
+          constexpr coat_fp8_format kFormat = decltype(fp8)::value;
           dispatch_bool(transpose, [&](auto transposed) {
-            quantize_kernel<kMode, decltype(input)::value, decltype(fp8)::value, decltype(transposed)::value,
-                            decltype(vectorized)::value><<<grid, kThreads, 0, stream>>>(p);
+            constexpr bool kTranspose = decltype(transposed)::value;
+            if constexpr (!kTranspose || kChunk == kQuantizeChunk)  // wide chunks are never transposed
+              quantize_kernel<kMode, kDtype, kFormat, kTranspose, kVector, kChunk><<<grid, kThreads, 0, stream>>>(p);
           });
         });
       }

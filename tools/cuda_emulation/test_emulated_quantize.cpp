@@ -180,9 +180,12 @@ static void run_fp8_case(int64_t rows, int64_t cols, coat_dtype dtype, int64_t g
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
-  // (rows, cols): one element, odd widths, rows narrower than the smallest block, a width that is not a
-  // multiple of 8, exact multiples of every block size, rows wider than one tile (2048 columns), empty matrices.
-  const int64_t shapes[][2] = {{1, 1}, {3, 7}, {5, 37}, {33, 16}, {9, 200}, {130, 128}, {2, 4104}, {0, 16}, {4, 0}};
+  // (rows, cols): one element, odd widths, rows narrower than the smallest block, widths that are multiples of
+  // 8 but not 16 (8-element chunks), exact multiples of every block size (16-element chunks on the row-wise
+  // vector path), rows wider than one tile (2048 columns; 4096 with 16-element chunks) and rows whose width
+  // narrows the tile to a warp (4608), empty matrices.
+  const int64_t shapes[][2] = {{1, 1},    {3, 7},    {5, 37},   {33, 16}, {9, 200}, {130, 128},
+                               {2, 4104}, {2, 8192}, {3, 4608}, {0, 16},  {4, 0}};
   const coat_dtype dtypes[] = {COAT_FLOAT32, COAT_BFLOAT16, COAT_FLOAT16};
   const int64_t block_sizes[] = {16, 32, 64, 128};
   int i = 0;
