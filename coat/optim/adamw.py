@@ -307,16 +307,17 @@ class AdamW(torch.optim.Optimizer):
             if not state:
                 _init_state(param, group, state)
             states.append(state)
-        torch._foreach_add_([state["step"] for state in states], 1.0)
         index_of = _param_indices(self.param_groups) if group["param_rounding"] == "stochastic" else {}
         bounds = [0, *range(_PARAMS_IN_FIRST_CALL, len(params), _PARAMS_PER_CALL), len(params)]
         for start, end in zip(bounds, bounds[1:]):
             self._step_params(group, params[start:end], states[start:end], index_of)
+        # Raised after the kernel calls, which took step + 1, so that raising them does not delay the first one.
+        torch._foreach_add_([state["step"] for state in states], 1.0)
 
     def _step_params(
         self, group: dict[str, Any], params: list[torch.Tensor], states: list[dict[str, Any]], index_of: dict[int, int]
     ) -> None:
-        """The kernel calls of a slice of the group's parameters, checked and with their step counts raised."""
+        """The kernel calls of a slice of the group's checked parameters, for their step counts plus one."""
         # One kernel call per device and step count (and per chunk of dequantized FP8 gradients). A group's
         # parameters normally share one count; one added later, or one without a gradient on some steps, has its
         # own, hence its own bias corrections.
@@ -325,7 +326,7 @@ class AdamW(torch.optim.Optimizer):
             local_param = _local(param)
             if local_param.numel() == 0:  # an FSDP rank holding none of this parameter
                 continue
-            step = state["step"].item()  # a CPU tensor: reading it does not synchronize the GPU
+            step = state["step"].item() + 1.0  # a CPU tensor: reading it does not synchronize the GPU
             batches.setdefault((local_param.device, step), []).append((param, state))
 
         beta1, beta2 = group["betas"]
