@@ -33,7 +33,7 @@ constexpr int kPasses = 4;
 /** Quantizers: elements of one row per lane and pass. 8 (one 16-byte load of bf16 / fp16, two of fp32) on the
  *  transposing kernels, whose shared tile is laid out for it, and on the element-wise path; 16 on the
  *  row-wise vector path, where the group reductions and scales then cost half as much per element (G = 128
- *  from 0.81 to 0.91 of copy on an H200, benchmarks/NOTES.md). */
+ *  from 0.80 to 0.94 of copy on an H200, benchmarks/NOTES.md). */
 constexpr int kQuantizeChunk = 8;
 constexpr int kWideQuantizeChunk = 16;
 /** Dequantizer: FP8 codes of one row per lane and pass (one 16-byte load). */
