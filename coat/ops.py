@@ -699,3 +699,47 @@ def _rotary_embedding_fake(q, k, cos, sin, inverse=False):
         raise RuntimeError(f"{op}: head_dim (the last dimension of q and k) must be even and between 2 and "
                            f"{ROPE_MAX_HEAD_DIM}, got {head_dim}")
     return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Quantization statistics, what coat.report measures (csrc/include/coat/stats.h states the sums and their order).
+
+QUANTIZATION_SUMS = ("numel", "nonfinite", "flushed", "saturated", "error_sq", "value_sq", "amax")
+
+
+def quantization_sums_(
+    sums: torch.Tensor,
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    group_size: int | None = None,
+    rows: torch.Tensor | None = None,
+    *,
+    x_holds_measured_rows: bool = False,
+    amax_per_scale: float = 0.0,
+) -> None:
+    """Adds what quantizing ``x`` to the FP8 codes ``q`` did into ``sums``, a float64 tensor of 7 (zeros to start;
+    one per tensor, so that several recordings add up), in the order of :data:`QUANTIZATION_SUMS`. ``scale`` is
+    the quantizer's: one per-tensor scale, or per 1 x ``group_size`` group of q. Measured are the ``rows`` of q
+    (int64 row indices; every row when None) and of x, or, with ``x_holds_measured_rows``, x is those rows
+    alone. Per measured element, with Q(x) = fp8_decode(q) * scale in float32:
+
+        nonfinite   Q(x) - x is NaN or +-Inf; such elements count in no other sum
+        flushed     Q(x) == 0 and x != 0
+        saturated   |x / scale| >= FP8_MAX + half its top step (464 E4M3, 61440 E5M2)
+        error_sq    (Q(x) - x)^2 and value_sq x^2, in float64
+
+    summed by one fixed pairwise tree, so CPU and CUDA give the same bits. numel adds the measured elements;
+    amax becomes the max of itself and max |x| over the measured finite elements, or, with ``amax_per_scale``
+    > 0, ``amax_per_scale * max(scale)`` (FP8_MAX for FP8 scales: the whole tensor's amax from its scales).
+    A NaN or Inf scale makes its elements nonfinite (and amax NaN or Inf when taken from the scales); a row
+    index outside q makes every sum but numel NaN. x and q are 2-D, any strides; two kernels on a GPU, no
+    synchronization."""
+    check_device_supported(q, "coat.ops.quantization_sums_")
+    torch.ops.coat.quantization_sums_(sums, x, q, scale, group_size, rows, x_holds_measured_rows, amax_per_scale)
+
+
+@torch.library.register_fake("coat::quantization_sums_")
+def _quantization_sums_fake(sums, x, q, scale, group_size, rows, x_holds_measured_rows, amax_per_scale):
+    if group_size is not None:
+        _check_group_size(group_size, "coat.quantization_sums_")

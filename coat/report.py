@@ -113,11 +113,8 @@ METRIC_DESCRIPTIONS = {
 # Metrics whose values span decades: the heat map draws them on a log scale.
 _LOG_SCALE_METRICS = ("amax", "nonfinite", "flushed", "saturated", "rel_error", "zero_codes")
 _FORMAT_NAMES = {dtype: name for name, dtype in ops.FP8_DTYPES.items()}
-# The scaled magnitude from which rounding to nearest would go past FP8_MAX (FP8_MAX + half its step), so that
-# the quantizer's saturation changes the value: 448 + 16 for E4M3, 57344 + 4096 for E5M2.
-_CLIP_THRESHOLD = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
+_FP4_MAX = 6.0  # the largest E2M1 magnitude: an FP4 block's amax is 6 times its scale
 _SIGN_MASK_OFF = 0x7F  # an FP8 code without its sign bit: 0 is +-0 in both formats
-# (moment, codes key, meta key) in coat.optim.AdamW's state
 _NO_MODULE = "coat.nn.functional"  # the layer name of a Function called outside any coat module
 _ROOT = "(model)"  # the layer name of the model itself, whose module name is empty
 
@@ -125,81 +122,30 @@ _ROOT = "(model)"  # the layer name of the model itself, whose module name is em
 # ------------------------------------------------------------------------------------------- one tensor
 
 
-@functools.lru_cache(maxsize=None)
-def _clip_threshold(fp8: torch.dtype, device: torch.device) -> torch.Tensor:
-    """_CLIP_THRESHOLD[fp8] as a 0-d float32 tensor on ``device``, made once: built from a Python number on a GPU
-    at every use, it would be a host-to-device copy, which synchronizes the stream."""
-    return torch.full((), _CLIP_THRESHOLD[fp8], dtype=torch.float32, device=device)
+
+def _new_sums(device: torch.device) -> torch.Tensor:
+    """Zeros to accumulate coat.ops.quantization_sums_ into: [numel, nonfinite, flushed, saturated, squared error,
+    squared value, amax] in float64 (sums, so that several recordings of one tensor add up)."""
+    return torch.zeros(len(ops.QUANTIZATION_SUMS), dtype=torch.float64, device=device)
 
 
-def _count(tensor: torch.Tensor) -> torch.Tensor:
-    """tensor.numel() as a 0-d float64 tensor on its device, filled there (no host-to-device copy)."""
-    return torch.full((), tensor.numel(), dtype=torch.float64, device=tensor.device)
-
-
-def _prepare(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None):
-    """x (float32), its dequantized FP8 copy, the scales (broadcastable to x: each element's) and the clipping
-    threshold of q's format (0-d, on q's device)."""
-    x = x.float()
-    q = q.contiguous()  # column blocks of jointly quantized gradients; dequantize reads contiguous codes
-    dequantized = ops.dequantize(q, scale, group_size, torch.float32)
-    if group_size is not None:  # the scale of each element's group
-        scale = scale.repeat_interleave(group_size, dim=-1)[..., : x.shape[-1]]
-    return x, dequantized, scale, _clip_threshold(q.dtype, q.device)
-
-
-def _sums(prepared: list[tuple], amaxes: list[torch.Tensor]) -> torch.Tensor:
-    """float64 [numel, nonfinite, flushed, saturated, squared error, squared value, amax] per entry of
-    ``prepared`` (:func:`_prepare`'s tuples of sampled rows): the element-wise passes run once over all
-    entries together, then one sum per entry. Sums, so that several recordings of one tensor add up. Stays on
-    the device."""
-    x = torch.cat([entry[0].reshape(-1) for entry in prepared])
-    dequantized = torch.cat([entry[1].reshape(-1) for entry in prepared])
-    scale = torch.cat([entry[2].expand(entry[0].shape).reshape(-1) for entry in prepared])
-    clip = torch.cat([entry[3].expand(entry[0].numel()) for entry in prepared])
-    lengths = [entry[0].numel() for entry in prepared]
-    error = dequantized - x
-    finite = error.isfinite()  # NaN or Inf in x, in its FP8 copy, or in both
-    x = torch.where(finite, x, 0.0)
-    error = torch.where(finite, error, 0.0).double()
-    columns = [
-        torch.ones_like(error),
-        (~finite).double(),
-        ((dequantized == 0) & (x != 0)).double(),  # a scale is >= 2^-126: zero means a zero code
-        ((x / scale).abs() >= clip).double(),
-        error.square(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
-        x.double().square(),
-    ]
-    # One sum per entry: an index_add_ into a few rows would serialize millions of atomic adds on a GPU.
-    sums = torch.stack([entry.sum(dim=0) for entry in torch.stack(columns, dim=1).split(lengths)])
-    return torch.cat([sums, torch.stack(amaxes).view(-1, 1)], dim=1)
-
-
-def _quantization_sums(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """float64 [numel, nonfinite, flushed, saturated, squared error, squared value, amax] of the whole tensor x
-    against its FP8 codes q, with counts and one float64 reduction per sum (no float64 copy of the tensor):
-    sums, so that several recordings of one tensor add up. Stays on the device."""
-    x, dequantized, scale, clip = _prepare(x, q, scale, group_size)
-    error = dequantized - x
-    finite = error.isfinite()  # NaN or Inf in x, in its FP8 copy, or in both
-    x = torch.where(finite, x, 0.0)
-    error = torch.where(finite, error, 0.0)
-    counts = [
-        finite.numel() - torch.count_nonzero(finite),
-        torch.count_nonzero((dequantized == 0) & (x != 0)),  # a scale is >= 2^-126: zero means a zero code
-        torch.count_nonzero((x / scale).abs() >= clip),
-    ]
-    return torch.stack([
-        _count(x),
-        *(count.double() for count in counts),
-        error.double().square().sum(),  # float64: squares of float32 values overflow float32 beyond 1.8e19
-        x.double().square().sum(),
-        x.abs().amax().double(),
-    ])
-
-
-def _add_sums(total: torch.Tensor, more: torch.Tensor) -> torch.Tensor:
-    return torch.cat([total[:6] + more[:6], torch.maximum(total[6:], more[6:])])
+def _add_quantization_sums(sums: torch.Tensor, x, q: torch.Tensor, scale: torch.Tensor, group_size: int | None,
+                           rows: torch.Tensor | None, fmt: str) -> None:
+    """Adds x against its FP8 codes q into ``sums``: the ``rows`` of q (every row when None), amax from the scales
+    when rows are sampled (the quantizer derived them from the whole tensor's amax) and from x otherwise. x is a
+    tensor of q's shape, or a function of the row indices (None: every row) that recomputes those rows of it."""
+    if q.dim() != 2:  # the quantizers' groups run along the last dimension
+        q = q.reshape(-1, q.shape[-1])
+        if group_size is not None:
+            scale = scale.reshape(-1, scale.shape[-1])
+        if not callable(x):
+            x = x.reshape(q.shape)
+    held = callable(x) and rows is not None
+    if callable(x):
+        x = x(rows)
+    amax_per_scale = 0.0 if rows is None else _FP4_MAX if fmt == "fp4" else ops.FP8_MAX[q.dtype]
+    ops.quantization_sums_(sums, x, q, scale, group_size, rows, x_holds_measured_rows=held,
+                           amax_per_scale=amax_per_scale)
 
 
 def _tensor_metrics(sums: list[float]) -> dict[str, float]:
@@ -235,7 +181,9 @@ def tensor_stats(
     if x.numel() == 0:
         raise ValueError("coat.report.tensor_stats: x is empty")
     with torch.no_grad():
-        return _tensor_metrics(_quantization_sums(x, q, scale, group_size).tolist())
+        sums = _new_sums(q.device)
+        _add_quantization_sums(sums, x, q, scale, group_size, None, _FORMAT_NAMES[q.dtype])
+        return _tensor_metrics(sums.tolist())
 
 
 # Measured moment elements reduced together at most (one larger moment is reduced alone): bounds the float32
@@ -367,7 +315,6 @@ class QuantizationReport:
             raise ValueError(f"coat.report: sample_rows must be a positive integer or None (every row), got {sample_rows!r}")
         self._sample_rows = sample_rows
         self._row_samples: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._pending: list[tuple[tuple[str, str], str, tuple, torch.Tensor]] = []
         if not isinstance(model, nn.Module):
             raise TypeError(f"coat.report.QuantizationReport takes a torch.nn.Module, got {type(model).__name__}")
         self._modules = _report_modules(model)
@@ -425,7 +372,6 @@ class QuantizationReport:
             hooks.append(module.register_forward_pre_hook(functools.partial(self._enter_module, name)))
             hooks.append(module.register_forward_hook(self._leave_module))
         self._sums = {}
-        self._pending = []
         _capture.active = self
         try:
             # Compiled code would trace the recording itself: it runs uncompiled meanwhile, and its compiled
@@ -464,34 +410,15 @@ class QuantizationReport:
                 group_size: int | None, format: str | None) -> None:
         if q.numel() == 0:
             return
+        fmt = format or _FORMAT_NAMES[q.dtype]
         rows = self._measured_rows(q.shape[0], q.device) if q.dim() == 2 else None
-        key, fmt = (layer, tensor), format or _FORMAT_NAMES[q.dtype]
-        self._sums.setdefault(key, (fmt, None))  # rows come out in the order tensors were first recorded
-        if rows is None:  # a whole tensor: reduced now, so that no full-size copy waits for the capture's end
-            self._add(key, fmt, _quantization_sums(x(None) if callable(x) else x, q, scale, group_size))
-        else:
-            # amax from the scales, which the quantizer derived from the whole tensor's amax: one small
-            # reduction instead of a pass over the tensor
-            amax = (scale.amax() * ops.FP8_MAX[q.dtype]).double()
-            q = q.index_select(0, rows)
-            if group_size is not None:
-                scale = scale.index_select(0, rows)
-            x = x(rows) if callable(x) else x.index_select(0, rows)  # recomputed: only the measured rows
-            # kept, and reduced together with the capture's other samples at its end
-            self._pending.append((key, fmt, _prepare(x, q, scale, group_size), amax))
-
-    def _add(self, key: tuple[str, str], fmt: str, sums: torch.Tensor) -> None:
-        recorded = self._sums[key][1]
-        self._sums[key] = (fmt, sums if recorded is None else _add_sums(recorded, sums))
+        if (layer, tensor) not in self._sums:  # rows come out in the order tensors were first recorded
+            self._sums[(layer, tensor)] = (fmt, _new_sums(q.device))
+        _add_quantization_sums(self._sums[(layer, tensor)][1], x, q, scale, group_size, rows, fmt)
 
     @torch.no_grad()
     def _finish(self, step: int) -> list[dict]:
         """The capture's rows: one per (layer, tensor), in model order, tensors in the order first recorded."""
-        if self._pending:
-            sums = _sums([entry[2] for entry in self._pending], [entry[3] for entry in self._pending])
-            for (key, fmt, _, _), entry_sums in zip(self._pending, sums):
-                self._add(key, fmt, entry_sums)
-            self._pending = []
         entries = [(layer, tensor, fmt, sums, _tensor_metrics) for (layer, tensor), (fmt, sums) in self._sums.items()]
         if self._optimizer is not None:
             named, moments = [], []
