@@ -277,6 +277,27 @@ def dequantize_expanded(codes: torch.Tensor, meta: torch.Tensor, group_size: int
     return torch.ops.coat.dequantize_expanded(codes, meta, group_size)
 
 
+MOMENT_STATS = ("numel", "nonfinite", "zero_codes", "amax", "k_min", "k_median", "k_max", "k_expanded")
+
+
+def moment_stats(
+    codes: list[torch.Tensor], metas: list[torch.Tensor], group_size: int = 128,
+    rows: list[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """Statistics of FP8 optimizer states, each a contiguous ``codes`` tensor (rows along its last dimension)
+    with its ``meta``, as :func:`quantize_expanded` and ``coat.optim.AdamW.fp8_moments`` give them: one float64
+    row per state in the order of :data:`MOMENT_STATS`. Over the state's ``rows`` (int64 row indices; every row
+    when None), with x' the dequantized value: numel (elements measured), nonfinite (x' NaN or +-Inf),
+    zero_codes (+-0 codes), amax (max |x'| over the finite ones); over every group, its expansion exponent k:
+    k_min, k_median (the lower median, as torch.median), k_max (all three NaN when any k is NaN) and
+    k_expanded (share of k != 1). Counts and maxima, so CPU and CUDA agree exactly; a row index outside the
+    state counts that row as nonfinite. Up to 32768 states per call, all on one device."""
+    if not codes:
+        raise ValueError("coat.ops.moment_stats: codes holds no state")
+    check_device_supported(codes[0], "coat.ops.moment_stats")
+    return torch.ops.coat.moment_stats(list(codes), list(metas), group_size, [None] * len(codes) if rows is None else list(rows))
+
+
 def _check_group_size(group_size: int, op: str) -> None:
     if group_size not in GROUP_SIZES:
         raise RuntimeError(f"{op}: group_size must be 16, 32, 64 or 128, got {group_size}")
@@ -648,6 +669,12 @@ def _fp8_adamw_step_fake(params, grads, exp_avgs, exp_avg_metas, exp_avg_sqs, ex
 def _quantize_expanded_fake(x, group_size, fp8_dtype, expand):
     _check_group_size(group_size, "coat.quantize_expanded")
     return x.new_empty(x.shape, dtype=fp8_dtype), _expanded_meta(x, group_size)
+
+
+@torch.library.register_fake("coat::moment_stats")
+def _moment_stats_fake(codes, metas, group_size, rows):
+    _check_group_size(group_size, "coat.moment_stats")
+    return codes[0].new_empty((len(codes), len(MOMENT_STATS)), dtype=torch.float64)
 
 
 @torch.library.register_fake("coat::dequantize_expanded")

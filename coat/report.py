@@ -114,7 +114,6 @@ METRIC_DESCRIPTIONS = {
 _LOG_SCALE_METRICS = ("amax", "nonfinite", "flushed", "saturated", "rel_error", "zero_codes")
 _FORMAT_NAMES = {dtype: name for name, dtype in ops.FP8_DTYPES.items()}
 _FP4_MAX = 6.0  # the largest E2M1 magnitude: an FP4 block's amax is 6 times its scale
-_SIGN_MASK_OFF = 0x7F  # an FP8 code without its sign bit: 0 is +-0 in both formats
 _NO_MODULE = "coat.nn.functional"  # the layer name of a Function called outside any coat module
 _ROOT = "(model)"  # the layer name of the model itself, whose module name is empty
 
@@ -186,66 +185,34 @@ def tensor_stats(
         return _tensor_metrics(sums.tolist())
 
 
-# Measured moment elements reduced together at most (one larger moment is reduced alone): bounds the float32
-# values, flags and their float copies a capture's end holds at once.
-_MOMENT_BATCH_ELEMENTS = 1 << 24
+# Groups of the moments measured in one call at most (their k are sorted together for the medians, as int32 keys):
+# bounds the memory a capture's end takes for that sort. One larger moment is measured alone.
+_MOMENT_BATCH_GROUPS = 1 << 24
+_MOMENTS_PER_CALL = 1 << 15  # coat.ops.moment_stats' limit
 
 
 def _moments_values(moments: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]) -> list[torch.Tensor]:
-    """float64 [numel, nonfinite, zero codes, amax, k min, k median, k max, share of k != 1] of each FP8 moment of
-    coat.optim.AdamW, given as (codes as rows, meta, group size, measured rows): k over every group, the rest over
-    the measured rows (all when None). Each moment is dequantized alone; the element-wise passes then run once
-    over a batch of one device's moments and the per-moment reductions are multi-tensor (torch._foreach_*)
-    calls, so that a capture's host issues a few calls per moment instead of one per statistic and moment."""
+    """coat.ops.moment_stats of each FP8 moment of coat.optim.AdamW, given as (codes as rows, meta, group size,
+    measured rows): one call per batch of moments of one device and group size."""
     results: list[torch.Tensor | None] = [None] * len(moments)
-    for device in {codes.device for codes, _, _, _ in moments}:
-        batch, elements = [], 0
-        for i, (codes, _, _, rows) in enumerate(moments):
-            if codes.device != device:
-                continue
-            measured = codes.numel() if rows is None else rows.numel() * codes.shape[-1]
-            if batch and elements + measured > _MOMENT_BATCH_ELEMENTS:
-                _fill_moment_batch(moments, batch, results)
-                batch, elements = [], 0
-            batch.append(i)
-            elements += measured
-        _fill_moment_batch(moments, batch, results)
+    batches: dict[tuple[torch.device, int], list[list[int]]] = {}
+    last_batch_groups: dict[tuple[torch.device, int], int] = {}
+    for i, (codes, _, group_size, _) in enumerate(moments):
+        key = (codes.device, group_size)
+        runs = batches.setdefault(key, [[]])
+        groups = codes.numel() // codes.shape[-1] * -(-codes.shape[-1] // group_size)
+        if runs[-1] and (last_batch_groups[key] + groups > _MOMENT_BATCH_GROUPS or len(runs[-1]) == _MOMENTS_PER_CALL):
+            runs.append([])
+            last_batch_groups[key] = 0
+        runs[-1].append(i)
+        last_batch_groups[key] = last_batch_groups.get(key, 0) + groups
+    for (_, group_size), runs in batches.items():
+        for run in runs:
+            stats = ops.moment_stats([moments[i][0] for i in run], [moments[i][1] for i in run], group_size,
+                                     [moments[i][3] for i in run])
+            for i, row in zip(run, stats.unbind(0)):
+                results[i] = row
     return results
-
-
-def _fill_moment_batch(moments, batch: list[int], results: list) -> None:
-    """Fills results[i] for the moments[i] of ``batch`` (indices of moments on one device)."""
-    values, codes, k = [], [], []
-    for i in batch:
-        moment_codes, meta, group_size, rows = moments[i]
-        k.append(meta[..., 1].reshape(-1))
-        if rows is not None:
-            moment_codes, meta = moment_codes.index_select(0, rows), meta.index_select(0, rows)
-        values.append(ops.dequantize_expanded(moment_codes, meta, group_size).reshape(-1))
-        codes.append(moment_codes.view(torch.uint8).reshape(-1))
-    lengths, k_lengths = [v.numel() for v in values], [t.numel() for t in k]
-    values, codes, k = torch.cat(values), torch.cat(codes), torch.cat(k).double()
-    finite = values.isfinite()
-
-    def counts(flags: torch.Tensor, parts: list[int]) -> list[torch.Tensor]:
-        # sums of 0 and 1, exact in float32 up to 2^24 per part
-        dtype = torch.float32 if max(parts) <= 1 << 24 else torch.float64
-        return torch._foreach_norm(list(flags.to(dtype).split(parts)), 1)
-
-    k_parts = list(k.split(k_lengths))
-    columns = [
-        counts(torch.ones_like(finite), lengths),  # the element counts, made on the device
-        counts(~finite, lengths),
-        counts((codes & _SIGN_MASK_OFF) == 0, lengths),
-        torch._foreach_max(list(torch.where(finite, values.abs(), 0.0).split(lengths))),
-        torch._foreach_neg(torch._foreach_max(torch._foreach_neg(k_parts))),
-        [part.median() for part in k_parts],
-        torch._foreach_max(k_parts),
-        torch._foreach_div(counts(k != 1, k_lengths), [float(n) for n in k_lengths]),
-    ]
-    stats = torch.stack([torch.stack(column).double() for column in columns], dim=1)
-    for i, row in zip(batch, stats.unbind(0)):
-        results[i] = row
 
 
 def _moment_metrics(values: list[float]) -> dict[str, float]:

@@ -390,10 +390,10 @@ def test_optimizer_moments_and_expansion_exponents(model):
 
 
 def test_moment_statistics_reduced_in_batches_match_each_moment_alone(model, monkeypatch):
-    # The capture reduces the moments of many parameters together, in batches of at most
-    # _MOMENT_BATCH_ELEMENTS measured elements; every row must equal that moment's statistics computed alone:
-    # both FP8 formats, two group sizes, sampled rows, a moment holding NaN and Inf, batches of one and of many.
-    monkeypatch.setattr(coat.report, "_MOMENT_BATCH_ELEMENTS", 600)
+    # The capture measures the moments of many parameters in one coat.ops.moment_stats call, in batches of at
+    # most _MOMENT_BATCH_GROUPS groups; every row must equal that moment's statistics computed alone here: both
+    # FP8 formats, two group sizes, sampled rows, a moment holding NaN and Inf, batches of one and of many.
+    monkeypatch.setattr(coat.report, "_MOMENT_BATCH_GROUPS", 40)
     params = list(model.parameters())
     optimizer = coat.optim.AdamW([{"params": params[: len(params) // 2], "group_size": 16, "m_format": "e5m2"},
                                   {"params": params[len(params) // 2 :]}], lr=1e-3)

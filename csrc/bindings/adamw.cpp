@@ -147,6 +147,63 @@ at::Tensor dequantize_expanded(const at::Tensor& codes, const at::Tensor& meta, 
   return out;
 }
 
+
+at::Tensor moment_stats(at::TensorList codes, at::TensorList metas, int64_t group_size,
+                        const c10::List<std::optional<at::Tensor>>& rows) {
+  constexpr const char* op = "coat.moment_stats";
+  const int64_t n = static_cast<int64_t>(codes.size());
+  TORCH_CHECK(n >= 1 && n <= 0x8000, op, ": codes must hold 1 to 32768 states, got ", n, "; split larger sets");
+  TORCH_CHECK(static_cast<int64_t>(metas.size()) == n && static_cast<int64_t>(rows.size()) == n, op,
+              ": codes, metas and rows must have one entry per state, got ", n, ", ", metas.size(), " and ",
+              rows.size());
+  check_group_size(group_size, op);
+  const at::Tensor& first = codes[0];
+  check_device(first, op, "codes");
+  int64_t groups = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const std::string arg = "codes[" + std::to_string(i) + "]";
+    check_same_device(first, codes[i], op, arg.c_str());
+    check_same_device(first, metas[i], op, "metas");
+    fp8_format(codes[i].scalar_type(), op, arg.c_str());
+    TORCH_CHECK(codes[i].dim() >= 1 && codes[i].numel() > 0 && codes[i].is_contiguous(), op, ": ", arg,
+                " must be a non-empty contiguous tensor of at least one dimension, got shape ", codes[i].sizes());
+    const int64_t cols = codes[i].size(-1), state_groups = codes[i].numel() / cols * ((cols + group_size - 1) / group_size);
+    TORCH_CHECK(metas[i].scalar_type() == at::kBFloat16 && metas[i].is_contiguous() &&
+                    metas[i].numel() == state_groups * 3, op, ": metas[", i, "] must be the contiguous bfloat16 "
+                "(scale, k, C) of each of the state's ", state_groups, " groups of ", group_size, ", got ",
+                metas[i].scalar_type(), " of shape ", metas[i].sizes());
+    const std::optional<at::Tensor> index = rows.get(i);
+    if (index.has_value()) {
+      check_same_device(first, *index, op, "rows");
+      TORCH_CHECK(index->scalar_type() == at::kLong && index->dim() == 1 && index->numel() > 0 &&
+                      index->is_contiguous(), op, ": rows[", i, "] must be a non-empty contiguous 1-D int64 tensor "
+                  "of row indices (or None for every row), got ", index->scalar_type(), " of shape ", index->sizes());
+    }
+    groups += state_groups;
+  }
+
+  // uint64 counts, held in an int64 tensor (the same bytes)
+  at::Tensor counts = at::zeros({n, COAT_MOMENT_COUNTS}, first.options().dtype(at::kLong));
+  at::Tensor k_keys = at::empty({groups}, first.options().dtype(at::kInt));
+  int64_t offset = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const std::optional<at::Tensor> index = rows.get(i);
+    const int64_t cols = codes[i].size(-1), state_rows = codes[i].numel() / cols;
+    COAT_CALL_CORE(first, coat_moment_counts, data_as<const uint8_t>(codes[i]),
+                   fp8_format(codes[i].scalar_type(), op, "codes"), data_as<const uint16_t>(metas[i]), state_rows,
+                   cols, group_size, index.has_value() ? index->data_ptr<int64_t>() : nullptr,
+                   index.has_value() ? index->numel() : state_rows, static_cast<int32_t>(i),
+                   reinterpret_cast<uint64_t*>(counts.data_ptr<int64_t>()) + i * COAT_MOMENT_COUNTS,
+                   k_keys.data_ptr<int32_t>() + offset);
+    offset += state_rows * ((cols + group_size - 1) / group_size);
+  }
+  const at::Tensor sorted_keys = std::get<0>(at::sort(k_keys));
+  at::Tensor stats = at::empty({n, COAT_MOMENT_STATS}, first.options().dtype(at::kDouble));
+  COAT_CALL_CORE(first, coat_moment_stats, reinterpret_cast<const uint64_t*>(counts.data_ptr<int64_t>()),
+                 sorted_keys.data_ptr<int32_t>(), n, stats.data_ptr<double>());
+  return stats;
+}
+
 }  // namespace
 
 // The step is registered for every backend at once: with an empty parameter list there is no tensor to
@@ -156,12 +213,14 @@ TORCH_LIBRARY_IMPL(coat, CompositeExplicitAutograd, m) { m.impl("fp8_adamw_step"
 TORCH_LIBRARY_IMPL(coat, CPU, m) {
   m.impl("quantize_expanded", &quantize_expanded);
   m.impl("dequantize_expanded", &dequantize_expanded);
+  m.impl("moment_stats", &moment_stats);
 }
 
 #ifdef COAT_WITH_CUDA
 TORCH_LIBRARY_IMPL(coat, CUDA, m) {
   m.impl("quantize_expanded", &quantize_expanded);
   m.impl("dequantize_expanded", &dequantize_expanded);
+  m.impl("moment_stats", &moment_stats);
 }
 #endif
 

@@ -914,6 +914,85 @@ coat_status launch_step(StepLaunch& launch, int64_t total_tiles, cudaStream_t st
   return launch_status();
 }
 
+
+// ---------------------------------------------------------------------------------------------- state statistics
+
+constexpr int kMomentStatsBlocks = 1024;  // grid-stride beyond
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+  return v;
+}
+
+// coat_moment_counts (coat/adamw.h): each thread counts its measured elements and groups, each warp adds its
+// counts into `counts` with one atomic each. Integer sums and maxima: the same in any order.
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    moment_counts_kernel(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta, int64_t rows,
+                         int64_t cols, int group_shift, const int64_t* row_index, int64_t measured_rows,
+                         uint32_t key_prefix, unsigned long long* counts, int32_t* k_keys) {
+  __shared__ coat_adamw_tables tables;
+  build_tables(&tables);
+  const int64_t ngroups = (cols + (int64_t{1} << group_shift) - 1) >> group_shift;
+  const int64_t measured = measured_rows * cols, groups = rows * ngroups;
+  uint64_t nonfinite = 0, zero_codes = 0, not_one = 0, nan = 0;
+  uint32_t amax_bits = 0, min_key_inverse = 0, max_key = 0;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < max(measured, groups); i += stride) {
+    if (i < measured) {
+      const int64_t r = i / cols, c = i % cols;
+      const int64_t row = row_index != nullptr ? row_index[r] : r;
+      if (row < 0 || row >= rows) {
+        ++nonfinite;
+      } else {
+        const int64_t g = row * ngroups + (c >> group_shift);
+        const coat_decoder d = coat_decoder_make(coat_meta_load(meta + g * COAT_META_VALUES), format, &tables);
+        uint64_t element_nonfinite = 0, element_zero = 0;
+        coat_moment_count_element(codes[row * cols + c], &d, format, &tables, &element_nonfinite, &element_zero,
+                                  &amax_bits);
+        nonfinite += element_nonfinite;
+        zero_codes += element_zero;
+      }
+    }
+    if (i < groups) {
+      const uint32_t key =
+          coat_moment_count_group(meta[i * COAT_META_VALUES + 1], &not_one, &nan, &min_key_inverse, &max_key);
+      k_keys[i] = static_cast<int32_t>((key_prefix << 16) | key);
+    }
+  }
+  const unsigned long long sums[4] = {warp_sum<unsigned long long>(nonfinite), warp_sum<unsigned long long>(zero_codes),
+                                      warp_sum<unsigned long long>(not_one), warp_sum<unsigned long long>(nan)};
+  const uint32_t maxima[3] = {warp_max(amax_bits), warp_max(min_key_inverse), warp_max(max_key)};
+  if (lane_id() == 0) {
+    atomicAdd(&counts[1], sums[0]);
+    atomicAdd(&counts[2], sums[1]);
+    atomicAdd(&counts[5], sums[2]);
+    atomicAdd(&counts[6], sums[3]);
+    atomicMax(&counts[3], static_cast<unsigned long long>(maxima[0]));
+    atomicMax(&counts[7], static_cast<unsigned long long>(maxima[1]));
+    atomicMax(&counts[8], static_cast<unsigned long long>(maxima[2]));
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    atomicAdd(&counts[0], static_cast<unsigned long long>(measured));
+    atomicAdd(&counts[4], static_cast<unsigned long long>(groups));
+  }
+}
+
+// One thread: the states' runs of sorted keys start where the previous ones end (a few hundred states at most).
+__global__ void moment_stats_kernel(const uint64_t* counts, const int32_t* sorted_keys, int64_t n, double* stats) {
+  uint64_t first = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t* state = counts + i * COAT_MOMENT_COUNTS;
+    coat_moment_stats_row(state, sorted_keys[first + (state[4] - 1) / 2], stats + i * COAT_MOMENT_STATS);
+    first += state[4];
+  }
+}
+
 }  // namespace
 
 extern "C" coat_status coat_fp8_adamw_step_cuda(const coat_adamw_tensor* tensors, int64_t count,
@@ -989,5 +1068,30 @@ extern "C" coat_status coat_dequantize_expanded_cuda(const uint8_t* codes, coat_
   if (blocks == 0) return COAT_ERROR_INVALID_ARGUMENT;
   dequantize_expanded_kernel<<<blocks, kThreadsPerBlock, 0, stream>>>(codes, format, meta, cols, plan,
                                                                         __builtin_ctzll(group_size), out);
+  return launch_status();
+}
+
+extern "C" coat_status coat_moment_counts_cuda(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta,
+                                               int64_t rows, int64_t cols, int64_t group_size, const int64_t* row_index,
+                                               int64_t measured_rows, int32_t key_prefix, uint64_t* counts,
+                                               int32_t* k_keys, coat_cuda_stream stream) {
+  if (rows < 1 || cols < 1 || measured_rows < 1 || !coat_is_valid_group_size(group_size) ||
+      !coat_is_valid_format(format) || codes == nullptr || meta == nullptr || counts == nullptr ||
+      k_keys == nullptr || key_prefix < 0 || key_prefix > 0x7FFF || (row_index == nullptr && measured_rows != rows))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const int64_t work = std::max(measured_rows * cols, rows * coat_ceil_div(cols, group_size));
+  const int64_t blocks = std::min<int64_t>(coat_ceil_div(work, kThreadsPerBlock), kMomentStatsBlocks);
+  moment_counts_kernel<<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, stream>>>(codes, format, meta, rows, cols, __builtin_ctzll(group_size),
+                                                   row_index, measured_rows, static_cast<uint32_t>(key_prefix),
+                                                   reinterpret_cast<unsigned long long*>(counts), k_keys);
+  return launch_status();
+}
+
+extern "C" coat_status coat_moment_stats_cuda(const uint64_t* counts, const int32_t* sorted_keys, int64_t n,
+                                              double* stats, coat_cuda_stream stream) {
+  if (n < 0 || (n > 0 && (counts == nullptr || sorted_keys == nullptr || stats == nullptr)))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  if (n == 0) return COAT_SUCCESS;
+  moment_stats_kernel<<<1, 1, 0, stream>>>(counts, sorted_keys, n, stats);
   return launch_status();
 }

@@ -195,6 +195,42 @@ coat_status coat_dequantize_expanded_cuda(const uint8_t* codes, coat_fp8_format 
                                           int64_t rows, int64_t cols, int64_t group_size, float* out,
                                           coat_cuda_stream stream);
 
+/*
+ * Statistics of an FP8 optimizer state (codes and meta as coat_quantize_expanded writes them, codes rows x cols
+ * contiguous, meta (scale, k, C) per group, rows * ceil(cols / G) groups), what coat.report shows of a moment.
+ * coat_moment_counts adds into counts (COAT_MOMENT_COUNTS uint64, zeros to start; a device pointer for CUDA):
+ *   over the measured rows (row_index[i] for i < measured_rows, every row when row_index is NULL; an index
+ *   outside [0, rows) counts its row's elements as nonfinite), with x' = dequantize_expanded of each element:
+ *     [0] elements, [1] x' NaN or +-Inf, [2] zero codes (+-0), [3] max over the finite x' of |x'|'s fp32 bits
+ *   over every group, k = the group's bf16 k:
+ *     [4] groups, [5] k != 1 (NaN included), [6] k NaN, [7] max of 0xFFFF - key(k) and [8] max of key(k) over
+ *     the groups whose k is not NaN, where key(k) = COAT_ORDERED_BF16(bits of k) orders like the values
+ *   and writes k_keys[g] = (key_prefix << 16) | key(k) for every group g, so that sorting the keys of several
+ *   states (each with its own prefix) sorts each state's k in a run of its own: the median is read from there.
+ * The counts are integers and maxima, so the CUDA implementation equals the CPU one in any order of its atomics.
+ * coat_moment_stats turns the counts of n states (key prefixes 0 .. n-1) and their k_keys, sorted ascending, into
+ * n rows of COAT_MOMENT_STATS float64:
+ *   numel, nonfinite, zero_codes, amax, k_min, k_median, k_max, k_expanded
+ * k_median is the lower median (element (groups - 1) / 2 of the state's sorted k, as torch.median); k_min,
+ * k_median and k_max are NaN when any k is NaN; k_expanded = [5] / [4].
+ */
+#define COAT_MOMENT_COUNTS 9
+#define COAT_MOMENT_STATS 8
+/** bf16 bits -> a 16-bit key that orders like the values (-0 just below +0, NaNs at the ends). */
+#define COAT_ORDERED_BF16(bits) (((bits) & 0x8000u) ? (~(bits) & 0xFFFFu) : ((bits) | 0x8000u))
+/** The inverse of COAT_ORDERED_BF16. */
+#define COAT_BF16_OF_ORDERED(key) (((key) & 0x8000u) ? ((key) ^ 0x8000u) : (~(key) & 0xFFFFu))
+
+coat_status coat_moment_counts_cpu(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta, int64_t rows,
+                                   int64_t cols, int64_t group_size, const int64_t* row_index, int64_t measured_rows,
+                                   int32_t key_prefix, uint64_t* counts, int32_t* k_keys);
+coat_status coat_moment_counts_cuda(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta, int64_t rows,
+                                    int64_t cols, int64_t group_size, const int64_t* row_index, int64_t measured_rows,
+                                    int32_t key_prefix, uint64_t* counts, int32_t* k_keys, coat_cuda_stream stream);
+coat_status coat_moment_stats_cpu(const uint64_t* counts, const int32_t* sorted_keys, int64_t n, double* stats);
+coat_status coat_moment_stats_cuda(const uint64_t* counts, const int32_t* sorted_keys, int64_t n, double* stats,
+                                   coat_cuda_stream stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -599,4 +599,46 @@ COAT_INLINE int coat_adamw_call_is_valid(const coat_adamw_tensor* tensors, int64
   return 1;
 }
 
+/* coat_moment_counts (coat/adamw.h): one measured element's counts, with the decoder of its group. */
+COAT_INLINE void coat_moment_count_element(uint8_t code, const coat_decoder* d, coat_fp8_format format,
+                                           const coat_adamw_tables* t, uint64_t* nonfinite, uint64_t* zero_codes,
+                                           uint32_t* amax_bits) {
+  const float x = coat_decode(code, d, format, t);
+  if (coat_is_finite(x)) {
+    const uint32_t magnitude = coat_f32_to_bits(x) & 0x7FFFFFFFu;
+    *amax_bits = magnitude > *amax_bits ? magnitude : *amax_bits;
+  } else {
+    ++*nonfinite;
+  }
+  *zero_codes += (code & 0x7Fu) == 0;
+}
+
+/* coat_moment_counts: the k key of a group (coat/adamw.h), and its counts [5..8]. */
+COAT_INLINE uint32_t coat_moment_count_group(uint16_t k_bits, uint64_t* not_one, uint64_t* nan, uint32_t* min_key_inverse,
+                                             uint32_t* max_key) {
+  const uint32_t key = COAT_ORDERED_BF16((uint32_t)k_bits);
+  const int is_nan = (k_bits & 0x7FFFu) > 0x7F80u;
+  *not_one += k_bits != 0x3F80u; /* bf16 1.0 */
+  *nan += is_nan;
+  if (!is_nan) {
+    *min_key_inverse = 0xFFFFu - key > *min_key_inverse ? 0xFFFFu - key : *min_key_inverse;
+    *max_key = key > *max_key ? key : *max_key;
+  }
+  return key;
+}
+
+/* coat_moment_stats: one state's row of stats from its counts and the key of its median k. */
+COAT_INLINE void coat_moment_stats_row(const uint64_t* counts, int32_t median_key, double* stats) {
+  const double nan = (double)coat_f32_from_bits(0x7FC00000u);
+  const int any_nan = counts[6] > 0;
+  stats[0] = (double)counts[0];
+  stats[1] = (double)counts[1];
+  stats[2] = (double)counts[2];
+  stats[3] = (double)coat_f32_from_bits((uint32_t)counts[3]);
+  stats[4] = any_nan ? nan : (double)coat_bf16_to_f32((uint16_t)COAT_BF16_OF_ORDERED(0xFFFFu - (uint32_t)counts[7]));
+  stats[5] = any_nan ? nan : (double)coat_bf16_to_f32((uint16_t)COAT_BF16_OF_ORDERED((uint32_t)median_key & 0xFFFFu));
+  stats[6] = any_nan ? nan : (double)coat_bf16_to_f32((uint16_t)COAT_BF16_OF_ORDERED((uint32_t)counts[8]));
+  stats[7] = (double)counts[5] / (double)counts[4];
+}
+
 #endif /* COAT_DETAIL_ADAMW_MATH_H */
