@@ -230,6 +230,19 @@ def test_choose_saved_formats_sets_the_config_of_lone_coat_modules():
     assert model[0].config.saved_format == model[1].config.saved_format == "e4m3"
 
 
+def test_sampled_amax_of_an_fp4_kept_input_is_the_tensors():
+    """Sampled rows take amax from the scales: an FP4 block's scale is its amax / 6 (not / FP8_MAX, though the
+    recorded codes are the E4M3 expansion)."""
+    norm = coat.nn.RMSNorm(64, config=coat.nn.FP8Config(saved_format="fp4"))
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3)) * 7
+    report = coat.report.QuantizationReport(norm, sample_rows=4)
+    with report.capture():
+        norm(x.requires_grad_()).sum().backward()
+    row = {r["tensor"]: r for r in report.rows()}["norm_input"]
+    assert row["format"] == "fp4" and row["numel"] == 4 * 64
+    assert row["amax"] == pytest.approx(x.abs().max().item(), rel=1e-6)
+
+
 def test_recorded_values_match_a_reference_from_the_model(model):
     """qkv_weight: the three weights quantized as one tensor; attn_norm_input: the layer's input in 1 x 16
     groups; grad_output rows only with FP8 gradients. Every row measured (sample_rows=None)."""
