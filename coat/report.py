@@ -31,8 +31,8 @@ converted decoder layer, ``model.layers.3``, or a coat.nn module outside one, e.
 Which elements are measured. By default (``sample_rows=64``) a capture measures 64 evenly spaced rows of
 each quantized matrix (all of a matrix with fewer): nonfinite, flushed, saturated and rel_error are those
 rows' exactly, estimates of the whole tensor's (a lone NaN or a rare saturated value elsewhere is not
-seen), and amax is the whole tensor's, FP8_MAX times its largest scale (the quantizer derives the scales
-from its amax; a non-finite amax shows as a non-finite scale). The moments' k statistics cover every group,
+seen), and amax is the whole tensor's, FP8_MAX (6 for FP4 blocks) times its largest scale (the quantizer
+derives the scales from its amax; a non-finite amax shows as a non-finite scale). The moments' k statistics cover every group,
 their other metrics the sampled rows. ``sample_rows=None`` measures every element, exactly, at several
 times the cost.
 
@@ -62,14 +62,15 @@ unquantized value to compare with):
 A tensor recorded several times in one capture (gradient accumulation, gradient checkpointing's recomputed
 forward) is summed over its recordings: amax is the largest, shares and rel_error are over all elements.
 
-Cost: only capture steps pay: per quantized tensor a few small kernels on its sampled rows (the RMSNorm and
-SiLU*mul outputs recomputed for those rows only), then the element-wise passes over all samples together and
-one device-to-host copy at the end. On an H100 (4 layers at hidden 2048, 4 x 2048 tokens) a captured step
-takes 4.3x a plain one (every row: 10.6x), so capturing every 100 steps costs 3.3% of a run; outside a
-capture each coat autograd Function reads one module global (``benchmarks/report.py`` measures both).
-Captures run in eager mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled
-graphs again after it (no recompilation); without a capture a converted model compiles as before, with no
-graph break. Under FSDP each process reports its own batch and its own shards of the optimizer state.
+Cost: only capture steps pay: per quantized tensor one native call (coat.ops.quantization_sums_: its sampled
+rows' sums, two small kernels, accumulated on the device; the RMSNorm and SiLU*mul outputs recomputed for those
+rows only), at the end one call for every optimizer moment (coat.ops.moment_stats) and one device-to-host copy.
+On one H200 (4 layers at hidden 2048, 4 x 2048 tokens) a captured step takes 1.36x a plain one (every row:
+2.56x), so capturing every 100 steps costs 0.36% of a run; outside a capture each coat autograd Function reads
+one module global (``benchmarks/report.py`` measures both).
+
+Captures run in eager mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs
+again after it (no recompilation); without a capture a converted model compiles as before, with no graph break. Under FSDP each process reports its own batch and its own shards of the optimizer state.
 """
 from __future__ import annotations
 
