@@ -917,7 +917,11 @@ coat_status launch_step(StepLaunch& launch, int64_t total_tiles, cudaStream_t st
 
 // ---------------------------------------------------------------------------------------------- state statistics
 
-constexpr int kMomentStatsBlocks = 1024;  // grid-stride beyond
+// moment_counts_kernel: items (elements or groups) per thread before another block is added, and blocks at most
+// (grid-stride beyond). Each block first builds the tables, which costs more than counting a few items: one
+// block per 128 items, capped at 1024, took 18.7 us per sampled moment on an H200.
+constexpr int kMomentItemsPerThread = 64;
+constexpr int kMomentStatsBlocks = 1024;
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
@@ -1080,7 +1084,8 @@ extern "C" coat_status coat_moment_counts_cuda(const uint8_t* codes, coat_fp8_fo
       k_keys == nullptr || key_prefix < 0 || key_prefix > 0x7FFF || (row_index == nullptr && measured_rows != rows))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t work = std::max(measured_rows * cols, rows * coat_ceil_div(cols, group_size));
-  const int64_t blocks = std::min<int64_t>(coat_ceil_div(work, kThreadsPerBlock), kMomentStatsBlocks);
+  const int64_t blocks =
+      std::min<int64_t>(coat_ceil_div(work, int64_t{kThreadsPerBlock} * kMomentItemsPerThread), kMomentStatsBlocks);
   moment_counts_kernel<<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, stream>>>(codes, format, meta, rows, cols, __builtin_ctzll(group_size),
                                                    row_index, measured_rows, static_cast<uint32_t>(key_prefix),
                                                    reinterpret_cast<unsigned long long*>(counts), k_keys);
