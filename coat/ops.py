@@ -295,7 +295,8 @@ def moment_stats(
     if not codes:
         raise ValueError("coat.ops.moment_stats: codes holds no state")
     check_device_supported(codes[0], "coat.ops.moment_stats")
-    return torch.ops.coat.moment_stats(list(codes), list(metas), group_size, [None] * len(codes) if rows is None else list(rows))
+    rows = [None] * len(codes) if rows is None else list(rows)
+    return torch.ops.coat.moment_stats(list(codes), list(metas), group_size, rows)
 
 
 def _check_group_size(group_size: int, op: str) -> None:
@@ -414,6 +415,18 @@ def _check_named_group_size(group_size: int, name: str, op: str) -> None:
         raise RuntimeError(f"{op}: {name} must be 16, 32, 64 or 128, got {group_size}")
 
 
+def _save_fp4(save_format: str, op: str) -> bool:
+    if save_format not in ("e4m3", "fp4"):
+        raise ValueError(f"coat.ops.{op}: save_format must be 'e4m3' or 'fp4', got {save_format!r}")
+    return save_format == "fp4"
+
+
+def _saved_codes(x: torch.Tensor, save_fp4: bool) -> torch.Tensor:
+    if save_fp4:
+        return x.new_empty((*x.shape[:-1], (x.shape[-1] + 1) // 2), dtype=torch.uint8)
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+
+
 def rmsnorm_quantize(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -423,8 +436,9 @@ def rmsnorm_quantize(
     amax_group_size: int = 128,
     format: torch.dtype | str = "e4m3",
     transpose: bool = False,
+    save_format: str = "e4m3",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm with its output quantized to FP8 per tensor and its input saved in FP8 for backward.
+    """RMSNorm with its output quantized to FP8 per tensor and its input saved in FP8 (or FP4) for backward.
 
     With rows the leading dimensions of ``x`` flattened and H = ``x.shape[-1]`` (1 <= H <= 32768)::
 
@@ -438,11 +452,14 @@ def rmsnorm_quantize(
     Returns ``(y, y_scale, y_t, x_saved, x_saved_scales, rstd)``: y (x's shape, FP8 ``format``), its 0-d
     float32 scale, its (H, rows) transpose when ``transpose`` is set (else None), x as E4M3 with
     per-``save_group_size`` scales (``quantize_group(x, save_group_size)``), and rstd, float32 [rows].
+    With ``save_format="fp4"`` x is saved as ``quantize_fp4(x, save_group_size)`` instead (packed codes and
+    block scales, bit for bit), made in the same pass over x; :func:`fp4_to_e4m3` expands it for backward.
     A row holding +-Inf normalizes to 0 with NaN at the Inf (Inf * 0), as PyTorch's formula does.
     """
     check_device_supported(x, "coat.ops.rmsnorm_quantize")
     y, y_scale, y_t, x_saved, x_saved_scales, rstd = torch.ops.coat.rmsnorm_quantize(
-        x, weight, eps, save_group_size, amax_group_size, fp8_dtype(format), transpose
+        x, weight, eps, save_group_size, amax_group_size, fp8_dtype(format), transpose,
+        _save_fp4(save_format, "rmsnorm_quantize"),
     )
     return y, y_scale, y_t if transpose else None, x_saved, x_saved_scales, rstd
 
@@ -484,6 +501,7 @@ def silu_mul_quantize(
     amax_group_size: int = 128,
     format: torch.dtype | str = "e4m3",
     transpose: bool = False,
+    save_format: str = "e4m3",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """SwiGLU's activation, ``y = silu(gate) * up [* smooth_scale]``, quantized to FP8 per tensor, with
     gate and up saved in FP8 for backward.
@@ -495,11 +513,12 @@ def silu_mul_quantize(
     silu(g) = g * sigmoid(g) in float32 with coat's own exp (identical on CPU and CUDA); silu(-inf) is NaN.
 
     Returns ``(y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales)`` as in
-    :func:`rmsnorm_quantize`.
+    :func:`rmsnorm_quantize`, gate and up saved in ``save_format`` ("e4m3" or "fp4") likewise.
     """
     check_device_supported(gate, "coat.ops.silu_mul_quantize")
     y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = torch.ops.coat.silu_mul_quantize(
-        gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype(format), transpose
+        gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype(format), transpose,
+        _save_fp4(save_format, "silu_mul_quantize"),
     )
     return y, y_scale, y_t if transpose else None, gate_saved, gate_scales, up_saved, up_scales
 
@@ -582,7 +601,7 @@ def _check_rmsnorm_cols(x: torch.Tensor, name: str, op: str) -> None:
 
 
 @torch.library.register_fake("coat::rmsnorm_quantize")
-def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8_dtype, transpose):
+def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8_dtype, transpose, save_fp4=False):
     op = "coat.rmsnorm_quantize"
     _check_named_group_size(save_group_size, "save_group_size", op)
     _check_named_group_size(amax_group_size, "amax_group_size", op)
@@ -591,7 +610,7 @@ def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8
         x.new_empty(x.shape, dtype=fp8_dtype),
         x.new_empty((), dtype=torch.float32),
         _transposed(x, fp8_dtype, transpose),
-        x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+        _saved_codes(x, save_fp4),
         _grouped(x, save_group_size),
         x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32),
     )
@@ -612,7 +631,8 @@ def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group
 
 
 @torch.library.register_fake("coat::silu_mul_quantize")
-def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype, transpose):
+def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype, transpose,
+                            save_fp4=False):
     op = "coat.silu_mul_quantize"
     _check_named_group_size(save_group_size, "save_group_size", op)
     _check_named_group_size(amax_group_size, "amax_group_size", op)
@@ -622,9 +642,9 @@ def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_
         gate.new_empty(gate.shape, dtype=fp8_dtype),
         gate.new_empty((), dtype=torch.float32),
         _transposed(gate, fp8_dtype, transpose),
-        gate.new_empty(gate.shape, dtype=torch.float8_e4m3fn),
+        _saved_codes(gate, save_fp4),
         _grouped(gate, save_group_size),
-        gate.new_empty(gate.shape, dtype=torch.float8_e4m3fn),
+        _saved_codes(gate, save_fp4),
         _grouped(gate, save_group_size),
     )
 

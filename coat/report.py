@@ -70,7 +70,8 @@ On one H200 (4 layers at hidden 2048, 4 x 2048 tokens) a captured step takes 1.3
 one module global (``benchmarks/report.py`` measures both).
 
 Captures run in eager mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs
-again after it (no recompilation); without a capture a converted model compiles as before, with no graph break. Under FSDP each process reports its own batch and its own shards of the optimizer state.
+again after it (no recompilation); without a capture a converted model compiles as before, with no graph
+break. Under FSDP each process reports its own batch and its own shards of the optimizer state.
 """
 from __future__ import annotations
 

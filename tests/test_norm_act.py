@@ -129,12 +129,15 @@ def rows_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def rmsnorm_forward(x, weight, *, eps=EPS, group_size=16, amax_group_size=128, fp8=E4M3, transpose=True, device="cpu"):
-    return run(torch.ops.coat.rmsnorm_quantize, x, weight, eps, group_size, amax_group_size, fp8, transpose, device=device)
+def rmsnorm_forward(x, weight, *, eps=EPS, group_size=16, amax_group_size=128, fp8=E4M3, transpose=True, device="cpu",
+                    save_fp4=False):
+    return run(torch.ops.coat.rmsnorm_quantize, x, weight, eps, group_size, amax_group_size, fp8, transpose, save_fp4,
+               device=device)
 
 
-def silu_mul_forward(gate, up, smooth=None, *, group_size=16, fp8=E4M3, transpose=True, device="cpu"):
-    return run(torch.ops.coat.silu_mul_quantize, gate, up, smooth, group_size, 128, fp8, transpose, device=device)
+def silu_mul_forward(gate, up, smooth=None, *, group_size=16, fp8=E4M3, transpose=True, device="cpu", save_fp4=False):
+    return run(torch.ops.coat.silu_mul_quantize, gate, up, smooth, group_size, 128, fp8, transpose, save_fp4,
+               device=device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -219,6 +222,29 @@ def test_rmsnorm_forward_without_transpose(device):
         assert_same_bits(without[i], with_t[i])
     y, y_scale, y_t, *_ = ops.rmsnorm_quantize(x, weight)
     assert y_t is None
+
+
+# Widths with whole chunks, a short chunk (1000 % 16 == 8), an odd row (a padding nibble) and one narrower than a
+# chunk; group sizes 16 and 128.
+FP4_SAVE_CASES = [((97, 2048), 16), ((33, 1000), 128), ((5, 100), 16), ((3, 7), 16), ((4097, 176), 32)]
+
+
+@pytest.mark.parametrize("shape, group_size", FP4_SAVE_CASES, ids=str)
+def test_rmsnorm_forward_saves_fp4(device, shape, group_size):
+    """save_fp4: x kept as quantize_fp4(x, G) bit for bit, made in the same pass; every other output as with E4M3.
+    Specials (NaN, Inf, zeros, tiny values) go through the FP4 block rule."""
+    x = activations(shape, torch.bfloat16, seed=shape[1])
+    x[0, : min(3, shape[1])] = torch.tensor([float("nan"), 0.0, 1e-30][: min(3, shape[1])], dtype=torch.bfloat16)
+    if shape[0] > 1:
+        x[1, -1] = float("inf")
+    weight = (1 + 0.2 * torch.randn(shape[1], generator=torch.Generator().manual_seed(1))).bfloat16()
+    fp4 = rmsnorm_forward(x, weight, group_size=group_size, device=device, save_fp4=True)
+    e4m3 = rmsnorm_forward(x, weight, group_size=group_size, device=device)
+    codes, scales = ops.quantize_fp4(x, group_size)
+    assert_same_bits(fp4[3], codes, "x_saved vs quantize_fp4")
+    assert_same_bits(fp4[4], scales, "x_saved_scales vs quantize_fp4")
+    for i in (0, 1, 2, 5):
+        assert_same_bits(fp4[i], e4m3[i], "an output other than the saved copy")
 
 
 def test_rmsnorm_amax_group_size_does_not_change_outputs(device):
@@ -466,6 +492,22 @@ def test_silu_mul_forward_nd_and_views(device):
     flat = silu_mul_forward(rows_of(gate.contiguous()), rows_of(up.contiguous()))
     for nd, two_d in zip(outputs, flat):
         assert_same_bits(nd.reshape(two_d.shape), two_d, "N-D strided vs 2-D contiguous")
+
+
+@pytest.mark.parametrize("shape, group_size", FP4_SAVE_CASES, ids=str)
+def test_silu_mul_forward_saves_fp4(device, shape, group_size):
+    gate, up = gate_up(shape, torch.bfloat16, seed=shape[1] + 1)
+    gate[0, 0], up[-1, -1] = float("nan"), float("-inf")
+    fp4 = silu_mul_forward(gate, up, group_size=group_size, device=device, save_fp4=True)
+    e4m3 = silu_mul_forward(gate, up, group_size=group_size, device=device)
+    for saved, source, name in ((fp4[3:5], gate, "gate"), (fp4[5:7], up, "up")):
+        codes, scales = ops.quantize_fp4(source, group_size)
+        assert_same_bits(saved[0], codes, f"{name}_saved vs quantize_fp4")
+        assert_same_bits(saved[1], scales, f"{name}_scales vs quantize_fp4")
+    for i in (0, 1, 2):
+        assert_same_bits(fp4[i], e4m3[i], "an output other than the saved copies")
+    with pytest.raises(ValueError, match="save_format must be 'e4m3' or 'fp4'"):
+        ops.silu_mul_quantize(gate, up, save_format="fp8")
 
 
 def test_silu_mul_forward_special_values(device):

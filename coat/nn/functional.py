@@ -362,14 +362,6 @@ def _saved(ctx) -> dict:
 # Fused non-linear ops (coat.ops.rmsnorm_quantize, silu_mul_quantize and their backwards)
 
 
-def _kept_for_backward(x2d, codes, scales, config: FP8Config):
-    """The copy of a fused op's input that backward reads, in ``config.saved_format``: the E4M3 1 x G copy
-    the op wrote, or an FP4 one quantized from the input itself (the E4M3 copy is then dropped)."""
-    if config.saved_format == "fp4":
-        return ops.quantize_fp4(x2d, config.group_size)
-    return codes, scales
-
-
 def _as_e4m3(codes, scales, cols: int, config: FP8Config):
     """A kept input in the E4M3 1 x G layout the backward kernels read: an FP4 copy expands exactly."""
     if config.saved_format == "fp4":
@@ -391,9 +383,8 @@ def _rmsnorm_quantize(x2d, weight, eps: float, config: FP8Config, for_backward: 
         save_group_size=config.group_size,
         amax_group_size=AMAX_GROUP_SIZE,
         format=config.forward_dtype,
+        save_format=config.saved_format if for_backward else "e4m3",
     )
-    if for_backward:
-        x_saved, x_saved_scales = _kept_for_backward(x2d, x_saved, x_saved_scales, config)
     return y, y_scale, y_t, x_saved, x_saved_scales, rstd
 
 
@@ -465,10 +456,8 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
         save_group_size=config.group_size,
         amax_group_size=AMAX_GROUP_SIZE,
         format=config.forward_dtype,
+        save_format=config.saved_format if keep_for_backward else "e4m3",
     )
-    if keep_for_backward:
-        gate_saved, gate_scales = _kept_for_backward(gate, gate_saved, gate_scales, config)
-        up_saved, up_scales = _kept_for_backward(up, up_saved, up_scales, config)
     if site is not None:
         cols = gate.shape[1]
         site.record("gate_output", gate, *_as_e4m3(gate_saved, gate_scales, cols, config), config.group_size,

@@ -167,7 +167,8 @@ at::Tensor moment_stats(at::TensorList codes, at::TensorList metas, int64_t grou
     fp8_format(codes[i].scalar_type(), op, arg.c_str());
     TORCH_CHECK(codes[i].dim() >= 1 && codes[i].numel() > 0 && codes[i].is_contiguous(), op, ": ", arg,
                 " must be a non-empty contiguous tensor of at least one dimension, got shape ", codes[i].sizes());
-    const int64_t cols = codes[i].size(-1), state_groups = codes[i].numel() / cols * ((cols + group_size - 1) / group_size);
+    const int64_t cols = codes[i].size(-1);
+    const int64_t state_groups = codes[i].numel() / cols * ((cols + group_size - 1) / group_size);
     TORCH_CHECK(metas[i].scalar_type() == at::kBFloat16 && metas[i].is_contiguous() &&
                     metas[i].numel() == state_groups * 3, op, ": metas[", i, "] must be the contiguous bfloat16 "
                 "(scale, k, C) of each of the state's ", state_groups, " groups of ", group_size, ", got ",

@@ -17,12 +17,12 @@ TORCH_LIBRARY(coat, m) {
   m.def("dequantize_fp4(Tensor codes, Tensor scales, int cols, int block_size, ScalarType dtype) -> Tensor");
   m.def("fp4_to_e4m3(Tensor codes, Tensor scales, int cols, int block_size) -> Tensor");
   m.def("rmsnorm_quantize(Tensor x, Tensor weight, float eps, int save_group_size, int amax_group_size,"
-        " ScalarType fp8_dtype, bool transpose)"
+        " ScalarType fp8_dtype, bool transpose, bool save_fp4=False)"
         " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor x_saved, Tensor x_saved_scales, Tensor rstd)");
   m.def("rmsnorm_backward(Tensor dy, Tensor x_saved, Tensor x_saved_scales, Tensor rstd, Tensor weight,"
         " int save_group_size, Tensor? residual=None) -> (Tensor dx, Tensor dweight)");
   m.def("silu_mul_quantize(Tensor gate, Tensor up, Tensor? smooth_scale, int save_group_size, int amax_group_size,"
-        " ScalarType fp8_dtype, bool transpose)"
+        " ScalarType fp8_dtype, bool transpose, bool save_fp4=False)"
         " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor gate_saved, Tensor gate_scales, Tensor up_saved,"
         " Tensor up_scales)");
   m.def("silu_mul_backward(Tensor dy, Tensor gate_saved, Tensor gate_scales, Tensor up_saved, Tensor up_scales,"

@@ -83,8 +83,18 @@ at::Tensor transposed_output(const at::Tensor& x, const RowMatrix& m, at::Scalar
                    : at::empty({0}, x.options().dtype(fp8_dtype));
 }
 
-RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t save_group_size,
-                                 int64_t amax_group_size, at::ScalarType fp8_dtype, bool transpose) {
+// The copy of an input a forward op saves for backward: E4M3 codes of its shape, or FP4 codes packed two per byte
+// (the last dimension halved, rounded up), as coat.quantize_fp4 returns them.
+at::Tensor saved_codes(const at::Tensor& input, bool save_fp4) {
+  if (!save_fp4) return at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn));
+  std::vector<int64_t> packed(input.sizes().begin(), input.sizes().end());
+  packed.back() = (packed.back() + 1) / 2;
+  return at::empty(packed, input.options().dtype(at::kByte));
+}
+
+RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                       int64_t save_group_size, int64_t amax_group_size, at::ScalarType fp8_dtype,
+                                       bool transpose, bool save_fp4) {
   constexpr const char* op = "coat.rmsnorm_quantize";
   check_device(x, op, "x");
   const coat_dtype x_dtype = input_dtype(x, op, "x");
@@ -101,12 +111,13 @@ RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& we
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(fp8_dtype));
   at::Tensor y_scale = at::empty({}, float_options);
   at::Tensor y_t = transposed_output(x, m, fp8_dtype, transpose);
-  at::Tensor x_saved = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor x_saved = saved_codes(x, save_fp4);
   at::Tensor x_saved_scales = at::empty(grouped_shape(x, save_group_size), float_options);
   at::Tensor rstd = at::empty({m.rows}, float_options);
   at::Tensor y_amax = at::empty({1}, float_options);
   COAT_CALL_CORE(x, coat_rmsnorm_quantize, x.data_ptr(), x_dtype, m.rows, m.cols, m.row_stride, weight.data_ptr(),
-                 weight_dtype, static_cast<float>(eps), save_group_size, format, data_as<uint8_t>(y),
+                 weight_dtype, static_cast<float>(eps), save_group_size, save_fp4 ? COAT_SAVED_FP4 : COAT_SAVED_E4M3,
+                 format, data_as<uint8_t>(y),
                  data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(x_saved),
                  data_as<float>(x_saved_scales), data_as<float>(rstd), data_as<float>(y_amax));
   return {y, y_scale, y_t, x_saved, x_saved_scales, rstd};
@@ -188,8 +199,9 @@ const float* smooth_scale_data(const std::optional<at::Tensor>& smooth_scale, co
 }
 
 SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor& up,
-                                  const std::optional<at::Tensor>& smooth_scale, int64_t save_group_size,
-                                  int64_t amax_group_size, at::ScalarType fp8_dtype, bool transpose) {
+                                        const std::optional<at::Tensor>& smooth_scale, int64_t save_group_size,
+                                        int64_t amax_group_size, at::ScalarType fp8_dtype, bool transpose,
+                                        bool save_fp4) {
   constexpr const char* op = "coat.silu_mul_quantize";
   check_device(gate, op, "gate");
   check_same_device(gate, up, op, "up");
@@ -207,17 +219,17 @@ SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor
   const float* smooth = smooth_scale_data(smooth_scale, gate, gate_m.cols, op);
 
   const at::TensorOptions float_options = gate.options().dtype(at::kFloat);
-  const at::TensorOptions e4m3_options = gate.options().dtype(at::kFloat8_e4m3fn);
   at::Tensor y = at::empty(gate.sizes(), gate.options().dtype(fp8_dtype));
   at::Tensor y_scale = at::empty({}, float_options);
   at::Tensor y_t = transposed_output(gate, gate_m, fp8_dtype, transpose);
-  at::Tensor gate_saved = at::empty(gate.sizes(), e4m3_options);
+  at::Tensor gate_saved = saved_codes(gate, save_fp4);
   at::Tensor gate_scales = at::empty(grouped_shape(gate, save_group_size), float_options);
-  at::Tensor up_saved = at::empty(gate.sizes(), e4m3_options);
+  at::Tensor up_saved = saved_codes(gate, save_fp4);
   at::Tensor up_scales = at::empty(grouped_shape(gate, save_group_size), float_options);
   at::Tensor y_amax = at::empty({1}, float_options);
   COAT_CALL_CORE(gate, coat_silu_mul_quantize, gate.data_ptr(), up.data_ptr(), dtype, gate_m.rows, gate_m.cols,
-                 gate_m.row_stride, up_m.row_stride, smooth, save_group_size, format, data_as<uint8_t>(y),
+                 gate_m.row_stride, up_m.row_stride, smooth, save_group_size,
+                 save_fp4 ? COAT_SAVED_FP4 : COAT_SAVED_E4M3, format, data_as<uint8_t>(y),
                  data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(gate_saved),
                  data_as<float>(gate_scales), data_as<uint8_t>(up_saved), data_as<float>(up_scales),
                  data_as<float>(y_amax));

@@ -62,12 +62,12 @@ void quantization_sums_(const at::Tensor& sums, const at::Tensor& x, const at::T
   if (q.is_cuda()) {
     const c10::cuda::CUDAGuard guard(q.device());
     at::Tensor workspace = at::empty({coat_quantization_sums_workspace(measured_rows, cols)}, sums.options());
+    const auto stream = reinterpret_cast<coat_cuda_stream>(at::cuda::getCurrentCUDAStream().stream());
     check_status(coat_quantization_sums_cuda(x.data_ptr(), dtype, x.stride(0), x.stride(1), !x_holds_measured_rows,
                                              data_as<uint8_t>(q), format, q.stride(0), q.stride(1),
                                              data_as<float>(scale), g, scale.numel(), per_scale, q.size(0),
                                              row_index, measured_rows, cols, data_as<double>(sums),
-                                             data_as<double>(workspace),
-                                             reinterpret_cast<coat_cuda_stream>(at::cuda::getCurrentCUDAStream().stream())),
+                                             data_as<double>(workspace), stream),
                  "coat_quantization_sums_cuda");
     return;
   }

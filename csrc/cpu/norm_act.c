@@ -5,6 +5,7 @@
 #include <stddef.h>
 
 #include "coat/detail/norm_act_math.h"
+#include "coat/quantize.h"
 
 static int valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
   return rows >= 0 && cols >= 0 && cols <= COAT_NORM_ACT_MAX_COLS && row_stride >= cols &&
@@ -18,9 +19,19 @@ static const void* row_at(const void* x, coat_dtype dtype, int64_t row, int64_t 
 
 static int64_t lane_of_column(int64_t col, int64_t lanes) { return (col / COAT_NORM_ACT_CHUNK) % lanes; }
 
-/* One row of coat_quantize_group(x, group_size, E4M3): the FP8 copy of an input saved for backward. */
-static void save_row(const void* row, coat_dtype dtype, int64_t cols, int64_t group_size, uint8_t* codes,
-                     float* scales) {
+/* Bytes of one saved row. */
+static int64_t saved_row_bytes(int64_t cols, coat_saved_format format) {
+  return format == COAT_SAVED_FP4 ? coat_ceil_div(cols, 2) : cols;
+}
+
+/* One row of an input saved for backward: coat_quantize_group(x, group_size, E4M3) or coat_quantize_fp4(x,
+ * group_size). */
+static void save_row(const void* row, coat_dtype dtype, int64_t cols, int64_t group_size, coat_saved_format format,
+                     uint8_t* codes, float* scales) {
+  if (format == COAT_SAVED_FP4) {
+    coat_quantize_fp4_cpu(row, dtype, 1, cols, cols, group_size, codes, scales);
+    return;
+  }
   for (int64_t begin = 0, group = 0; begin < cols; begin += group_size, ++group) {
     const int64_t end = begin + group_size < cols ? begin + group_size : cols;
     float amax = 0.0f;
@@ -39,11 +50,12 @@ static void put_code(uint8_t code, int64_t r, int64_t c, int64_t rows, int64_t c
 
 coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
                                       int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
-                                      int64_t save_group_size, coat_fp8_format y_format, uint8_t* y,
-                                      float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
-                                      float* rstd, float* y_amax) {
+                                      int64_t save_group_size, coat_saved_format save_format, coat_fp8_format y_format,
+                                      uint8_t* y, float* y_scale, uint8_t* y_t, uint8_t* x_saved,
+                                      float* x_saved_scales, float* rstd, float* y_amax) {
   if (!valid_matrix(x, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL ||
-      !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL)
+      !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL ||
+      (save_format != COAT_SAVED_E4M3 && save_format != COAT_SAVED_FP4))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t lanes = coat_rmsnorm_lanes(cols);
   const int64_t ngroups = coat_ceil_div(cols, save_group_size);
@@ -61,7 +73,8 @@ coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t
     const float sum_sq = coat_combine_lane_partials(partials, lanes);
     const float row_rstd = coat_canonical_nan(coat_rmsnorm_rstd(sum_sq, cols, eps));
     rstd[r] = row_rstd;
-    save_row(row, x_dtype, cols, save_group_size, x_saved + r * cols, x_saved_scales + r * ngroups);
+    save_row(row, x_dtype, cols, save_group_size, save_format, x_saved + r * saved_row_bytes(cols, save_format),
+             x_saved_scales + r * ngroups);
     for (int64_t c = 0; c < cols; ++c)
       amax = coat_amax_step(amax, coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), row_rstd,
                                                      coat_load_f32(weight, weight_dtype, c)));
@@ -144,11 +157,12 @@ coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64
 coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
                                        int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
                                        const float* smooth_scale, int64_t save_group_size,
-                                       coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
-                                       uint8_t* gate_saved, float* gate_scales, uint8_t* up_saved,
-                                       float* up_scales, float* y_amax) {
+                                       coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
+                                       float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
+                                       uint8_t* up_saved, float* up_scales, float* y_amax) {
   if (!valid_matrix(gate, rows, cols, gate_row_stride) || !valid_matrix(up, rows, cols, up_row_stride) ||
-      !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL)
+      !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL ||
+      (save_format != COAT_SAVED_E4M3 && save_format != COAT_SAVED_FP4))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t ngroups = coat_ceil_div(cols, save_group_size);
   float amax = 0.0f;
@@ -157,8 +171,9 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
   for (int64_t r = 0; r < rows; ++r) {
     const void* gate_row = row_at(gate, dtype, r, gate_row_stride);
     const void* up_row = row_at(up, dtype, r, up_row_stride);
-    save_row(gate_row, dtype, cols, save_group_size, gate_saved + r * cols, gate_scales + r * ngroups);
-    save_row(up_row, dtype, cols, save_group_size, up_saved + r * cols, up_scales + r * ngroups);
+    const int64_t saved_offset = r * saved_row_bytes(cols, save_format);
+    save_row(gate_row, dtype, cols, save_group_size, save_format, gate_saved + saved_offset, gate_scales + r * ngroups);
+    save_row(up_row, dtype, cols, save_group_size, save_format, up_saved + saved_offset, up_scales + r * ngroups);
     for (int64_t c = 0; c < cols; ++c) {
       const float g = coat_load_f32(gate_row, dtype, c);
       amax = coat_amax_step(amax, coat_silu_mul(coat_silu(g, coat_sigmoid(g)), coat_load_f32(up_row, dtype, c),

@@ -1086,9 +1086,9 @@ extern "C" coat_status coat_moment_counts_cuda(const uint8_t* codes, coat_fp8_fo
   const int64_t work = std::max(measured_rows * cols, rows * coat_ceil_div(cols, group_size));
   const int64_t blocks =
       std::min<int64_t>(coat_ceil_div(work, int64_t{kThreadsPerBlock} * kMomentItemsPerThread), kMomentStatsBlocks);
-  moment_counts_kernel<<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, stream>>>(codes, format, meta, rows, cols, __builtin_ctzll(group_size),
-                                                   row_index, measured_rows, static_cast<uint32_t>(key_prefix),
-                                                   reinterpret_cast<unsigned long long*>(counts), k_keys);
+  moment_counts_kernel<<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, stream>>>(
+      codes, format, meta, rows, cols, __builtin_ctzll(group_size), row_index, measured_rows,
+      static_cast<uint32_t>(key_prefix), reinterpret_cast<unsigned long long*>(counts), k_keys);
   return launch_status();
 }
 

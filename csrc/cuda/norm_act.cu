@@ -448,14 +448,54 @@ __device__ __forceinline__ void atomic_max_nonnegative(float* amax, float value)
     atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(value));
 }
 
-// Saves kChunks consecutive chunks of an input (columns [col, col + 8 kChunks) of the row) as E4M3 with
-// 1 x G groups, G = 2^group_shift, held by lanes_per_group consecutive lanes: the codes, and from the
-// group's first lane the scale. valid_cols is the row's width, or 0 for a row past the matrix (nothing is
-// stored). All lanes of the warp must call it.
+// save_chunks in COAT_SAVED_FP4: coat_quantize_fp4's blocks (coat/quantize.h), the amax taken on the bits of |x|
+// (a NaN makes its block's scale NaN), two codes per byte, so the chunk's 8 codes fill 4 bytes at col / 2.
+template <int kChunks>
+__device__ __forceinline__ void save_chunks_fp4(const float (&v)[kChunks][kChunk], int col, int valid_cols,
+                                                int lanes_per_group, int group_shift, bool vector, uint8_t* saved_row,
+                                                float* scales_row) {
+  static_assert(kChunk == 8, "a chunk's FP4 codes are one 4-byte word");
+  uint32_t amax_bits = 0;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) amax_bits = coat_max_bits(amax_bits, coat_magnitude_bits(v[c][e]));
+  for (int mask = lanes_per_group >> 1; mask > 0; mask >>= 1)
+    amax_bits =
+        coat_max_bits(amax_bits, static_cast<uint32_t>(__shfl_xor_sync(kFullMask, static_cast<int>(amax_bits), mask)));
+  if (col >= valid_cols) return;
+  const float scale = coat_fp4_scale_from_amax_bits(amax_bits);
+  const float reciprocal = 1.0f / scale;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int first = col + c * kChunk, count = chunk_count(first, valid_cols);
+    uint32_t word = 0;  // past the row x is +0, whose code is 0: the padding nibble of an odd row
+#pragma unroll
+    for (int i = 0; i < kChunk / 2; ++i)
+      word |= uint32_t{coat_fp4_pack(coat_quantize_fp4_scaled(v[c][2 * i], scale, reciprocal),
+                                     coat_quantize_fp4_scaled(v[c][2 * i + 1], scale, reciprocal))}
+              << (8 * i);
+    uint8_t* target = saved_row + first / 2;
+    if (vector && count == kChunk) {
+      *reinterpret_cast<uint32_t*>(target) = word;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kChunk / 2; ++i)
+        if (2 * i < count) target[i] = static_cast<uint8_t>(word >> (8 * i));
+    }
+  }
+  if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;
+}
+
+// Saves kChunks consecutive chunks of an input (columns [col, col + 8 kChunks) of the row) in the forward's
+// save format with 1 x G groups, G = 2^group_shift, held by lanes_per_group consecutive lanes: the codes, and
+// from the group's first lane the scale. valid_cols is the row's width, or 0 for a row past the matrix (nothing
+// is stored). All lanes of the warp must call it.
 template <int kChunks>
 __device__ __forceinline__ void save_chunks(const float (&v)[kChunks][kChunk], int col, int valid_cols,
-                                            int lanes_per_group, int group_shift, bool vector, uint8_t* saved_row,
-                                            float* scales_row) {
+                                            int lanes_per_group, int group_shift, bool vector, bool fp4,
+                                            uint8_t* saved_row, float* scales_row) {
+  if (fp4) return save_chunks_fp4(v, col, valid_cols, lanes_per_group, group_shift, vector, saved_row, scales_row);
   float amax = 0.0f;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c)
@@ -490,6 +530,8 @@ struct RmsnormStatsArgs {
   int group_shift;  // log2 of the save group size
   int lanes;
   int64_t row_groups;  // groups of kMaxThreads / lanes rows, one per block and iteration
+  bool save_fp4;
+  int saved_row_bytes;
   uint8_t* x_saved;
   float* x_saved_scales;
   float* rstd;
@@ -559,7 +601,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>
     const int64_t row = row_of(group);
     const bool active = row < a.rows;
     const int valid_cols = active ? a.cols : 0;
-    uint8_t* saved_row = a.x_saved + (active ? row : 0) * a.cols;
+    uint8_t* saved_row = a.x_saved + (active ? row : 0) * a.saved_row_bytes;
     float* scales_row = a.x_saved_scales + (active ? row : 0) * ngroups;
 
     // x^2 for rstd and the FP8 copy saved for backward. Terms past the row are +0; adding them changes
@@ -573,7 +615,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) partial = partial + x[0][e] * x[0][e];
       save_chunks<1>(x, (lane + k * a.lanes) * kChunk, valid_cols, (1 << a.group_shift) / kChunk, a.group_shift,
-                     Io::kVector, saved_row, scales_row);
+                     Io::kVector, a.save_fp4, saved_row, scales_row);
     }
     const float rstd = coat_rmsnorm_rstd(row_sum(partial, a.lanes, warp_sums[parity]), a.cols, a.eps);
     if (active && lane == 0) a.rstd[row] = coat_canonical_nan(rstd);
@@ -887,6 +929,8 @@ struct SiluMulStatsArgs {
   int group_shift;  // log2 of the save group size
   int segments;     // ceil(cols / 512)
   int strands;  // blocks per segment
+  bool save_fp4;
+  int saved_row_bytes;
   uint8_t* gate_saved;
   float* gate_scales;
   uint8_t* up_saved;
@@ -935,10 +979,10 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(Sil
       io.unpack(current.gate[c], gate[c]);
       io.unpack(current.up[c], up[c]);
     }
-    save_chunks(gate, at.col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.gate_saved + row * a.cols,
-                a.gate_scales + row * ngroups);
-    save_chunks(up, at.col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.up_saved + row * a.cols,
-                a.up_scales + row * ngroups);
+    save_chunks(gate, at.col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_fp4,
+                a.gate_saved + row * a.saved_row_bytes, a.gate_scales + row * ngroups);
+    save_chunks(up, at.col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_fp4,
+                a.up_saved + row * a.saved_row_bytes, a.up_scales + row * ngroups);
     // Past the row gate and up are 0, and so is y.
 #pragma unroll
     for (int c = 0; c < kUnitChunks; ++c) {
@@ -1397,11 +1441,13 @@ extern "C" {
 
 coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
-                                       int64_t save_group_size, coat_fp8_format y_format, uint8_t* y,
-                                       float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
-                                       float* rstd, float* y_amax, coat_cuda_stream stream) {
+                                       int64_t save_group_size, coat_saved_format save_format,
+                                       coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
+                                       uint8_t* x_saved, float* x_saved_scales, float* rstd, float* y_amax,
+                                       coat_cuda_stream stream) {
   if (!valid_matrix(x, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr ||
-      !coat_is_valid_group_size(save_group_size) || y_scale == nullptr || y_amax == nullptr)
+      !coat_is_valid_group_size(save_group_size) || y_scale == nullptr || y_amax == nullptr ||
+      (save_format != COAT_SAVED_E4M3 && save_format != COAT_SAVED_FP4))
     return COAT_ERROR_INVALID_ARGUMENT;
   const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   if (cudaMemsetAsync(y_amax, 0, sizeof(float), cuda_stream) != cudaSuccess) return COAT_ERROR_CUDA;
@@ -1417,6 +1463,8 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
   args.group_shift = coat::device::ceil_log2(save_group_size);
   args.lanes = static_cast<int>(coat_rmsnorm_lanes(cols));
   args.row_groups = 0;
+  args.save_fp4 = save_format == COAT_SAVED_FP4;
+  args.saved_row_bytes = static_cast<int>(args.save_fp4 ? (cols + 1) / 2 : cols);
   args.x_saved = x_saved;
   args.x_saved_scales = x_saved_scales;
   args.rstd = rstd;
@@ -1499,11 +1547,12 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
 coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
                                         int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
                                         const float* smooth_scale, int64_t save_group_size,
-                                        coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
-                                        uint8_t* gate_saved, float* gate_scales, uint8_t* up_saved,
-                                        float* up_scales, float* y_amax, coat_cuda_stream stream) {
+                                        coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
+                                        float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
+                                        uint8_t* up_saved, float* up_scales, float* y_amax, coat_cuda_stream stream) {
   if (!valid_matrix(gate, rows, cols, gate_row_stride) || !valid_matrix(up, rows, cols, up_row_stride) ||
-      !coat_is_valid_group_size(save_group_size) || y_scale == nullptr || y_amax == nullptr)
+      !coat_is_valid_group_size(save_group_size) || y_scale == nullptr || y_amax == nullptr ||
+      (save_format != COAT_SAVED_E4M3 && save_format != COAT_SAVED_FP4))
     return COAT_ERROR_INVALID_ARGUMENT;
   const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   if (cudaMemsetAsync(y_amax, 0, sizeof(float), cuda_stream) != cudaSuccess) return COAT_ERROR_CUDA;
@@ -1517,12 +1566,14 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
   args.up_row_stride = up_row_stride;
   args.smooth_scale = smooth_scale;
   args.group_shift = coat::device::ceil_log2(save_group_size);
+  args.save_fp4 = save_format == COAT_SAVED_FP4;
+  args.saved_row_bytes = static_cast<int>(args.save_fp4 ? (cols + 1) / 2 : cols);
   args.gate_saved = gate_saved;
   args.gate_scales = gate_scales;
   args.up_saved = up_saved;
   args.up_scales = up_scales;
   args.y_amax = y_amax;
-  // The saved codes move 8 bytes at a time: rows of cols % 8 == 0 codes keep them 8-byte aligned.
+  // The saved codes move 8 bytes (E4M3) or 4 (FP4) at a time: rows of cols % 8 == 0 codes keep them aligned.
   const bool vector = cols % kChunk == 0 && rows_aligned16(gate, dtype, gate_row_stride) &&
                       rows_aligned16(up, dtype, up_row_stride) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(gate_saved, 8) &&

@@ -145,15 +145,24 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
     o.y.assign(n, 0xAB), o.y_t.assign(transpose ? n : 0, 0xAB), o.saved.assign(n, 0xAB);
     o.y_scale.assign(1, -1.0f), o.scales.assign(rows * ngroups, -1.0f), o.rstd.assign(rows, -1.0f), o.y_amax.assign(1, -1.0f);
   }
-  const coat_status cpu = coat_rmsnorm_quantize_cpu(
-      x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, eps, group, format, out[0].y.data(),
-      out[0].y_scale.data(), transpose ? out[0].y_t.data() : nullptr, out[0].saved.data(), out[0].scales.data(),
-      out[0].rstd.data(), out[0].y_amax.data());
-  const coat_status gpu = coat_rmsnorm_quantize_cuda(
-      x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, eps, group, format, out[1].y.data(),
-      out[1].y_scale.data(), transpose ? out[1].y_t.data() : nullptr, out[1].saved.data(), out[1].scales.data(),
-      out[1].rstd.data(), out[1].y_amax.data(), nullptr);
-  CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
+  // First with x kept in FP4 (coat_quantize_fp4's packed layout), then in E4M3, whose outputs the rest reads.
+  for (const coat_saved_format save : {COAT_SAVED_FP4, COAT_SAVED_E4M3}) {
+    const int64_t saved_bytes = save == COAT_SAVED_FP4 ? rows * ((cols + 1) / 2) : n;
+    for (Out& o : out) o.saved.assign(saved_bytes, 0xAB);
+    const coat_status cpu = coat_rmsnorm_quantize_cpu(
+        x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, eps, group, save, format, out[0].y.data(),
+        out[0].y_scale.data(), transpose ? out[0].y_t.data() : nullptr, out[0].saved.data(), out[0].scales.data(),
+        out[0].rstd.data(), out[0].y_amax.data());
+    const coat_status gpu = coat_rmsnorm_quantize_cuda(
+        x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, eps, group, save, format, out[1].y.data(),
+        out[1].y_scale.data(), transpose ? out[1].y_t.data() : nullptr, out[1].saved.data(), out[1].scales.data(),
+        out[1].rstd.data(), out[1].y_amax.data(), nullptr);
+    CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
+    if (save == COAT_SAVED_FP4) {
+      same(out[0].saved, out[1].saved, "x_saved fp4", name);
+      same(out[0].scales, out[1].scales, "x_saved_scales fp4", name);
+    }
+  }
   same(out[0].y, out[1].y, "y", name);
   same(out[0].y_t, out[1].y_t, "y_t", name);
   same(out[0].saved, out[1].saved, "x_saved", name);
@@ -240,15 +249,26 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
     o.y_scale.assign(1, -1.0f), o.gate_scales.assign(rows * ngroups, -1.0f), o.up_scales.assign(rows * ngroups, -1.0f);
     o.y_amax.assign(1, -1.0f);
   }
-  const coat_status cpu = coat_silu_mul_quantize_cpu(
-      gate, up, dtype, rows, cols, stride, stride, smooth_ptr, group, format, out[0].y.data(), out[0].y_scale.data(),
-      transpose ? out[0].y_t.data() : nullptr, out[0].gate_saved.data(), out[0].gate_scales.data(),
-      out[0].up_saved.data(), out[0].up_scales.data(), out[0].y_amax.data());
-  const coat_status gpu = coat_silu_mul_quantize_cuda(
-      gate, up, dtype, rows, cols, stride, stride, smooth_ptr, group, format, out[1].y.data(), out[1].y_scale.data(),
-      transpose ? out[1].y_t.data() : nullptr, out[1].gate_saved.data(), out[1].gate_scales.data(),
-      out[1].up_saved.data(), out[1].up_scales.data(), out[1].y_amax.data(), nullptr);
-  CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
+  // First with gate and up kept in FP4 (coat_quantize_fp4's packed layout), then in E4M3, which the rest reads.
+  for (const coat_saved_format save : {COAT_SAVED_FP4, COAT_SAVED_E4M3}) {
+    const int64_t saved_bytes = save == COAT_SAVED_FP4 ? rows * ((cols + 1) / 2) : n;
+    for (Out& o : out) o.gate_saved.assign(saved_bytes, 0xAB), o.up_saved.assign(saved_bytes, 0xAB);
+    const coat_status cpu = coat_silu_mul_quantize_cpu(
+        gate, up, dtype, rows, cols, stride, stride, smooth_ptr, group, save, format, out[0].y.data(),
+        out[0].y_scale.data(), transpose ? out[0].y_t.data() : nullptr, out[0].gate_saved.data(),
+        out[0].gate_scales.data(), out[0].up_saved.data(), out[0].up_scales.data(), out[0].y_amax.data());
+    const coat_status gpu = coat_silu_mul_quantize_cuda(
+        gate, up, dtype, rows, cols, stride, stride, smooth_ptr, group, save, format, out[1].y.data(),
+        out[1].y_scale.data(), transpose ? out[1].y_t.data() : nullptr, out[1].gate_saved.data(),
+        out[1].gate_scales.data(), out[1].up_saved.data(), out[1].up_scales.data(), out[1].y_amax.data(), nullptr);
+    CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
+    if (save == COAT_SAVED_FP4) {
+      same(out[0].gate_saved, out[1].gate_saved, "gate_saved fp4", name);
+      same(out[0].up_saved, out[1].up_saved, "up_saved fp4", name);
+      same(out[0].gate_scales, out[1].gate_scales, "gate_scales fp4", name);
+      same(out[0].up_scales, out[1].up_scales, "up_scales fp4", name);
+    }
+  }
   same(out[0].y, out[1].y, "y", name);
   same(out[0].y_t, out[1].y_t, "y_t", name);
   same(out[0].gate_saved, out[1].gate_saved, "gate_saved", name);

@@ -30,8 +30,13 @@
  * which is bit for bit coat_quantize_tensor applied to y_f32 (max is exact, so the result does not depend
  * on how the amax is grouped).
  *
- * Saved inputs (E4M3, 1 x G groups along a row, G in {16, 32, 64, 128}, the last group of a row may be
- * short): saved[r*cols + c] and scales[r*ceil(cols/G) + c/G] are bit for bit coat_quantize_group(input, G).
+ * Saved inputs (1 x G groups along a row, G in {16, 32, 64, 128}, the last group of a row may be short), in the
+ * forward ops' save_format:
+ *   COAT_SAVED_E4M3: saved (rows*cols bytes) and scales (rows*ceil(cols/G) fp32) are bit for bit
+ *                    coat_quantize_group(input, G, E4M3); the backward and requantize entry points read this.
+ *   COAT_SAVED_FP4:  saved (rows*ceil(cols/2) bytes) and scales (rows*ceil(cols/G) fp32) are bit for bit
+ *                    coat_quantize_fp4(input, G) (coat/quantize.h): the copy a layer keeps at about 4 bits,
+ *                    made while the input is read anyway; coat_fp4_to_e4m3 expands it for backward.
  *
  * Determinism. Every sum (the per-row sum of squares and dot product of RMSNorm, the column sums of
  * dweight) has a fixed reduction order, defined in coat/detail/norm_act_math.h and shared by the C and
@@ -50,6 +55,12 @@
 extern "C" {
 #endif
 
+/** How a forward op saves its inputs for backward (see "Saved inputs" above). */
+typedef enum {
+  COAT_SAVED_E4M3 = 0,
+  COAT_SAVED_FP4 = 1,
+} coat_saved_format;
+
 /** The widest row RMSNorm accepts: a row is reduced by at most 1024 threads holding 32 elements each. */
 #define COAT_RMSNORM_MAX_COLS 32768
 /** The widest row any norm_act entry point accepts (2^30; offsets within a row are 32-bit on the GPU). */
@@ -59,20 +70,21 @@ extern "C" {
  *    rstd[r]  = 1 / sqrt(sum_c x[r,c]^2 / cols + eps)     (fp32, fixed reduction order, from the exact x)
  *    y_f32    = (x[r,c] * rstd[r]) * weight[c]           (fp32, two roundings, in this order)
  *  y, y_scale, y_t: the per-tensor FP8 output of y_f32 in `y_format` (see above); y_t may be NULL.
- *  x_saved (rows*cols bytes), x_saved_scales (rows*ceil(cols/G) fp32): coat_quantize_group(x, G, E4M3).
+ *  x_saved, x_saved_scales: x saved in save_format with G = save_group_size (see "Saved inputs").
  *  x: `x_dtype`, rows x cols with row_stride; weight: `cols` contiguous elements of `weight_dtype`;
  *  rstd: `rows` fp32; y_amax: one fp32 of scratch (receives the amax of y_f32).
  *  1 <= cols <= COAT_RMSNORM_MAX_COLS; eps is added in fp32. */
 coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
                                       int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
-                                      int64_t save_group_size, coat_fp8_format y_format, uint8_t* y,
-                                      float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
-                                      float* rstd, float* y_amax);
+                                      int64_t save_group_size, coat_saved_format save_format,
+                                      coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
+                                      uint8_t* x_saved, float* x_saved_scales, float* rstd, float* y_amax);
 coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
-                                       int64_t save_group_size, coat_fp8_format y_format, uint8_t* y,
-                                       float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
-                                       float* rstd, float* y_amax, coat_cuda_stream stream);
+                                       int64_t save_group_size, coat_saved_format save_format,
+                                       coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
+                                       uint8_t* x_saved, float* x_saved_scales, float* rstd, float* y_amax,
+                                       coat_cuda_stream stream);
 
 /** Number of fp32 elements of scratch coat_rmsnorm_backward_* needs: one partial dweight row per slice
  *  of rows (see coat_rmsnorm_backward_rows_per_slice in coat/detail/norm_act_math.h). */
@@ -110,22 +122,22 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
  *    y_f32 = (silu(gate[r,c]) * up[r,c]) * smooth_scale[c]     (a factor of 1, which is exact, when
  *            smooth_scale is NULL; silu(g) = g * sigmoid(g) as defined in coat/detail/norm_act_math.h)
  *  y, y_scale, y_t: the per-tensor FP8 output of y_f32 in `y_format`; y_t may be NULL.
- *  gate_saved / up_saved, gate_scales / up_scales: coat_quantize_group(gate / up, G, E4M3).
+ *  gate_saved / up_saved, gate_scales / up_scales: gate / up saved in save_format (see "Saved inputs").
  *  gate, up: `dtype`, rows x cols, with their own row strides; smooth_scale: `cols` fp32 or NULL;
  *  y_amax: one fp32 of scratch. Smooth-SwiGLU (Fishman et al., 2024): the caller folds 1/smooth_scale
  *  into the next linear layer, so that the FP8 input of that layer has no per-channel outliers. */
 coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
                                        int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
                                        const float* smooth_scale, int64_t save_group_size,
-                                       coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
-                                       uint8_t* gate_saved, float* gate_scales, uint8_t* up_saved,
-                                       float* up_scales, float* y_amax);
+                                       coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
+                                       float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
+                                       uint8_t* up_saved, float* up_scales, float* y_amax);
 coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
                                         int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
                                         const float* smooth_scale, int64_t save_group_size,
-                                        coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
-                                        uint8_t* gate_saved, float* gate_scales, uint8_t* up_saved,
-                                        float* up_scales, float* y_amax, coat_cuda_stream stream);
+                                        coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
+                                        float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
+                                        uint8_t* up_saved, float* up_scales, float* y_amax, coat_cuda_stream stream);
 
 /** SiLU*mul backward from the FP8-saved inputs g' and u' (decoded as coat_dequantize does), elementwise:
  *    s        = 1 / (1 + exp(-g'))                          (sigmoid, as in the forward)

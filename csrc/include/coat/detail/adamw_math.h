@@ -614,8 +614,8 @@ COAT_INLINE void coat_moment_count_element(uint8_t code, const coat_decoder* d, 
 }
 
 /* coat_moment_counts: the k key of a group (coat/adamw.h), and its counts [5..8]. */
-COAT_INLINE uint32_t coat_moment_count_group(uint16_t k_bits, uint64_t* not_one, uint64_t* nan, uint32_t* min_key_inverse,
-                                             uint32_t* max_key) {
+COAT_INLINE uint32_t coat_moment_count_group(uint16_t k_bits, uint64_t* not_one, uint64_t* nan,
+                                             uint32_t* min_key_inverse, uint32_t* max_key) {
   const uint32_t key = COAT_ORDERED_BF16((uint32_t)k_bits);
   const int is_nan = (k_bits & 0x7FFFu) > 0x7F80u;
   *not_one += k_bits != 0x3F80u; /* bf16 1.0 */
