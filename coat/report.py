@@ -123,7 +123,6 @@ _ROOT = "(model)"  # the layer name of the model itself, whose module name is em
 # ------------------------------------------------------------------------------------------- one tensor
 
 
-
 def _new_sums(device: torch.device) -> torch.Tensor:
     """Zeros to accumulate coat.ops.quantization_sums_ into: [numel, nonfinite, flushed, saturated, squared error,
     squared value, amax] in float64 (sums, so that several recordings of one tensor add up)."""
