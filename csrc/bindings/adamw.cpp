@@ -186,18 +186,20 @@ at::Tensor moment_stats(at::TensorList codes, at::TensorList metas, int64_t grou
   // uint64 counts, held in an int64 tensor (the same bytes)
   at::Tensor counts = at::zeros({n, COAT_MOMENT_COUNTS}, first.options().dtype(at::kLong));
   at::Tensor k_keys = at::empty({groups}, first.options().dtype(at::kInt));
+  std::vector<coat_moment_state> states(n);
   int64_t offset = 0;
   for (int64_t i = 0; i < n; ++i) {
     const std::optional<at::Tensor> index = rows.get(i);
     const int64_t cols = codes[i].size(-1), state_rows = codes[i].numel() / cols;
-    COAT_CALL_CORE(first, coat_moment_counts, data_as<const uint8_t>(codes[i]),
-                   fp8_format(codes[i].scalar_type(), op, "codes"), data_as<const uint16_t>(metas[i]), state_rows,
-                   cols, group_size, index.has_value() ? index->data_ptr<int64_t>() : nullptr,
-                   index.has_value() ? index->numel() : state_rows, static_cast<int32_t>(i),
-                   reinterpret_cast<uint64_t*>(counts.data_ptr<int64_t>()) + i * COAT_MOMENT_COUNTS,
-                   k_keys.data_ptr<int32_t>() + offset);
+    states[i] = {data_as<const uint8_t>(codes[i]), fp8_format(codes[i].scalar_type(), op, "codes"),
+                 data_as<const uint16_t>(metas[i]), state_rows, cols,
+                 index.has_value() ? index->data_ptr<int64_t>() : nullptr,
+                 index.has_value() ? index->numel() : state_rows, static_cast<int32_t>(i),
+                 reinterpret_cast<uint64_t*>(counts.data_ptr<int64_t>()) + i * COAT_MOMENT_COUNTS,
+                 k_keys.data_ptr<int32_t>() + offset};
     offset += state_rows * ((cols + group_size - 1) / group_size);
   }
+  COAT_CALL_CORE(first, coat_moment_counts, states.data(), n, group_size);
   const at::Tensor sorted_keys = std::get<0>(at::sort(k_keys));
   at::Tensor stats = at::empty({n, COAT_MOMENT_STATS}, first.options().dtype(at::kDouble));
   COAT_CALL_CORE(first, coat_moment_stats, reinterpret_cast<const uint64_t*>(counts.data_ptr<int64_t>()),

@@ -129,41 +129,43 @@ coat_status coat_dequantize_expanded_cpu(const uint8_t* codes, coat_fp8_format f
   return COAT_SUCCESS;
 }
 
-coat_status coat_moment_counts_cpu(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta, int64_t rows,
-                                   int64_t cols, int64_t group_size, const int64_t* row_index, int64_t measured_rows,
-                                   int32_t key_prefix, uint64_t* counts, int32_t* k_keys) {
-  if (rows < 1 || cols < 1 || measured_rows < 1 || !coat_is_valid_group_size(group_size) ||
-      !coat_is_valid_format(format) || codes == NULL || meta == NULL || counts == NULL || k_keys == NULL ||
-      key_prefix < 0 || key_prefix > 0x7FFF || (row_index == NULL && measured_rows != rows))
+coat_status coat_moment_counts_cpu(const coat_moment_state* states, int64_t count, int64_t group_size) {
+  if (count < 0 || (count > 0 && states == NULL) || !coat_is_valid_group_size(group_size))
     return COAT_ERROR_INVALID_ARGUMENT;
+  for (int64_t i = 0; i < count; ++i)
+    if (!coat_moment_state_is_valid(&states[i])) return COAT_ERROR_INVALID_ARGUMENT;
   coat_adamw_tables tables;
   coat_tables_init(&tables);
-  const int64_t ngroups = coat_ceil_div(cols, group_size);
-  uint32_t amax_bits = (uint32_t)counts[3], min_key_inverse = (uint32_t)counts[7], max_key = (uint32_t)counts[8];
-  for (int64_t i = 0; i < measured_rows; ++i) {
-    const int64_t row = row_index != NULL ? row_index[i] : i;
-    counts[0] += (uint64_t)cols;
-    if (row < 0 || row >= rows) {
-      counts[1] += (uint64_t)cols;
-      continue;
+  for (int64_t i = 0; i < count; ++i) {
+    const coat_moment_state* s = &states[i];
+    uint64_t* counts = s->counts;
+    const int64_t ngroups = coat_ceil_div(s->cols, group_size);
+    uint32_t amax_bits = (uint32_t)counts[3], min_key_inverse = (uint32_t)counts[7], max_key = (uint32_t)counts[8];
+    for (int64_t m = 0; m < s->measured_rows; ++m) {
+      const int64_t row = s->row_index != NULL ? s->row_index[m] : m;
+      counts[0] += (uint64_t)s->cols;
+      if (row < 0 || row >= s->rows) {
+        counts[1] += (uint64_t)s->cols;
+        continue;
+      }
+      for (int64_t g = row * ngroups; g < (row + 1) * ngroups; ++g) {
+        const int64_t begin = (g % ngroups) * group_size;
+        const int64_t first = row * s->cols + begin;
+        const coat_decoder d = coat_decoder_make(coat_meta_load(s->meta + g * COAT_META_VALUES), s->format, &tables);
+        for (int64_t c = 0; c < coat_group_length(begin, group_size, s->cols); ++c)
+          coat_moment_count_element(s->codes[first + c], &d, s->format, &tables, &counts[1], &counts[2], &amax_bits);
+      }
     }
-    for (int64_t g = row * ngroups; g < (row + 1) * ngroups; ++g) {
-      const int64_t begin = (g % ngroups) * group_size;
-      const int64_t first = row * cols + begin;
-      const coat_decoder d = coat_decoder_make(coat_meta_load(meta + g * COAT_META_VALUES), format, &tables);
-      for (int64_t c = 0; c < coat_group_length(begin, group_size, cols); ++c)
-        coat_moment_count_element(codes[first + c], &d, format, &tables, &counts[1], &counts[2], &amax_bits);
+    for (int64_t g = 0; g < s->rows * ngroups; ++g) {
+      const uint32_t key = coat_moment_count_group(s->meta[g * COAT_META_VALUES + 1], &counts[5], &counts[6],
+                                                   &min_key_inverse, &max_key);
+      s->k_keys[g] = (int32_t)(((uint32_t)s->key_prefix << 16) | key);
     }
+    counts[4] += (uint64_t)(s->rows * ngroups);
+    counts[3] = amax_bits;
+    counts[7] = min_key_inverse;
+    counts[8] = max_key;
   }
-  for (int64_t g = 0; g < rows * ngroups; ++g) {
-    const uint32_t key = coat_moment_count_group(meta[g * COAT_META_VALUES + 1], &counts[5], &counts[6],
-                                                 &min_key_inverse, &max_key);
-    k_keys[g] = (int32_t)(((uint32_t)key_prefix << 16) | key);
-  }
-  counts[4] += (uint64_t)(rows * ngroups);
-  counts[3] = amax_bits;
-  counts[7] = min_key_inverse;
-  counts[8] = max_key;
   return COAT_SUCCESS;
 }
 

@@ -935,44 +935,51 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t v) {
   return v;
 }
 
-// coat_moment_counts (coat/adamw.h): each thread counts its measured elements and groups, each warp adds its
-// counts into `counts` with one atomic each. Integer sums and maxima: the same in any order.
-__global__ void __launch_bounds__(kThreadsPerBlock)
-    moment_counts_kernel(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta, int64_t rows,
-                         int64_t cols, int group_shift, const int64_t* row_index, int64_t measured_rows,
-                         uint32_t key_prefix, unsigned long long* counts, int32_t* k_keys) {
+constexpr int kMomentStatesPerLaunch = 32;
+
+struct MomentLaunch {
+  coat_moment_state states[kMomentStatesPerLaunch];
+  int group_shift;
+};
+
+// coat_moment_counts (coat/adamw.h): block (x, y) counts items of state y (grid-stride in x), each thread its
+// measured elements and groups, each warp adding its counts into the state's with one atomic each. Integer sums
+// and maxima: the same in any order.
+__global__ void __launch_bounds__(kThreadsPerBlock) moment_counts_kernel(const MomentLaunch launch) {
+  const coat_moment_state& s = launch.states[blockIdx.y];
+  const int group_shift = launch.group_shift;
+  const int64_t ngroups = (s.cols + (int64_t{1} << group_shift) - 1) >> group_shift;
+  const int64_t measured = s.measured_rows * s.cols, groups = s.rows * ngroups;
+  const int64_t work = max(measured, groups);
+  if (int64_t{blockIdx.x} * blockDim.x >= work) return;  // uniform over the block, before it builds the tables
   __shared__ coat_adamw_tables tables;
   build_tables(&tables);
-  const int64_t ngroups = (cols + (int64_t{1} << group_shift) - 1) >> group_shift;
-  const int64_t measured = measured_rows * cols, groups = rows * ngroups;
   uint64_t nonfinite = 0, zero_codes = 0, not_one = 0, nan = 0;
   uint32_t amax_bits = 0, min_key_inverse = 0, max_key = 0;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < max(measured, groups); i += stride) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < work; i += stride) {
     if (i < measured) {
-      const int64_t r = i / cols, c = i % cols;
-      const int64_t row = row_index != nullptr ? row_index[r] : r;
-      if (row < 0 || row >= rows) {
+      const int64_t r = i / s.cols, c = i % s.cols;
+      const int64_t row = s.row_index != nullptr ? s.row_index[r] : r;
+      if (row < 0 || row >= s.rows) {
         ++nonfinite;
       } else {
         const int64_t g = row * ngroups + (c >> group_shift);
-        const coat_decoder d = coat_decoder_make(coat_meta_load(meta + g * COAT_META_VALUES), format, &tables);
-        uint64_t element_nonfinite = 0, element_zero = 0;
-        coat_moment_count_element(codes[row * cols + c], &d, format, &tables, &element_nonfinite, &element_zero,
+        const coat_decoder d = coat_decoder_make(coat_meta_load(s.meta + g * COAT_META_VALUES), s.format, &tables);
+        coat_moment_count_element(s.codes[row * s.cols + c], &d, s.format, &tables, &nonfinite, &zero_codes,
                                   &amax_bits);
-        nonfinite += element_nonfinite;
-        zero_codes += element_zero;
       }
     }
     if (i < groups) {
       const uint32_t key =
-          coat_moment_count_group(meta[i * COAT_META_VALUES + 1], &not_one, &nan, &min_key_inverse, &max_key);
-      k_keys[i] = static_cast<int32_t>((key_prefix << 16) | key);
+          coat_moment_count_group(s.meta[i * COAT_META_VALUES + 1], &not_one, &nan, &min_key_inverse, &max_key);
+      s.k_keys[i] = static_cast<int32_t>((static_cast<uint32_t>(s.key_prefix) << 16) | key);
     }
   }
   const unsigned long long sums[4] = {warp_sum<unsigned long long>(nonfinite), warp_sum<unsigned long long>(zero_codes),
                                       warp_sum<unsigned long long>(not_one), warp_sum<unsigned long long>(nan)};
   const uint32_t maxima[3] = {warp_max(amax_bits), warp_max(min_key_inverse), warp_max(max_key)};
+  auto* counts = reinterpret_cast<unsigned long long*>(s.counts);
   if (lane_id() == 0) {
     atomicAdd(&counts[1], sums[0]);
     atomicAdd(&counts[2], sums[1]);
@@ -1076,20 +1083,26 @@ extern "C" coat_status coat_dequantize_expanded_cuda(const uint8_t* codes, coat_
   return launch_status();
 }
 
-extern "C" coat_status coat_moment_counts_cuda(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta,
-                                               int64_t rows, int64_t cols, int64_t group_size, const int64_t* row_index,
-                                               int64_t measured_rows, int32_t key_prefix, uint64_t* counts,
-                                               int32_t* k_keys, coat_cuda_stream stream) {
-  if (rows < 1 || cols < 1 || measured_rows < 1 || !coat_is_valid_group_size(group_size) ||
-      !coat_is_valid_format(format) || codes == nullptr || meta == nullptr || counts == nullptr ||
-      k_keys == nullptr || key_prefix < 0 || key_prefix > 0x7FFF || (row_index == nullptr && measured_rows != rows))
+extern "C" coat_status coat_moment_counts_cuda(const coat_moment_state* states, int64_t count, int64_t group_size,
+                                               coat_cuda_stream stream) {
+  if (count < 0 || (count > 0 && states == nullptr) || !coat_is_valid_group_size(group_size))
     return COAT_ERROR_INVALID_ARGUMENT;
-  const int64_t work = std::max(measured_rows * cols, rows * coat_ceil_div(cols, group_size));
-  const int64_t blocks =
-      std::min<int64_t>(coat_ceil_div(work, int64_t{kThreadsPerBlock} * kMomentItemsPerThread), kMomentStatsBlocks);
-  moment_counts_kernel<<<static_cast<unsigned>(blocks), kThreadsPerBlock, 0, stream>>>(
-      codes, format, meta, rows, cols, __builtin_ctzll(group_size), row_index, measured_rows,
-      static_cast<uint32_t>(key_prefix), reinterpret_cast<unsigned long long*>(counts), k_keys);
+  for (int64_t i = 0; i < count; ++i)
+    if (!coat_moment_state_is_valid(&states[i])) return COAT_ERROR_INVALID_ARGUMENT;
+  for (int64_t first = 0; first < count; first += kMomentStatesPerLaunch) {
+    MomentLaunch launch{};
+    launch.group_shift = __builtin_ctzll(group_size);
+    const int n = static_cast<int>(std::min<int64_t>(count - first, kMomentStatesPerLaunch));
+    int64_t blocks = 1;
+    for (int i = 0; i < n; ++i) {
+      const coat_moment_state& s = states[first + i];
+      launch.states[i] = s;
+      const int64_t work = std::max(s.measured_rows * s.cols, s.rows * coat_ceil_div(s.cols, group_size));
+      blocks = std::max(blocks, coat_ceil_div(work, int64_t{kThreadsPerBlock} * kMomentItemsPerThread));
+    }
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(blocks, kMomentStatsBlocks)), static_cast<unsigned>(n));
+    moment_counts_kernel<<<grid, kThreadsPerBlock, 0, stream>>>(launch);
+  }
   return launch_status();
 }
 

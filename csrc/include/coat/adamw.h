@@ -198,7 +198,8 @@ coat_status coat_dequantize_expanded_cuda(const uint8_t* codes, coat_fp8_format 
 /*
  * Statistics of an FP8 optimizer state (codes and meta as coat_quantize_expanded writes them, codes rows x cols
  * contiguous, meta (scale, k, C) per group, rows * ceil(cols / G) groups), what coat.report shows of a moment.
- * coat_moment_counts adds into counts (COAT_MOMENT_COUNTS uint64, zeros to start; a device pointer for CUDA):
+ * coat_moment_counts takes `count` states (coat_moment_state, with pointers to device memory for CUDA, one
+ * launch for up to 32 of them) and adds into each one's counts (COAT_MOMENT_COUNTS uint64, zeros to start):
  *   over the measured rows (row_index[i] for i < measured_rows, every row when row_index is NULL; an index
  *   outside [0, rows) counts its row's elements as nonfinite), with x' = dequantize_expanded of each element:
  *     [0] elements, [1] x' NaN or +-Inf, [2] zero codes (+-0), [3] max over the finite x' of |x'|'s fp32 bits
@@ -221,12 +222,22 @@ coat_status coat_dequantize_expanded_cuda(const uint8_t* codes, coat_fp8_format 
 /** The inverse of COAT_ORDERED_BF16. */
 #define COAT_BF16_OF_ORDERED(key) (((key) & 0x8000u) ? ((key) ^ 0x8000u) : (~(key) & 0xFFFFu))
 
-coat_status coat_moment_counts_cpu(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta, int64_t rows,
-                                   int64_t cols, int64_t group_size, const int64_t* row_index, int64_t measured_rows,
-                                   int32_t key_prefix, uint64_t* counts, int32_t* k_keys);
-coat_status coat_moment_counts_cuda(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta, int64_t rows,
-                                    int64_t cols, int64_t group_size, const int64_t* row_index, int64_t measured_rows,
-                                    int32_t key_prefix, uint64_t* counts, int32_t* k_keys, coat_cuda_stream stream);
+/** One state of coat_moment_counts. */
+typedef struct {
+  const uint8_t* codes;     /**< rows x cols, contiguous */
+  coat_fp8_format format;
+  const uint16_t* meta;     /**< (scale, k, C) of each of rows * ceil(cols / G) groups */
+  int64_t rows, cols;
+  const int64_t* row_index; /**< measured_rows row indices, or NULL: every row (measured_rows == rows) */
+  int64_t measured_rows;
+  int32_t key_prefix;       /**< 0 .. 0x7FFF */
+  uint64_t* counts;         /**< COAT_MOMENT_COUNTS values */
+  int32_t* k_keys;          /**< one per group */
+} coat_moment_state;
+
+coat_status coat_moment_counts_cpu(const coat_moment_state* states, int64_t count, int64_t group_size);
+coat_status coat_moment_counts_cuda(const coat_moment_state* states, int64_t count, int64_t group_size,
+                                    coat_cuda_stream stream);
 coat_status coat_moment_stats_cpu(const uint64_t* counts, const int32_t* sorted_keys, int64_t n, double* stats);
 coat_status coat_moment_stats_cuda(const uint64_t* counts, const int32_t* sorted_keys, int64_t n, double* stats,
                                    coat_cuda_stream stream);

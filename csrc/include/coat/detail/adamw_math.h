@@ -599,6 +599,13 @@ COAT_INLINE int coat_adamw_call_is_valid(const coat_adamw_tensor* tensors, int64
   return 1;
 }
 
+/* coat_moment_counts (coat/adamw.h): the checks of one state. */
+COAT_INLINE int coat_moment_state_is_valid(const coat_moment_state* s) {
+  return s->rows >= 1 && s->cols >= 1 && s->measured_rows >= 1 && coat_is_valid_format(s->format) &&
+         s->codes != NULL && s->meta != NULL && s->counts != NULL && s->k_keys != NULL && s->key_prefix >= 0 &&
+         s->key_prefix <= 0x7FFF && (s->row_index != NULL || s->measured_rows == s->rows);
+}
+
 /* coat_moment_counts (coat/adamw.h): one measured element's counts, with the decoder of its group. */
 COAT_INLINE void coat_moment_count_element(uint8_t code, const coat_decoder* d, coat_fp8_format format,
                                            const coat_adamw_tables* t, uint64_t* nonfinite, uint64_t* zero_codes,
