@@ -65,8 +65,8 @@ forward) is summed over its recordings: amax is the largest, shares and rel_erro
 Cost: only capture steps pay: per quantized tensor one native call (coat.ops.quantization_sums_: its sampled
 rows' sums, two small kernels, accumulated on the device; the RMSNorm and SiLU*mul outputs recomputed for those
 rows only), at the end one call for every optimizer moment (coat.ops.moment_stats) and one device-to-host copy.
-On one H200 (4 layers at hidden 2048, 4 x 2048 tokens) a captured step takes 1.36x a plain one (every row:
-2.56x), so capturing every 100 steps costs 0.36% of a run; outside a capture each coat autograd Function reads
+On one H100 (4 layers at hidden 2048, 4 x 2048 tokens) a captured step takes 1.15x a plain one (every row:
+2.62x), so capturing every 100 steps costs 0.15% of a run; outside a capture each coat autograd Function reads
 one module global (``benchmarks/report.py`` measures both).
 
 Captures run in eager mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs
