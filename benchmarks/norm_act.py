@@ -11,6 +11,10 @@ and SiLU*mul"), with N = rows * H elements and bf16 inputs:
     silu_mul_quantize     11.5  N  (gate, up read twice 8N, saved 2N + N/2, y N) + N with y_t
     silu_mul_backward      8.5  N  (dy 2N, saved 2N + N/2, dgate, dup 4N)
     silu_mul_requantize    3.5  N  (saved 2N + N/2, y_t N)
+    with FP4-saved inputs (save_format="fp4", G = 16): the saved codes are N/2 instead of N per input, so
+      rmsnorm_quantize 5.25 N, rmsnorm_backward 4.75 N, rmsnorm_requantize 1.75 N, silu_mul_quantize 10.5 N,
+      silu_mul_backward 7.5 N, silu_mul_requantize 2.5 N; fp4_to_e4m3, the expansion the backward ops ran
+      before they read FP4 themselves, 1.5 N (codes N/2, E4M3 N), timed for context
     F.rms_norm (bf16)      4    N  (x 2N, y 2N): the "plain RMSNorm pass"
     silu(g) * u (bf16)     6    N  (g, u 4N, y 2N) by the same rule, although eager PyTorch runs two kernels
 
@@ -50,6 +54,7 @@ def rmsnorm_cases(rows, cols):
     dy = torch.randn_like(x)
     residual = torch.randn_like(x)
     _, y_scale, _, x_saved, x_scales, rstd = ops.rmsnorm_quantize(x, weight)
+    _, _, _, x_fp4, x_fp4_scales, _ = ops.rmsnorm_quantize(x, weight, save_format="fp4")
     copy_dst = torch.empty_like(x)
     return {
         "copy (bf16)": (lambda: copy_dst.copy_(x), 4 * n),
@@ -64,6 +69,14 @@ def rmsnorm_cases(rows, cols):
             lambda: ops.rmsnorm_backward(dy, x_saved, x_scales, rstd, weight)[0] + residual, 7.25 * n
         ),
         "rmsnorm_requantize": (lambda: ops.rmsnorm_requantize(x_saved, x_scales, rstd, weight, y_scale), 2.25 * n),
+        "rmsnorm_quantize, FP4 saved": (lambda: ops.rmsnorm_quantize(x, weight, save_format="fp4"), 5.25 * n),
+        "rmsnorm_backward, FP4 saved": (
+            lambda: ops.rmsnorm_backward(dy, x_fp4, x_fp4_scales, rstd, weight, saved_format="fp4"), 4.75 * n
+        ),
+        "rmsnorm_requantize, FP4 saved": (
+            lambda: ops.rmsnorm_requantize(x_fp4, x_fp4_scales, rstd, weight, y_scale, saved_format="fp4"), 1.75 * n
+        ),
+        "fp4_to_e4m3 (context)": (lambda: ops.fp4_to_e4m3(x_fp4, x_fp4_scales, cols), 1.5 * n),
         "unfused chain (context)": (lambda: rmsnorm_unfused(x, weight), 4 * n + 3.25 * n + 2 * n + 4 * n),
     }
 
@@ -74,6 +87,7 @@ def silu_cases(rows, cols):
     gate, up = fused[:, :cols], fused[:, cols:]  # the halves of one GEMM output, read in place
     dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     _, y_scale, _, *saved = ops.silu_mul_quantize(gate, up)
+    _, _, _, *saved_fp4 = ops.silu_mul_quantize(gate, up, save_format="fp4")
     copy_dst = torch.empty_like(dy)
     return {
         "copy (bf16)": (lambda: copy_dst.copy_(dy), 4 * n),
@@ -82,6 +96,11 @@ def silu_cases(rows, cols):
         "silu_mul_quantize +transpose": (lambda: ops.silu_mul_quantize(gate, up, transpose=True), 12.5 * n),
         "silu_mul_backward": (lambda: ops.silu_mul_backward(dy, *saved), 8.5 * n),
         "silu_mul_requantize": (lambda: ops.silu_mul_requantize(*saved, None, y_scale), 3.5 * n),
+        "silu_mul_quantize, FP4 saved": (lambda: ops.silu_mul_quantize(gate, up, save_format="fp4"), 10.5 * n),
+        "silu_mul_backward, FP4 saved": (lambda: ops.silu_mul_backward(dy, *saved_fp4, saved_format="fp4"), 7.5 * n),
+        "silu_mul_requantize, FP4 saved": (
+            lambda: ops.silu_mul_requantize(*saved_fp4, None, y_scale, saved_format="fp4", cols=cols), 2.5 * n
+        ),
     }
 
 

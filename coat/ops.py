@@ -415,10 +415,11 @@ def _check_named_group_size(group_size: int, name: str, op: str) -> None:
         raise RuntimeError(f"{op}: {name} must be 16, 32, 64 or 128, got {group_size}")
 
 
-def _save_fp4(save_format: str, op: str) -> bool:
-    if save_format not in ("e4m3", "fp4"):
-        raise ValueError(f"coat.ops.{op}: save_format must be 'e4m3' or 'fp4', got {save_format!r}")
-    return save_format == "fp4"
+def _is_fp4(format: str, name: str, op: str) -> bool:
+    """Whether a forward op's ``save_format`` (or the ``saved_format`` a backward op reads) is FP4."""
+    if format not in ("e4m3", "fp4"):
+        raise ValueError(f"coat.ops.{op}: {name} must be 'e4m3' or 'fp4', got {format!r}")
+    return format == "fp4"
 
 
 def _saved_codes(x: torch.Tensor, save_fp4: bool) -> torch.Tensor:
@@ -453,13 +454,14 @@ def rmsnorm_quantize(
     float32 scale, its (H, rows) transpose when ``transpose`` is set (else None), x as E4M3 with
     per-``save_group_size`` scales (``quantize_group(x, save_group_size)``), and rstd, float32 [rows].
     With ``save_format="fp4"`` x is saved as ``quantize_fp4(x, save_group_size)`` instead (packed codes and
-    block scales, bit for bit), made in the same pass over x; :func:`fp4_to_e4m3` expands it for backward.
+    block scales, bit for bit), made in the same pass over x; the backward ops read it with
+    ``saved_format="fp4"``.
     A row holding +-Inf normalizes to 0 with NaN at the Inf (Inf * 0), as PyTorch's formula does.
     """
     check_device_supported(x, "coat.ops.rmsnorm_quantize")
     y, y_scale, y_t, x_saved, x_saved_scales, rstd = torch.ops.coat.rmsnorm_quantize(
         x, weight, eps, save_group_size, amax_group_size, fp8_dtype(format), transpose,
-        _save_fp4(save_format, "rmsnorm_quantize"),
+        _is_fp4(save_format, "save_format", "rmsnorm_quantize"),
     )
     return y, y_scale, y_t if transpose else None, x_saved, x_saved_scales, rstd
 
@@ -473,8 +475,10 @@ def rmsnorm_backward(
     save_group_size: int = 16,
     *,
     residual: torch.Tensor | None = None,
+    saved_format: str = "e4m3",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`rmsnorm_quantize` from what it saved. With x' the dequantized ``x_saved``,
+    """Gradients of :func:`rmsnorm_quantize` from what it saved (in its ``save_format``, given here as
+    ``saved_format``). With x' the dequantized ``x_saved``,
     xhat = x' * rstd and g = dy * weight, per row::
 
         dx      = (g - xhat * sum_c(g * xhat) / H) * rstd          in dy's dtype
@@ -486,10 +490,15 @@ def rmsnorm_backward(
     float32 and rounded once, which is ``dx.to(residual.dtype) + residual`` bit for bit when residual has dy's
     dtype or is float32. A NaN in dx is the canonical quiet NaN.
 
-    Both sums have a fixed reduction order, so results are reproducible and the same on CPU and CUDA.
+    Both sums have a fixed reduction order, so results are reproducible and the same on CPU and CUDA. An FP4
+    copy is read as its exact E4M3 expansion (:func:`fp4_to_e4m3`) would be, without writing it: the results
+    equal those from the expansion bit for bit.
     """
     check_device_supported(dy, "coat.ops.rmsnorm_backward")
-    return torch.ops.coat.rmsnorm_backward(dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual)
+    return torch.ops.coat.rmsnorm_backward(
+        dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual,
+        _is_fp4(saved_format, "saved_format", "rmsnorm_backward"),
+    )
 
 
 def silu_mul_quantize(
@@ -518,7 +527,7 @@ def silu_mul_quantize(
     check_device_supported(gate, "coat.ops.silu_mul_quantize")
     y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = torch.ops.coat.silu_mul_quantize(
         gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype(format), transpose,
-        _save_fp4(save_format, "silu_mul_quantize"),
+        _is_fp4(save_format, "save_format", "silu_mul_quantize"),
     )
     return y, y_scale, y_t if transpose else None, gate_saved, gate_scales, up_saved, up_scales
 
@@ -531,6 +540,8 @@ def silu_mul_backward(
     up_scales: torch.Tensor,
     smooth_scale: torch.Tensor | None = None,
     save_group_size: int = 16,
+    *,
+    saved_format: str = "e4m3",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dgate, dup, d_amax)`` of :func:`silu_mul_quantize`, dgate and dup in dy's dtype, from the
     dequantized saved inputs g and u: with s = sigmoid(g) and dy_s = dy * smooth_scale (or dy)::
@@ -540,9 +551,12 @@ def silu_mul_backward(
 
     ``d_amax`` (0-d float32) is the largest |dgate| and |dup|, NaN ignored: :func:`tensor_amax` of the two,
     computed in the same pass, which :func:`quantize_tensors` takes as ``amax`` to quantize both gradients with
-    one scale."""
+    one scale. ``saved_format``: the forward's ``save_format``, read as in :func:`rmsnorm_backward`."""
     check_device_supported(dy, "coat.ops.silu_mul_backward")
-    return torch.ops.coat.silu_mul_backward(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size)
+    return torch.ops.coat.silu_mul_backward(
+        dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size,
+        _is_fp4(saved_format, "saved_format", "silu_mul_backward"),
+    )
 
 
 def rmsnorm_requantize(
@@ -553,6 +567,8 @@ def rmsnorm_requantize(
     y_scale: torch.Tensor,
     save_group_size: int = 16,
     format: torch.dtype | str = "e4m3",
+    *,
+    saved_format: str = "e4m3",
 ) -> torch.Tensor:
     """The transposed FP8 output ``y_t`` [H, rows] of :func:`rmsnorm_quantize`, recomputed from what it saved
     (``x_saved``, ``x_saved_scales``, ``rstd``) and the ``y_scale`` it returned. With x' the dequantized
@@ -562,12 +578,14 @@ def rmsnorm_requantize(
         y_t = fp8(y / y_scale).T                       FP8 ``format``, NaN codes positive
 
     Equal to the forward's y_t bit for bit where x was FP8-representable in its group (x == x'); otherwise
-    within one E4M3 rounding of x, carried through the op. Values past the forward's amax saturate to
-    +-FP8_MAX. Pass ``save_group_size`` and ``format`` as given to the forward.
+    within one E4M3 rounding of x (one E2M1 rounding from FP4), carried through the op. Values past the
+    forward's amax saturate to +-FP8_MAX. Pass ``save_group_size``, ``format`` and, as ``saved_format``, the
+    ``save_format`` given to the forward.
     """
     check_device_supported(x_saved, "coat.ops.rmsnorm_requantize")
     return torch.ops.coat.rmsnorm_requantize(
-        x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype(format)
+        x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype(format),
+        _is_fp4(saved_format, "saved_format", "rmsnorm_requantize"),
     )
 
 
@@ -580,15 +598,21 @@ def silu_mul_requantize(
     y_scale: torch.Tensor,
     save_group_size: int = 16,
     format: torch.dtype | str = "e4m3",
+    *,
+    saved_format: str = "e4m3",
+    cols: int | None = None,
 ) -> torch.Tensor:
     """The transposed FP8 output ``y_t`` [I, rows] of :func:`silu_mul_quantize`, recomputed from the saved
     gate and up (dequantized as :func:`silu_mul_backward` reads them, g' and u') and the forward's
     ``y_scale``: ``y = silu(bf16(g')) * u' [* smooth_scale]`` with the forward's silu of g' rounded to bf16
     (nearest even; under 2^-8 relative, so that the GPU reads silu from the forward's bf16 table), then as
-    :func:`rmsnorm_requantize` (saturation, NaN, and the tie to the forward's y_t for bf16 gates)."""
+    :func:`rmsnorm_requantize` (saturation, NaN, the tie to the forward's y_t for bf16 gates, and
+    ``saved_format``). With ``saved_format="fp4"`` pass ``cols``, the width I of gate and up: packed FP4 rows do
+    not tell an odd width from the next even one."""
     check_device_supported(gate_saved, "coat.ops.silu_mul_requantize")
     return torch.ops.coat.silu_mul_requantize(
-        gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size, fp8_dtype(format)
+        gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size, fp8_dtype(format),
+        _is_fp4(saved_format, "saved_format", "silu_mul_requantize"), cols,
     )
 
 
@@ -617,7 +641,8 @@ def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8
 
 
 @torch.library.register_fake("coat::rmsnorm_backward")
-def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual=None):
+def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual=None,
+                           saved_fp4=False):
     op = "coat.rmsnorm_backward"
     _check_named_group_size(save_group_size, "save_group_size", op)
     _check_rmsnorm_cols(dy, "dy", op)
@@ -650,28 +675,33 @@ def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_
 
 
 @torch.library.register_fake("coat::silu_mul_backward")
-def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size):
+def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size,
+                            saved_fp4=False):
     _check_named_group_size(save_group_size, "save_group_size", "coat.silu_mul_backward")
     return dy.new_empty(dy.shape), dy.new_empty(dy.shape), dy.new_empty((), dtype=torch.float32)
 
 
 @torch.library.register_fake("coat::rmsnorm_requantize")
-def _rmsnorm_requantize_fake(x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype):
+def _rmsnorm_requantize_fake(x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype,
+                             saved_fp4=False):
     op = "coat.rmsnorm_requantize"
     _check_named_group_size(save_group_size, "save_group_size", op)
-    _check_rmsnorm_cols(x_saved, "x_saved", op)
-    return _transposed(x_saved, fp8_dtype, True)
+    _check_rmsnorm_cols(weight, "weight", op)
+    return x_saved.new_empty((weight.shape[0], math.prod(x_saved.shape[:-1])), dtype=fp8_dtype)
 
 
 @torch.library.register_fake("coat::silu_mul_requantize")
 def _silu_mul_requantize_fake(gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size,
-                              fp8_dtype):
+                              fp8_dtype, saved_fp4=False, cols=None):
     op = "coat.silu_mul_requantize"
     _check_named_group_size(save_group_size, "save_group_size", op)
     if up_saved.shape != gate_saved.shape:
         raise RuntimeError(f"{op}: up_saved has shape {tuple(up_saved.shape)} but gate_saved has shape "
                            f"{tuple(gate_saved.shape)}; pass the tensors the forward op returned")
-    return _transposed(gate_saved, fp8_dtype, True)
+    if saved_fp4 and cols is None:
+        raise RuntimeError(f"{op}: with saved_fp4=True pass cols, the width of gate and up")
+    width = cols if saved_fp4 else gate_saved.shape[-1]
+    return gate_saved.new_empty((width, math.prod(gate_saved.shape[:-1])), dtype=fp8_dtype)
 
 
 def _expanded_meta(x: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -860,6 +860,93 @@ def test_silu_mul_requantize_special_gates(device, fp8):
     assert not (out[~special] == 0x7F).any()
 
 # ----------------------------------------------------------------------------------------------------
+# Backward and requantize from an FP4 copy (saved_fp4=True): each op reads an FP4 code as its exact E4M3
+# expansion, so its outputs equal, bit for bit, the same op's on ops.fp4_to_e4m3 of the copy, which the tests
+# above hold to the float64 references. On CUDA run() also ties every output to the C core's.
+
+
+def with_special_values(x: torch.Tensor) -> torch.Tensor:
+    """x with a NaN, a zero and a tiny value in row 0 and an Inf in row 1: blocks with NaN and Inf scales."""
+    x = x.clone()
+    x[0, : min(3, x.shape[1])] = torch.tensor([float("nan"), 0.0, 1e-30][: min(3, x.shape[1])], dtype=x.dtype)
+    if x.shape[0] > 1:
+        x[1, -1] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("shape, group_size", FP4_SAVE_CASES, ids=str)
+@pytest.mark.parametrize("dy_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rmsnorm_ops_read_fp4_as_its_e4m3_expansion(device, shape, group_size, dy_dtype):
+    x = with_special_values(activations(shape, torch.bfloat16, seed=shape[1] + 1))
+    weight = (1 + 0.2 * torch.randn(shape[1], generator=torch.Generator().manual_seed(2))).bfloat16()
+    _, y_scale, _, codes, scales, rstd = rmsnorm_forward(x, weight, group_size=group_size, save_fp4=True)
+    expanded, _ = ops.fp4_to_e4m3(codes, scales, shape[1], group_size)
+    dy = activations(shape, dy_dtype, seed=3, outliers=False)
+    for residual in (None, activations(shape, torch.float32, seed=4, outliers=False)):
+        from_fp4 = run(torch.ops.coat.rmsnorm_backward, dy, codes, scales, rstd, weight, group_size, residual, True,
+                       device=device)
+        from_e4m3 = run(torch.ops.coat.rmsnorm_backward, dy, expanded, scales, rstd, weight, group_size, residual,
+                        device=device)
+        for name, a, b in zip(("dx", "dweight"), from_fp4, from_e4m3):
+            assert_same_bits(a, b, f"{name} from FP4 vs from its expansion (residual: {residual is not None})")
+    for fp8 in (E4M3, E5M2):
+        (from_fp4,) = run(lambda *a: (torch.ops.coat.rmsnorm_requantize(*a),), codes, scales, rstd, weight, y_scale,
+                          group_size, fp8, True, device=device)
+        (from_e4m3,) = run(lambda *a: (torch.ops.coat.rmsnorm_requantize(*a),), expanded, scales, rstd, weight,
+                           y_scale, group_size, fp8, device=device)
+        assert_same_bits(from_fp4, from_e4m3, f"{fp8} y_t from FP4 vs from its expansion")
+
+
+@pytest.mark.parametrize("shape, group_size", FP4_SAVE_CASES, ids=str)
+@pytest.mark.parametrize("dy_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_silu_mul_ops_read_fp4_as_their_e4m3_expansion(device, shape, group_size, dy_dtype):
+    gate, up = gate_up(shape, torch.bfloat16, seed=shape[1] + 5)
+    gate = with_special_values(gate)
+    smooth = torch.exp(torch.randn(shape[1], generator=torch.Generator().manual_seed(6)))
+    _, y_scale, _, gate_codes, gate_scales, up_codes, up_scales = silu_mul_forward(
+        gate, up, smooth, group_size=group_size, save_fp4=True
+    )
+    gate_expanded, _ = ops.fp4_to_e4m3(gate_codes, gate_scales, shape[1], group_size)
+    up_expanded, _ = ops.fp4_to_e4m3(up_codes, up_scales, shape[1], group_size)
+    dy = activations(shape, dy_dtype, seed=7, outliers=False)
+    for s in (None, smooth):
+        from_fp4 = run(torch.ops.coat.silu_mul_backward, dy, gate_codes, gate_scales, up_codes, up_scales, s,
+                       group_size, True, device=device)
+        from_e4m3 = run(torch.ops.coat.silu_mul_backward, dy, gate_expanded, gate_scales, up_expanded, up_scales, s,
+                        group_size, device=device)
+        for name, a, b in zip(("dgate", "dup", "d_amax"), from_fp4, from_e4m3):
+            assert_same_bits(a, b, f"{name} from FP4 vs from the expansion (smooth: {s is not None})")
+        for fp8 in (E4M3, E5M2):
+            (from_fp4,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), gate_codes, gate_scales, up_codes,
+                              up_scales, s, y_scale, group_size, fp8, True, shape[1], device=device)
+            (from_e4m3,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), gate_expanded, gate_scales,
+                               up_expanded, up_scales, s, y_scale, group_size, fp8, device=device)
+            assert_same_bits(from_fp4, from_e4m3, f"{fp8} y_t from FP4 vs from the expansion (smooth: {s is not None})")
+
+
+def test_fp4_python_wrappers():
+    """coat.ops passes saved_format through; its FP4 results equal the ops' own."""
+    x = activations((5, 100), torch.bfloat16, seed=8)
+    weight = torch.ones(100, dtype=torch.bfloat16)
+    _, y_scale, _, codes, scales, rstd = ops.rmsnorm_quantize(x, weight, save_format="fp4")
+    expanded, _ = ops.fp4_to_e4m3(codes, scales, 100)
+    assert_same_bits(ops.rmsnorm_backward(x, codes, scales, rstd, weight, saved_format="fp4")[0],
+                     ops.rmsnorm_backward(x, expanded, scales, rstd, weight)[0], "wrapper dx")
+    assert_same_bits(ops.rmsnorm_requantize(codes, scales, rstd, weight, y_scale, saved_format="fp4"),
+                     ops.rmsnorm_requantize(expanded, scales, rstd, weight, y_scale), "wrapper y_t")
+    assert_same_bits(ops.silu_mul_backward(x, codes, scales, codes, scales, saved_format="fp4")[0],
+                     ops.silu_mul_backward(x, expanded, scales, expanded, scales)[0], "wrapper dgate")
+    assert_same_bits(
+        ops.silu_mul_requantize(codes, scales, codes, scales, None, y_scale, saved_format="fp4", cols=100),
+        ops.silu_mul_requantize(expanded, scales, expanded, scales, None, y_scale), "wrapper silu y_t",
+    )
+    for call in (lambda: ops.rmsnorm_backward(x, codes, scales, rstd, weight, saved_format="fp8"),
+                 lambda: ops.silu_mul_requantize(codes, scales, codes, scales, None, y_scale, saved_format="int4")):
+        with pytest.raises(ValueError, match="saved_format must be 'e4m3' or 'fp4'"):
+            call()
+
+
+# ----------------------------------------------------------------------------------------------------
 # Kernel paths: values and shapes that send the CUDA kernels down their other paths (the chunk-wise fast
 # paths' fallbacks, the bf16 silu table's edges, several rounds of the persistent kernels); on CUDA every
 # output is compared with the C core's bit for bit (run).
@@ -985,6 +1072,14 @@ def test_opcheck(device):
             (x_saved, x_saved_scales, x_saved, x_saved_scales, s, y_scale, 16, fp8),
             test_utils=fp8_input_checks,
         )
+    # FP4 copies are uint8, which every check can compare.
+    _, _, _, fp4, fp4_scales, rstd = torch.ops.coat.rmsnorm_quantize(x, weight, EPS, 16, 128, E4M3, False, True)
+    torch.library.opcheck(torch.ops.coat.rmsnorm_backward.default, (x, fp4, fp4_scales, rstd, weight, 16, None, True))
+    torch.library.opcheck(torch.ops.coat.silu_mul_backward.default, (x, fp4, fp4_scales, fp4, fp4_scales, smooth, 16, True))
+    torch.library.opcheck(torch.ops.coat.rmsnorm_requantize.default,
+                          (fp4, fp4_scales, rstd, weight, y_scale, 16, E4M3, True))
+    torch.library.opcheck(torch.ops.coat.silu_mul_requantize.default,
+                          (fp4, fp4_scales, fp4, fp4_scales, None, y_scale, 16, E5M2, True, 64))
 
 
 def test_errors():
@@ -1019,6 +1114,15 @@ def test_errors():
         (lambda: backward(x, saved, scales, rstd, w, 16, x.int()), "residual must be float32, bfloat16 or float16"),
         (lambda: torch.ops.coat.silu_mul_backward(x, saved, scales, saved.T, scales, None, 16), "up_saved has shape"),
     ]
+    _, _, _, fp4, fp4_scales, _ = rmsnorm(x, w, EPS, 16, 128, E4M3, False, True)
+    cases += [
+        (lambda: backward(x, fp4, fp4_scales, rstd, w, 16), "pass saved_fp4=True"),
+        (lambda: backward(x, saved, scales, rstd, w, 16, None, True), "with saved_fp4=True x_saved must be torch.uint8"),
+        (lambda: backward(x, fp4[:, :16], fp4_scales, rstd, w, 16, None, True),
+         r"x_saved has shape \[4, 16\] but the FP4 codes of an input of shape \[4, 64\] \(from dy\) have shape \[4, 32\]"),
+        (lambda: torch.ops.coat.silu_mul_backward(x, fp4, fp4_scales, saved, scales, None, 16, True),
+         "with saved_fp4=True up_saved must be torch.uint8"),
+    ]
     y_scale = torch.tensor(0.01)
     requantize = torch.ops.coat.rmsnorm_requantize
     silu_requantize = torch.ops.coat.silu_mul_requantize
@@ -1042,6 +1146,15 @@ def test_errors():
          r"smooth_scale must have shape \[64\]"),
         (lambda: silu_requantize(saved, scales, saved, scales, None, torch.empty(0), 16, E4M3),
          "y_scale must be a float32 tensor with one element"),
+        (lambda: requantize(fp4, fp4_scales, rstd, w[:32], y_scale, 16, E4M3, True),
+         r"x_saved has shape \[4, 32\] but the FP4 codes of an input of shape \[4, 32\] \(from weight\)"),
+        (lambda: requantize(fp4, fp4_scales, rstd, w[None], y_scale, 16, E4M3, True), r"weight must have shape \[H\]"),
+        (lambda: silu_requantize(fp4, fp4_scales, fp4, fp4_scales, None, y_scale, 16, E4M3, True),
+         "with saved_fp4=True pass cols"),
+        (lambda: silu_requantize(fp4, fp4_scales, fp4, fp4_scales, None, y_scale, 16, E4M3, True, 66),
+         r"the FP4 codes of an input of shape \[4, 66\] \(from cols\) have shape \[4, 33\]"),
+        (lambda: silu_requantize(saved, scales, saved, scales, None, y_scale, 16, E4M3, False, 63),
+         "cols=63 but gate_saved has 64 columns"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):

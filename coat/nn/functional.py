@@ -363,14 +363,10 @@ def _saved(ctx) -> dict:
 
 
 def _as_e4m3(codes, scales, cols: int, config: FP8Config):
-    """A kept input in the E4M3 1 x G layout the backward kernels read: an FP4 copy expands exactly."""
+    """A kept input in the E4M3 1 x G layout the report's statistics read: an FP4 copy expands exactly."""
     if config.saved_format == "fp4":
         return ops.fp4_to_e4m3(codes, scales, cols, config.group_size)
     return codes, scales
-
-
-def _expand_saved(saved: dict, codes_key: str, scales_key: str, cols: int, config: FP8Config) -> None:
-    saved[codes_key], saved[scales_key] = _as_e4m3(saved[codes_key], saved[scales_key], cols, config)
 
 
 def _rmsnorm_quantize(x2d, weight, eps: float, config: FP8Config, for_backward: bool = False):
@@ -399,11 +395,11 @@ def _record_rmsnorm(site, input_name: str, output_name: str, x2d, weight, quanti
 
 
 def _rmsnorm_output_t(saved: dict, weight, y_scale, config: FP8Config) -> torch.Tensor:
-    """The transposed FP8 norm output the wgrads read, recomputed from the saved input (expanded to E4M3)
-    and rstd with the forward's scale (values the saved copy rounds past the forward's amax saturate)."""
+    """The transposed FP8 norm output the wgrads read, recomputed from the saved input and rstd with the
+    forward's scale (values the saved copy rounds past the forward's amax saturate)."""
     return ops.rmsnorm_requantize(
         saved["x_saved"], saved["x_saved_scales"], saved["rstd"], weight, y_scale, config.group_size,
-        config.forward_dtype,
+        config.forward_dtype, saved_format=config.saved_format,
     )
 
 
@@ -412,7 +408,7 @@ def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype,
     the input's in the kernel (see ops.rmsnorm_backward)."""
     grad_x, grad_weight = ops.rmsnorm_backward(
         grad_y2d, saved["x_saved"], saved["x_saved_scales"], saved["rstd"], weight, config.group_size,
-        residual=residual,
+        residual=residual, saved_format=config.saved_format,
     )
     return grad_x.to(x_dtype), grad_weight.to(weight.dtype)
 
@@ -498,14 +494,12 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
     for gate, up, down."""
     need_input_grad, need_param_grads = needs
     smooth_scale = saved["smooth_scale"]
-    cols = params[0][0].shape[0]
-    _expand_saved(saved, "gate_saved", "gate_scales", cols, config)
-    _expand_saved(saved, "up_saved", "up_scales", cols, config)
     act_q_t = None
     if _params_need_grad(need_param_grads[2:]):
         act_q_t = ops.silu_mul_requantize(
             saved["gate_saved"], saved["gate_scales"], saved["up_saved"], saved["up_scales"], smooth_scale,
-            saved["act_scale"], config.group_size, config.forward_dtype,
+            saved["act_scale"], config.group_size, config.forward_dtype, saved_format=config.saved_format,
+            cols=params[0][0].shape[0],
         )
     grad_act, down_grads = Projections([_smoothed_down(params[2], smooth_scale)], "down").backward(
         [grad_out2d], act_q_t, saved["act_scale"], saved["down_amax"], (True, need_param_grads[2:]),
@@ -523,6 +517,7 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
         saved["up_scales"],
         smooth_scale,
         config.group_size,
+        saved_format=config.saved_format,
     )
     del grad_act
     grad_input, gate_up_grads = Projections(params[:2], "gate_up").backward(
@@ -565,7 +560,6 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         saved = _saved(ctx)
-        _expand_saved(saved, "x_saved", "x_saved_scales", saved["weight"].shape[0], ctx.config)
         grad_x, grad_weight = _rmsnorm_backward(_matrix(grad_y), saved, saved["weight"], ctx.config, ctx.x_dtype)
         return grad_x.view(grad_y.shape), grad_weight, None, None, None
 
@@ -675,7 +669,6 @@ class _BeforeAttentionFunction(torch.autograd.Function):
         params = _pairs(_params_from(saved))
         param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
-        _expand_saved(saved, "x_saved", "x_saved_scales", saved["norm_weight"].shape[0], ctx.config)
         y_t = None
         if _params_need_grad(param_needs):
             y_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["y_scale"], ctx.config)
@@ -811,7 +804,6 @@ class _MLPResidualFunction(torch.autograd.Function):
         params = _pairs(_params_from(saved))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
         needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 5, 3))
-        _expand_saved(saved, "x_saved", "x_saved_scales", saved["norm_weight"].shape[0], ctx.config)
         n_q_t = None
         if _params_need_grad(needs[1][:2]):
             n_q_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["n_scale"], ctx.config)

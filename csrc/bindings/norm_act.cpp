@@ -31,24 +31,63 @@ void check_channel_vector(const at::Tensor& v, const at::Tensor& input, int64_t 
   TORCH_CHECK(v.is_contiguous(), op, ": ", arg, " must be contiguous; call .contiguous() first");
 }
 
-// An FP8 tensor saved by a forward op: E4M3, contiguous, with the shape of the tensor it was saved from
-// (`like`, named like_arg).
-void check_saved(const at::Tensor& saved, const at::Tensor& like, const char* op, const char* arg,
-                 const char* like_arg = "dy") {
+// The shape of the codes a forward op saves of an input of shape `input`: the input's (E4M3), or with the last
+// dimension halved, rounded up (FP4, two codes per byte).
+std::vector<int64_t> saved_codes_shape(at::IntArrayRef input, bool fp4) {
+  std::vector<int64_t> shape(input.begin(), input.end());
+  if (fp4 && !shape.empty()) shape.back() = (shape.back() + 1) / 2;
+  return shape;
+}
+
+// A copy of an input of shape `input` saved by a forward op: E4M3 codes of that shape (torch.float8_e4m3fn), or with
+// saved_fp4 FP4 codes packed two per byte (torch.uint8); contiguous, on `like`'s device. like_arg names where
+// `input` comes from.
+void check_saved(const at::Tensor& saved, const at::Tensor& like, at::IntArrayRef input, bool fp4, const char* op,
+                 const char* arg, const char* like_arg = "dy") {
   check_same_device(like, saved, op, arg);
-  TORCH_CHECK(saved.scalar_type() == at::kFloat8_e4m3fn, op, ": ", arg,
-              " must be torch.float8_e4m3fn, as the forward op saves it, got ", saved.scalar_type());
-  TORCH_CHECK(saved.sizes() == like.sizes(), op, ": ", arg, " has shape ", saved.sizes(), " but ", like_arg,
-              " has shape ", like.sizes(), "; pass the tensors the forward op returned for this ", like_arg);
+  if (fp4) {
+    TORCH_CHECK(saved.scalar_type() == at::kByte, op, ": with saved_fp4=True ", arg,
+                " must be torch.uint8 (FP4 codes packed two per byte, as the forward op saves them with "
+                "save_format='fp4'), got ", saved.scalar_type());
+  } else {
+    TORCH_CHECK(saved.scalar_type() == at::kFloat8_e4m3fn, op, ": ", arg,
+                " must be torch.float8_e4m3fn, as the forward op saves it, got ", saved.scalar_type(),
+                saved.scalar_type() == at::kByte ? "; for FP4 codes (save_format='fp4') pass saved_fp4=True" : "");
+  }
+  const std::vector<int64_t> expected = saved_codes_shape(input, fp4);
+  if (fp4) {
+    TORCH_CHECK(saved.sizes() == at::IntArrayRef(expected), op, ": ", arg, " has shape ", saved.sizes(),
+                " but the FP4 codes of an input of shape ", input, " (from ", like_arg, ") have shape ",
+                at::IntArrayRef(expected), "; pass the tensors the forward op returned");
+  } else {
+    TORCH_CHECK(saved.sizes() == input, op, ": ", arg, " has shape ", saved.sizes(), " but ", like_arg,
+                " has shape ", input, "; pass the tensors the forward op returned for this ", like_arg);
+  }
   TORCH_CHECK(saved.is_contiguous(), op, ": ", arg, " must be contiguous, as the forward op returns it");
 }
 
-// The first saved input of a requantize op, which gives the shape: (rows, cols) of the forward's input.
-RowMatrix saved_matrix(const at::Tensor& saved, const char* op, const char* arg) {
+// The shape of the input the first saved copy of a requantize op was made of: the copy's own (E4M3), or its leading
+// dimensions and `cols` (FP4, whose packed rows cannot tell an odd width from the next even one). cols_arg names
+// where `cols` comes from.
+std::vector<int64_t> saved_input_shape(const at::Tensor& saved, bool fp4, int64_t cols, const char* op,
+                                       const char* arg, const char* cols_arg) {
   check_device(saved, op, arg);
-  check_saved(saved, saved, op, arg);
-  return as_row_matrix(saved, op, arg);
+  TORCH_CHECK(saved.dim() >= 1, op, ": ", arg, " must have at least one dimension, as the forward op returns it");
+  std::vector<int64_t> shape(saved.sizes().begin(), saved.sizes().end());
+  if (fp4) shape.back() = cols;
+  check_saved(saved, saved, shape, fp4, op, arg, fp4 ? cols_arg : arg);
+  return shape;
 }
+
+// A contiguous input of shape `shape` as a matrix.
+RowMatrix contiguous_matrix(const std::vector<int64_t>& shape) {
+  const int64_t cols = shape.back();
+  int64_t rows = 1;
+  for (size_t d = 0; d + 1 < shape.size(); ++d) rows *= shape[d];
+  return {rows, cols, cols};
+}
+
+coat_saved_format saved_format(bool fp4) { return fp4 ? COAT_SAVED_FP4 : COAT_SAVED_E4M3; }
 
 // The forward's per-tensor scale, an input of the requantize ops.
 void check_given_scale(const at::Tensor& y_scale, const at::Tensor& input, const char* op) {
@@ -58,10 +97,12 @@ void check_given_scale(const at::Tensor& y_scale, const at::Tensor& input, const
               y_scale.scalar_type(), " of shape ", y_scale.sizes());
 }
 
-void check_saved_scales(const at::Tensor& scales, const at::Tensor& like, int64_t group_size, const char* op,
-                        const char* arg) {
+// The scales saved with the codes of an input of shape `input`: one float32 per 1 x group_size group.
+void check_saved_scales(const at::Tensor& scales, const at::Tensor& like, at::IntArrayRef input, int64_t group_size,
+                        const char* op, const char* arg) {
   check_same_device(like, scales, op, arg);
-  const std::vector<int64_t> expected = grouped_shape(like, group_size);
+  std::vector<int64_t> expected(input.begin(), input.end());
+  expected.back() = (expected.back() + group_size - 1) / group_size;
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), op, ": ", arg,
               " must be a contiguous float32 tensor, as the forward op returns it, got ", scales.scalar_type());
   TORCH_CHECK(scales.sizes() == at::IntArrayRef(expected), op, ": with save_group_size=", group_size, " ", arg,
@@ -86,10 +127,8 @@ at::Tensor transposed_output(const at::Tensor& x, const RowMatrix& m, at::Scalar
 // The copy of an input a forward op saves for backward: E4M3 codes of its shape, or FP4 codes packed two per byte
 // (the last dimension halved, rounded up), as coat.quantize_fp4 returns them.
 at::Tensor saved_codes(const at::Tensor& input, bool save_fp4) {
-  if (!save_fp4) return at::empty(input.sizes(), input.options().dtype(at::kFloat8_e4m3fn));
-  std::vector<int64_t> packed(input.sizes().begin(), input.sizes().end());
-  packed.back() = (packed.back() + 1) / 2;
-  return at::empty(packed, input.options().dtype(at::kByte));
+  return at::empty(saved_codes_shape(input.sizes(), save_fp4),
+                   input.options().dtype(save_fp4 ? at::kByte : at::kFloat8_e4m3fn));
 }
 
 RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& weight, double eps,
@@ -116,7 +155,7 @@ RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& we
   at::Tensor rstd = at::empty({m.rows}, float_options);
   at::Tensor y_amax = at::empty({1}, float_options);
   COAT_CALL_CORE(x, coat_rmsnorm_quantize, x.data_ptr(), x_dtype, m.rows, m.cols, m.row_stride, weight.data_ptr(),
-                 weight_dtype, static_cast<float>(eps), save_group_size, save_fp4 ? COAT_SAVED_FP4 : COAT_SAVED_E4M3,
+                 weight_dtype, static_cast<float>(eps), save_group_size, saved_format(save_fp4),
                  format, data_as<uint8_t>(y),
                  data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(x_saved),
                  data_as<float>(x_saved_scales), data_as<float>(rstd), data_as<float>(y_amax));
@@ -143,15 +182,15 @@ coat_dtype check_residual(const at::Tensor& residual, const at::Tensor& dy, cons
 std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const at::Tensor& x_saved,
                                                     const at::Tensor& x_saved_scales, const at::Tensor& rstd,
                                                     const at::Tensor& weight, int64_t save_group_size,
-                                                    const std::optional<at::Tensor>& residual) {
+                                                    const std::optional<at::Tensor>& residual, bool saved_fp4) {
   constexpr const char* op = "coat.rmsnorm_backward";
   check_device(dy, op, "dy");
   const coat_dtype dy_dtype = input_dtype(dy, op, "dy");
   check_named_group_size(save_group_size, op, "save_group_size");
   const RowMatrix m = as_row_matrix(dy, op, "dy");
   check_rmsnorm_cols(m.cols, op, "dy");
-  check_saved(x_saved, dy, op, "x_saved");
-  check_saved_scales(x_saved_scales, dy, save_group_size, op, "x_saved_scales");
+  check_saved(x_saved, dy, dy.sizes(), saved_fp4, op, "x_saved");
+  check_saved_scales(x_saved_scales, dy, dy.sizes(), save_group_size, op, "x_saved_scales");
   check_rstd(rstd, dy, m.rows, op);
   check_channel_vector(weight, dy, m.cols, op, "weight");
   const coat_dtype weight_dtype = input_dtype(weight, op, "weight");
@@ -162,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const 
   at::Tensor workspace = at::empty({coat_rmsnorm_backward_workspace_size(m.rows, m.cols)}, dy.options().dtype(at::kFloat));
   COAT_CALL_CORE(dy, coat_rmsnorm_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
                  data_as<const uint8_t>(x_saved), data_as<const float>(x_saved_scales), save_group_size,
-                 data_as<const float>(rstd), weight.data_ptr(), weight_dtype,
+                 saved_format(saved_fp4), data_as<const float>(rstd), weight.data_ptr(), weight_dtype,
                  residual ? residual->data_ptr() : nullptr, residual_dtype, dx.data_ptr(), data_as<float>(dweight),
                  data_as<float>(workspace));
   return {dx, dweight};
@@ -170,12 +209,14 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const 
 
 at::Tensor rmsnorm_requantize(const at::Tensor& x_saved, const at::Tensor& x_saved_scales, const at::Tensor& rstd,
                               const at::Tensor& weight, const at::Tensor& y_scale, int64_t save_group_size,
-                              at::ScalarType fp8_dtype) {
+                              at::ScalarType fp8_dtype, bool saved_fp4) {
   constexpr const char* op = "coat.rmsnorm_requantize";
-  const RowMatrix m = saved_matrix(x_saved, op, "x_saved");
+  TORCH_CHECK(weight.dim() == 1, op, ": weight must have shape [H] (H the normalized size), got ", weight.sizes());
+  const std::vector<int64_t> shape = saved_input_shape(x_saved, saved_fp4, weight.size(0), op, "x_saved", "weight");
+  const RowMatrix m = contiguous_matrix(shape);
   check_rmsnorm_cols(m.cols, op, "x_saved");
   check_named_group_size(save_group_size, op, "save_group_size");
-  check_saved_scales(x_saved_scales, x_saved, save_group_size, op, "x_saved_scales");
+  check_saved_scales(x_saved_scales, x_saved, shape, save_group_size, op, "x_saved_scales");
   check_rstd(rstd, x_saved, m.rows, op);
   check_channel_vector(weight, x_saved, m.cols, op, "weight");
   const coat_dtype weight_dtype = input_dtype(weight, op, "weight");
@@ -184,7 +225,8 @@ at::Tensor rmsnorm_requantize(const at::Tensor& x_saved, const at::Tensor& x_sav
 
   at::Tensor y_t = at::empty({m.cols, m.rows}, x_saved.options().dtype(fp8_dtype));
   COAT_CALL_CORE(x_saved, coat_rmsnorm_requantize, data_as<const uint8_t>(x_saved),
-                 data_as<const float>(x_saved_scales), save_group_size, data_as<const float>(rstd), m.rows, m.cols,
+                 data_as<const float>(x_saved_scales), save_group_size, saved_format(saved_fp4),
+                 data_as<const float>(rstd), m.rows, m.cols,
                  weight.data_ptr(), weight_dtype, data_as<const float>(y_scale), format, data_as<uint8_t>(y_t));
   return y_t;
 }
@@ -229,7 +271,7 @@ SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor
   at::Tensor y_amax = at::empty({1}, float_options);
   COAT_CALL_CORE(gate, coat_silu_mul_quantize, gate.data_ptr(), up.data_ptr(), dtype, gate_m.rows, gate_m.cols,
                  gate_m.row_stride, up_m.row_stride, smooth, save_group_size,
-                 save_fp4 ? COAT_SAVED_FP4 : COAT_SAVED_E4M3, format, data_as<uint8_t>(y),
+                 saved_format(save_fp4), format, data_as<uint8_t>(y),
                  data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(gate_saved),
                  data_as<float>(gate_scales), data_as<uint8_t>(up_saved), data_as<float>(up_scales),
                  data_as<float>(y_amax));
@@ -240,17 +282,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tenso
                                                      const at::Tensor& gate_scales, const at::Tensor& up_saved,
                                                      const at::Tensor& up_scales,
                                                      const std::optional<at::Tensor>& smooth_scale,
-                                                     int64_t save_group_size) {
+                                                     int64_t save_group_size, bool saved_fp4) {
   constexpr const char* op = "coat.silu_mul_backward";
   check_device(dy, op, "dy");
   const coat_dtype dy_dtype = input_dtype(dy, op, "dy");
   check_named_group_size(save_group_size, op, "save_group_size");
   const RowMatrix m = as_row_matrix(dy, op, "dy");
   check_max_cols(m.cols, op, "dy");
-  check_saved(gate_saved, dy, op, "gate_saved");
-  check_saved(up_saved, dy, op, "up_saved");
-  check_saved_scales(gate_scales, dy, save_group_size, op, "gate_scales");
-  check_saved_scales(up_scales, dy, save_group_size, op, "up_scales");
+  check_saved(gate_saved, dy, dy.sizes(), saved_fp4, op, "gate_saved");
+  check_saved(up_saved, dy, dy.sizes(), saved_fp4, op, "up_saved");
+  check_saved_scales(gate_scales, dy, dy.sizes(), save_group_size, op, "gate_scales");
+  check_saved_scales(up_scales, dy, dy.sizes(), save_group_size, op, "up_scales");
   const float* smooth = smooth_scale_data(smooth_scale, dy, m.cols, op);
 
   at::Tensor dgate = at::empty(dy.sizes(), dy.options());
@@ -259,20 +301,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tenso
   COAT_CALL_CORE(dy, coat_silu_mul_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
                  data_as<const uint8_t>(gate_saved), data_as<const float>(gate_scales),
                  data_as<const uint8_t>(up_saved), data_as<const float>(up_scales), smooth, save_group_size,
-                 dgate.data_ptr(), dup.data_ptr(), data_as<float>(d_amax));
+                 saved_format(saved_fp4), dgate.data_ptr(), dup.data_ptr(), data_as<float>(d_amax));
   return {dgate, dup, d_amax};
 }
 
 at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& gate_scales, const at::Tensor& up_saved,
                                const at::Tensor& up_scales, const std::optional<at::Tensor>& smooth_scale,
-                               const at::Tensor& y_scale, int64_t save_group_size, at::ScalarType fp8_dtype) {
+                               const at::Tensor& y_scale, int64_t save_group_size, at::ScalarType fp8_dtype,
+                               bool saved_fp4, std::optional<int64_t> cols) {
   constexpr const char* op = "coat.silu_mul_requantize";
-  const RowMatrix m = saved_matrix(gate_saved, op, "gate_saved");
+  TORCH_CHECK(cols || !saved_fp4, op, ": with saved_fp4=True pass cols, the width of gate and up: FP4 codes pack two "
+              "per byte, so their shape does not tell an odd width from the next even one");
+  const std::vector<int64_t> shape =
+      saved_input_shape(gate_saved, saved_fp4, cols.value_or(0), op, "gate_saved", "cols");
+  TORCH_CHECK(!cols || *cols == shape.back(), op, ": cols=", cols.value_or(0), " but gate_saved has ", shape.back(),
+              " columns");
+  const RowMatrix m = contiguous_matrix(shape);
   check_max_cols(m.cols, op, "gate_saved");
-  check_saved(up_saved, gate_saved, op, "up_saved", "gate_saved");
+  check_saved(up_saved, gate_saved, shape, saved_fp4, op, "up_saved", "gate_saved");
   check_named_group_size(save_group_size, op, "save_group_size");
-  check_saved_scales(gate_scales, gate_saved, save_group_size, op, "gate_scales");
-  check_saved_scales(up_scales, gate_saved, save_group_size, op, "up_scales");
+  check_saved_scales(gate_scales, gate_saved, shape, save_group_size, op, "gate_scales");
+  check_saved_scales(up_scales, gate_saved, shape, save_group_size, op, "up_scales");
   const float* smooth = smooth_scale_data(smooth_scale, gate_saved, m.cols, op);
   check_given_scale(y_scale, gate_saved, op);
   const coat_fp8_format format = fp8_format(fp8_dtype, op, "fp8_dtype");
@@ -280,7 +329,8 @@ at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& g
   at::Tensor y_t = at::empty({m.cols, m.rows}, gate_saved.options().dtype(fp8_dtype));
   COAT_CALL_CORE(gate_saved, coat_silu_mul_requantize, data_as<const uint8_t>(gate_saved),
                  data_as<const float>(gate_scales), data_as<const uint8_t>(up_saved), data_as<const float>(up_scales),
-                 save_group_size, m.rows, m.cols, smooth, data_as<const float>(y_scale), format,
+                 save_group_size, saved_format(saved_fp4), m.rows, m.cols, smooth, data_as<const float>(y_scale),
+                 format,
                  data_as<uint8_t>(y_t));
   return y_t;
 }

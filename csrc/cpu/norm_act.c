@@ -5,6 +5,7 @@
 #include <stddef.h>
 
 #include "coat/detail/norm_act_math.h"
+#include "coat/fp4.h"
 #include "coat/quantize.h"
 
 static int valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
@@ -19,9 +20,19 @@ static const void* row_at(const void* x, coat_dtype dtype, int64_t row, int64_t 
 
 static int64_t lane_of_column(int64_t col, int64_t lanes) { return (col / COAT_NORM_ACT_CHUNK) % lanes; }
 
+static int valid_saved_format(coat_saved_format format) {
+  return format == COAT_SAVED_E4M3 || format == COAT_SAVED_FP4;
+}
+
 /* Bytes of one saved row. */
 static int64_t saved_row_bytes(int64_t cols, coat_saved_format format) {
   return format == COAT_SAVED_FP4 ? coat_ceil_div(cols, 2) : cols;
+}
+
+/* Element c of saved row r as an E4M3 code: an FP4 code is read as its exact E4M3 expansion. */
+static uint8_t saved_code(const uint8_t* saved, coat_saved_format format, int64_t r, int64_t c, int64_t cols) {
+  const uint8_t* row = saved + r * saved_row_bytes(cols, format);
+  return format == COAT_SAVED_FP4 ? coat_e2m1_to_e4m3(coat_fp4_code_at(row, c)) : row[c];
 }
 
 /* One row of an input saved for backward: coat_quantize_group(x, group_size, E4M3) or coat_quantize_fp4(x,
@@ -55,7 +66,7 @@ coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t
                                       float* x_saved_scales, float* rstd, float* y_amax) {
   if (!valid_matrix(x, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL ||
       !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL ||
-      (save_format != COAT_SAVED_E4M3 && save_format != COAT_SAVED_FP4))
+      !valid_saved_format(save_format))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t lanes = coat_rmsnorm_lanes(cols);
   const int64_t ngroups = coat_ceil_div(cols, save_group_size);
@@ -101,11 +112,11 @@ int64_t coat_rmsnorm_backward_workspace_size(int64_t rows, int64_t cols) {
 
 coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                       int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
-                                      int64_t save_group_size, const float* rstd, const void* weight,
-                                      coat_dtype weight_dtype, const void* residual, coat_dtype residual_dtype,
-                                      void* dx, float* dweight, float* workspace) {
+                                      int64_t save_group_size, coat_saved_format saved_format, const float* rstd,
+                                      const void* weight, coat_dtype weight_dtype, const void* residual,
+                                      coat_dtype residual_dtype, void* dx, float* dweight, float* workspace) {
   if (!valid_matrix(dy, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL ||
-      dweight == NULL || !coat_is_valid_group_size(save_group_size) ||
+      dweight == NULL || !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
       (rows > 0 && (x_saved == NULL || x_saved_scales == NULL || rstd == NULL || dx == NULL || workspace == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t lanes = coat_rmsnorm_lanes(cols);
@@ -120,19 +131,20 @@ coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64
     const int64_t end = (slice + 1) * rows_per_slice < rows ? (slice + 1) * rows_per_slice : rows;
     for (int64_t r = slice * rows_per_slice; r < end; ++r) {
       const void* dy_row = row_at(dy, dy_dtype, r, row_stride);
-      const uint8_t* codes = x_saved + r * cols;
       const float* scales = x_saved_scales + r * ngroups;
       const float row_rstd = rstd[r];
       float partials[COAT_RMSNORM_MAX_LANES] = {0.0f};
       for (int64_t c = 0; c < cols; ++c) {
-        const float xhat = coat_rmsnorm_xhat(codes[c], scales[c / save_group_size], row_rstd);
+        const float xhat =
+            coat_rmsnorm_xhat(saved_code(x_saved, saved_format, r, c, cols), scales[c / save_group_size], row_rstd);
         const float g = coat_load_f32(dy_row, dy_dtype, c) * coat_load_f32(weight, weight_dtype, c);
         const int64_t lane = lane_of_column(c, lanes);
         partials[lane] = partials[lane] + g * xhat;
       }
       const float mean_dot = coat_div_rn(coat_combine_lane_partials(partials, lanes), (float)cols);
       for (int64_t c = 0; c < cols; ++c) {
-        const float xhat = coat_rmsnorm_xhat(codes[c], scales[c / save_group_size], row_rstd);
+        const float xhat =
+            coat_rmsnorm_xhat(saved_code(x_saved, saved_format, r, c, cols), scales[c / save_group_size], row_rstd);
         const float dy_value = coat_load_f32(dy_row, dy_dtype, c);
         const float g = dy_value * coat_load_f32(weight, weight_dtype, c);
         float dx_value = coat_rmsnorm_dx(g, xhat, mean_dot, row_rstd);
@@ -162,7 +174,7 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
                                        uint8_t* up_saved, float* up_scales, float* y_amax) {
   if (!valid_matrix(gate, rows, cols, gate_row_stride) || !valid_matrix(up, rows, cols, up_row_stride) ||
       !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL ||
-      (save_format != COAT_SAVED_E4M3 && save_format != COAT_SAVED_FP4))
+      !valid_saved_format(save_format))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t ngroups = coat_ceil_div(cols, save_group_size);
   float amax = 0.0f;
@@ -202,9 +214,10 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
 coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                        const uint8_t* up_saved, const float* up_scales,
-                                       const float* smooth_scale, int64_t save_group_size, void* dgate,
-                                       void* dup, float* d_amax) {
+                                       const float* smooth_scale, int64_t save_group_size,
+                                       coat_saved_format saved_format, void* dgate, void* dup, float* d_amax) {
   if (!valid_matrix(dy, rows, cols, row_stride) || !coat_is_valid_group_size(save_group_size) ||
+      !valid_saved_format(saved_format) ||
       (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || up_saved == NULL || up_scales == NULL ||
                            dgate == NULL || dup == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -215,8 +228,9 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
     const void* dy_row = row_at(dy, dy_dtype, r, row_stride);
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t scale_index = r * ngroups + c / save_group_size;
-      const float gate_value = coat_saved_value(gate_saved[r * cols + c], gate_scales[scale_index]);
-      const float up_value = coat_saved_value(up_saved[r * cols + c], up_scales[scale_index]);
+      const float gate_value =
+          coat_saved_value(saved_code(gate_saved, saved_format, r, c, cols), gate_scales[scale_index]);
+      const float up_value = coat_saved_value(saved_code(up_saved, saved_format, r, c, cols), up_scales[scale_index]);
       float dgate_value, dup_value;
       coat_silu_mul_grads(coat_load_f32(dy_row, dy_dtype, c), gate_value, coat_sigmoid(gate_value), up_value,
                           smooth_scale ? smooth_scale[c] : 1.0f, &dgate_value, &dup_value);
@@ -230,21 +244,20 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
 }
 
 coat_status coat_rmsnorm_requantize_cpu(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
-                                        const float* rstd, int64_t rows, int64_t cols, const void* weight,
-                                        coat_dtype weight_dtype, const float* y_scale, coat_fp8_format y_format,
-                                        uint8_t* y_t) {
+                                        coat_saved_format saved_format, const float* rstd, int64_t rows, int64_t cols,
+                                        const void* weight, coat_dtype weight_dtype, const float* y_scale,
+                                        coat_fp8_format y_format, uint8_t* y_t) {
   if (rows < 0 || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL || y_scale == NULL ||
-      !coat_is_valid_group_size(save_group_size) ||
+      !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
       (rows > 0 && (x_saved == NULL || x_saved_scales == NULL || rstd == NULL || y_t == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t ngroups = coat_ceil_div(cols, save_group_size);
   const float scale = *y_scale;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    const uint8_t* codes = x_saved + r * cols;
     const float* scales = x_saved_scales + r * ngroups;
     for (int64_t c = 0; c < cols; ++c) {
-      const float x = coat_saved_value(codes[c], scales[c / save_group_size]);
+      const float x = coat_saved_value(saved_code(x_saved, saved_format, r, c, cols), scales[c / save_group_size]);
       const float value = coat_canonical_nan(coat_rmsnorm_apply(x, rstd[r], coat_load_f32(weight, weight_dtype, c)));
       y_t[c * rows + r] = coat_quantize_value(value, scale, y_format);
     }
@@ -253,11 +266,12 @@ coat_status coat_rmsnorm_requantize_cpu(const uint8_t* x_saved, const float* x_s
 }
 
 coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float* gate_scales, const uint8_t* up_saved,
-                                         const float* up_scales, int64_t save_group_size, int64_t rows, int64_t cols,
+                                         const float* up_scales, int64_t save_group_size,
+                                         coat_saved_format saved_format, int64_t rows, int64_t cols,
                                          const float* smooth_scale, const float* y_scale, coat_fp8_format y_format,
                                          uint8_t* y_t) {
   if (rows < 0 || cols < 0 || cols > COAT_NORM_ACT_MAX_COLS || y_scale == NULL ||
-      !coat_is_valid_group_size(save_group_size) ||
+      !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
       (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || up_saved == NULL || up_scales == NULL ||
                            y_t == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -267,8 +281,9 @@ coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float*
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t scale_index = r * ngroups + c / save_group_size;
-      const float gate = coat_requantize_gate(gate_saved[r * cols + c], gate_scales[scale_index]);
-      const float up = coat_saved_value(up_saved[r * cols + c], up_scales[scale_index]);
+      const float gate =
+          coat_requantize_gate(saved_code(gate_saved, saved_format, r, c, cols), gate_scales[scale_index]);
+      const float up = coat_saved_value(saved_code(up_saved, saved_format, r, c, cols), up_scales[scale_index]);
       const float value = coat_canonical_nan(
           coat_silu_mul(coat_silu(gate, coat_sigmoid(gate)), up, smooth_scale ? smooth_scale[c] : 1.0f));
       y_t[c * rows + r] = coat_quantize_value(value, scale, y_format);

@@ -136,6 +136,50 @@ __device__ __forceinline__ Codes load_codes(const uint8_t* src, int count, bool 
   return codes;
 }
 
+// The E4M3 codes of the eight E2M1 codes packed in `word` (element e in nibble e), coat_e2m1_to_e4m3 of each: the
+// magnitudes looked up in a byte table by prmt, the sign moved from the nibble's bit 3 to the byte's bit 7.
+__device__ __forceinline__ Codes e2m1x8_to_e4m3(uint32_t word) {
+  // coat_e2m1_to_e4m3 of the magnitudes 0..7: 0x00 0x30 0x38 0x3C and 0x40 0x44 0x48 0x4C
+  constexpr uint32_t kMagnitudes0To3 = 0x3C383000u, kMagnitudes4To7 = 0x4C484440u;
+  const uint32_t magnitudes = word & 0x77777777u;
+  const auto signs = [](uint32_t nibbles) {  // nibbles 0..3 to bytes 0..3, then each one's bit 3 to bit 7
+    nibbles = (nibbles | nibbles << 8) & 0x00FF00FFu;
+    nibbles = (nibbles | nibbles << 4) & 0x0F0F0F0Fu;
+    return (nibbles & 0x08080808u) << 4;
+  };
+  return {__byte_perm(kMagnitudes0To3, kMagnitudes4To7, magnitudes & 0xFFFFu) | signs(word & 0xFFFFu),
+          __byte_perm(kMagnitudes0To3, kMagnitudes4To7, magnitudes >> 16) | signs(word >> 16)};
+}
+
+// The codes an input was saved in for backward (coat/norm_act.h, "Saved inputs"): E4M3, or FP4 read as its exact
+// E4M3 expansion, so that the kernels reading them decode both alike.
+struct SavedCodes {
+  const uint8_t* data;
+  int64_t row_bytes;  // cols, or ceil(cols / 2) in FP4
+  bool fp4;
+
+  // Elements [col, col + count) of `row` as E4M3 codes, zeros past count. `vector`: count is 0 or 8 and the
+  // codes are aligned for one access per chunk (8 bytes of E4M3, 4 of FP4).
+  __device__ __forceinline__ Codes load(int64_t row, int col, int count, bool vector) const {
+    const uint8_t* row_codes = data + row * row_bytes;
+    if (!fp4) return load_codes(row_codes + col, count, vector);
+    if (vector) {
+      if (count == 0) return {0u, 0u};
+      return e2m1x8_to_e4m3(*reinterpret_cast<const uint32_t*>(row_codes + col / 2));
+    }
+    Codes codes{0u, 0u};
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) {
+      if (e < count) {
+        const uint32_t code = coat_e2m1_to_e4m3(coat_fp4_code_at(row_codes, col + e));
+        if (e < 4) codes.lo |= code << (8 * e);
+        else codes.hi |= code << (8 * (e - 4));
+      }
+    }
+    return codes;
+  }
+};
+
 __device__ __forceinline__ void store_codes(uint8_t* dst, Codes codes, int count, bool vector) {
   if (vector) {
     if (count > 0) *reinterpret_cast<uint2*>(dst) = make_uint2(codes.lo, codes.hi);
@@ -687,8 +731,8 @@ struct SiluOfDecodedGates {
   }
 };
 
-// A saved input: codes rows x cols, contiguous, and one scale per 1 x 2^group_shift group. kVectorCodes:
-// cols % 8 == 0 and 8-byte aligned codes. As a gate, the decoded value is rounded to bf16 before silu
+// A saved input: codes of rows x cols, and one scale per 1 x 2^group_shift group. kVectorCodes: cols % 8 == 0 and
+// codes aligned for SavedCodes' vector loads. As a gate, the decoded value is rounded to bf16 before silu
 // (coat_requantize_gate).
 template <bool kVectorCodes>
 struct SavedRows {
@@ -698,14 +742,13 @@ struct SavedRows {
     float scale;
   };
   using Gates = SiluOfDecodedGates;
-  const uint8_t* codes;
+  SavedCodes codes;
   const float* scales;
-  int cols;
   int ngroups;      // scales per row, ceil(cols / 2^group_shift)
   int group_shift;  // log2 of the save group size
 
   __device__ __forceinline__ Chunk load(int64_t row, int col, int count) const {
-    return {load_codes(codes + row * cols + col, count, kVector),
+    return {codes.load(row, col, count, kVector),
             count > 0 ? scales[row * ngroups + (col >> group_shift)] : 0.0f};
   }
   __device__ __forceinline__ void values(const Chunk& chunk, float v[kChunk]) const {
@@ -1008,7 +1051,7 @@ struct RmsnormBackwardArgs {
   int64_t rows;
   int cols;
   int64_t row_stride;
-  const uint8_t* x_saved;
+  SavedCodes x_saved;
   const float* x_saved_scales;
   int group_shift;  // log2 of the save group size
   const float* rstd;
@@ -1086,7 +1129,6 @@ __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, 
     const bool active = slice < a.slices && row < a.rows;
     const int64_t safe_row = active ? row : 0;
     const void* dy_row = row_at(a.dy, io.element_size(), safe_row, a.row_stride);
-    const uint8_t* codes_row = a.x_saved + safe_row * a.cols;
     const float* scales_row = a.x_saved_scales + safe_row * ngroups;
     BackwardRow<Io> in;
 #pragma unroll
@@ -1094,7 +1136,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, 
       const int col = (lane + k * a.lanes) * kChunk;
       const int count = active ? chunk_count(col, a.cols) : 0;
       in.dy[k] = io.load(dy_row, col, count);
-      in.codes[k] = load_codes(codes_row + col, count, Io::kVector);
+      in.codes[k] = a.x_saved.load(safe_row, col, count, Io::kVector);
       in.scales[k] = count > 0 ? scales_row[col >> a.group_shift] : 0.0f;
     }
     in.rstd = active ? a.rstd[row] : 0.0f;
@@ -1235,9 +1277,9 @@ struct SiluMulBackwardArgs {
   int64_t rows;
   int cols;
   int64_t row_stride;
-  const uint8_t* gate_saved;
+  SavedCodes gate_saved;
   const float* gate_scales;
-  const uint8_t* up_saved;
+  SavedCodes up_saved;
   const float* up_scales;
   const float* smooth_scale;
   int group_shift;  // log2 of the save group size
@@ -1269,8 +1311,8 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
     for (int c = 0; c < kUnitChunks; ++c) {
       const int col = at.col + c * kChunk, count = chunk_count(col, a.cols);
       in.dy[c] = io.load(dy_row, col, count);
-      in.gate[c] = load_codes(a.gate_saved + row * a.cols + col, count, Io::kVector);
-      in.up[c] = load_codes(a.up_saved + row * a.cols + col, count, Io::kVector);
+      in.gate[c] = a.gate_saved.load(row, col, count, Io::kVector);
+      in.up[c] = a.up_saved.load(row, col, count, Io::kVector);
     }
     const bool any = at.col < a.cols;
     in.gate_scale = any ? a.gate_scales[row * ngroups + (at.col >> a.group_shift)] : 0.0f;
@@ -1312,6 +1354,16 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
 // Launch helpers
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+bool valid_saved_format(coat_saved_format format) { return format == COAT_SAVED_E4M3 || format == COAT_SAVED_FP4; }
+
+SavedCodes saved_codes(const uint8_t* data, int64_t cols, coat_saved_format format) {
+  const bool fp4 = format == COAT_SAVED_FP4;
+  return {data, fp4 ? (cols + 1) / 2 : cols, fp4};
+}
+
+// Whether saved codes of rows of cols % 8 == 0 elements take SavedCodes' vector loads.
+bool vector_aligned(const SavedCodes& codes) { return aligned(codes.data, codes.fp4 ? 4 : 8); }
 
 bool rows_aligned16(const void* base, coat_dtype dtype, int64_t row_stride) {
   return aligned(base, 16) && (row_stride * (dtype == COAT_FLOAT32 ? 4 : 2)) % 16 == 0;
@@ -1447,7 +1499,7 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
                                        coat_cuda_stream stream) {
   if (!valid_matrix(x, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr ||
       !coat_is_valid_group_size(save_group_size) || y_scale == nullptr || y_amax == nullptr ||
-      (save_format != COAT_SAVED_E4M3 && save_format != COAT_SAVED_FP4))
+      !valid_saved_format(save_format))
     return COAT_ERROR_INVALID_ARGUMENT;
   const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   if (cudaMemsetAsync(y_amax, 0, sizeof(float), cuda_stream) != cudaSuccess) return COAT_ERROR_CUDA;
@@ -1488,11 +1540,12 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
 
 coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
-                                       int64_t save_group_size, const float* rstd, const void* weight,
-                                       coat_dtype weight_dtype, const void* residual, coat_dtype residual_dtype,
-                                       void* dx, float* dweight, float* workspace, coat_cuda_stream stream) {
+                                       int64_t save_group_size, coat_saved_format saved_format, const float* rstd,
+                                       const void* weight, coat_dtype weight_dtype, const void* residual,
+                                       coat_dtype residual_dtype, void* dx, float* dweight, float* workspace,
+                                       coat_cuda_stream stream) {
   if (!valid_matrix(dy, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr ||
-      dweight == nullptr || !coat_is_valid_group_size(save_group_size) ||
+      dweight == nullptr || !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
       (rows > 0 && (x_saved == nullptr || x_saved_scales == nullptr || rstd == nullptr || dx == nullptr ||
                     workspace == nullptr)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -1503,7 +1556,7 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
   args.rows = rows;
   args.cols = static_cast<int>(cols);
   args.row_stride = row_stride;
-  args.x_saved = x_saved;
+  args.x_saved = saved_codes(x_saved, cols, saved_format);
   args.x_saved_scales = x_saved_scales;
   args.group_shift = coat::device::ceil_log2(save_group_size);
   args.rstd = rstd;
@@ -1517,13 +1570,13 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
   args.dx = dx;
   args.workspace = workspace;
   if (rows > 0) {
-    // dx and the residual are contiguous (16-byte aligned rows when cols % 8 == 0); codes move 8 bytes at a time.
+    // dx and the residual are contiguous (16-byte aligned rows when cols % 8 == 0); codes move a chunk at a time.
     // A residual takes the 16-byte path in dy's dtype or in fp32 (an fp32 residual stream); other dtype pairs,
     // which no layer makes, go element by element.
     const bool vector_residual = residual == nullptr || (aligned(residual, 16) && (residual_dtype == dy_dtype ||
                                                                                    residual_dtype == COAT_FLOAT32));
     const bool vector = cols % kChunk == 0 && rows_aligned16(dy, dy_dtype, row_stride) && aligned(weight, 16) &&
-                        aligned(dx, 16) && aligned(x_saved, 8) && vector_residual;
+                        aligned(dx, 16) && vector_aligned(args.x_saved) && vector_residual;
     coat_status status = COAT_SUCCESS;
     with_io(dy_dtype, vector, [&](auto io) {
       using Io = decltype(io);
@@ -1552,7 +1605,7 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
                                         uint8_t* up_saved, float* up_scales, float* y_amax, coat_cuda_stream stream) {
   if (!valid_matrix(gate, rows, cols, gate_row_stride) || !valid_matrix(up, rows, cols, up_row_stride) ||
       !coat_is_valid_group_size(save_group_size) || y_scale == nullptr || y_amax == nullptr ||
-      (save_format != COAT_SAVED_E4M3 && save_format != COAT_SAVED_FP4))
+      !valid_saved_format(save_format))
     return COAT_ERROR_INVALID_ARGUMENT;
   const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   if (cudaMemsetAsync(y_amax, 0, sizeof(float), cuda_stream) != cudaSuccess) return COAT_ERROR_CUDA;
@@ -1597,21 +1650,22 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
 }
 
 coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
-                                         const float* rstd, int64_t rows, int64_t cols, const void* weight,
-                                         coat_dtype weight_dtype, const float* y_scale, coat_fp8_format y_format,
-                                         uint8_t* y_t, coat_cuda_stream stream) {
+                                         coat_saved_format saved_format, const float* rstd, int64_t rows,
+                                         int64_t cols, const void* weight, coat_dtype weight_dtype,
+                                         const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
+                                         coat_cuda_stream stream) {
   if (rows < 0 || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr || y_scale == nullptr ||
-      !coat_is_valid_group_size(save_group_size) ||
+      !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
       (rows > 0 && (x_saved == nullptr || x_saved_scales == nullptr || rstd == nullptr || y_t == nullptr)))
     return COAT_ERROR_INVALID_ARGUMENT;
   if (rows == 0) return COAT_SUCCESS;
   const int group_shift = coat::device::ceil_log2(save_group_size);
   const int ngroups = static_cast<int>(coat_ceil_div(cols, save_group_size));
-  const bool vector = cols % kChunk == 0 && aligned(x_saved, 8) && aligned(weight, 16);
+  const SavedCodes codes = saved_codes(x_saved, cols, saved_format);
+  const bool vector = cols % kChunk == 0 && vector_aligned(codes) && aligned(weight, 16);
   return with_vector(vector, [&](auto vector_codes) {
     using Saved = SavedRows<decltype(vector_codes)::value>;
-    const RmsnormApply<Saved> op{Saved{x_saved, x_saved_scales, static_cast<int>(cols), ngroups, group_shift}, rstd,
-                                 weight, weight_dtype};
+    const RmsnormApply<Saved> op{Saved{codes, x_saved_scales, ngroups, group_shift}, rstd, weight, weight_dtype};
     return launch_apply_quantize(op, rows, static_cast<int>(cols), OutputScale::of(y_scale), y_format, nullptr, y_t,
                                  reinterpret_cast<cudaStream_t>(stream));
   });
@@ -1619,23 +1673,25 @@ coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_
 
 coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float* gate_scales,
                                           const uint8_t* up_saved, const float* up_scales, int64_t save_group_size,
-                                          int64_t rows, int64_t cols, const float* smooth_scale,
-                                          const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
-                                          coat_cuda_stream stream) {
+                                          coat_saved_format saved_format, int64_t rows, int64_t cols,
+                                          const float* smooth_scale, const float* y_scale, coat_fp8_format y_format,
+                                          uint8_t* y_t, coat_cuda_stream stream) {
   if (rows < 0 || cols < 0 || cols > COAT_NORM_ACT_MAX_COLS || y_scale == nullptr ||
-      !coat_is_valid_group_size(save_group_size) ||
+      !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
       (rows * cols > 0 && (gate_saved == nullptr || gate_scales == nullptr || up_saved == nullptr ||
                            up_scales == nullptr || y_t == nullptr)))
     return COAT_ERROR_INVALID_ARGUMENT;
   if (rows * cols == 0) return COAT_SUCCESS;
   const int group_shift = coat::device::ceil_log2(save_group_size);
   const int ngroups = static_cast<int>(coat_ceil_div(cols, save_group_size));
-  const bool vector = cols % kChunk == 0 && aligned(gate_saved, 8) && aligned(up_saved, 8) &&
+  const SavedCodes gate_codes = saved_codes(gate_saved, cols, saved_format);
+  const SavedCodes up_codes = saved_codes(up_saved, cols, saved_format);
+  const bool vector = cols % kChunk == 0 && vector_aligned(gate_codes) && vector_aligned(up_codes) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16));
   return with_vector(vector, [&](auto vector_codes) {
     using Saved = SavedRows<decltype(vector_codes)::value>;
-    const Saved gate{gate_saved, gate_scales, static_cast<int>(cols), ngroups, group_shift};
-    const Saved up{up_saved, up_scales, static_cast<int>(cols), ngroups, group_shift};
+    const Saved gate{gate_codes, gate_scales, ngroups, group_shift};
+    const Saved up{up_codes, up_scales, ngroups, group_shift};
     const SiluMulApply<Saved> op{gate, up, smooth_scale};
     return launch_apply_quantize(op, rows, static_cast<int>(cols), OutputScale::of(y_scale), y_format, nullptr, y_t,
                                  reinterpret_cast<cudaStream_t>(stream));
@@ -1645,9 +1701,11 @@ coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float
 coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                         int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                         const uint8_t* up_saved, const float* up_scales,
-                                        const float* smooth_scale, int64_t save_group_size, void* dgate,
-                                        void* dup, float* d_amax, coat_cuda_stream stream) {
+                                        const float* smooth_scale, int64_t save_group_size,
+                                        coat_saved_format saved_format, void* dgate, void* dup, float* d_amax,
+                                        coat_cuda_stream stream) {
   if (!valid_matrix(dy, rows, cols, row_stride) || !coat_is_valid_group_size(save_group_size) ||
+      !valid_saved_format(saved_format) ||
       (rows * cols > 0 && (gate_saved == nullptr || gate_scales == nullptr || up_saved == nullptr ||
                            up_scales == nullptr || dgate == nullptr || dup == nullptr)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -1658,9 +1716,9 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
   args.rows = rows;
   args.cols = static_cast<int>(cols);
   args.row_stride = row_stride;
-  args.gate_saved = gate_saved;
+  args.gate_saved = saved_codes(gate_saved, cols, saved_format);
   args.gate_scales = gate_scales;
-  args.up_saved = up_saved;
+  args.up_saved = saved_codes(up_saved, cols, saved_format);
   args.up_scales = up_scales;
   args.smooth_scale = smooth_scale;
   args.group_shift = coat::device::ceil_log2(save_group_size);
@@ -1669,7 +1727,7 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
   args.d_amax = d_amax;
   const bool vector = cols % kChunk == 0 && rows_aligned16(dy, dy_dtype, row_stride) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(dgate, 16) &&
-                      aligned(dup, 16) && aligned(gate_saved, 8) && aligned(up_saved, 8);
+                      aligned(dup, 16) && vector_aligned(args.gate_saved) && vector_aligned(args.up_saved);
   coat_status status = COAT_SUCCESS;
   with_io(dy_dtype, vector, [&](auto io) {
     using Io = decltype(io);

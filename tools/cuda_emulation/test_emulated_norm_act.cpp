@@ -1,7 +1,7 @@
 // Runs csrc/cuda/norm_act.cu's kernels under the CPU emulation (cuda_runtime.h here) and compares every output
-// with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward, requantize (with the
-// forward's y_scale and with one that saturates, from aligned and misaligned codes) and backward (without a
-// residual gradient, and with one of dy's dtype or another), over row widths of every lane count, odd widths
+// with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward (saving E4M3 and FP4),
+// requantize (with the forward's y_scale and with one that saturates, from aligned and misaligned codes) and
+// backward (without a residual gradient, and with one of dy's dtype or another), both from either saved format, over row widths of every lane count, odd widths
 // and misaligned views (the element-wise path), row strides, the three dtypes, every save group size, both FP8
 // formats, with and without the transpose, NaN / Inf / zero / subnormal / huge inputs and gates past the fast
 // sigmoid's range, on 1 to 3 emulated SMs (so that the persistent kernels walk several rows or tiles per block
@@ -93,19 +93,35 @@ Matrix make_matrix(int64_t rows, int64_t cols, int64_t row_stride, int offset, c
 }
 
 // A copy of `codes` starting `offset` bytes past a 16-byte boundary (offset 1: the element-wise path).
-struct SavedCodes {
+struct PlacedCodes {
   std::vector<uint8_t> buffer;
   uint8_t* data;
 };
 
-SavedCodes codes_at(const std::vector<uint8_t>& codes, int offset) {
-  SavedCodes c;
+PlacedCodes codes_at(const std::vector<uint8_t>& codes, int offset) {
+  PlacedCodes c;
   c.buffer.assign(codes.size() + 32, 0);
   const uintptr_t base = reinterpret_cast<uintptr_t>(c.buffer.data());
   c.data = reinterpret_cast<uint8_t*>(((base + 15) & ~uintptr_t{15}) + offset);
   if (!codes.empty()) memcpy(c.data, codes.data(), codes.size());
   return c;
 }
+
+// An input a forward saved for backward: its format, codes and scales.
+struct SavedInput {
+  coat_saved_format format;
+  const std::vector<uint8_t>* codes;
+  const std::vector<float>* scales;
+};
+
+// SiLU*mul's two saved inputs.
+struct SavedPair {
+  coat_saved_format format;
+  const std::vector<uint8_t>* gate;
+  const std::vector<float>* gate_scales;
+  const std::vector<uint8_t>* up;
+  const std::vector<float>* up_scales;
+};
 
 // The y_scales a requantize case runs with: the forward's, and an eighth of it, which sends the largest values
 // past FP8_MAX (saturation).
@@ -145,7 +161,9 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
     o.y.assign(n, 0xAB), o.y_t.assign(transpose ? n : 0, 0xAB), o.saved.assign(n, 0xAB);
     o.y_scale.assign(1, -1.0f), o.scales.assign(rows * ngroups, -1.0f), o.rstd.assign(rows, -1.0f), o.y_amax.assign(1, -1.0f);
   }
-  // First with x kept in FP4 (coat_quantize_fp4's packed layout), then in E4M3, whose outputs the rest reads.
+  // First with x kept in FP4 (coat_quantize_fp4's packed layout), then in E4M3; requantize and backward read both.
+  std::vector<uint8_t> fp4_saved;
+  std::vector<float> fp4_scales;
   for (const coat_saved_format save : {COAT_SAVED_FP4, COAT_SAVED_E4M3}) {
     const int64_t saved_bytes = save == COAT_SAVED_FP4 ? rows * ((cols + 1) / 2) : n;
     for (Out& o : out) o.saved.assign(saved_bytes, 0xAB);
@@ -161,6 +179,7 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
     if (save == COAT_SAVED_FP4) {
       same(out[0].saved, out[1].saved, "x_saved fp4", name);
       same(out[0].scales, out[1].scales, "x_saved_scales fp4", name);
+      fp4_saved = out[0].saved, fp4_scales = out[0].scales;
     }
   }
   same(out[0].y, out[1].y, "y", name);
@@ -171,18 +190,23 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
   same(out[0].rstd, out[1].rstd, "rstd", name);
   same(out[0].y_amax, out[1].y_amax, "y_amax", name);
 
+  const SavedInput saved_inputs[] = {{COAT_SAVED_E4M3, &out[0].saved, &out[0].scales},
+                                     {COAT_SAVED_FP4, &fp4_saved, &fp4_scales}};
+
   // y_t recomputed from the saved input (misaligned with `offset`).
-  const SavedCodes x_saved = codes_at(out[0].saved, offset);
-  for (const float y_scale : requantize_scales(out[0].y_scale[0])) {
-    std::vector<uint8_t> y_t[2] = {std::vector<uint8_t>(n, 0xAB), std::vector<uint8_t>(n, 0xCD)};
-    const coat_status cpu_r = coat_rmsnorm_requantize_cpu(x_saved.data, out[0].scales.data(), group, out[0].rstd.data(),
-                                                          rows, cols, weight.data, w_dtype, &y_scale, format,
-                                                          y_t[0].data());
-    const coat_status gpu_r = coat_rmsnorm_requantize_cuda(x_saved.data, out[0].scales.data(), group,
-                                                           out[0].rstd.data(), rows, cols, weight.data, w_dtype,
-                                                           &y_scale, format, y_t[1].data(), nullptr);
-    CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", name, cpu_r, gpu_r);
-    same(y_t[0], y_t[1], "requantized y_t", name);
+  for (const SavedInput& saved : saved_inputs) {
+    const PlacedCodes x_saved = codes_at(*saved.codes, offset);
+    for (const float y_scale : requantize_scales(out[0].y_scale[0])) {
+      std::vector<uint8_t> y_t[2] = {std::vector<uint8_t>(n, 0xAB), std::vector<uint8_t>(n, 0xCD)};
+      const coat_status cpu_r = coat_rmsnorm_requantize_cpu(x_saved.data, saved.scales->data(), group, saved.format,
+                                                            out[0].rstd.data(), rows, cols, weight.data, w_dtype,
+                                                            &y_scale, format, y_t[0].data());
+      const coat_status gpu_r = coat_rmsnorm_requantize_cuda(x_saved.data, saved.scales->data(), group, saved.format,
+                                                             out[0].rstd.data(), rows, cols, weight.data, w_dtype,
+                                                             &y_scale, format, y_t[1].data(), nullptr);
+      CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", name, cpu_r, gpu_r);
+      same(y_t[0], y_t[1], saved.format == COAT_SAVED_FP4 ? "requantized y_t from fp4" : "requantized y_t", name);
+    }
   }
 
   // Backward from the saved input, with a dy of the same layout: without a residual, then with one of each of
@@ -192,12 +216,13 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
   std::vector<Matrix> residuals;
   for (const coat_dtype dtype : residual_dtypes)
     residuals.push_back(make_matrix(rows, cols, cols, offset, dtype, dy_specials));
+  for (const SavedInput& saved : saved_inputs)
   for (size_t k = 0; k <= residuals.size(); ++k) {
     const Matrix* residual = k > 0 ? &residuals[k - 1] : nullptr;
     const coat_dtype dx_dtype = residual ? residual->dtype : x_dtype;
-    char backward_name[200];
-    snprintf(backward_name, sizeof backward_name, "%s backward, residual %s", name,
-             residual ? dtype_name(dx_dtype) : "none");
+    char backward_name[220];
+    snprintf(backward_name, sizeof backward_name, "%s backward from %s, residual %s", name,
+             saved.format == COAT_SAVED_FP4 ? "fp4" : "e4m3", residual ? dtype_name(dx_dtype) : "none");
     struct Grads {
       std::vector<uint8_t> dx;
       std::vector<float> dweight, workspace;
@@ -209,12 +234,12 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
     }
     const void* residual_data = residual ? residual->data : nullptr;
     const coat_status cpu_b = coat_rmsnorm_backward_cpu(
-        dy.data, x_dtype, rows, cols, row_stride, out[0].saved.data(), out[0].scales.data(), group, out[0].rstd.data(),
-        weight.data, w_dtype, residual_data, dx_dtype, grads[0].dx.data(), grads[0].dweight.data(),
+        dy.data, x_dtype, rows, cols, row_stride, saved.codes->data(), saved.scales->data(), group, saved.format,
+        out[0].rstd.data(), weight.data, w_dtype, residual_data, dx_dtype, grads[0].dx.data(), grads[0].dweight.data(),
         grads[0].workspace.data());
     const coat_status gpu_b = coat_rmsnorm_backward_cuda(
-        dy.data, x_dtype, rows, cols, row_stride, out[0].saved.data(), out[0].scales.data(), group, out[0].rstd.data(),
-        weight.data, w_dtype, residual_data, dx_dtype, grads[1].dx.data(), grads[1].dweight.data(),
+        dy.data, x_dtype, rows, cols, row_stride, saved.codes->data(), saved.scales->data(), group, saved.format,
+        out[0].rstd.data(), weight.data, w_dtype, residual_data, dx_dtype, grads[1].dx.data(), grads[1].dweight.data(),
         grads[1].workspace.data(), nullptr);
     CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s: status %d %d", backward_name, cpu_b, gpu_b);
     same(grads[0].dx, grads[1].dx, "dx", backward_name);
@@ -249,7 +274,10 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
     o.y_scale.assign(1, -1.0f), o.gate_scales.assign(rows * ngroups, -1.0f), o.up_scales.assign(rows * ngroups, -1.0f);
     o.y_amax.assign(1, -1.0f);
   }
-  // First with gate and up kept in FP4 (coat_quantize_fp4's packed layout), then in E4M3, which the rest reads.
+  // First with gate and up kept in FP4 (coat_quantize_fp4's packed layout), then in E4M3; requantize and backward
+  // read both.
+  std::vector<uint8_t> fp4_gate, fp4_up;
+  std::vector<float> fp4_gate_scales, fp4_up_scales;
   for (const coat_saved_format save : {COAT_SAVED_FP4, COAT_SAVED_E4M3}) {
     const int64_t saved_bytes = save == COAT_SAVED_FP4 ? rows * ((cols + 1) / 2) : n;
     for (Out& o : out) o.gate_saved.assign(saved_bytes, 0xAB), o.up_saved.assign(saved_bytes, 0xAB);
@@ -267,6 +295,8 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
       same(out[0].up_saved, out[1].up_saved, "up_saved fp4", name);
       same(out[0].gate_scales, out[1].gate_scales, "gate_scales fp4", name);
       same(out[0].up_scales, out[1].up_scales, "up_scales fp4", name);
+      fp4_gate = out[0].gate_saved, fp4_up = out[0].up_saved;
+      fp4_gate_scales = out[0].gate_scales, fp4_up_scales = out[0].up_scales;
     }
   }
   same(out[0].y, out[1].y, "y", name);
@@ -278,48 +308,57 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
   same(out[0].up_scales, out[1].up_scales, "up_scales", name);
   same(out[0].y_amax, out[1].y_amax, "y_amax", name);
 
-  const SavedCodes gate_saved = codes_at(out[0].gate_saved, offset), up_saved = codes_at(out[0].up_saved, 0);
-  // The forward's gate scales, and a copy in which some groups have an Inf scale (decoded gates +-Inf, NaN) or
-  // one that takes the largest codes past the largest bf16 (448 * 7.59e35 is finite in fp32, Inf in bf16).
-  std::vector<float> far_gate_scales = out[0].gate_scales;
-  for (size_t i = 0; i < far_gate_scales.size(); ++i)
-    if (i % 5 == 2) far_gate_scales[i] = INFINITY;
-    else if (i % 7 == 3) far_gate_scales[i] = 7.59e35f;
-  for (const std::vector<float>* gate_scales : {&out[0].gate_scales, &far_gate_scales})
-  for (const float y_scale : requantize_scales(out[0].y_scale[0])) {
-    std::vector<uint8_t> y_t[2] = {std::vector<uint8_t>(n, 0xAB), std::vector<uint8_t>(n, 0xCD)};
-    const coat_status cpu_r = coat_silu_mul_requantize_cpu(gate_saved.data, gate_scales->data(), up_saved.data,
-                                                           out[0].up_scales.data(), group, rows, cols, smooth_ptr,
-                                                           &y_scale, format, y_t[0].data());
-    const coat_status gpu_r = coat_silu_mul_requantize_cuda(gate_saved.data, gate_scales->data(),
-                                                            up_saved.data, out[0].up_scales.data(), group, rows, cols,
-                                                            smooth_ptr, &y_scale, format, y_t[1].data(), nullptr);
-    CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", name, cpu_r, gpu_r);
-    same(y_t[0], y_t[1], gate_scales == &far_gate_scales ? "requantized y_t, far gate scales" : "requantized y_t",
-         name);
-  }
-
   const Matrix dy = make_matrix(rows, cols, stride, offset, dtype, specials);
-  std::vector<uint8_t> dgate[2], dup[2];
-  for (int k = 0; k < 2; ++k) dgate[k].assign(n * bytes_of(dtype), 0xAB), dup[k].assign(n * bytes_of(dtype), 0xAB);
-  // a nonzero start: the amax accumulates into what the buffer holds
-  float d_amax[2] = {0.125f, 0.125f};
-  const coat_status cpu_b =
-      coat_silu_mul_backward_cpu(dy.data, dtype, rows, cols, stride, out[0].gate_saved.data(), out[0].gate_scales.data(),
-                                 out[0].up_saved.data(), out[0].up_scales.data(), smooth_ptr, group, dgate[0].data(),
-                                 dup[0].data(), &d_amax[0]);
-  const coat_status gpu_b = coat_silu_mul_backward_cuda(
-      dy.data, dtype, rows, cols, stride, out[0].gate_saved.data(), out[0].gate_scales.data(), out[0].up_saved.data(),
-      out[0].up_scales.data(), smooth_ptr, group, dgate[1].data(), dup[1].data(), &d_amax[1], nullptr);
-  CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s backward: status %d %d", name, cpu_b, gpu_b);
-  same(dgate[0], dgate[1], "dgate", name);
-  same(dup[0], dup[1], "dup", name);
-  float stored_amax = 0.125f;
-  for (int64_t i = 0; i < n; ++i)
-    stored_amax = coat_amax_step(coat_amax_step(stored_amax, coat_load_f32(dgate[0].data(), dtype, i)),
-                                 coat_load_f32(dup[0].data(), dtype, i));
-  CHECK(f2u(d_amax[0]) == f2u(stored_amax) && f2u(d_amax[1]) == f2u(stored_amax),
-        "%s backward: d_amax %a (CPU) %a (CUDA), stored values' amax %a", name, d_amax[0], d_amax[1], stored_amax);
+  const SavedPair saved_pairs[] = {
+      {COAT_SAVED_E4M3, &out[0].gate_saved, &out[0].gate_scales, &out[0].up_saved, &out[0].up_scales},
+      {COAT_SAVED_FP4, &fp4_gate, &fp4_gate_scales, &fp4_up, &fp4_up_scales}};
+  for (const SavedPair& saved : saved_pairs) {
+    char saved_name[200];
+    snprintf(saved_name, sizeof saved_name, "%s from %s", name, saved.format == COAT_SAVED_FP4 ? "fp4" : "e4m3");
+    const PlacedCodes gate_saved = codes_at(*saved.gate, offset), up_saved = codes_at(*saved.up, 0);
+    // The forward's gate scales, and a copy in which some groups have an Inf scale (decoded gates +-Inf, NaN) or
+    // one that takes the largest codes past the largest bf16 (448 * 7.59e35 is finite in fp32, Inf in bf16).
+    std::vector<float> far_gate_scales = *saved.gate_scales;
+    for (size_t i = 0; i < far_gate_scales.size(); ++i)
+      if (i % 5 == 2) far_gate_scales[i] = INFINITY;
+      else if (i % 7 == 3) far_gate_scales[i] = 7.59e35f;
+    const std::vector<float>* gate_scale_choices[] = {saved.gate_scales, &far_gate_scales};
+    for (const std::vector<float>* gate_scales : gate_scale_choices)
+    for (const float y_scale : requantize_scales(out[0].y_scale[0])) {
+      std::vector<uint8_t> y_t[2] = {std::vector<uint8_t>(n, 0xAB), std::vector<uint8_t>(n, 0xCD)};
+      const coat_status cpu_r = coat_silu_mul_requantize_cpu(
+          gate_saved.data, gate_scales->data(), up_saved.data, saved.up_scales->data(), group, saved.format, rows,
+          cols, smooth_ptr, &y_scale, format, y_t[0].data());
+      const coat_status gpu_r = coat_silu_mul_requantize_cuda(
+          gate_saved.data, gate_scales->data(), up_saved.data, saved.up_scales->data(), group, saved.format, rows,
+          cols, smooth_ptr, &y_scale, format, y_t[1].data(), nullptr);
+      CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", saved_name, cpu_r, gpu_r);
+      same(y_t[0], y_t[1], gate_scales == &far_gate_scales ? "requantized y_t, far gate scales" : "requantized y_t",
+           saved_name);
+    }
+
+    std::vector<uint8_t> dgate[2], dup[2];
+    for (int k = 0; k < 2; ++k) dgate[k].assign(n * bytes_of(dtype), 0xAB), dup[k].assign(n * bytes_of(dtype), 0xAB);
+    // a nonzero start: the amax accumulates into what the buffer holds
+    float d_amax[2] = {0.125f, 0.125f};
+    const coat_status cpu_b = coat_silu_mul_backward_cpu(
+        dy.data, dtype, rows, cols, stride, saved.gate->data(), saved.gate_scales->data(), saved.up->data(),
+        saved.up_scales->data(), smooth_ptr, group, saved.format, dgate[0].data(), dup[0].data(), &d_amax[0]);
+    const coat_status gpu_b = coat_silu_mul_backward_cuda(
+        dy.data, dtype, rows, cols, stride, saved.gate->data(), saved.gate_scales->data(), saved.up->data(),
+        saved.up_scales->data(), smooth_ptr, group, saved.format, dgate[1].data(), dup[1].data(), &d_amax[1],
+        nullptr);
+    CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s backward: status %d %d", saved_name, cpu_b, gpu_b);
+    same(dgate[0], dgate[1], "dgate", saved_name);
+    same(dup[0], dup[1], "dup", saved_name);
+    float stored_amax = 0.125f;
+    for (int64_t i = 0; i < n; ++i)
+      stored_amax = coat_amax_step(coat_amax_step(stored_amax, coat_load_f32(dgate[0].data(), dtype, i)),
+                                   coat_load_f32(dup[0].data(), dtype, i));
+    CHECK(f2u(d_amax[0]) == f2u(stored_amax) && f2u(d_amax[1]) == f2u(stored_amax),
+          "%s backward: d_amax %a (CPU) %a (CUDA), stored values' amax %a", saved_name, d_amax[0], d_amax[1],
+          stored_amax);
+  }
 }
 
 // sigmoid_near(g) == coat_sigmoid(g) for every float g >= -80 (every `step`-th bit pattern), on all cores.

@@ -36,7 +36,11 @@
  *                    coat_quantize_group(input, G, E4M3); the backward and requantize entry points read this.
  *   COAT_SAVED_FP4:  saved (rows*ceil(cols/2) bytes) and scales (rows*ceil(cols/G) fp32) are bit for bit
  *                    coat_quantize_fp4(input, G) (coat/quantize.h): the copy a layer keeps at about 4 bits,
- *                    made while the input is read anyway; coat_fp4_to_e4m3 expands it for backward.
+ *                    made while the input is read anyway.
+ * The backward and requantize entry points read either format (their `saved_format`). An FP4 code is read as
+ * its E4M3 expansion coat_e2m1_to_e4m3 (the same value, with the same block scale), so their results from an
+ * FP4 copy equal, bit for bit, their results from coat_fp4_to_e4m3's expansion of it, without that expansion
+ * being written: below, "decoded" means this decoding in both formats.
  *
  * Determinism. Every sum (the per-row sum of squares and dot product of RMSNorm, the column sums of
  * dweight) has a fixed reduction order, defined in coat/detail/norm_act_math.h and shared by the C and
@@ -90,8 +94,8 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
  *  of rows (see coat_rmsnorm_backward_rows_per_slice in coat/detail/norm_act_math.h). */
 int64_t coat_rmsnorm_backward_workspace_size(int64_t rows, int64_t cols);
 
-/** RMSNorm backward from the FP8-saved input. With x' = fp8_decode(x_saved) * scale (fp32, as
- *  coat_dequantize gives), and per row r:
+/** RMSNorm backward from the saved input. With x' = decoded x_saved * scale (fp32, as coat_dequantize and
+ *  coat_dequantize_fp4 give), and per row r:
  *    xhat[c] = x'[r,c] * rstd[r],   g[c] = dy[r,c] * weight[c]
  *    dot     = sum_c g[c] * xhat[c]                         (fixed reduction order, as the forward's sum)
  *    dx[r,c] = (g[c] - xhat[c] * (dot / cols)) * rstd[r]    rounded to dy's dtype
@@ -102,21 +106,22 @@ int64_t coat_rmsnorm_backward_workspace_size(int64_t rows, int64_t cols);
  *  which is torch's dx.to(residual.dtype) + residual whenever dy's dtype converts to residual's exactly (the
  *  same dtype, or an fp32 residual): torch adds 16-bit tensors in fp32 and rounds once. A NaN dx is stored
  *  canonically in every dtype (0x7FC00000, bf16 0x7FC0, fp16 0x7E00), whichever operand it came from.
- *  dy: `dy_dtype`, rows x cols with row_stride; x_saved: rows*cols E4M3 bytes; x_saved_scales:
- *  rows*ceil(cols/G) fp32; rstd: `rows` fp32; weight: `cols` elements of `weight_dtype`; residual: NULL, or
- *  rows*cols contiguous elements of `residual_dtype` (ignored without one); dx: rows*cols contiguous elements
- *  of `residual_dtype` with a residual, of `dy_dtype` without; dweight: `cols` fp32; workspace:
+ *  dy: `dy_dtype`, rows x cols with row_stride; x_saved, x_saved_scales: as coat_rmsnorm_quantize_* saved them
+ *  in saved_format with save_group_size G; rstd: `rows` fp32; weight: `cols` elements of `weight_dtype`;
+ *  residual: NULL, or rows*cols contiguous elements of `residual_dtype` (ignored without one); dx: rows*cols
+ *  contiguous elements of `residual_dtype` with a residual, of `dy_dtype` without; dweight: `cols` fp32; workspace:
  *  coat_rmsnorm_backward_workspace_size fp32 of scratch. 1 <= cols <= COAT_RMSNORM_MAX_COLS. */
 coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                       int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
-                                      int64_t save_group_size, const float* rstd, const void* weight,
-                                      coat_dtype weight_dtype, const void* residual, coat_dtype residual_dtype,
-                                      void* dx, float* dweight, float* workspace);
+                                      int64_t save_group_size, coat_saved_format saved_format, const float* rstd,
+                                      const void* weight, coat_dtype weight_dtype, const void* residual,
+                                      coat_dtype residual_dtype, void* dx, float* dweight, float* workspace);
 coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
-                                       int64_t save_group_size, const float* rstd, const void* weight,
-                                       coat_dtype weight_dtype, const void* residual, coat_dtype residual_dtype,
-                                       void* dx, float* dweight, float* workspace, coat_cuda_stream stream);
+                                       int64_t save_group_size, coat_saved_format saved_format, const float* rstd,
+                                       const void* weight, coat_dtype weight_dtype, const void* residual,
+                                       coat_dtype residual_dtype, void* dx, float* dweight, float* workspace,
+                                       coat_cuda_stream stream);
 
 /** SiLU*mul forward (SwiGLU's activation) with FP8 output and FP8-saved inputs.
  *    y_f32 = (silu(gate[r,c]) * up[r,c]) * smooth_scale[c]     (a factor of 1, which is exact, when
@@ -139,13 +144,15 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
                                         float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
                                         uint8_t* up_saved, float* up_scales, float* y_amax, coat_cuda_stream stream);
 
-/** SiLU*mul backward from the FP8-saved inputs g' and u' (decoded as coat_dequantize does), elementwise:
+/** SiLU*mul backward from the saved inputs g' and u' (decoded as coat_dequantize and coat_dequantize_fp4 do, in
+ *  saved_format), elementwise:
  *    s        = 1 / (1 + exp(-g'))                          (sigmoid, as in the forward)
  *    dy_s     = dy * smooth_scale[c]                        (dy * 1 without smooth_scale)
  *    dup      = dy_s * (g' * s)
  *    dgate    = (dy_s * u') * (s * (1 + g' * (1 - s)))
- *  both rounded to dy's dtype. dy: `dy_dtype`, rows x cols with row_stride; dgate, dup: rows*cols
- *  contiguous elements of `dy_dtype`.
+ *  both rounded to dy's dtype. dy: `dy_dtype`, rows x cols with row_stride; gate_saved, up_saved and their scales:
+ *  as coat_silu_mul_quantize_* saved them in saved_format; dgate, dup: rows*cols contiguous elements of
+ *  `dy_dtype`.
  *  d_amax: NULL, or one fp32 accumulated as coat_tensor_amax_* accumulates (it must hold a value >= 0 and not
  *  NaN, 0 to start):
  *    d_amax[0] = max(d_amax[0], max |dgate|, max |dup|)       over the stored (rounded) values, NaN ignored
@@ -154,39 +161,41 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
 coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                        const uint8_t* up_saved, const float* up_scales,
-                                       const float* smooth_scale, int64_t save_group_size, void* dgate,
-                                       void* dup, float* d_amax);
+                                       const float* smooth_scale, int64_t save_group_size,
+                                       coat_saved_format saved_format, void* dgate, void* dup, float* d_amax);
 coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                         int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                         const uint8_t* up_saved, const float* up_scales,
-                                        const float* smooth_scale, int64_t save_group_size, void* dgate,
-                                        void* dup, float* d_amax, coat_cuda_stream stream);
+                                        const float* smooth_scale, int64_t save_group_size,
+                                        coat_saved_format saved_format, void* dgate, void* dup, float* d_amax,
+                                        coat_cuda_stream stream);
 
 /** RMSNorm's FP8 transposed output recomputed from what the forward saved, so that a layer need not keep y_t
- *  for backward. With x' = fp8_decode(x_saved) * scale of its group (fp32, as coat_rmsnorm_backward_* decode it):
+ *  for backward. With x' = decoded x_saved * scale of its group (fp32, as coat_rmsnorm_backward_* decode it):
  *    y_f32 = (x'[r,c] * rstd[r]) * weight[c]                 (coat_rmsnorm_apply, as the forward)
  *    y_t[c*rows + r] = fp8_encode(y_f32 / y_scale[0])        in `y_format`, NaN canonical (0x7F)
  *  y_scale is an INPUT: the one fp32 the forward wrote. y_t equals the forward's y_t bit for bit when x equals
- *  x' (x was FP8-representable in its group); otherwise a code differs from the forward's by at most what
- *  x' - x (half an E4M3 step at most) changes y, plus half an FP8 step of each code (tests/test_norm_act.py
- *  states the bound). Values past the forward's amax, which x' may give, saturate to +-FP8_MAX like any
- *  finite quotient (only a quotient that overflows fp32, from a y_scale far below the forward's, gives the
- *  E5M2 Inf code). NaN follows the formula: a NaN code decodes to NaN, and a group saved with an Inf scale (its
- *  input held +-Inf, so the forward's rstd of that row is 0) to +-Inf and NaN, which give NaN codes over that
- *  group (the forward, from the exact x, has NaN at the Inf only).
- *  No row-major y is written. x_saved (rows*cols bytes), x_saved_scales (rows*ceil(cols/G) fp32), rstd
- *  (`rows` fp32): as coat_rmsnorm_quantize_* returned them with save_group_size G; weight: `cols` contiguous
- *  elements of `weight_dtype`; y_t: cols*rows bytes. 1 <= cols <= COAT_RMSNORM_MAX_COLS; rows may be 0. */
+ *  x' (x was representable in its group); otherwise a code differs from the forward's by at most what x' - x
+ *  (half an E4M3 step at most, half an E2M1 step from FP4) changes y, plus half an FP8 step of each code
+ *  (tests/test_norm_act.py states the bound). Values past the forward's amax, which x' may give, saturate to
+ *  +-FP8_MAX like any finite quotient (only a quotient that overflows fp32, from a y_scale far below the
+ *  forward's, gives the E5M2 Inf code). NaN follows the formula: a NaN code decodes to NaN, and a group saved
+ *  with an Inf scale (its input held +-Inf, so the forward's rstd of that row is 0) to +-Inf and NaN, which
+ *  give NaN codes over that group (the forward, from the exact x, has NaN at the Inf only).
+ *  No row-major y is written. x_saved, x_saved_scales, rstd (`rows` fp32): as coat_rmsnorm_quantize_* returned
+ *  them in saved_format with save_group_size G; weight: `cols` contiguous elements of `weight_dtype`; y_t:
+ *  cols*rows bytes. 1 <= cols <= COAT_RMSNORM_MAX_COLS; rows may be 0. */
 coat_status coat_rmsnorm_requantize_cpu(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
-                                        const float* rstd, int64_t rows, int64_t cols, const void* weight,
-                                        coat_dtype weight_dtype, const float* y_scale, coat_fp8_format y_format,
-                                        uint8_t* y_t);
+                                        coat_saved_format saved_format, const float* rstd, int64_t rows, int64_t cols,
+                                        const void* weight, coat_dtype weight_dtype, const float* y_scale,
+                                        coat_fp8_format y_format, uint8_t* y_t);
 coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
-                                         const float* rstd, int64_t rows, int64_t cols, const void* weight,
-                                         coat_dtype weight_dtype, const float* y_scale, coat_fp8_format y_format,
-                                         uint8_t* y_t, coat_cuda_stream stream);
+                                         coat_saved_format saved_format, const float* rstd, int64_t rows,
+                                         int64_t cols, const void* weight, coat_dtype weight_dtype,
+                                         const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
+                                         coat_cuda_stream stream);
 
-/** SiLU*mul's FP8 transposed output recomputed from the FP8-saved inputs g' and u' (decoded as
+/** SiLU*mul's FP8 transposed output recomputed from the saved inputs g' and u' (decoded as
  *  coat_silu_mul_backward_* decode them), silu taken of g' ROUNDED TO BF16 (nearest, ties to even):
  *    y_f32 = (silu(bf16(g'[r,c])) * u'[r,c]) * smooth_scale[c]   (coat_silu_mul with the forward's silu; u' fp32)
  *    y_t[c*rows + r] = fp8_encode(y_f32 / y_scale[0])            in `y_format`, NaN canonical (0x7F)
@@ -198,17 +207,18 @@ coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_
  *  y_scale, saturation and the tie to the forward's y_t are as in coat_rmsnorm_requantize_* (for bf16 gates
  *  bf16(g') = g' whenever g' = g), and NaN comes from the formula (a NaN code, or a zero code in a group saved
  *  with an Inf scale, decodes to NaN).
- *  gate_saved / up_saved (rows*cols bytes), gate_scales / up_scales (rows*ceil(cols/G) fp32): as
- *  coat_silu_mul_quantize_* returned them; smooth_scale: `cols` fp32 or NULL; y_t: cols*rows bytes. */
+ *  gate_saved / up_saved, gate_scales / up_scales: as coat_silu_mul_quantize_* returned them in saved_format;
+ *  smooth_scale: `cols` fp32 or NULL; y_t: cols*rows bytes. */
 coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float* gate_scales, const uint8_t* up_saved,
-                                         const float* up_scales, int64_t save_group_size, int64_t rows, int64_t cols,
+                                         const float* up_scales, int64_t save_group_size,
+                                         coat_saved_format saved_format, int64_t rows, int64_t cols,
                                          const float* smooth_scale, const float* y_scale, coat_fp8_format y_format,
                                          uint8_t* y_t);
 coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float* gate_scales,
                                           const uint8_t* up_saved, const float* up_scales, int64_t save_group_size,
-                                          int64_t rows, int64_t cols, const float* smooth_scale,
-                                          const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
-                                          coat_cuda_stream stream);
+                                          coat_saved_format saved_format, int64_t rows, int64_t cols,
+                                          const float* smooth_scale, const float* y_scale, coat_fp8_format y_format,
+                                          uint8_t* y_t, coat_cuda_stream stream);
 
 #ifdef __cplusplus
 }
