@@ -152,31 +152,41 @@ __device__ __forceinline__ Codes e2m1x8_to_e4m3(uint32_t word) {
 }
 
 // The codes an input was saved in for backward (coat/norm_act.h, "Saved inputs"): E4M3, or FP4 read as its exact
-// E4M3 expansion, so that the kernels reading them decode both alike.
+// E4M3 expansion, so that the kernels reading them decode both alike. The *_as<kFp4> forms take the format as a
+// compile-time constant, for kernels instantiated per format; the others read it from `fp4`.
 struct SavedCodes {
   const uint8_t* data;
   int64_t row_bytes;  // cols, or ceil(cols / 2) in FP4
   bool fp4;
 
-  // Elements [col, col + count) of `row` as E4M3 codes, zeros past count. `vector`: count is 0 or 8 and the
-  // codes are aligned for one access per chunk (8 bytes of E4M3, 4 of FP4).
-  __device__ __forceinline__ Codes load(int64_t row, int col, int count, bool vector) const {
+  // The codes of elements [col, col + count) of `row` as stored, zeros past count: 8 bytes of E4M3, or the packed
+  // FP4 codes in `lo` (element e in nibble e). `vector`: count is 0 or 8 and the codes are aligned for one access
+  // per chunk (8 bytes of E4M3, 4 of FP4).
+  template <bool kFp4>
+  __device__ __forceinline__ Codes load_as(int64_t row, int col, int count, bool vector) const {
     const uint8_t* row_codes = data + row * row_bytes;
-    if (!fp4) return load_codes(row_codes + col, count, vector);
-    if (vector) {
-      if (count == 0) return {0u, 0u};
-      return e2m1x8_to_e4m3(*reinterpret_cast<const uint32_t*>(row_codes + col / 2));
-    }
+    if constexpr (!kFp4) return load_codes(row_codes + col, count, vector);
+    if (vector) return {count == 0 ? 0u : *reinterpret_cast<const uint32_t*>(row_codes + col / 2), 0u};
     Codes codes{0u, 0u};
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) {
-      if (e < count) {
-        const uint32_t code = coat_e2m1_to_e4m3(coat_fp4_code_at(row_codes, col + e));
-        if (e < 4) codes.lo |= code << (8 * e);
-        else codes.hi |= code << (8 * (e - 4));
-      }
-    }
+    for (int e = 0; e < kChunk; ++e)
+      if (e < count) codes.lo |= uint32_t{coat_fp4_code_at(row_codes, col + e)} << (4 * e);
     return codes;
+  }
+
+  // Loaded codes as E4M3 codes: FP4 codes expand exactly. Apart from load(), so that a kernel prefetching the
+  // next row or tile waits for its data where it decodes it, not where it issues the load.
+  template <bool kFp4>
+  __device__ __forceinline__ static Codes e4m3_as(Codes loaded) {
+    if constexpr (kFp4) return e2m1x8_to_e4m3(loaded.lo);
+    return loaded;
+  }
+
+  __device__ __forceinline__ Codes load(int64_t row, int col, int count, bool vector) const {
+    return fp4 ? load_as<true>(row, col, count, vector) : load_as<false>(row, col, count, vector);
+  }
+  __device__ __forceinline__ Codes e4m3(Codes loaded) const {
+    return fp4 ? e4m3_as<true>(loaded) : e4m3_as<false>(loaded);
   }
 };
 
@@ -718,7 +728,10 @@ __device__ __forceinline__ float round_to_bf16(float g) {
 }
 
 // The gates of the SiLU*mul requantize op: silu of the decoded gate rounded to bf16 (coat_requantize_gate),
-// so from the bf16 table (and its computed fallback) of the forward.
+// so from the bf16 table (and its computed fallback) of the forward. kZeroGates, for FP4 copies, whose smallest
+// code is 0: a zero gate, below the table's range, is looked up as 1 and its silu put back (silu(+-0) = +-0 * 0.5
+// = +-0), since a chunk holding one would otherwise compute every silu of the chunk. E4M3 copies hold hardly any.
+template <bool kZeroGates>
 struct SiluOfDecodedGates {
   using Bf16 = SiluOfGates<VectorIo<COAT_BFLOAT16>>;
   using Table = Bf16::Table;
@@ -727,32 +740,41 @@ struct SiluOfDecodedGates {
     float rounded[kChunk];
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) rounded[e] = round_to_bf16(g[e]);
-    Bf16::chunk(table, rounded, silu);
+    if constexpr (!kZeroGates) {
+      Bf16::chunk(table, rounded, silu);
+    } else {
+      float looked_up[kChunk];
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) looked_up[e] = rounded[e] == 0.0f ? 1.0f : rounded[e];
+      Bf16::chunk(table, looked_up, silu);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) silu[e] = rounded[e] == 0.0f ? rounded[e] : silu[e];
+    }
   }
 };
 
-// A saved input: codes of rows x cols, and one scale per 1 x 2^group_shift group. kVectorCodes: cols % 8 == 0 and
-// codes aligned for SavedCodes' vector loads. As a gate, the decoded value is rounded to bf16 before silu
-// (coat_requantize_gate).
-template <bool kVectorCodes>
+// A saved input: codes of rows x cols (FP4 when kFp4, else E4M3), and one scale per 1 x 2^group_shift group.
+// kVectorCodes: cols % 8 == 0 and codes aligned for SavedCodes' vector loads. As a gate, the decoded value is
+// rounded to bf16 before silu (coat_requantize_gate).
+template <bool kVectorCodes, bool kFp4>
 struct SavedRows {
   static constexpr bool kVector = kVectorCodes;
   struct Chunk {
     Codes codes;
     float scale;
   };
-  using Gates = SiluOfDecodedGates;
+  using Gates = SiluOfDecodedGates<kFp4>;
   SavedCodes codes;
   const float* scales;
   int ngroups;      // scales per row, ceil(cols / 2^group_shift)
   int group_shift;  // log2 of the save group size
 
   __device__ __forceinline__ Chunk load(int64_t row, int col, int count) const {
-    return {codes.load(row, col, count, kVector),
+    return {codes.load_as<kFp4>(row, col, count, kVector),
             count > 0 ? scales[row * ngroups + (col >> group_shift)] : 0.0f};
   }
   __device__ __forceinline__ void values(const Chunk& chunk, float v[kChunk]) const {
-    decode_saved(chunk.codes, chunk.scale, v);
+    decode_saved(SavedCodes::e4m3_as<kFp4>(chunk.codes), chunk.scale, v);
   }
 };
 
@@ -1144,7 +1166,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, 
   };
   // xhat of chunk k, as coat_rmsnorm_xhat gives it (codes past the row are 0: xhat is 0 there).
   const auto xhat_of = [&](const BackwardRow<Io>& in, int k, float xhat[kChunk]) {
-    decode_saved(in.codes[k], in.scales[k], xhat);
+    decode_saved(a.x_saved.e4m3(in.codes[k]), in.scales[k], xhat);
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) xhat[e] = xhat[e] * in.rstd;
   };
@@ -1332,8 +1354,8 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
       if (count == 0) continue;
       float dy[kChunk], gate[kChunk], up[kChunk], s[kChunk], smooth[kChunk], dgate[kChunk], dup[kChunk];
       io.unpack(current.dy[c], dy);
-      decode_saved(current.gate[c], current.gate_scale, gate);
-      decode_saved(current.up[c], current.up_scale, up);
+      decode_saved(a.gate_saved.e4m3(current.gate[c]), current.gate_scale, gate);
+      decode_saved(a.up_saved.e4m3(current.up[c]), current.up_scale, up);
       sigmoid_chunk(gate, s);
       load_smooth(a.smooth_scale, col, count, Io::kVector, smooth);
 #pragma unroll
@@ -1374,10 +1396,14 @@ bool valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride)
          (x != nullptr || rows * cols == 0);
 }
 
-// Calls launch(std::true_type or std::false_type), as `vector` says: kernels over saved inputs, which have no Io.
+// Calls launch(vector, fp4), each std::true_type or std::false_type as the bools say: the SavedRows of the
+// requantize ops, which read saved inputs only (no Io).
 template <class Launch>
-coat_status with_vector(bool vector, Launch&& launch) {
-  return vector ? launch(std::true_type{}) : launch(std::false_type{});
+coat_status with_saved_rows(bool vector, bool fp4, Launch&& launch) {
+  const auto with_format = [&](auto vector_codes) {
+    return fp4 ? launch(vector_codes, std::true_type{}) : launch(vector_codes, std::false_type{});
+  };
+  return vector ? with_format(std::true_type{}) : with_format(std::false_type{});
 }
 
 // Calls launch(io) with VectorIo<dtype> when `vector`, else with ElementIo.
@@ -1663,8 +1689,8 @@ coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_
   const int ngroups = static_cast<int>(coat_ceil_div(cols, save_group_size));
   const SavedCodes codes = saved_codes(x_saved, cols, saved_format);
   const bool vector = cols % kChunk == 0 && vector_aligned(codes) && aligned(weight, 16);
-  return with_vector(vector, [&](auto vector_codes) {
-    using Saved = SavedRows<decltype(vector_codes)::value>;
+  return with_saved_rows(vector, codes.fp4, [&](auto vector_codes, auto fp4) {
+    using Saved = SavedRows<decltype(vector_codes)::value, decltype(fp4)::value>;
     const RmsnormApply<Saved> op{Saved{codes, x_saved_scales, ngroups, group_shift}, rstd, weight, weight_dtype};
     return launch_apply_quantize(op, rows, static_cast<int>(cols), OutputScale::of(y_scale), y_format, nullptr, y_t,
                                  reinterpret_cast<cudaStream_t>(stream));
@@ -1688,8 +1714,8 @@ coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float
   const SavedCodes up_codes = saved_codes(up_saved, cols, saved_format);
   const bool vector = cols % kChunk == 0 && vector_aligned(gate_codes) && vector_aligned(up_codes) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16));
-  return with_vector(vector, [&](auto vector_codes) {
-    using Saved = SavedRows<decltype(vector_codes)::value>;
+  return with_saved_rows(vector, gate_codes.fp4, [&](auto vector_codes, auto fp4) {
+    using Saved = SavedRows<decltype(vector_codes)::value, decltype(fp4)::value>;
     const Saved gate{gate_codes, gate_scales, ngroups, group_shift};
     const Saved up{up_codes, up_scales, ngroups, group_shift};
     const SiluMulApply<Saved> op{gate, up, smooth_scale};

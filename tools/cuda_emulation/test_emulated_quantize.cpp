@@ -4,7 +4,8 @@
 // dequantize_fp4 and fp4_to_e4m3. Cases: the three input dtypes, every group / block size, rows narrower than a
 // group, odd widths and widths that are not multiples of 8 (the element-wise path), padded and misaligned row
 // strides, misaligned outputs, several tiles per grid, and groups holding NaN, Inf, zeros, subnormals, huge values
-// and values small enough for scales below 2^-80 (the quantizers' slow path). Built and run by run.sh.
+// and values small enough for scales below 2^-80 (the quantizers' slow path). It also checks the FP4 encoder against
+// its definition on every float (on a sample with `quick`). Built and run by run.sh.
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -15,6 +16,7 @@
 
 #include "check.h"
 #include "coat/float_bits.h"
+#include "coat/fp4.h"
 #include "coat/quantize.h"
 
 static std::mt19937_64 rng(2027);
@@ -178,8 +180,25 @@ static void run_fp8_case(int64_t rows, int64_t cols, coat_dtype dtype, int64_t g
   }
 }
 
+// coat_f32_to_e2m1 (arithmetic) against its definition, the count of grid midpoints |f| passes (> at 0.25, 1.25,
+// 2.5 and 5, >= at 0.75, 1.75 and 3.5; a NaN passes none) with f's sign, on every `step`-th float.
+static void check_e2m1_encoder(uint32_t step) {
+  long mismatches = 0;
+  for (uint64_t bits = 0; bits <= 0xFFFFFFFFu; bits += step) {
+    float f;
+    const uint32_t u = static_cast<uint32_t>(bits);
+    memcpy(&f, &u, 4);
+    const float m = fabsf(f);
+    const uint32_t code = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) + (m > 5.0f);
+    if (coat_f32_to_e2m1(f) != (((u >> 28) & 0x8u) | code)) ++mismatches;
+  }
+  CHECK(mismatches == 0, "coat_f32_to_e2m1 differs from the midpoint count on %ld floats", mismatches);
+  printf("coat_f32_to_e2m1 checked on every %u-th float: %ld mismatches\n", step, mismatches);
+}
+
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
+  check_e2m1_encoder(quick ? 997u : 1u);
   // (rows, cols): one element, odd widths, rows narrower than the smallest block, widths that are multiples of
   // 8 but not 16 (8-element chunks), exact multiples of every block size (16-element chunks on the row-wise
   // vector path), rows wider than one tile (2048 columns; 4096 with 16-element chunks) and rows whose width

@@ -25,14 +25,28 @@
 
 #define COAT_E2M1_MAX 6.0f
 
-/* The code of f. Each comparison counts one grid midpoint (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) that |f|
- * passes; at a midpoint itself, > rounds down and >= up, whichever gives the even code. A NaN passes none. */
+/* The three magnitude bits of coat_f32_to_e2m1's code, from the bits of a magnitude m >= 0 or of a NaN of either
+ * sign (see coat_f32_to_e2m1). */
+COAT_INLINE uint32_t coat_e2m1_magnitude_code(uint32_t magnitude) {
+  const uint32_t clamped = magnitude < 0x41000000u ? magnitude : 0x41000000u; /* min(m, 8); a NaN too */
+  const uint32_t biased = clamped >> 23;
+  const uint32_t e = biased > 127u ? biased - 127u : 0u; /* 3 for 8 itself */
+  const float scaled = coat_f32_from_bits(clamped) * coat_f32_from_bits((128u - e) << 23);
+  const uint32_t code = coat_f32_to_bits(scaled + 8388608.0f) - 0x4B000000u + 2u * e;
+  return magnitude > 0x7F800000u ? 0u : code < 7u ? code : 7u;
+}
+
+/* The code of f, by arithmetic rather than seven comparisons with the grid's midpoints (the quantizers encode
+ * every element, and the comparisons made FP4 encoding compute-bound on the GPU). The grid's steps are 0.5
+ * below 2, 1 in [2, 4) and 2 from 4 on, so with e = 0, 1, 2 for |f| in those ranges the code is
+ * |f| * 2^(1 - e) rounded to an integer, ties to even (the even integer is the even code), plus 2e; the rounding
+ * is the float addition of 2^23 (the scaled value is below 4, the product exact). Magnitudes from 8 on, Inf
+ * included, are clamped to 8, whose code 8 saturates to 7; a NaN encodes to 0. Equal to counting the midpoints
+ * that |f| passes (> at 0.25, 1.25, 2.5 and 5, >= at 0.75, 1.75 and 3.5) on every float (tools/cuda_emulation
+ * checks them all); tests/test_fp4.py holds it to a float64 oracle. */
 COAT_INLINE uint8_t coat_f32_to_e2m1(float f) {
-  const uint32_t sign = (coat_f32_to_bits(f) >> 28) & 0x8u;
-  const float m = coat_f32_from_bits(coat_f32_to_bits(f) & 0x7FFFFFFFu);
-  const uint32_t code = (uint32_t)(m > 0.25f) + (uint32_t)(m >= 0.75f) + (uint32_t)(m > 1.25f) +
-                        (uint32_t)(m >= 1.75f) + (uint32_t)(m > 2.5f) + (uint32_t)(m >= 3.5f) + (uint32_t)(m > 5.0f);
-  return (uint8_t)(sign | code);
+  const uint32_t bits = coat_f32_to_bits(f);
+  return (uint8_t)(((bits >> 28) & 0x8u) | coat_e2m1_magnitude_code(bits & 0x7FFFFFFFu));
 }
 
 COAT_INLINE float coat_e2m1_to_f32(uint8_t code) {

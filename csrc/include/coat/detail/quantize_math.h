@@ -103,11 +103,13 @@ COAT_INLINE float coat_fp4_scale_from_amax_bits(uint32_t amax_bits) {
   return scale < COAT_MIN_SCALE ? COAT_MIN_SCALE : scale;
 }
 
-/* The E2M1 code of x / scale, the quotient signed as in coat_quantize_scaled. coat_divide_by_scale's CUDA
+/* The E2M1 code of x / scale, the quotient signed as in coat_quantize_scaled: x's sign bit, and the code of
+ * |x| / scale (the division is symmetric in the sign; a NaN quotient encodes to 0). coat_divide_by_scale's CUDA
  * fast path is exact here too: the quotients it may round differently are below 2^-20, which E2M1 encodes
  * as zero (everything up to 0.25 is). */
 COAT_INLINE uint8_t coat_quantize_fp4_scaled(float x, float scale, float reciprocal) {
-  return coat_f32_to_e2m1(copysignf(coat_divide_by_scale(x, scale, reciprocal), x));
+  const uint32_t quotient = coat_f32_to_bits(coat_divide_by_scale(fabsf(x), scale, reciprocal));
+  return (uint8_t)(((coat_f32_to_bits(x) >> 28) & 0x8u) | coat_e2m1_magnitude_code(quotient));
 }
 
 COAT_INLINE int coat_is_valid_group_size(int64_t group_size) {
