@@ -14,11 +14,14 @@
 //                            the FP8-saved gate and up, the amax of y; the warp's next row in flight
 //   apply_quantize_kernel    persistent over 64 x 64 tiles, the next tile in flight: recomputes y from the
 //                            inputs, writes it in FP8 and, through a shared-memory tile, its transpose; the
-//                            requantize ops run it on the saved FP8 inputs with the forward's scale, y_t only
+//                            requantize ops run it on the saved inputs (E4M3 or FP4, an instantiation each)
+//                            with the forward's scale, y_t only
 //   rmsnorm_backward_kernel  L threads per slice of rows, the next row in flight: dx (plus the residual
 //                            gradient when there is one), and one partial dweight row per slice
 //   dweight_finish_kernel    the slices' partial dweight rows summed in the documented order
 //   silu_mul_backward_kernel persistent, laid out as silu_mul_stats_kernel: dgate, dup and their joint amax
+// The kernels that read saved inputs take them in either saved format (SavedCodes): FP4 codes are loaded
+// packed and expanded to their E4M3 codes where they are decoded, so that the next row or tile stays in flight.
 //
 // Fast paths. The arithmetic that used to dominate (IEEE divisions, coat's exp with its range checks, FP8,
 // bf16 and fp16 conversions with their special cases) runs in forms that give the same bits on the values
@@ -165,21 +168,27 @@ struct SavedCodes {
   template <bool kFp4>
   __device__ __forceinline__ Codes load_as(int64_t row, int col, int count, bool vector) const {
     const uint8_t* row_codes = data + row * row_bytes;
-    if constexpr (!kFp4) return load_codes(row_codes + col, count, vector);
-    if (vector) return {count == 0 ? 0u : *reinterpret_cast<const uint32_t*>(row_codes + col / 2), 0u};
-    Codes codes{0u, 0u};
+    if constexpr (!kFp4) {
+      return load_codes(row_codes + col, count, vector);
+    } else {
+      if (vector) return {count == 0 ? 0u : *reinterpret_cast<const uint32_t*>(row_codes + col / 2), 0u};
+      Codes codes{0u, 0u};
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e)
-      if (e < count) codes.lo |= uint32_t{coat_fp4_code_at(row_codes, col + e)} << (4 * e);
-    return codes;
+      for (int e = 0; e < kChunk; ++e)
+        if (e < count) codes.lo |= uint32_t{coat_fp4_code_at(row_codes, col + e)} << (4 * e);
+      return codes;
+    }
   }
 
   // Loaded codes as E4M3 codes: FP4 codes expand exactly. Apart from load(), so that a kernel prefetching the
   // next row or tile waits for its data where it decodes it, not where it issues the load.
   template <bool kFp4>
   __device__ __forceinline__ static Codes e4m3_as(Codes loaded) {
-    if constexpr (kFp4) return e2m1x8_to_e4m3(loaded.lo);
-    return loaded;
+    if constexpr (kFp4) {
+      return e2m1x8_to_e4m3(loaded.lo);
+    } else {
+      return loaded;
+    }
   }
 
   __device__ __forceinline__ Codes load(int64_t row, int col, int count, bool vector) const {
