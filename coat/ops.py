@@ -29,6 +29,7 @@ parameters; :func:`quantize_expanded` / :func:`dequantize_expanded` convert stat
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -785,21 +786,23 @@ QUANTIZATION_SUMS = ("numel", "nonfinite", "flushed", "saturated", "error_sq", "
 
 
 def quantization_sums_(
-    sums: torch.Tensor,
-    x: torch.Tensor,
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    group_size: int | None = None,
-    rows: torch.Tensor | None = None,
+    sums: Sequence[torch.Tensor],
+    x: Sequence[torch.Tensor],
+    q: Sequence[torch.Tensor],
+    scale: Sequence[torch.Tensor],
+    group_size: Sequence[int | None],
+    rows: Sequence[torch.Tensor | None],
     *,
-    x_holds_measured_rows: bool = False,
-    amax_per_scale: float = 0.0,
+    x_holds_measured_rows: Sequence[bool],
+    amax_per_scale: Sequence[float],
 ) -> None:
-    """Adds what quantizing ``x`` to the FP8 codes ``q`` did into ``sums``, a float64 tensor of 7 (zeros to start;
-    one per tensor, so that several recordings add up), in the order of :data:`QUANTIZATION_SUMS`. ``scale`` is
-    the quantizer's: one per-tensor scale, or per 1 x ``group_size`` group of q. Measured are the ``rows`` of q
-    (int64 row indices; every row when None) and of x, or, with ``x_holds_measured_rows``, x is those rows
-    alone. Per measured element, with Q(x) = fp8_decode(q) * scale in float32:
+    """Adds what quantizing each ``x[i]`` to the FP8 codes ``q[i]`` did into ``sums[i]``, a float64 tensor of 7
+    (zeros to start; one per tensor, so that several recordings add up), in the order of
+    :data:`QUANTIZATION_SUMS`. Every argument holds one entry per measured tensor. ``scale[i]`` is the
+    quantizer's: one per-tensor scale (``group_size[i]`` None), or one per 1 x ``group_size[i]`` group of q.
+    Measured are the ``rows[i]`` of q (int64 row indices; every row when None) and of x, or, with
+    ``x_holds_measured_rows[i]``, x is those rows alone. Per measured element, with Q(x) = fp8_decode(q) * scale
+    in float32:
 
         nonfinite   Q(x) - x is NaN or +-Inf; such elements count in no other sum
         flushed     Q(x) == 0 and x != 0
@@ -807,16 +810,31 @@ def quantization_sums_(
         error_sq    (Q(x) - x)^2 and value_sq x^2, in float64
 
     summed by one fixed pairwise tree, so CPU and CUDA give the same bits. numel adds the measured elements;
-    amax becomes the max of itself and max |x| over the measured finite elements, or, with ``amax_per_scale``
-    > 0, ``amax_per_scale * max(scale)`` (FP8_MAX for FP8 scales: the whole tensor's amax from its scales).
-    A NaN or Inf scale makes its elements nonfinite (and amax NaN or Inf when taken from the scales); a row
-    index outside q makes every sum but numel NaN. x and q are 2-D, any strides; two kernels on a GPU, no
-    synchronization."""
-    check_device_supported(q, "coat.ops.quantization_sums_")
-    torch.ops.coat.quantization_sums_(sums, x, q, scale, group_size, rows, x_holds_measured_rows, amax_per_scale)
+    amax becomes the max of itself and max |x| over the measured finite elements, or, with
+    ``amax_per_scale[i]`` > 0, ``amax_per_scale[i] * max(scale[i])`` (FP8_MAX for FP8 scales: the whole
+    tensor's amax from its scales). A NaN or Inf scale makes its elements nonfinite (and amax NaN or Inf when
+    taken from the scales); a row index outside q makes every sum but numel NaN. x and q are 2-D, any strides.
+
+    The tensors are measured in list order, with the same bits as one call per tensor; several may add into
+    the same ``sums`` tensor (e.g. the q, k and v projections into one row). All on one device; on a GPU a call
+    is one memset and one kernel launch (one per 24 tensors for more), with no synchronization. Empty lists do
+    nothing."""
+    if q:
+        check_device_supported(q[0], "coat.ops.quantization_sums_")
+    torch.ops.coat.quantization_sums_(
+        list(sums), list(x), list(q), list(scale), [0 if g is None else g for g in group_size], list(rows),
+        list(x_holds_measured_rows), list(amax_per_scale),
+    )
 
 
 @torch.library.register_fake("coat::quantization_sums_")
 def _quantization_sums_fake(sums, x, q, scale, group_size, rows, x_holds_measured_rows, amax_per_scale):
-    if group_size is not None:
-        _check_group_size(group_size, "coat.quantization_sums_")
+    op = "coat.quantization_sums_"
+    lists = dict(sums=sums, x=x, q=q, scale=scale, group_size=group_size, rows=rows,
+                 x_holds_measured_rows=x_holds_measured_rows, amax_per_scale=amax_per_scale)
+    if len({len(values) for values in lists.values()}) > 1:
+        counts = ", ".join(f"{len(values)} {name}" for name, values in lists.items())
+        raise RuntimeError(f"{op}: every list needs one entry per measured tensor, got {counts}")
+    for i, g in enumerate(group_size):
+        if g != 0:
+            _check_group_size(g, op if len(q) == 1 else f"{op}: measure {i}")

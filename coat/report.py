@@ -62,12 +62,13 @@ unquantized value to compare with):
 A tensor recorded several times in one capture (gradient accumulation, gradient checkpointing's recomputed
 forward) is summed over its recordings: amax is the largest, shares and rel_error are over all elements.
 
-Cost: only capture steps pay: per quantized tensor one native call (coat.ops.quantization_sums_: its sampled
-rows' sums, two small kernels, accumulated on the device; the RMSNorm and SiLU*mul outputs recomputed for those
-rows only), at the end one call for every optimizer moment (coat.ops.moment_stats) and one device-to-host copy.
-On one H100 (4 layers at hidden 2048, 4 x 2048 tokens) a captured step takes 1.15x a plain one (every row:
-2.62x), so capturing every 100 steps costs 0.15% of a run; outside a capture each coat autograd Function reads
-one module global (``benchmarks/report.py`` measures both).
+Cost: only capture steps pay: the tensors a coat Function quantized are measured when it returns, all of them
+by one native call (coat.ops.quantization_sums_: their sampled rows' sums, one kernel launch, accumulated on
+the device; the RMSNorm and SiLU*mul outputs recomputed for those rows only), at the end one call for every
+optimizer moment (coat.ops.moment_stats) and one device-to-host copy. On one H100 (4 layers at hidden 2048,
+4 x 2048 tokens) a captured step takes 1.22x a plain one (every row: 2.10x), so capturing every 100 steps
+costs 0.22% of a run; outside a capture each coat autograd Function reads one module global in forward and
+in backward (``benchmarks/report.py`` measures both).
 
 Captures run in eager mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs
 again after it (no recompilation); without a capture a converted model compiles as before, with no graph
@@ -123,17 +124,12 @@ _ROOT = "(model)"  # the layer name of the model itself, whose module name is em
 # ------------------------------------------------------------------------------------------- one tensor
 
 
-def _new_sums(device: torch.device) -> torch.Tensor:
-    """Zeros to accumulate coat.ops.quantization_sums_ into: [numel, nonfinite, flushed, saturated, squared error,
-    squared value, amax] in float64 (sums, so that several recordings of one tensor add up)."""
-    return torch.zeros(len(ops.QUANTIZATION_SUMS), dtype=torch.float64, device=device)
-
-
-def _add_quantization_sums(sums: torch.Tensor, x, q: torch.Tensor, scale: torch.Tensor, group_size: int | None,
-                           rows: torch.Tensor | None, fmt: str) -> None:
-    """Adds x against its FP8 codes q into ``sums``: the ``rows`` of q (every row when None), amax from the scales
-    when rows are sampled (the quantizer derived them from the whole tensor's amax) and from x otherwise. x is a
-    tensor of q's shape, or a function of the row indices (None: every row) that recomputes those rows of it."""
+def _measure_args(sums: torch.Tensor, x, q: torch.Tensor, scale: torch.Tensor, group_size: int | None,
+                  rows: torch.Tensor | None, fmt: str) -> tuple:
+    """One measured tensor's arguments of coat.ops.quantization_sums_: x against its FP8 codes q, the ``rows`` of
+    q (every row when None), amax from the scales when rows are sampled (the quantizer derived them from the whole
+    tensor's amax) and from x otherwise. x is a tensor of q's shape, or a function of the row indices (None: every
+    row) that recomputes those rows of it."""
     if q.dim() != 2:  # the quantizers' groups run along the last dimension
         q = q.reshape(-1, q.shape[-1])
         if group_size is not None:
@@ -144,8 +140,16 @@ def _add_quantization_sums(sums: torch.Tensor, x, q: torch.Tensor, scale: torch.
     if callable(x):
         x = x(rows)
     amax_per_scale = 0.0 if rows is None else _FP4_MAX if fmt == "fp4" else ops.FP8_MAX[q.dtype]
-    ops.quantization_sums_(sums, x, q, scale, group_size, rows, x_holds_measured_rows=held,
-                           amax_per_scale=amax_per_scale)
+    return sums, x, q, scale, group_size, rows, held, amax_per_scale
+
+
+def _measure(measures: list[tuple]) -> None:
+    """coat.ops.quantization_sums_ of measured tensors (_measure_args), one call per device."""
+    for device in dict.fromkeys(m[2].device for m in measures):
+        columns = list(zip(*(m for m in measures if m[2].device == device)))
+        sums, x, q, scale, group_size, rows, held, amax_per_scale = columns
+        ops.quantization_sums_(sums, x, q, scale, group_size, rows, x_holds_measured_rows=held,
+                               amax_per_scale=amax_per_scale)
 
 
 def _tensor_metrics(sums: list[float]) -> dict[str, float]:
@@ -181,8 +185,8 @@ def tensor_stats(
     if x.numel() == 0:
         raise ValueError("coat.report.tensor_stats: x is empty")
     with torch.no_grad():
-        sums = _new_sums(q.device)
-        _add_quantization_sums(sums, x, q, scale, group_size, None, _FORMAT_NAMES[q.dtype])
+        sums = torch.zeros(len(ops.QUANTIZATION_SUMS), dtype=torch.float64, device=q.device)
+        _measure([_measure_args(sums, x, q, scale, group_size, None, _FORMAT_NAMES[q.dtype])])
         return _tensor_metrics(sums.tolist())
 
 
@@ -192,10 +196,12 @@ _MOMENT_BATCH_GROUPS = 1 << 24
 _MOMENTS_PER_CALL = 1 << 15  # coat.ops.moment_stats' limit
 
 
-def _moments_values(moments: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]) -> list[torch.Tensor]:
+def _moments_values(moments: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]
+                    ) -> list[tuple[torch.Tensor, int]]:
     """coat.ops.moment_stats of each FP8 moment of coat.optim.AdamW, given as (codes as rows, meta, group size,
-    measured rows): one call per batch of moments of one device and group size."""
-    results: list[torch.Tensor | None] = [None] * len(moments)
+    measured rows): one call per batch of moments of one device and group size. Each moment's values are a row
+    of its batch's stats: (stats, row)."""
+    results: list[tuple[torch.Tensor, int] | None] = [None] * len(moments)
     batches: dict[tuple[torch.device, int], list[list[int]]] = {}
     last_batch_groups: dict[tuple[torch.device, int], int] = {}
     for i, (codes, _, group_size, _) in enumerate(moments):
@@ -211,8 +217,8 @@ def _moments_values(moments: list[tuple[torch.Tensor, torch.Tensor, int, torch.T
         for run in runs:
             stats = ops.moment_stats([moments[i][0] for i in run], [moments[i][1] for i in run], group_size,
                                      [moments[i][3] for i in run])
-            for i, row in zip(run, stats.unbind(0)):
-                results[i] = row
+            for row, i in enumerate(run):
+                results[i] = (stats, row)
     return results
 
 
@@ -222,16 +228,19 @@ def _moment_metrics(values: list[float]) -> dict[str, float]:
             "k_min": k_min, "k_median": k_median, "k_max": k_max, "k_expanded": k_expanded}
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
-    """Each 1-D tensor as a list of floats, with one device-to-host copy per device."""
-    lists: list[list[float]] = [[] for _ in tensors]
-    for device in {t.device for t in tensors}:
-        indices = [i for i, t in enumerate(tensors) if t.device == device]
-        flat = torch.cat([tensors[i] for i in indices]).tolist()
+def _to_host(blocks: list[torch.Tensor]) -> dict[int, list[list[float]]]:
+    """The rows of each 2-D tensor as lists of floats, by id, with one device-to-host copy per device."""
+    rows: dict[int, list[list[float]]] = {}
+    unique = list({id(block): block for block in blocks}.values())
+    for device in dict.fromkeys(block.device for block in unique):
+        on_device = [block for block in unique if block.device == device]
+        flat = torch.cat([block.flatten() for block in on_device]).tolist()
         start = 0
-        for i in indices:
-            lists[i], start = flat[start : start + tensors[i].numel()], start + tensors[i].numel()
-    return lists
+        for block in on_device:
+            width = block.shape[1]
+            rows[id(block)] = [flat[start + i * width : start + (i + 1) * width] for i in range(block.shape[0])]
+            start += block.numel()
+    return rows
 
 
 # ------------------------------------------------------------------------------------------- the report
@@ -263,7 +272,7 @@ class _Site:
         """x was quantized to the FP8 codes q with ``scale`` (per tensor) or per-group scales (group_size).
         x is the tensor, or, for a value the kernel never wrote out, a function of a row index (or None for
         every row) that recomputes those rows of it. ``format``: the stored format when q is an exact E4M3
-        expansion of another one ("fp4"); None: q's own."""
+        expansion of another one ("fp4"); None: q's own. Measured when the recording Function returns."""
         self.report._record(self.layer, tensor, x, q, scale, group_size, format)
 
 
@@ -301,7 +310,13 @@ class QuantizationReport:
         self._layer_order = {name or _ROOT: index for index, (name, _) in enumerate(model.named_modules())}
         self._layer_order[_NO_MODULE] = len(self._layer_order)
         self._module_stack: list[str] = []
-        self._sums: dict[tuple[str, str], tuple[str, torch.Tensor]] = {}
+        # Per (layer, tensor): its format, and its row of a float64 buffer that its measurements add into; the
+        # buffers, and the measurements recorded since the last call to the native op.
+        self._sums: dict[tuple[str, str], tuple[str, torch.Tensor, int]] = {}
+        self._sum_buffers: dict[torch.device, list[torch.Tensor]] = {}
+        self._sum_rows_used: dict[torch.device, int] = {}
+        self._pending: list[tuple] = []
+        self._sum_capacity = 64
         self._captures = 0
         self._rows: list[dict] | None = None
 
@@ -339,18 +354,22 @@ class QuantizationReport:
         for name, module in self._modules.items():
             hooks.append(module.register_forward_pre_hook(functools.partial(self._enter_module, name)))
             hooks.append(module.register_forward_hook(self._leave_module))
-        self._sums = {}
+        expected_tensors = max(len(self._sums), 64)  # the last capture's count: one buffer per device
+        self._sums, self._sum_buffers, self._sum_rows_used = {}, {}, {}
+        self._sum_capacity = expected_tensors
         _capture.active = self
         try:
             # Compiled code would trace the recording itself: it runs uncompiled meanwhile, and its compiled
             # graphs, which record nothing, are used again after the capture, without recompiling.
             with torch.compiler.set_stance("force_eager"):
                 yield self
+            self._flush()
         finally:
             _capture.active = None
             for hook in hooks:
                 hook.remove()
             self._module_stack.clear()
+            self._pending.clear()
         self._captures += 1
         self._rows = self._finish(self._captures if step is None else step)
 
@@ -373,21 +392,46 @@ class QuantizationReport:
             self._row_samples[key] = torch.linspace(0, rows - 1, self._sample_rows, device=device).round().long()
         return self._row_samples[key]
 
-    @torch.no_grad()
+    def _sums_row(self, device: torch.device) -> tuple[torch.Tensor, int]:
+        """A zero row of a float64 sums buffer on ``device`` for a newly recorded tensor: (buffer, row)."""
+        buffers = self._sum_buffers.setdefault(device, [])
+        used = self._sum_rows_used.get(device, 0)
+        if not buffers or used == buffers[-1].shape[0]:
+            capacity = 2 * buffers[-1].shape[0] if buffers else self._sum_capacity
+            buffers.append(torch.zeros(capacity, len(ops.QUANTIZATION_SUMS), dtype=torch.float64, device=device))
+            used = 0
+        self._sum_rows_used[device] = used + 1
+        return buffers[-1], used
+
     def _record(self, layer: str, tensor: str, x, q: torch.Tensor, scale: torch.Tensor,
                 group_size: int | None, format: str | None) -> None:
+        """Keeps a quantized tensor for measurement when the Function that quantized it returns (_flush)."""
         if q.numel() == 0:
             return
-        fmt = format or _FORMAT_NAMES[q.dtype]
-        rows = self._measured_rows(q.shape[0], q.device) if q.dim() == 2 else None
-        if (layer, tensor) not in self._sums:  # rows come out in the order tensors were first recorded
-            self._sums[(layer, tensor)] = (fmt, _new_sums(q.device))
-        _add_quantization_sums(self._sums[(layer, tensor)][1], x, q, scale, group_size, rows, fmt)
+        key = (layer, tensor)
+        if key not in self._sums:  # rows come out in the order tensors were first recorded
+            self._sums[key] = (format or _FORMAT_NAMES[q.dtype], *self._sums_row(q.device))
+        fmt, buffer, row = self._sums[key]
+        self._pending.append((buffer[row], x, q, scale, group_size, fmt))
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        """Measures the tensors recorded since the last flush, in one native call per device: called when a
+        coat Function's forward or backward returns (coat.nn._capture.measures_records), and at the end."""
+        if not self._pending:
+            return
+        measures = []
+        for sums, x, q, scale, group_size, fmt in self._pending:
+            rows = self._measured_rows(q.shape[0], q.device) if q.dim() == 2 else None
+            measures.append(_measure_args(sums, x, q, scale, group_size, rows, fmt))
+        self._pending.clear()
+        _measure(measures)
 
     @torch.no_grad()
     def _finish(self, step: int) -> list[dict]:
         """The capture's rows: one per (layer, tensor), in model order, tensors in the order first recorded."""
-        entries = [(layer, tensor, fmt, sums, _tensor_metrics) for (layer, tensor), (fmt, sums) in self._sums.items()]
+        entries = [(layer, tensor, fmt, (buffer, row), _tensor_metrics)
+                   for (layer, tensor), (fmt, buffer, row) in self._sums.items()]
         if self._optimizer is not None:
             named, moments = [], []
             for group in self._optimizer.param_groups:
@@ -399,11 +443,11 @@ class QuantizationReport:
                         moments.append((codes, meta, group["group_size"], rows))
             for (layer, tensor, fmt), values in zip(named, _moments_values(moments)):
                 entries.append((layer, tensor, fmt, values, _moment_metrics))
-        host = _to_host([values for _, _, _, values, _ in entries])
+        host = _to_host([block for _, _, _, (block, _), _ in entries])
         rows = []
-        for (layer, tensor, fmt, _, metrics), values in zip(entries, host):
+        for layer, tensor, fmt, (block, index), metrics in entries:
             row = dict.fromkeys(CSV_COLUMNS)
-            row.update(step=step, layer=layer, tensor=tensor, format=fmt, **metrics(values))
+            row.update(step=step, layer=layer, tensor=tensor, format=fmt, **metrics(host[id(block)][index]))
             row["numel"] = int(row["numel"])
             rows.append(row)
         order = {}

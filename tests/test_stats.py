@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import coat
+from conftest import to_device
 from reference import assert_same_bits
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -61,9 +62,10 @@ def reference_sums(x, q, scale, group_size=None, rows=None, amax_per_scale=0.0, 
 
 
 def measure(x, q, scale, group_size=None, rows=None, held=False, amax_per_scale=0.0, sums=None):
+    """One tensor measured by a call of its own."""
     sums = torch.zeros(7, dtype=torch.float64, device=q.device) if sums is None else sums
-    coat.ops.quantization_sums_(sums, x, q, scale, group_size, rows, x_holds_measured_rows=held,
-                                amax_per_scale=amax_per_scale)
+    coat.ops.quantization_sums_([sums], [x], [q], [scale], [group_size], [rows], x_holds_measured_rows=[held],
+                                amax_per_scale=[amax_per_scale])
     return sums
 
 
@@ -75,6 +77,50 @@ def hard_values(shape, rng, dtype=torch.bfloat16):
     x[1, 0], x[1, 1:7] = 1.0, 1e-6
     x[2, 3] = float("nan")
     return x.to(dtype)
+
+
+def measure_together_and_alone(measures, slots):
+    """The sums of `measures` (argument tuples of `measure`, without sums), measure i adding into sums slots[i]:
+    (from one call, from one call per measure in list order), each stacked by slot."""
+    device = measures[0][1].device
+    together = [torch.zeros(7, dtype=torch.float64, device=device) for _ in range(max(slots) + 1)]
+    alone = [torch.zeros(7, dtype=torch.float64, device=device) for _ in range(max(slots) + 1)]
+    x, q, scale, group_size, rows, held, amax_per_scale = zip(*measures)
+    coat.ops.quantization_sums_([together[slot] for slot in slots], x, q, scale, group_size, rows,
+                                x_holds_measured_rows=held, amax_per_scale=amax_per_scale)
+    for slot, args in zip(slots, measures):
+        measure(*args, sums=alone[slot])
+    return torch.stack(together), torch.stack(alone)
+
+
+def mixed_measures(rng):
+    """Argument tuples of `measure`: per-tensor and grouped scales, E4M3 and E5M2, every row and sampled rows
+    (x indexed and x holding them), amax from x and from the scales, one tile to 752 tiles, strided operands
+    and a row index outside q."""
+    measures = []
+    x = hard_values((37, 300), rng)  # 11 tiles
+    q, scale, _ = coat.ops.quantize_tensor(x, E4M3)
+    measures.append((x, q, scale, None, None, False, 0.0))
+    x = hard_values((200, 96), rng, torch.float16)
+    q, scales, _ = coat.ops.quantize_group(x, 32, E5M2)
+    rows = torch.linspace(0, 199, 64).round().long()
+    measures.append((x, q, scales, 32, rows, False, FP8_MAX[E5M2]))
+    measures.append((x[rows], q, scales, 32, rows, True, 0.0))
+    x = torch.randn(3, 5, generator=rng)  # one tile, 15 elements
+    q, scales, _ = coat.ops.quantize_group(x, 16, E5M2)
+    measures.append((x, q, scales, 16, None, False, 0.0))
+    x = (torch.randn(1100, 700, generator=rng) * 3).t()  # 752 tiles; x a transposed view
+    q, scale, _ = coat.ops.quantize_tensor(x.contiguous(), E4M3)
+    measures.append((x, q, scale, None, None, False, FP8_MAX[E4M3]))
+    x = hard_values((40, 1030), rng, torch.float32)  # 4 rows measured, 5 tiles; codes a column slice of wider ones
+    q, scales, _ = coat.ops.quantize_group(x, 128, E4M3)
+    wide = torch.zeros(40, 1100, dtype=torch.uint8).view(E4M3)
+    wide[:, 7:1037] = q
+    measures.append((x, wide[:, 7:1037], scales, 128, torch.tensor([39, 0, 0, 17]), False, FP8_MAX[E4M3]))
+    x = torch.randn(4, 16, generator=rng)
+    q, scale, _ = coat.ops.quantize_tensor(x, E5M2)
+    measures.append((x, q, scale, None, torch.tensor([0, 4]), False, 0.0))
+    return measures
 
 
 # ---------------------------------------------------------------------------------------------- quantization_sums_
@@ -98,8 +144,8 @@ def test_quantization_sums_equal_the_reference_tree(fp8, group_size, dtype, rng,
 
 
 def test_many_tiles_and_strided_operands(rng, run):
-    """700 x 1100 elements (752 tiles: the CUDA finish kernel sums runs of tiles per thread); x as a transposed
-    view and q as a column slice of wider codes, read in place."""
+    """700 x 1100 elements (752 tiles: the CUDA kernel's finishing warp sums runs of tiles per lane); x as a
+    transposed view and q as a column slice of wider codes, read in place."""
     x = (torch.randn(1100, 700, generator=rng) * 3).t()
     q, scale, _ = coat.ops.quantize_tensor(x.contiguous(), E4M3)
     wide = torch.zeros(700, 1300, dtype=torch.uint8).view(E4M3)
@@ -166,21 +212,59 @@ def test_a_row_index_outside_q_makes_the_sums_nan(run):
     assert sums[0] == 32 and all(math.isnan(v) for v in sums[1:].tolist())
 
 
+def test_several_measures_in_one_call_equal_one_call_each(rng, run):
+    measures = mixed_measures(rng)
+    slots = [0, 1, 2, 3, 0, 4, 5]  # the first and the 752-tile measure add into the same sums
+    together, alone = run(measure_together_and_alone, measures, slots)
+    assert_same_bits(together, alone)
+    x, q, scales, group_size, rows, _, amax_per_scale = measures[1]
+    assert_same_bits(together[1], reference_sums(x, q, scales, group_size, rows, amax_per_scale))
+    first, big = reference_sums(*measures[0][:3]), reference_sums(*measures[4][:3], amax_per_scale=FP8_MAX[E4M3])
+    assert together[0][0] == first[0] + big[0] and together[0][6] == max(first[6], big[6])
+    assert all(math.isnan(v) for v in together[5][1:].tolist())  # only the sums of the row outside q
+
+
+def test_more_measures_than_one_launch_holds(rng, run):
+    """40 measures: CUDA launches them 24 and 16, in order; sums shared within and across the two launches."""
+    measures = (mixed_measures(rng)[:6] * 7)[:40]
+    slots = [i % 13 for i in range(40)]
+    together, alone = run(measure_together_and_alone, measures, slots)
+    assert_same_bits(together, alone)
+    assert together[:, 0].sum() == sum(m[1].shape[1] * (m[1].shape[0] if m[4] is None else m[4].numel())
+                                       for m in measures)
+
+
 def test_quantization_sums_identical_from_run_to_run(cuda_device, rng):
+    measures = [tuple(to_device(a, cuda_device) if isinstance(a, torch.Tensor) else a for a in args)
+                for args in mixed_measures(rng)]
     x = torch.randn(3000, 777, generator=rng).to(cuda_device)
     q, scale, _ = coat.ops.quantize_tensor(x)
-    first = measure(x, q, scale)
+    measures.append((x, q, scale, None, None, False, 0.0))
+    slots = [0, 1, 2, 0, 3, 4, 5, 3]
+    first = measure_together_and_alone(measures, slots)
     for _ in range(3):
-        assert_same_bits(measure(x, q, scale).cpu(), first.cpu())
+        assert_same_bits(measure_together_and_alone(measures, slots), first)
 
 
 def test_opcheck_quantization_sums(device, rng):
     x = torch.randn(70, 48, generator=rng).to(device)
     q, scales, _ = coat.ops.quantize_group(x, 16)
+    q_tensor, scale, _ = coat.ops.quantize_tensor(x, E5M2)
     rows = torch.tensor([0, 33, 69], device=device)
-    for args in ((x, q, scales, 16, None, False, 0.0), (x[rows], q, scales, 16, rows, True, 448.0)):
-        sums = torch.zeros(7, dtype=torch.float64, device=device)
+    calls = (
+        ([x], [q], [scales], [16], [None], [False], [0.0]),
+        ([x, x[rows], x], [q, q, q_tensor], [scales, scales, scale], [16, 16, 0], [None, rows, rows],
+         [False, True, False], [0.0, 448.0, 57344.0]),
+    )
+    for args in calls:
+        sums = [torch.zeros(7, dtype=torch.float64, device=device) for _ in args[0]]
         torch.library.opcheck(torch.ops.coat.quantization_sums_.default, (sums, *args), test_utils=OPCHECK_UTILS_FP8)
+    torch.library.opcheck(torch.ops.coat.quantization_sums_.default, ([],) * 8, test_utils=OPCHECK_UTILS_FP8)
+
+
+def call_quantization_sums(sums, x, q, scale, group_size, rows, held, amax_per_scale):
+    coat.ops.quantization_sums_(sums, x, q, scale, group_size, rows, x_holds_measured_rows=held,
+                                amax_per_scale=amax_per_scale)
 
 
 def test_quantization_sums_explain_bad_input():
@@ -193,7 +277,7 @@ def test_quantization_sums_explain_bad_input():
         (dict(q=x), "q must be torch.float8_e4m3fn or torch.float8_e5m2"),
         (dict(x=x.double()), "x must be float32, bfloat16 or float16"),
         (dict(x=x[:2]), r"x must have shape \(4, 32\)"),
-        (dict(x=x.reshape(-1)), "non-empty 2-D tensor"),
+        (dict(x=x.reshape(-1)), "x must be a non-empty 2-D tensor"),
         (dict(group_size=7), "group_size must be 16, 32, 64 or 128"),
         (dict(scale=scales[:, :1].contiguous()), "one scale per 1 x 16 group"),
         (dict(group_size=None), "one per-tensor scale"),
@@ -201,13 +285,43 @@ def test_quantization_sums_explain_bad_input():
         (dict(held=True), "x_holds_measured_rows needs rows"),
         (dict(amax_per_scale=-1.0), "amax_per_scale must be >= 0"),
     ]
+    good = dict(sums=sums, x=x, q=q, scale=scales, group_size=16, rows=None, held=False, amax_per_scale=0.0)
     for change, message in cases:
-        args = dict(sums=sums, x=x, q=q, scale=scales, group_size=16, rows=None, held=False, amax_per_scale=0.0) | change
-        with pytest.raises(RuntimeError, match=message):
-            coat.ops.quantization_sums_(args["sums"], args["x"], args["q"], args["scale"], args["group_size"],
-                                        args["rows"], x_holds_measured_rows=args["held"],
-                                        amax_per_scale=args["amax_per_scale"])
+        args = good | change
+        with pytest.raises(RuntimeError, match=rf"^coat\.quantization_sums_: (?!measure).*{message}"):
+            call_quantization_sums(*([value] for value in args.values()))
+        # in the middle of three measures: named by its index, and no sums change
+        first, last = torch.zeros(7, dtype=torch.float64), torch.zeros(7, dtype=torch.float64)
+        three = [[first if name == "sums" else value, args[name], last if name == "sums" else value]
+                 for name, value in good.items()]
+        with pytest.raises(RuntimeError, match=rf"^coat\.quantization_sums_: measure 1: .*{message}"):
+            call_quantization_sums(*three)
+        assert not first.any() and not last.any()
     assert measure(x, q_tensor, scale)[0] == 128
+    lists = [[value, value] for value in good.values()]
+    lists[3] = [scales]
+    with pytest.raises(RuntimeError, match="every list needs one entry per measured tensor, got 2 sums, 2 x, 2 q, "
+                                           "1 scale, 2 group_size"):
+        call_quantization_sums(*lists)
+    with pytest.raises(RuntimeError, match="every list needs one entry per measured tensor"):
+        torch.ops.coat.quantization_sums_([sums], [x], [q], [scales], [16], [None], [False], [])
+    call_quantization_sums(*([] for _ in good))  # nothing to measure
+
+
+def test_quantization_sums_refuse_another_device(cuda_device):
+    x = torch.randn(4, 32)
+    q, scale, _ = coat.ops.quantize_tensor(x)
+    on_gpu = [t.to(cuda_device) for t in (torch.zeros(7, dtype=torch.float64), x, q, scale)]
+    on_cpu = [torch.zeros(7, dtype=torch.float64), x, q, scale]
+    for name, i in (("sums", 0), ("x", 1), ("q", 2), ("scale", 3)):
+        second = list(on_gpu)
+        second[i] = on_cpu[i]
+        lists = [[a, b] for a, b in zip(on_gpu, second)]
+        with pytest.raises(RuntimeError, match=f"measure 1: {name} is on cpu but the input is on cuda"):
+            call_quantization_sums(*lists, [None, None], [None, None], [False, False], [0.0, 0.0])
+    with pytest.raises(RuntimeError, match="measure 1: rows is on cpu"):
+        call_quantization_sums(*[[a, a] for a in on_gpu], [None, None], [None, torch.tensor([0])], [False, False],
+                               [0.0, 0.0])
 
 
 # ---------------------------------------------------------------------------------------------- moment_stats

@@ -241,7 +241,7 @@ def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 def _silu_mul_rows(gate, up, smooth_scale, rows):
     """SiLU(gate) * up (times the Smooth-SwiGLU scale) in float32, for the given rows (all when None)."""
-    product = F.silu(_rows(gate, rows).float()) * _rows(up, rows).float()
+    product = F.silu(_rows(gate, rows).float()) * _rows(up, rows)  # float32: up is promoted exactly
     return product if smooth_scale is None else product * smooth_scale
 
 
@@ -294,6 +294,7 @@ class _LinearFunction(torch.autograd.Function):
     quantizes the weight again, transposed, with the same scale)."""
 
     @staticmethod
+    @_capture.measures_records
     def forward(ctx, x, weight, bias, config: FP8Config, out_dtype: torch.dtype):
         site = ctx.report_site = _capture.forward_site()
         need_weight_grad = ctx.needs_input_grad[1]
@@ -310,6 +311,7 @@ class _LinearFunction(torch.autograd.Function):
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @_capture.measures_records
     def backward(ctx, grad_y):
         saved = _saved(ctx)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -390,8 +392,8 @@ def _record_rmsnorm(site, input_name: str, output_name: str, x2d, weight, quanti
     y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
     site.record(input_name, x2d, *_as_e4m3(x_saved, x_saved_scales, x2d.shape[1], config), config.group_size,
                 config.saved_format)
-    site.record(output_name, lambda rows: _rows(x2d, rows).float() * _rows(rstd, rows)[:, None] * weight.float(),
-                y, y_scale)
+    # float32 products (x2d and a 16-bit weight are promoted exactly), without a converted copy of either
+    site.record(output_name, lambda rows: _rows(x2d, rows) * _rows(rstd, rows)[:, None] * weight, y, y_scale)
 
 
 def _rmsnorm_output_t(saved: dict, weight, y_scale, config: FP8Config) -> torch.Tensor:
@@ -546,6 +548,7 @@ class _RMSNormFunction(torch.autograd.Function):
     Saves x in 1 x G groups (E4M3, or FP4 with saved_format="fp4"), its scales, rstd, and the weight parameter."""
 
     @staticmethod
+    @_capture.measures_records
     def forward(ctx, x, weight, eps: float, config: FP8Config, out_dtype):
         site = _capture.forward_site()
         x2d = _matrix(x)
@@ -580,6 +583,7 @@ class _SwiGLUMLPFunction(torch.autograd.Function):
     both the gate and up wgrads) and its scale, plus what :func:`_swiglu_forward` lists."""
 
     @staticmethod
+    @_capture.measures_records
     def forward(ctx, x, config: FP8Config, out_dtype, *flat_params):
         params = _pairs(flat_params)
         param_needs = _param_needs(ctx.needs_input_grad, 3, 3)
@@ -596,6 +600,7 @@ class _SwiGLUMLPFunction(torch.autograd.Function):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
+    @_capture.measures_records
     def backward(ctx, grad_out):
         saved = _saved(ctx)
         params = _pairs(_params_from(saved))
@@ -638,6 +643,7 @@ class _BeforeAttentionFunction(torch.autograd.Function):
     read (with the forward's scale, saved); plus the weights' amax and the parameters."""
 
     @staticmethod
+    @_capture.measures_records
     def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
         params = _pairs(flat_params)
         param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
@@ -664,6 +670,7 @@ class _BeforeAttentionFunction(torch.autograd.Function):
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
     @staticmethod
+    @_capture.measures_records
     def backward(ctx, *grads):
         saved = _saved(ctx)
         params = _pairs(_params_from(saved))
@@ -710,6 +717,7 @@ class _AfterAttentionFunction(torch.autograd.Function):
     in coat.nn.Linear."""
 
     @staticmethod
+    @_capture.measures_records
     def forward(ctx, attn_output, residual, weight, bias, config: FP8Config, out_dtype, attention_keeps_output):
         site = ctx.report_site = _capture.forward_site()
         a2d = _matrix(attn_output)
@@ -734,6 +742,7 @@ class _AfterAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_capture.measures_records
     def backward(ctx, grad_out):
         saved = _saved(ctx)
         need_attn, need_residual, need_weight, need_bias = ctx.needs_input_grad[:4]
@@ -774,6 +783,7 @@ class _MLPResidualFunction(torch.autograd.Function):
     that the wgrads read, with the forward's scales (saved). Plus the weights' amax and the parameters."""
 
     @staticmethod
+    @_capture.measures_records
     def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
         params = _pairs(flat_params)
         param_needs = _param_needs(ctx.needs_input_grad, 5, 3)
@@ -799,6 +809,7 @@ class _MLPResidualFunction(torch.autograd.Function):
         return x + mlp_out.view(x.shape)
 
     @staticmethod
+    @_capture.measures_records
     def backward(ctx, grad_out):
         saved = _saved(ctx)
         params = _pairs(_params_from(saved))

@@ -40,8 +40,8 @@ TORCH_LIBRARY(coat, m) {
   m.def("quantize_expanded(Tensor x, int group_size, ScalarType fp8_dtype, bool expand) -> (Tensor codes, Tensor meta)");
   m.def("dequantize_expanded(Tensor codes, Tensor meta, int group_size) -> Tensor");
   m.def("moment_stats(Tensor[] codes, Tensor[] metas, int group_size, Tensor?[] rows) -> Tensor");
-  m.def("quantization_sums_(Tensor(a!) sums, Tensor x, Tensor q, Tensor scale, int? group_size, Tensor? rows,"
-        " bool x_holds_measured_rows, float amax_per_scale) -> ()");
+  m.def("quantization_sums_(Tensor(a!)[] sums, Tensor[] x, Tensor[] q, Tensor[] scale, int[] group_size,"
+        " Tensor?[] rows, bool[] x_holds_measured_rows, float[] amax_per_scale) -> ()");
   m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse=False)"
         " -> (Tensor q_out, Tensor k_out)");
 }

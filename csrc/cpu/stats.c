@@ -5,8 +5,11 @@
 
 #include "coat/detail/stats_math.h"
 
-int64_t coat_quantization_sums_workspace(int64_t rows, int64_t cols) {
-  return coat_ceil_div(rows * cols, COAT_STATS_TILE) * (COAT_STATS_LEAF + 1);
+int64_t coat_quantization_sums_workspace(const coat_quantization_measure* measures, int64_t count) {
+  if (count == 0) return 0;
+  int64_t tiles = 0;
+  for (int64_t i = 0; i < count; ++i) tiles += coat_quantization_tiles(&measures[i]);
+  return (tiles + count) * (COAT_STATS_LEAF + 1) + count + 1;
 }
 
 /* The scale of measured element (row, c), where row is the row of q and the scales. */
@@ -14,18 +17,12 @@ static float coat_element_scale(const float* scales, int64_t group_size, int64_t
   return group_size == 0 ? scales[0] : scales[row * coat_ceil_div(cols, group_size) + c / group_size];
 }
 
-coat_status coat_quantization_sums_cpu(const void* x, coat_dtype dtype, int64_t x_row_stride, int64_t x_col_stride,
-                                       int x_indexed, const uint8_t* q, coat_fp8_format format, int64_t q_row_stride,
-                                       int64_t q_col_stride, const float* scales, int64_t group_size,
-                                       int64_t nscales, float amax_per_scale, int64_t q_rows,
-                                       const int64_t* row_index, int64_t rows, int64_t cols, double* sums) {
-  const int64_t n = rows * cols;
-  if (rows < 1 || cols < 1 || q_rows < 1 || x == NULL || q == NULL || scales == NULL || sums == NULL ||
-      (group_size != 0 && !coat_is_valid_group_size(group_size)) || nscales < 1 || !(amax_per_scale >= 0.0f))
-    return COAT_ERROR_INVALID_ARGUMENT;
+/* One measure's sums, added into m->sums. */
+static void coat_measure_sums(const coat_quantization_measure* m) {
+  const int64_t cols = m->cols, n = m->rows * cols;
   /* Tiles in order, each summed by its own tree, their totals pushed into the tree over tiles, which is then
    * padded with zeros to a power of two. */
-  const int64_t tiles = coat_ceil_div(n, COAT_STATS_TILE);
+  const int64_t tiles = coat_quantization_tiles(m);
   const int64_t padded = (int64_t)1 << coat_ceil_log2(tiles);
   const int tile_levels = coat_ceil_log2(COAT_STATS_TILE);
   double over_tiles[COAT_STATS_LEAF][64];
@@ -37,30 +34,38 @@ coat_status coat_quantization_sums_cpu(const void* x, coat_dtype dtype, int64_t 
       double leaf[COAT_STATS_LEAF] = {0.0, 0.0, 0.0, 0.0, 0.0};
       if (i < n) {
         const int64_t r = i / cols, c = i % cols;
-        const int64_t row = row_index != NULL ? row_index[r] : r;
-        if (row < 0 || row >= q_rows) {
+        const int64_t row = m->row_index != NULL ? m->row_index[r] : r;
+        if (row < 0 || row >= m->q_rows) {
           coat_unreadable_leaf(leaf, &unreadable);
         } else {
-          const int64_t x_row = x_indexed ? row : r;
-          const float value = coat_load_f32(x, dtype, x_row * x_row_stride + c * x_col_stride);
-          const uint8_t code = q[row * q_row_stride + c * q_col_stride];
-          coat_quantization_leaf(value, code, coat_element_scale(scales, group_size, row, c, cols), format, leaf,
-                                 &amax);
+          const int64_t x_row = m->x_indexed ? row : r;
+          const float value = coat_load_f32(m->x, m->dtype, x_row * m->x_row_stride + c * m->x_col_stride);
+          const uint8_t code = m->q[row * m->q_row_stride + c * m->q_col_stride];
+          coat_quantization_leaf(value, code, coat_element_scale(m->scales, m->group_size, row, c, cols), m->format,
+                                 leaf, &amax);
         }
       }
       for (int k = 0; k < COAT_STATS_LEAF; ++k) coat_pairwise_push(in_tile[k], leaf_index, leaf[k]);
     }
     for (int k = 0; k < COAT_STATS_LEAF; ++k) coat_pairwise_push(over_tiles[k], tile, in_tile[k][tile_levels]);
   }
-  if (amax_per_scale > 0.0f) {
+  if (m->amax_per_scale > 0.0f) {
     float largest = 0.0f;
-    for (int64_t j = 0; j < nscales; ++j) largest = coat_max_nan(largest, scales[j]);
-    amax = coat_max_nan(0.0f, largest * amax_per_scale);
+    for (int64_t j = 0; j < m->nscales; ++j) largest = coat_max_nan(largest, m->scales[j]);
+    amax = coat_max_nan(0.0f, largest * m->amax_per_scale);
   }
   amax = coat_max_nan(amax, unreadable);
   const int top = coat_ceil_log2(padded);
+  double* sums = m->sums;
   sums[0] += (double)n;
   for (int k = 0; k < COAT_STATS_LEAF; ++k) sums[1 + k] += over_tiles[k][top];
   sums[6] = coat_max_nan((float)sums[6], amax);
+}
+
+coat_status coat_quantization_sums_cpu(const coat_quantization_measure* measures, int64_t count) {
+  if (count < 0 || (count > 0 && measures == NULL)) return COAT_ERROR_INVALID_ARGUMENT;
+  for (int64_t i = 0; i < count; ++i)
+    if (!coat_quantization_measure_is_valid(&measures[i])) return COAT_ERROR_INVALID_ARGUMENT;
+  for (int64_t i = 0; i < count; ++i) coat_measure_sums(&measures[i]);
   return COAT_SUCCESS;
 }

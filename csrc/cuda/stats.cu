@@ -1,12 +1,18 @@
 /*
- * CUDA implementation of coat/stats.h. tile_sums_kernel computes the leaves of coat/detail/stats_math.h and
- * sums each tile of COAT_STATS_TILE of them by the header's tree: four consecutive leaves per thread, then
- * xor shuffles, whose partner sums are the tree's nodes (left + right and right + left are the same float64),
- * then the eight warps' totals in order. finish_kernel, one block, sums the tiles' totals by the same tree
- * and adds the result into sums. Neither uses atomics, so every run gives the same bits as the C core.
+ * CUDA implementation of coat/stats.h: one kernel launch measures up to kMeasuresPerLaunch tensors. The launch
+ * numbers the tiles of its measures one after the other, and each block takes tiles (grid-stride): it computes
+ * their leaves (coat/detail/stats_math.h) and sums each tile of COAT_STATS_TILE of them by the header's tree:
+ * four consecutive leaves per thread, then xor shuffles, whose partner sums are the tree's nodes (left + right
+ * and right + left are the same float64), then the eight warps' totals in order; the tile's sums go to the
+ * workspace. The block that completes a measure's last tile (it draws the last ticket of the measure's counter)
+ * sums the measure's tiles by the same tree; the block that completes the launch's last measure adds the
+ * measures' totals into their sums one after the other, in list order. No atomics on the sums, so every run gives
+ * the same bits as the C core, whatever the order in which blocks run, and the measures finish in parallel.
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <algorithm>
 
 #include "coat/detail/stats_math.h"
 #include "coat/stats.h"
@@ -19,27 +25,31 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kLeavesPerThread = COAT_STATS_TILE / kThreads;
-static_assert(kLeavesPerThread == 4, "tile_sums_kernel adds a thread's leaves as (l0 + l1) + (l2 + l3)");
-/** Workspace values per tile: the COAT_STATS_LEAF sums, then the tile's amax. */
+static_assert(kLeavesPerThread == 4, "the tile sums add a thread's leaves as (l0 + l1) + (l2 + l3)");
+/** Workspace values per tile, and per measure for its totals: the COAT_STATS_LEAF sums, then the amax. */
 constexpr int kTileValues = COAT_STATS_LEAF + 1;
+/** rows * cols < 2^63: at most 2^53 tiles, so a thread of a measure's finish sums runs of at most 2^45 tiles. */
+constexpr int kRunLevels = 63 - 10 - 8;
+static_assert(COAT_STATS_TILE == 1 << 10 && kThreads == 1 << 8, "kRunLevels counts 2^10 leaves and 2^8 threads");
 
-struct Measured {
-  const void* x;
-  coat_dtype dtype;
-  int64_t x_row_stride, x_col_stride;
-  int x_indexed;
-  const uint8_t* q;
-  coat_fp8_format format;
-  int64_t q_row_stride, q_col_stride;
-  const float* scales;
-  int64_t group_size, nscales;
-  float amax_per_scale;
-  int64_t q_rows;
-  const int64_t* row_index;
-  int64_t rows, cols;
+constexpr int kMeasuresPerLaunch = 24;
+
+/** The measures of one launch. They travel by value in the kernel's parameter space (__grid_constant__: read in
+ *  place), so a launch needs no copy of them to the device. The launch's tiles are numbered across its measures:
+ *  measure i has tiles first_tile[i] .. first_tile[i + 1] - 1, whose sums go to partials + tile * kTileValues;
+ *  its totals go to totals + i * kTileValues, and tiles_done[i] counts its tiles summed. */
+struct SumsLaunch {
+  coat_quantization_measure measures[kMeasuresPerLaunch];
+  int64_t first_tile[kMeasuresPerLaunch + 1];
+  double* partials;
+  double* totals;
+  unsigned long long* tiles_done;  // zeros at the launch's start
+  unsigned long long* measures_done;  // the launch's measures with totals; zero at the launch's start
+  int count;
 };
+static_assert(sizeof(SumsLaunch) <= 4096, "launch parameters exceed 4 KiB");
 
-__device__ void measured_leaf(const Measured& m, int64_t i, double* leaf, float* amax) {
+__device__ void measured_leaf(const coat_quantization_measure& m, int64_t i, double* leaf, float* amax) {
   for (int k = 0; k < COAT_STATS_LEAF; ++k) leaf[k] = 0.0;
   if (i >= m.rows * m.cols) return;
   const int64_t r = i / m.cols, c = i % m.cols;
@@ -75,61 +85,91 @@ __device__ void block_tree(double* node, float* amax, double (*warp_nodes)[COAT_
   __syncthreads();
 }
 
-__global__ void tile_sums_kernel(Measured m, int64_t tiles, double* workspace) {
-  __shared__ double warp_nodes[kWarps][COAT_STATS_LEAF];
-  __shared__ float warp_amax[kWarps];
-  const int64_t scales_per_tile = coat_ceil_div(m.nscales, tiles);
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    double leaves[kLeavesPerThread][COAT_STATS_LEAF];
-    float amax = 0.0f;
-    const int64_t first = tile * COAT_STATS_TILE + threadIdx.x * kLeavesPerThread;
-    for (int j = 0; j < kLeavesPerThread; ++j) measured_leaf(m, first + j, leaves[j], &amax);
-    double node[COAT_STATS_LEAF];
-    for (int k = 0; k < COAT_STATS_LEAF; ++k)
-      node[k] = (leaves[0][k] + leaves[1][k]) + (leaves[2][k] + leaves[3][k]);
-    if (m.amax_per_scale > 0.0f) {  // this tile's share of the scales instead, NaN kept for an unreadable row
-      amax = amax != amax ? amax : 0.0f;
-      const int64_t end = min(m.nscales, (tile + 1) * scales_per_tile);
-      for (int64_t j = tile * scales_per_tile + threadIdx.x; j < end; j += kThreads)
-        amax = coat_max_nan(amax, m.scales[j]);
-    }
-    block_tree(node, &amax, warp_nodes, warp_amax);
-    if (threadIdx.x == 0) {
-      for (int k = 0; k < COAT_STATS_LEAF; ++k) workspace[tile * kTileValues + k] = node[k];
-      workspace[tile * kTileValues + COAT_STATS_LEAF] = amax;
-    }
-  }
-}
-
-__global__ void finish_kernel(const double* workspace, int64_t tiles, int64_t n, float amax_per_scale, double* sums) {
-  __shared__ double warp_nodes[kWarps][COAT_STATS_LEAF];
-  __shared__ float warp_amax[kWarps];
-  const int64_t padded = int64_t{1} << coat_ceil_log2(tiles);
-  double node[COAT_STATS_LEAF] = {0.0, 0.0, 0.0, 0.0, 0.0};
+/** Tile `tile` (of `tiles`) of measure m into partials[0 .. kTileValues): its sums by the tree and its amax. */
+__device__ void tile_sums(const coat_quantization_measure& m, int64_t tile, int64_t tiles, double* partials,
+                          double (*warp_nodes)[COAT_STATS_LEAF], float* warp_amax) {
+  double leaves[kLeavesPerThread][COAT_STATS_LEAF];
   float amax = 0.0f;
-  if (padded <= kThreads) {  // one tile (or padding) per thread: the tree over kThreads adds exact zeros above it
-    if (threadIdx.x < tiles) {
-      for (int k = 0; k < COAT_STATS_LEAF; ++k) node[k] = workspace[threadIdx.x * kTileValues + k];
-      amax = static_cast<float>(workspace[threadIdx.x * kTileValues + COAT_STATS_LEAF]);
-    }
-  } else {  // a power-of-two run of consecutive tiles per thread, summed by the tree in the thread
-    const int64_t run = padded / kThreads;
-    const int levels = coat_ceil_log2(run);
-    double stack[COAT_STATS_LEAF][40];
-    for (int64_t j = 0; j < run; ++j) {
-      const int64_t tile = threadIdx.x * run + j;
-      for (int k = 0; k < COAT_STATS_LEAF; ++k)
-        coat_pairwise_push(stack[k], j, tile < tiles ? workspace[tile * kTileValues + k] : 0.0);
-      if (tile < tiles) amax = coat_max_nan(amax, static_cast<float>(workspace[tile * kTileValues + COAT_STATS_LEAF]));
-    }
-    for (int k = 0; k < COAT_STATS_LEAF; ++k) node[k] = stack[k][levels];
+  const int64_t first = tile * COAT_STATS_TILE + threadIdx.x * kLeavesPerThread;
+  for (int j = 0; j < kLeavesPerThread; ++j) measured_leaf(m, first + j, leaves[j], &amax);
+  double node[COAT_STATS_LEAF];
+  for (int k = 0; k < COAT_STATS_LEAF; ++k) node[k] = (leaves[0][k] + leaves[1][k]) + (leaves[2][k] + leaves[3][k]);
+  if (m.amax_per_scale > 0.0f) {  // this tile's share of the scales instead, NaN kept for an unreadable row
+    amax = amax != amax ? amax : 0.0f;
+    const int64_t scales_per_tile = coat_ceil_div(m.nscales, tiles);
+    const int64_t end = min(m.nscales, (tile + 1) * scales_per_tile);
+    for (int64_t j = tile * scales_per_tile + threadIdx.x; j < end; j += kThreads)
+      amax = coat_max_nan(amax, m.scales[j]);
   }
   block_tree(node, &amax, warp_nodes, warp_amax);
   if (threadIdx.x == 0) {
-    if (amax_per_scale > 0.0f) amax = coat_max_nan(0.0f, amax * amax_per_scale);
-    sums[0] += static_cast<double>(n);
-    for (int k = 0; k < COAT_STATS_LEAF; ++k) sums[1 + k] += node[k];
-    sums[6] = coat_max_nan(static_cast<float>(sums[6]), amax);
+    for (int k = 0; k < COAT_STATS_LEAF; ++k) partials[k] = node[k];
+    partials[COAT_STATS_LEAF] = amax;
+  }
+}
+
+/** Whether this block drew the last of `tickets` tickets of *counter, after making its writes visible to the block
+ *  that draws it; that block then sees every drawer's writes (read them with __ldcg: L1 may hold stale lines). */
+__device__ bool draws_last_ticket(unsigned long long* counter, unsigned long long tickets) {
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(counter, 1ull) == tickets - 1;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+/** The sums of a measure's `tiles` tile partials by the tree over tiles, into totals[0 .. kTileValues): each thread
+ *  sums a power-of-two run of consecutive tiles (zeros past the last), then the block adds the runs. */
+__device__ void finish_measure(const coat_quantization_measure& m, const double* partials, int64_t tiles,
+                               double* totals, double (*warp_nodes)[COAT_STATS_LEAF], float* warp_amax) {
+  const int64_t padded = int64_t{1} << coat_ceil_log2(tiles);
+  const int64_t run = padded > kThreads ? padded / kThreads : 1;
+  double stack[COAT_STATS_LEAF][kRunLevels + 1];
+  float amax = 0.0f;
+  for (int64_t j = 0; j < run; ++j) {
+    const int64_t tile = threadIdx.x * run + j;
+    const double* values = partials + tile * kTileValues;
+    for (int k = 0; k < COAT_STATS_LEAF; ++k) coat_pairwise_push(stack[k], j, tile < tiles ? __ldcg(values + k) : 0.0);
+    if (tile < tiles) amax = coat_max_nan(amax, static_cast<float>(__ldcg(values + COAT_STATS_LEAF)));
+  }
+  double node[COAT_STATS_LEAF];
+  for (int k = 0; k < COAT_STATS_LEAF; ++k) node[k] = stack[k][coat_ceil_log2(run)];
+  block_tree(node, &amax, warp_nodes, warp_amax);
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < COAT_STATS_LEAF; ++k) totals[k] = node[k];
+    totals[COAT_STATS_LEAF] = m.amax_per_scale > 0.0f ? coat_max_nan(0.0f, amax * m.amax_per_scale) : amax;
+  }
+}
+
+/** The launch's totals added into the measures' sums, by one thread in list order: measures may share their sums. */
+__device__ void add_totals(const SumsLaunch& launch) {
+  if (threadIdx.x != 0) return;
+  for (int i = 0; i < launch.count; ++i) {
+    const coat_quantization_measure& m = launch.measures[i];
+    const double* totals = launch.totals + i * kTileValues;
+    m.sums[0] += static_cast<double>(m.rows * m.cols);
+    for (int k = 0; k < COAT_STATS_LEAF; ++k) m.sums[1 + k] += __ldcg(totals + k);
+    m.sums[6] = coat_max_nan(static_cast<float>(m.sums[6]), static_cast<float>(__ldcg(totals + COAT_STATS_LEAF)));
+  }
+  *launch.measures_done = 0;  // the call's next launch counts from zero
+}
+
+__global__ void __launch_bounds__(kThreads) quantization_sums_kernel(const __grid_constant__ SumsLaunch launch) {
+  __shared__ double warp_nodes[kWarps][COAT_STATS_LEAF];
+  __shared__ float warp_amax[kWarps];
+  int i = 0;  // the measure of `tile`, which only grows along the loop
+  for (int64_t tile = blockIdx.x; tile < launch.first_tile[launch.count]; tile += gridDim.x) {
+    while (tile >= launch.first_tile[i + 1]) ++i;
+    const coat_quantization_measure& m = launch.measures[i];
+    const int64_t first = launch.first_tile[i], tiles = launch.first_tile[i + 1] - first;
+    tile_sums(m, tile - first, tiles, launch.partials + tile * kTileValues, warp_nodes, warp_amax);
+    if (!draws_last_ticket(&launch.tiles_done[i], tiles)) continue;
+    finish_measure(m, launch.partials + first * kTileValues, tiles, launch.totals + i * kTileValues, warp_nodes,
+                   warp_amax);
+    if (draws_last_ticket(launch.measures_done, launch.count)) add_totals(launch);
   }
 }
 
@@ -139,23 +179,38 @@ __global__ void finish_kernel(const double* workspace, int64_t tiles, int64_t n,
 
 using namespace coat::device;
 
-extern "C" coat_status coat_quantization_sums_cuda(const void* x, coat_dtype dtype, int64_t x_row_stride,
-                                                   int64_t x_col_stride, int x_indexed, const uint8_t* q,
-                                                   coat_fp8_format format, int64_t q_row_stride, int64_t q_col_stride,
-                                                   const float* scales, int64_t group_size, int64_t nscales,
-                                                   float amax_per_scale, int64_t q_rows, const int64_t* row_index,
-                                                   int64_t rows,
-                                                   int64_t cols, double* sums, double* workspace,
-                                                   coat_cuda_stream stream) {
-  if (rows < 1 || cols < 1 || q_rows < 1 || x == nullptr || q == nullptr || scales == nullptr || sums == nullptr ||
-      workspace == nullptr || (group_size != 0 && !coat_is_valid_group_size(group_size)) || nscales < 1 ||
-      !(amax_per_scale >= 0.0f))
-    return COAT_ERROR_INVALID_ARGUMENT;
-  const Measured m{x,      dtype,        x_row_stride, x_col_stride, x_indexed, q,         format, q_row_stride,
-                   q_col_stride, scales, group_size, nscales,      amax_per_scale, q_rows, row_index, rows, cols};
-  const int64_t tiles = coat_ceil_div(rows * cols, COAT_STATS_TILE);
+extern "C" coat_status coat_quantization_sums_cuda(const coat_quantization_measure* measures, int64_t count,
+                                                   double* workspace, coat_cuda_stream stream) {
+  if (count < 0 || (count > 0 && (measures == nullptr || workspace == nullptr))) return COAT_ERROR_INVALID_ARGUMENT;
+  for (int64_t i = 0; i < count; ++i)
+    if (!coat_quantization_measure_is_valid(&measures[i])) return COAT_ERROR_INVALID_ARGUMENT;
+  if (count == 0) return COAT_SUCCESS;
+  // The workspace (coat_quantization_sums_workspace) holds every measure's tile partials in list order, the
+  // measures' totals, their tile counters and the counter of measures done that the launches share.
+  int64_t tiles = 0;
+  for (int64_t i = 0; i < count; ++i) tiles += coat_quantization_tiles(&measures[i]);
+  double* const totals = workspace + tiles * kTileValues;
+  static_assert(sizeof(unsigned long long) == sizeof(double), "a counter takes one workspace value");
+  auto* const tiles_done = reinterpret_cast<unsigned long long*>(totals + count * kTileValues);
+  unsigned long long* const measures_done = tiles_done + count;
   cudaStream_t s = as_cuda_stream(stream);
-  tile_sums_kernel<<<clamp_grid(tiles, kMaxGridX), kThreads, 0, s>>>(m, tiles, workspace);
-  finish_kernel<<<1, kThreads, 0, s>>>(workspace, tiles, rows * cols, amax_per_scale, sums);
+  if (cudaMemsetAsync(tiles_done, 0, (count + 1) * sizeof(unsigned long long), s) != cudaSuccess)
+    return COAT_ERROR_CUDA;
+  double* partials = workspace;
+  for (int64_t first = 0; first < count; first += kMeasuresPerLaunch) {
+    SumsLaunch launch{};
+    launch.count = static_cast<int>(std::min<int64_t>(count - first, kMeasuresPerLaunch));
+    launch.partials = partials;
+    launch.totals = totals + first * kTileValues;
+    launch.tiles_done = tiles_done + first;
+    launch.measures_done = measures_done;
+    for (int i = 0; i < launch.count; ++i) {
+      launch.measures[i] = measures[first + i];
+      launch.first_tile[i + 1] = launch.first_tile[i] + coat_quantization_tiles(&measures[first + i]);
+    }
+    const int64_t launch_tiles = launch.first_tile[launch.count];
+    quantization_sums_kernel<<<clamp_grid(launch_tiles, kMaxGridX), kThreads, 0, s>>>(launch);
+    partials += launch_tiles * kTileValues;
+  }
   return launch_status();
 }

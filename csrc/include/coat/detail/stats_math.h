@@ -5,11 +5,25 @@
 #ifndef COAT_DETAIL_STATS_MATH_H
 #define COAT_DETAIL_STATS_MATH_H
 
+#include <stddef.h>
+
 #include "coat/detail/quantize_math.h"
 #include "coat/stats.h"
 
 /** The five summed values of one element (coat/stats.h), in this order. */
 #define COAT_STATS_LEAF 5
+
+/** Whether a measure of coat/stats.h can be read: the checks both entry points make before any launch or sum. */
+COAT_INLINE int coat_quantization_measure_is_valid(const coat_quantization_measure* m) {
+  return m->rows >= 1 && m->cols >= 1 && m->q_rows >= 1 && m->x != NULL && m->q != NULL && m->scales != NULL &&
+         m->sums != NULL && (m->group_size == 0 || coat_is_valid_group_size(m->group_size)) && m->nscales >= 1 &&
+         m->amax_per_scale >= 0.0f;
+}
+
+/** Tiles of COAT_STATS_TILE leaves that a measure's elements fill. */
+COAT_INLINE int64_t coat_quantization_tiles(const coat_quantization_measure* m) {
+  return coat_ceil_div(m->rows * m->cols, COAT_STATS_TILE);
+}
 
 /** Scaled magnitude from which round to nearest would pass FP8_MAX: FP8_MAX plus half its step. */
 COAT_INLINE float coat_clip_threshold(coat_fp8_format format) {
