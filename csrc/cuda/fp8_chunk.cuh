@@ -42,16 +42,21 @@ __device__ __forceinline__ float reciprocal_of_normal(float d) {
 #endif
 }
 
-/** coat_scale_from_amax(amax, kFormat) = max(amax / FP8_MAX, 2^-126) for an amax >= 0 (not NaN), by the
- *  reciprocal of FP8_MAX and one Markstein correction: equal on every such float, in both formats
- *  (tools/cuda_emulation checks them all). An Inf amax keeps its product, Inf. */
+/** max(amax / divisor, 2^-126) for an amax >= 0 (not NaN), given inverse = 1 / divisor rounded to nearest, by
+ *  their product and one Markstein correction. For the divisors coat uses (FP8_MAX of either format, E2M1's 6) it
+ *  equals the IEEE division on every such float (tools/cuda_emulation checks them all). An Inf amax keeps its
+ *  product, Inf. */
+__device__ __forceinline__ float scale_by_inverse(float amax, float divisor, float inverse) {
+  const float q = amax * inverse;
+  const float corrected = __fmaf_rn(__fmaf_rn(-q, divisor, amax), inverse, q);
+  return fmaxf(amax < INFINITY ? corrected : q, COAT_MIN_SCALE);
+}
+
+/** coat_scale_from_amax(amax, kFormat) = max(amax / FP8_MAX, 2^-126) for an amax >= 0 (not NaN). */
 template <coat_fp8_format kFormat>
 __device__ __forceinline__ float scale_from_amax(float amax) {
   constexpr float kMax = kFormat == COAT_E4M3 ? COAT_E4M3_MAX : COAT_E5M2_MAX;
-  constexpr float kInverse = 1.0f / kMax;
-  const float q = amax * kInverse;
-  const float corrected = __fmaf_rn(__fmaf_rn(-q, kMax, amax), kInverse, q);
-  return fmaxf(amax < INFINITY ? corrected : q, COAT_MIN_SCALE);
+  return scale_by_inverse(amax, kMax, 1.0f / kMax);
 }
 
 /** x / scale rounded to nearest, given reciprocal = 1 / scale rounded to nearest: the Markstein correction of

@@ -27,7 +27,7 @@
 // bf16 and fp16 conversions with their special cases) runs in forms that give the same bits on the values
 // that occur in training, behind one test per chunk that sends every other chunk (NaN, Inf, scales below
 // 2^-80, gates below -80) through the plain formulas: see fp8_chunk.cuh (scale_from_amax, quotient,
-// reciprocal_of_normal, encode_chunk), decode_e4m3, sigmoid_near, SiluOfGates (a table of silu for bf16 gates) and the Io stores.
+// reciprocal_of_normal, encode_chunk), fp4_chunk.cuh (encode_fp4_chunk), decode_e4m3, sigmoid_near, SiluOfGates (a table of silu for bf16 gates) and the Io stores.
 // tools/cuda_emulation runs these kernels on the CPU against the C core.
 #include <cuda_runtime.h>
 
@@ -35,6 +35,7 @@
 
 #include "coat/detail/norm_act_math.h"
 #include "coat/norm_act.h"
+#include "fp4_chunk.cuh"
 #include "fp8_chunk.cuh"
 #include "group_amax.cuh"
 #include "launch.cuh"
@@ -45,6 +46,8 @@ using coat::device::amax_step;
 using coat::device::Codes;
 using coat::device::code_at;
 using coat::device::encode_chunk;
+using coat::device::encode_fp4_chunk;
+using coat::device::fp4_scale_from_amax_bits;
 using coat::device::group_amax_reduce;
 using coat::device::pack_16bit;
 using coat::device::pack_16bit_not_nan;
@@ -517,7 +520,7 @@ template <int kChunks>
 __device__ __forceinline__ void save_chunks_fp4(const float (&v)[kChunks][kChunk], int col, int valid_cols,
                                                 int lanes_per_group, int group_shift, bool vector, uint8_t* saved_row,
                                                 float* scales_row) {
-  static_assert(kChunk == 8, "a chunk's FP4 codes are one 4-byte word");
+  static_assert(kChunk == coat::device::kFp4CodeChunk, "a chunk's FP4 codes are one 4-byte word");
   uint32_t amax_bits = 0;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c)
@@ -527,17 +530,13 @@ __device__ __forceinline__ void save_chunks_fp4(const float (&v)[kChunks][kChunk
     amax_bits =
         coat_max_bits(amax_bits, static_cast<uint32_t>(__shfl_xor_sync(kFullMask, static_cast<int>(amax_bits), mask)));
   if (col >= valid_cols) return;
-  const float scale = coat_fp4_scale_from_amax_bits(amax_bits);
-  const float reciprocal = 1.0f / scale;
+  const float scale = fp4_scale_from_amax_bits(amax_bits);
+  const float reciprocal = reciprocal_of_normal(scale);
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     const int first = col + c * kChunk, count = chunk_count(first, valid_cols);
-    uint32_t word = 0;  // past the row x is +0, whose code is 0: the padding nibble of an odd row
-#pragma unroll
-    for (int i = 0; i < kChunk / 2; ++i)
-      word |= uint32_t{coat_fp4_pack(coat_quantize_fp4_scaled(v[c][2 * i], scale, reciprocal),
-                                     coat_quantize_fp4_scaled(v[c][2 * i + 1], scale, reciprocal))}
-              << (8 * i);
+    // past the row x is +0, whose code is 0: the padding nibble of an odd row
+    const uint32_t word = encode_fp4_chunk(v[c], scale, reciprocal);
     uint8_t* target = saved_row + first / 2;
     if (vector && count == kChunk) {
       *reinterpret_cast<uint32_t*>(target) = word;
@@ -793,6 +792,7 @@ struct SavedRows {
 // move 8 and 16 bytes at a time.
 template <class Source>
 struct RmsnormApply {
+  using Rows = Source;
   static constexpr bool kVector = Source::kVector;
   struct Table {};
   Source x;
@@ -827,6 +827,7 @@ struct RmsnormApply {
 
 template <class Source>
 struct SiluMulApply {
+  using Rows = Source;
   static constexpr bool kVector = Source::kVector;
   using Gates = typename Source::Gates;
   using Table = typename Gates::Table;
@@ -889,12 +890,19 @@ __device__ __forceinline__ void transpose_4x4(uint32_t w0, uint32_t w1, uint32_t
   out[3] = __byte_perm(rows01_high, rows23_high, 0x7632);
 }
 
+// Blocks of apply_quantize_kernel per SM to hold registers for: three 256-thread blocks (80 registers) when a
+// chunk's inputs stay packed in 16 bytes (16-bit rows, vector saved codes), which they fit without spilling;
+// ptxas's own choice gave SiLU*mul of bf16 rows 92 registers and of FP4 codes 89, two blocks. Wider inputs
+// (fp32, element-wise) would spill at 80.
+template <class Op>
+constexpr int kApplyMinBlocks = Op::kVector && sizeof(typename Op::Rows::Chunk) <= 16 ? 3 : 1;
+
 // Block b takes column tile b % col_tiles and row tiles b / col_tiles, + row_strands, ...; each thread two
 // chunks of one chunk column (rows r and r + 32 of the tile), the next tile's inputs in flight. y, when set,
 // is written row-major from registers and y_t, when set, transposed through shared memory (two tile
 // buffers, alternating, so that one barrier per tile suffices).
 template <class Op>
-__global__ void __launch_bounds__(kTileThreads)
+__global__ void __launch_bounds__(kTileThreads, kApplyMinBlocks<Op>)
     apply_quantize_kernel(Op op, int64_t rows, int cols, int col_tiles, int64_t row_strands, OutputScale y_scale,
                           coat_fp8_format format, uint8_t* y, uint8_t* y_t) {
   // 64 rows of 64 codes as 16 words, plus one word of padding so that the transposed reads of a warp

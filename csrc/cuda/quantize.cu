@@ -15,6 +15,7 @@
 
 #include "coat/detail/quantize_math.h"
 #include "coat/quantize.h"
+#include "fp4_chunk.cuh"
 #include "fp8_chunk.cuh"
 #include "group_amax.cuh"
 #include "launch.cuh"
@@ -497,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(const Dequantiz
 }
 
 /** FP4 kernels: elements of one row per lane and pass, i.e. 4 bytes of packed codes. */
-constexpr int kFp4Chunk = 8;
+constexpr int kFp4Chunk = kFp4CodeChunk;
 
 struct Fp4Params {
   int64_t rows;
@@ -581,16 +582,14 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_fp4_kernel(const Fp4Para
           amax_bits = coat_max_bits(amax_bits, coat_magnitude_bits(values[i]));
         }
         amax_bits = block_amax_bits_reduce(amax_bits, reduce_lanes);
-        const float scale = coat_fp4_scale_from_amax_bits(amax_bits);
-        const float reciprocal = 1.0f / scale;
+        const float scale = fp4_scale_from_amax_bits(amax_bits);
         if (row_valid && col < p.cols && starts_group(col, block_size))
           p.scales[row * nblocks + (col >> p.block_log2)] = scale;
 
+        const uint32_t word = encode_fp4_chunk(values, scale, reciprocal_of_normal(scale));
         Chunk<uint8_t, kFp4Chunk / 2> codes;
 #pragma unroll
-        for (int i = 0; i < kFp4Chunk / 2; ++i)
-          codes.e[i] = coat_fp4_pack(coat_quantize_fp4_scaled(values[2 * i], scale, reciprocal),
-                                     coat_quantize_fp4_scaled(values[2 * i + 1], scale, reciprocal));
+        for (int i = 0; i < kFp4Chunk / 2; ++i) codes.e[i] = static_cast<uint8_t>(word >> (8 * i));
         store_chunk<kVector>(codes, p.codes, row * lane.row_bytes, col / 2, lane.row_bytes, row_valid);
       }
     }

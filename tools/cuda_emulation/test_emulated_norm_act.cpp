@@ -417,6 +417,71 @@ void check_quotient(long samples) {
   CHECK(mismatches == 0, "quotient's code != coat_quantize_value's on %ld of %ld samples", mismatches, checked);
 }
 
+// fp4_scale_from_amax_bits == coat_fp4_scale_from_amax_bits on every `step`-th amax bit pattern in [0, Inf] and on
+// the NaNs' first and last.
+void check_fp4_scale_from_amax(uint32_t step) {
+  long mismatches = 0;
+  for (uint64_t bits = 0; bits <= 0x7F800000u; bits += step)
+    if (f2u(coat::device::fp4_scale_from_amax_bits(static_cast<uint32_t>(bits))) !=
+        f2u(coat_fp4_scale_from_amax_bits(static_cast<uint32_t>(bits))))
+      ++mismatches;
+  for (uint32_t nan : {0x7F800001u, 0x7FFFFFFFu})
+    if (f2u(coat::device::fp4_scale_from_amax_bits(nan)) != f2u(coat_fp4_scale_from_amax_bits(nan))) ++mismatches;
+  CHECK(mismatches == 0, "fp4_scale_from_amax_bits != coat_fp4_scale_from_amax_bits on %ld floats", mismatches);
+  printf("fp4_scale_from_amax_bits checked on every %u-th amax in [0, Inf]: %ld mismatches\n", step, mismatches);
+}
+
+// e2m1_magnitude_code_below_7_biased(q) - its bias == coat_e2m1_magnitude_code(q) for every float q in [0, 7)
+// (every `step`-th).
+void check_e2m1_below_7(uint32_t step) {
+  long mismatches = 0;
+  for (uint64_t bits = 0; bits < 0x40E00000u; bits += step)
+    if (coat::device::e2m1_magnitude_code_below_7_biased(u2f(static_cast<uint32_t>(bits))) -
+            coat::device::kE2m1CodeBias !=
+        coat_e2m1_magnitude_code(static_cast<uint32_t>(bits)))
+      ++mismatches;
+  CHECK(mismatches == 0, "e2m1_magnitude_code_below_7_biased != coat_e2m1_magnitude_code on %ld floats", mismatches);
+  printf("e2m1_magnitude_code_below_7_biased checked on every %u-th float in [0, 7): %ld mismatches\n", step, mismatches);
+}
+
+// encode_fp4_chunk against coat_quantize_fp4_scaled on random blocks: scales from amax over the whole range (down
+// to 2^-126, below the fast path's 2^-80), values of either sign whose quotients cover [0, 6] and below, grid
+// midpoints and their neighbours, and chunks holding a NaN, an Inf or a -0.
+void check_fp4_chunk(long samples) {
+  long mismatches = 0;
+  const float midpoints[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f};
+  for (long i = 0; i < samples; ++i) {
+    const float amax = u2f(static_cast<uint32_t>(rng() % 0x7F000000u));
+    const float scale = coat_fp4_scale_from_amax_bits(f2u(amax));  // of the midpoints' values
+    float v[8];
+    for (int e = 0; e < 8; ++e) {
+      const uint64_t r = rng();
+      const float sign = r & 1 ? -1.0f : 1.0f;
+      float x;
+      switch ((r >> 1) % 4) {
+        case 0: x = static_cast<float>(amax * uniform()); break;
+        case 1: x = static_cast<float>(amax * ldexp(uniform(), -static_cast<int>((r >> 8) % 40))); break;
+        default: {  // a midpoint's quotient, moved by up to 2 ulps
+          const float q = nextafterf(midpoints[(r >> 8) % 8], (r >> 12) & 1 ? INFINITY : 0.0f);
+          x = fminf(q * scale, amax);
+          if ((r >> 13) & 1) x = nextafterf(x, 0.0f);
+        }
+      }
+      v[e] = sign * x;
+    }
+    if (i % 7 == 0) v[rng() % 8] = (i / 7) % 3 == 0 ? NAN : (i / 7) % 3 == 1 ? -INFINITY : -0.0f;
+    // the block's scale, as the kernels take it: its amax may be another chunk's (amax), a NaN or an Inf here
+    uint32_t amax_bits = f2u(amax);
+    for (int e = 0; e < 8; ++e) amax_bits = coat_max_bits(amax_bits, coat_magnitude_bits(v[e]));
+    const float s = coat_fp4_scale_from_amax_bits(amax_bits);
+    const uint32_t word = coat::device::encode_fp4_chunk(v, s, 1.0f / s);
+    for (int e = 0; e < 8; ++e)
+      if (((word >> (4 * e)) & 0xFu) != coat_quantize_fp4_scaled(v[e], s, 1.0f / s)) ++mismatches;
+  }
+  CHECK(mismatches == 0, "encode_fp4_chunk != coat_quantize_fp4_scaled on %ld of %ld codes", mismatches, samples * 8);
+  printf("encode_fp4_chunk checked on %ld random chunks: %ld mismatches\n", samples, mismatches);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -425,6 +490,9 @@ int main(int argc, char** argv) {
   check_sigmoid_near(full ? 1u : 4099u);
   check_quotient(full ? 100000000L : 2000000L);
   check_scale_from_amax(full ? 1u : 997u);
+  check_fp4_scale_from_amax(full ? 1u : 997u);
+  check_e2m1_below_7(full ? 1u : 97u);
+  check_fp4_chunk(full ? 20000000L : 500000L);
 
   const coat_dtype dtypes[] = {COAT_BFLOAT16, COAT_FLOAT32, COAT_FLOAT16};
   const int64_t groups[] = {16, 32, 64, 128};
