@@ -86,7 +86,7 @@ def main() -> None:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 weights themselves
     if args.coat:
         coat.convert(model, saved_format="fp4" if args.saved_format == "auto" else args.saved_format,
-                     fast_accum=args.fast_accum)
+                     fast_accum=args.fast_accum, group_size=args.group_size)
     optimizer = build_optimizer(args, model)
     scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
     data = load_text(args, tokenizer)
@@ -128,7 +128,8 @@ def main() -> None:
                        (lambda: held_out_loss(model, validation, device, autocast).item()) if evaluate else None)
 
     summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
-                          "fp8_grads": args.fp8_grads, "saved_format": args.saved_format, "fast_accum": args.fast_accum,
+                          "fp8_grads": args.fp8_grads, "saved_format": args.saved_format, "group_size": args.group_size,
+                          "fast_accum": args.fast_accum,
                           "uniform_fp4": args.uniform_fp4,
                           "saved_formats_chosen": saved_formats,
                           "preset": None if args.model else args.preset,

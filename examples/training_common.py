@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from coat.data import stdlib_tokens
+from coat.ops import GROUP_SIZES
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                              "+ a float32 scale per 16, AGoQ's low-bit storage; coat.convert(saved_format=...)); "
                              "auto (train_llama.py): FP4 per layer where the first step's report finds it within "
                              "coat.report's bound, E4M3 elsewhere")
+    parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=16,
+                        help="with --coat: elements per scale of the 1 x G groups that non-linear layers' "
+                             "activations and FP4-kept inputs are quantized in (coat.convert(group_size=...); "
+                             "128 is AGoQ's block)")
     parser.add_argument("--fast-accum", action="store_true",
                         help="with --coat: the forward GEMMs accumulate in the tensor cores' fast FP8 accumulator, "
                              "as torchao's and TransformerEngine's do (coat.convert(fast_accum=True)); faster, "
@@ -104,8 +109,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.eval_every = max(args.log_every, args.steps // 10 // args.log_every * args.log_every)
     if (args.bf16_weights or args.fp8_grads) and not args.coat:
         raise SystemExit("--bf16-weights and --fp8-grads are options of coat.optim.AdamW: add --coat")
-    if (args.saved_format != "e4m3" or args.fast_accum) and not args.coat:
-        raise SystemExit("--saved-format and --fast-accum are options of coat.convert: add --coat")
+    if (args.saved_format != "e4m3" or args.fast_accum or args.group_size != 16) and not args.coat:
+        raise SystemExit("--saved-format, --group-size and --fast-accum are options of coat.convert: add --coat")
     if args.name is None:
         variant = "coat" if args.coat else "bf16"
         if args.bf16_weights:
@@ -114,6 +119,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             variant += f"-{args.fp8_grads}-grads"
         if args.saved_format != "e4m3":
             variant += f"-{args.saved_format}-saved"
+        if args.group_size != 16:
+            variant += f"-g{args.group_size}"
         if args.fast_accum:
             variant += "-fast-accum"
         if getattr(args, "uniform_fp4", False):

@@ -70,13 +70,15 @@ def test_train_llama_quantization_report(tmp_path):
 
 
 def test_train_llama_chooses_saved_formats_from_the_first_step(tmp_path):
-    """--saved-format auto: step 1 captured in FP4 decides each layer; the later reports show the choice."""
+    """--saved-format auto: step 1 captured in FP4 decides each layer; the later reports show the choice.
+    In AGoQ's 1 x 128 blocks (--group-size 128)."""
     completed = run([os.path.join(EXAMPLES, "train_llama.py"), *QUICK, "--coat", "--saved-format", "auto",
-                     "--report-every", "3", "--out", "runs"], tmp_path)
+                     "--group-size", "128", "--report-every", "3", "--out", "runs"], tmp_path)
     assert "saved formats from step 1's report: FP4 in" in completed.stdout
-    chosen = json.loads((tmp_path / "runs" / "tiny-coat-auto-saved.json").read_text())["saved_formats_chosen"]
-    assert chosen and set(chosen.values()) <= {"fp4", "e4m3"}
-    rows = read_csv(tmp_path / "runs" / "tiny-coat-auto-saved-report.csv")
+    summary = json.loads((tmp_path / "runs" / "tiny-coat-auto-saved-g128.json").read_text())
+    chosen = summary["saved_formats_chosen"]
+    assert summary["group_size"] == 128 and chosen and set(chosen.values()) <= {"fp4", "e4m3"}
+    rows = read_csv(tmp_path / "runs" / "tiny-coat-auto-saved-g128-report.csv")
     kept = {(row["layer"], row["format"]) for row in rows if row["tensor"] in ("attn_norm_input", "gate_output")}
     assert kept == set(chosen.items())
 
@@ -95,8 +97,9 @@ def test_train_llama_from_a_local_model_directory(tmp_path):
     ("--eval-every (4) must be a multiple of --log-every (3)", ["--eval-every", "4", "--log-every", "3"]),
     ("--compare: no CSV log at missing.csv", ["--compare", "missing.csv"]),
     ("--report-every needs --coat", ["--report-every", "5"]),
-    ("--saved-format and --fast-accum are options of coat.convert: add --coat", ["--saved-format", "fp4"]),
-    ("--saved-format and --fast-accum are options of coat.convert: add --coat", ["--fast-accum"]),
+    *[("--saved-format, --group-size and --fast-accum are options of coat.convert: add --coat", option)
+      for option in (["--saved-format", "fp4"], ["--group-size", "128"], ["--fast-accum"])],
+    ("argument --group-size: invalid choice: 12", ["--coat", "--group-size", "12"]),
     ("--uniform-fp4 extends coat's FP4-kept activations to every saved activation: add --coat --saved-format fp4",
      ["--coat", "--uniform-fp4"]),
 ])
