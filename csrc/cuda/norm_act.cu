@@ -19,7 +19,8 @@
 //   rmsnorm_backward_kernel  L threads per slice of rows, the next row in flight: dx (plus the residual
 //                            gradient when there is one), and one partial dweight row per slice
 //   dweight_finish_kernel    the slices' partial dweight rows summed in the documented order
-//   silu_mul_backward_kernel persistent, laid out as silu_mul_stats_kernel: dgate, dup and their joint amax
+//   silu_mul_backward_kernel persistent, on silu_mul_stats_kernel's segments with each lane's two chunks 256
+//                            columns apart: dgate, dup and their joint amax
 // The kernels that read saved inputs take them in either saved format (SavedCodes): FP4 codes are loaded
 // packed and expanded to their E4M3 codes where they are decoded, so that the next row or tile stays in flight.
 //
@@ -986,17 +987,24 @@ __global__ void __launch_bounds__(kTileThreads, kApplyMinBlocks<Op>)
 // SiLU*mul: the lanes' layout, and the forward's first pass
 
 // Where a lane of silu_mul_stats_kernel / silu_mul_backward_kernel works: block b covers the 512-column
-// segment b % segments of rows (b / segments) * 8 + warp, then + row_step, ...; the lane has the 16 columns
-// from col.
+// segment b % segments of rows (b / segments) * 8 + warp, then + row_step, ...
 struct SegmentLane {
-  int col;
+  int segment_col;
+  int lane;
   int64_t first_row;
   int64_t row_step;
+
+  // silu_mul_stats_kernel: the lane's 16 consecutive columns start here (one save group when G = 16).
+  __device__ int unit_col() const { return segment_col + lane * kUnit; }
+  // silu_mul_backward_kernel: the first of chunk c's 8 columns. A warp's chunk c covers 256 contiguous columns,
+  // so that each store of dgate or dup (16 bytes a lane in bf16) writes 512 contiguous bytes, whole sectors;
+  // with 16 consecutive columns a lane, each store instruction wrote alternate 16-byte runs.
+  __device__ int chunk_col(int c) const { return segment_col + c * (kSegmentCols / kUnitChunks) + lane * kChunk; }
 };
 
 __device__ __forceinline__ SegmentLane segment_lane(int segments, int strands) {
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  return {static_cast<int>(blockIdx.x % segments) * kSegmentCols + lane * kUnit,
+  return {static_cast<int>(blockIdx.x % segments) * kSegmentCols, lane,
           static_cast<int64_t>(blockIdx.x / segments) * kElementwiseWarps + warp, strands * kElementwiseWarps};
 }
 
@@ -1032,6 +1040,7 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(Sil
   __shared__ typename SiluOfGates<Io>::Table silu_table;
   const Io io{a.dtype};
   const SegmentLane at = segment_lane(a.segments, a.strands);
+  const int unit_col = at.unit_col();
   const int ngroups = ((a.cols - 1) >> a.group_shift) + 1;
   const int lanes_per_group = (1 << a.group_shift) / kUnit;
   const auto load_row = [&](int64_t row) {
@@ -1040,7 +1049,7 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(Sil
     const void* up_row = row_at(a.up, io.element_size(), row, a.up_row_stride);
 #pragma unroll
     for (int c = 0; c < kUnitChunks; ++c) {
-      const int col = at.col + c * kChunk, count = chunk_count(col, a.cols);
+      const int col = unit_col + c * kChunk, count = chunk_count(col, a.cols);
       in.gate[c] = io.load(gate_row, col, count);
       in.up[c] = io.load(up_row, col, count);
     }
@@ -1061,16 +1070,16 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(Sil
       io.unpack(current.gate[c], gate[c]);
       io.unpack(current.up[c], up[c]);
     }
-    save_chunks(gate, at.col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_fp4,
+    save_chunks(gate, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_fp4,
                 a.gate_saved + row * a.saved_row_bytes, a.gate_scales + row * ngroups);
-    save_chunks(up, at.col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_fp4,
+    save_chunks(up, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_fp4,
                 a.up_saved + row * a.saved_row_bytes, a.up_scales + row * ngroups);
     // Past the row gate and up are 0, and so is y.
 #pragma unroll
     for (int c = 0; c < kUnitChunks; ++c) {
       float silu[kChunk], smooth[kChunk];
       SiluOfGates<Io>::chunk(silu_table, gate[c], silu);
-      load_smooth(a.smooth_scale, at.col + c * kChunk, chunk_count(at.col + c * kChunk, a.cols), Io::kVector,
+      load_smooth(a.smooth_scale, unit_col + c * kChunk, chunk_count(unit_col + c * kChunk, a.cols), Io::kVector,
                   smooth);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, coat_silu_mul(silu[e], up[c][e], smooth[e]));
@@ -1329,16 +1338,17 @@ struct SiluMulBackwardArgs {
   float* d_amax;  // null: not wanted
 };
 
-// A lane's 16 columns of one row: dy, the saved codes and their scales (G >= 16 and the lane's columns start
-// at a multiple of 16, so they share one group).
+// A lane's chunks of one row (SegmentLane::chunk_col): dy, the saved codes and their scales (a chunk's 8 columns
+// start at a multiple of 8 and G >= 16, so they share one group).
 template <class Io>
 struct SiluMulBackwardInputs {
   typename Io::Raw dy[kUnitChunks];
   Codes gate[kUnitChunks], up[kUnitChunks];
-  float gate_scale, up_scale;
+  float gate_scale[kUnitChunks], up_scale[kUnitChunks];
 };
 
-template <class Io>
+// kFp4: the saved format, a compile-time constant so that each format's kernel holds only its own decoding.
+template <class Io, bool kFp4>
 __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(SiluMulBackwardArgs a) {
   const Io io{a.dy_dtype};
   const SegmentLane at = segment_lane(a.segments, a.strands);
@@ -1348,14 +1358,13 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
     const void* dy_row = row_at(a.dy, io.element_size(), row, a.row_stride);
 #pragma unroll
     for (int c = 0; c < kUnitChunks; ++c) {
-      const int col = at.col + c * kChunk, count = chunk_count(col, a.cols);
+      const int col = at.chunk_col(c), count = chunk_count(col, a.cols);
       in.dy[c] = io.load(dy_row, col, count);
-      in.gate[c] = a.gate_saved.load(row, col, count, Io::kVector);
-      in.up[c] = a.up_saved.load(row, col, count, Io::kVector);
+      in.gate[c] = a.gate_saved.load_as<kFp4>(row, col, count, Io::kVector);
+      in.up[c] = a.up_saved.load_as<kFp4>(row, col, count, Io::kVector);
+      in.gate_scale[c] = count > 0 ? a.gate_scales[row * ngroups + (col >> a.group_shift)] : 0.0f;
+      in.up_scale[c] = count > 0 ? a.up_scales[row * ngroups + (col >> a.group_shift)] : 0.0f;
     }
-    const bool any = at.col < a.cols;
-    in.gate_scale = any ? a.gate_scales[row * ngroups + (at.col >> a.group_shift)] : 0.0f;
-    in.up_scale = any ? a.up_scales[row * ngroups + (at.col >> a.group_shift)] : 0.0f;
     return in;
   };
 
@@ -1367,12 +1376,12 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
     if (row + at.row_step < a.rows) next = load_row(row + at.row_step);
 #pragma unroll
     for (int c = 0; c < kUnitChunks; ++c) {
-      const int col = at.col + c * kChunk, count = chunk_count(col, a.cols);
+      const int col = at.chunk_col(c), count = chunk_count(col, a.cols);
       if (count == 0) continue;
       float dy[kChunk], gate[kChunk], up[kChunk], s[kChunk], smooth[kChunk], dgate[kChunk], dup[kChunk];
       io.unpack(current.dy[c], dy);
-      decode_saved(a.gate_saved.e4m3(current.gate[c]), current.gate_scale, gate);
-      decode_saved(a.up_saved.e4m3(current.up[c]), current.up_scale, up);
+      decode_saved(SavedCodes::e4m3_as<kFp4>(current.gate[c]), current.gate_scale[c], gate);
+      decode_saved(SavedCodes::e4m3_as<kFp4>(current.up[c]), current.up_scale[c], up);
       sigmoid_chunk(gate, s);
       load_smooth(a.smooth_scale, col, count, Io::kVector, smooth);
 #pragma unroll
@@ -1773,14 +1782,21 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
                       aligned(dup, 16) && vector_aligned(args.gate_saved) && vector_aligned(args.up_saved);
   coat_status status = COAT_SUCCESS;
   with_io(dy_dtype, vector, [&](auto io) {
-    using Io = decltype(io);
-    unsigned blocks = 0;
-    if (!silu_mul_grid<silu_mul_backward_kernel<Io>>(rows, args.cols, &args.segments, &args.strands, &blocks)) {
-      status = COAT_ERROR_CUDA;
-      return;
+    const auto launch = [&](auto fp4) {
+      constexpr auto kernel = silu_mul_backward_kernel<decltype(io), decltype(fp4)::value>;
+      unsigned blocks = 0;
+      if (!silu_mul_grid<kernel>(rows, args.cols, &args.segments, &args.strands, &blocks)) {
+        status = COAT_ERROR_CUDA;
+        return;
+      }
+      kernel<<<blocks, kElementwiseThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(args);
+      status = launch_status();
+    };
+    if (args.gate_saved.fp4) {
+      launch(std::true_type{});
+    } else {
+      launch(std::false_type{});
     }
-    silu_mul_backward_kernel<Io><<<blocks, kElementwiseThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(args);
-    status = launch_status();
   });
   return status;
 }

@@ -37,7 +37,7 @@ constexpr int kPasses = 4;
  *  from 0.80 to 0.94 of copy on an H200, benchmarks/NOTES.md). */
 constexpr int kQuantizeChunk = 8;
 constexpr int kWideQuantizeChunk = 16;
-/** Dequantizer: FP8 codes of one row per lane and pass (one 16-byte load). */
+/** Dequantizer: FP8 codes of one row per lane and pass, in pieces of 16 bytes of output (dequantize_kernel). */
 constexpr int kDequantizeChunk = 16;
 /** Amax reduction: floats per lane and pass (one 16-byte load). */
 constexpr int kReduceChunk = 4;
@@ -429,14 +429,19 @@ struct DequantizeParams {
  *
  * The block first decodes all 256 codes into a shared table (one coat_fp8_to_f32 per thread), so that
  * decoding an element costs one shared load instead of the codec's bit manipulation. In each of kPasses
- * passes a thread owns the 16 codes [col, col + 16) of one row; as G is a multiple of 16 they share one
- * scale. It loads codes and scales a batch of passes ahead, then looks up, scales, rounds and stores
- * each chunk (64 or 32 bytes). kVector: cols % 16 == 0 and q, out 16-byte aligned.
+ * passes a thread owns 16 codes of one row, as pieces of P codes whose outputs take 16 bytes (P = 8 to bf16,
+ * 4 to fp32): piece k covers columns [col0 + k * P * L + P * lane, + P), so that each store instruction of a
+ * warp writes 512 contiguous bytes, whole sectors. (With 16 adjacent codes per lane, every store instruction
+ * wrote alternate 16-byte runs, two half-written sectors where one whole would do.) A piece lies in one group
+ * (P <= 16 <= G). The thread loads codes and scales a batch of passes ahead, then looks up, scales, rounds
+ * and stores each piece. kVector: cols % 16 == 0 and q, out 16-byte aligned.
  */
 template <coat_fp8_format kFormat, coat_dtype kOutDtype, bool kVector>
 __global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(const DequantizeParams p) {
   static_assert(kThreads == 256, "one thread per FP8 code fills the decode table");
   using T = typename Output<kOutDtype>::Storage;
+  constexpr int kPiece = 16 / static_cast<int>(sizeof(T));
+  constexpr int kPieces = kDequantizeChunk / kPiece;
   T* __restrict__ out = static_cast<T*>(p.out);
 
   __shared__ float decoded[256];
@@ -449,48 +454,57 @@ __global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(const Dequantiz
   const int rows_per_pass = kThreads >> lanes_log2;
   const int64_t tile_rows = int64_t{rows_per_pass} * kPasses;
   const int64_t tile_cols = int64_t{kDequantizeChunk} << lanes_log2;
+  const int64_t piece_span = int64_t{kPiece} << lanes_log2;
   const bool per_group = p.group_log2 >= 0;
   const int64_t ngroups = per_group ? (p.cols + (int64_t{1} << p.group_log2) - 1) >> p.group_log2 : 0;
 
   constexpr int kBatch = batch_chunks<kVector, uint8_t, kDequantizeChunk>();
   for (int64_t col0 = blockIdx.y * tile_cols; col0 < p.cols; col0 += gridDim.y * tile_cols) {
-    const int64_t col = col0 + lane_in_row * kDequantizeChunk;
+    const int64_t col = col0 + lane_in_row * kPiece;  // of piece 0; piece k at col + k * piece_span
     for (int64_t row0 = blockIdx.x * tile_rows; row0 < p.rows; row0 += gridDim.x * tile_rows) {
 #pragma unroll
       for (int first_pass = 0; first_pass < kPasses; first_pass += kBatch) {
-        Chunk<uint8_t, kDequantizeChunk> codes[kBatch];
-        float scales[kBatch];
+        Chunk<uint8_t, kPiece> codes[kBatch][kPieces];
+        float scales[kBatch][kPieces];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int64_t row = row0 + (first_pass + b) * rows_per_pass + row_in_pass;
-          const bool in_range = row < p.rows && col < p.cols;
-          load_chunk<kVector>(codes[b], p.q, row * p.cols, col, p.cols, row < p.rows);
-          scales[b] = in_range ? p.scales[per_group ? row * ngroups + (col >> p.group_log2) : 0] : 0.0f;
+#pragma unroll
+          for (int k = 0; k < kPieces; ++k) {
+            const int64_t piece_col = col + k * piece_span;
+            load_chunk<kVector>(codes[b][k], p.q, row * p.cols, piece_col, p.cols, row < p.rows);
+            scales[b][k] = row < p.rows && piece_col < p.cols
+                               ? p.scales[per_group ? row * ngroups + (piece_col >> p.group_log2) : 0]
+                               : 0.0f;
+          }
         }
 
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
           const int64_t row = row0 + (first_pass + b) * rows_per_pass + row_in_pass;
-          // coat_dequantize_value: the product, canonical when NaN (a NaN code, or 0 * Inf). A chunk without
-          // NaN rounds to bf16 by pairs in hardware (pack_16bit_not_nan); one with NaN by coat's rounding.
-          float v[kDequantizeChunk];
-          bool nan = false;
 #pragma unroll
-          for (int i = 0; i < kDequantizeChunk; ++i) {
-            v[i] = decoded[codes[b].e[i]] * scales[b];
-            nan |= v[i] != v[i];
+          for (int k = 0; k < kPieces; ++k) {
+            // coat_dequantize_value: the product, canonical when NaN (a NaN code, or 0 * Inf). A piece without
+            // NaN rounds to bf16 by pairs in hardware (pack_16bit_not_nan); one with NaN by coat's rounding.
+            float v[kPiece];
+            bool nan = false;
+#pragma unroll
+            for (int i = 0; i < kPiece; ++i) {
+              v[i] = decoded[codes[b][k].e[i]] * scales[b][k];
+              nan |= v[i] != v[i];
+            }
+            Chunk<T, kPiece> values;
+            if (kOutDtype == COAT_BFLOAT16 && !nan) {
+              uint32_t* pairs = reinterpret_cast<uint32_t*>(values.e);
+#pragma unroll
+              for (int i = 0; i < kPiece; i += 2) pairs[i / 2] = pack_16bit_not_nan<COAT_BFLOAT16>(v[i], v[i + 1]);
+            } else {
+#pragma unroll
+              for (int i = 0; i < kPiece; ++i)
+                values.e[i] = Output<kOutDtype>::from_f32(nan ? coat_canonical_nan(v[i]) : v[i]);
+            }
+            store_chunk<kVector>(values, out, row * p.cols, col + k * piece_span, p.cols, row < p.rows);
           }
-          Chunk<T, kDequantizeChunk> values;
-          if (kOutDtype == COAT_BFLOAT16 && !nan) {
-            uint32_t* pairs = reinterpret_cast<uint32_t*>(values.e);
-#pragma unroll
-            for (int i = 0; i < kDequantizeChunk; i += 2) pairs[i / 2] = pack_16bit_not_nan<COAT_BFLOAT16>(v[i], v[i + 1]);
-          } else {
-#pragma unroll
-            for (int i = 0; i < kDequantizeChunk; ++i)
-              values.e[i] = Output<kOutDtype>::from_f32(nan ? coat_canonical_nan(v[i]) : v[i]);
-          }
-          store_chunk<kVector>(values, out, row * p.cols, col, p.cols, row < p.rows);
         }
       }
     }
@@ -898,7 +912,10 @@ coat_status coat_dequantize_cuda(const uint8_t* q, coat_fp8_format format, int64
   p.cols = cols;
   p.scales = scales;
   p.group_log2 = group_size ? ceil_log2(group_size) : -1;
+  // As in launch_quantize: narrower rows (down to a warp) where that makes the tile width divide the row.
   p.lanes_per_row_log2 = min(ceil_log2(coat_ceil_div(cols, kDequantizeChunk)), kThreadsLog2);
+  while (p.lanes_per_row_log2 > 5 && cols % (int64_t{kDequantizeChunk} << p.lanes_per_row_log2) != 0)
+    --p.lanes_per_row_log2;
   p.out = out;
   const bool vector = cols % kDequantizeChunk == 0 && is_aligned(q, 16) && is_aligned(out, 16);
   const int64_t tile_rows = int64_t{kThreads >> p.lanes_per_row_log2} * kPasses;
