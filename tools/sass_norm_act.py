@@ -4,7 +4,8 @@ Compiles csrc/cuda/norm_act.cu with the build's nvcc flags, disassembles it with
 each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its main loop with the walker of
 tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks,
 finite values, gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its
-transpose (the requantize ops: vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each). Counts are dynamic for that path (each
+transpose (the requantize ops: vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each),
+inputs saved in E4M3, and, for the *_fp4 rows, the kernels instantiated for FP4-saved inputs. Counts are dynamic for that path (each
 executed SASS instruction once, branches and barriers included), divided by the elements a lane handles
 per iteration. Also prints each kernel's registers, and the blocks per SM they allow.
 
@@ -64,12 +65,19 @@ KERNELS = {
                                       *BACKWARD_LOOP),
     "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16], "silu_mul_stats_kernel(", *SILU_LOOP),
     "silu_mul_apply": Loop(["apply_quantize_kernelINS_12SiluMulApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
-    "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16], "silu_mul_backward_kernel(", *SILU_LOOP),
+    "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16 + "EELb0E"], "silu_mul_backward_kernel(", *SILU_LOOP),
     # the requantize ops: the second pass on the FP8-saved inputs (vector codes), y_t only
-    "rmsnorm_requantize": Loop(["apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1E"],
+    "rmsnorm_requantize": Loop(["apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1ELb0E"],
                                "apply_quantize_kernel(", *APPLY_LOOP),
-    "silu_mul_requantize": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1E"],
+    "silu_mul_requantize": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1ELb0E"],
                                 "apply_quantize_kernel(", *APPLY_LOOP),
+    # the kernels instantiated for FP4-saved inputs
+    "silu_mul_backward_fp4": Loop(["silu_mul_backward_kernel", BF16 + "EELb1E"], "silu_mul_backward_kernel(",
+                                  *SILU_LOOP),
+    "rmsnorm_requantize_fp4": Loop(["apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1ELb1E"],
+                                   "apply_quantize_kernel(", *APPLY_LOOP),
+    "silu_mul_requantize_fp4": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1ELb1E"],
+                                    "apply_quantize_kernel(", *APPLY_LOOP),
 }
 
 
@@ -84,7 +92,8 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         cold.update(f"{source.name}:{n}" for n in range(a, b + 1))
 
     # the slow paths behind each chunk's test, and the element-by-element I/O
-    cold_lines(cu, "const uint32_t code = coat_quantize_value(kCanonicalNan")
+    chunk = Source(os.path.join(ROOT, "csrc", "cuda", "fp8_chunk.cuh"))
+    cold_lines(chunk, "const uint32_t code = coat_quantize_value(kCanonicalNan")
     cold_lines(cu, "for (int e = 0; e < kChunk; ++e) s[e] = coat_sigmoid(g[e]);")
     cold_lines(cu, "p[0] = make_uint4(pack_16bit<kDtype>(v[0], v[1]), pack_16bit<kDtype>(v[2], v[3]),",
                "pack_16bit<kDtype>(v[4], v[5]), pack_16bit<kDtype>(v[6], v[7]));")
@@ -131,14 +140,20 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         return [n for n, text in enumerate(cu.lines, 1) if snippet in text]
 
     rules: dict[str, str] = {}
+    e4m3_save = cu.find("if (fp4) return save_chunks_fp4(")
     # L = 128: four whole chunks per lane and row in every loop over them; whole chunks of a row inside the
     # matrix everywhere
     for snippet in ("for (int k = 0; k < kChunksPerLane; ++k) {", "if (k * a.lanes >= chunks) break;",
                     "if (count == 0) continue;", "if (count > 0) {", "if (count > 0)"):
         rules.update({key(line): into(line) for line in every(snippet)})
     group_amax = Source(os.path.join(ROOT, "csrc", "cuda", "group_amax.cuh"))
-    load = (to(cu, "const uint2 raw = *reinterpret_cast<const uint2*>(src);") if kernel.endswith("requantize")
-            else to(cu, "for (int w = 0; w < kWords; ++w) raw.words[w] = count > 0 ? p[w]"))
+    requantize = "requantize" in kernel
+    if kernel.endswith("requantize_fp4"):
+        load = to(cu, "if (vector) return {count == 0 ? 0u : *reinterpret_cast<const uint32_t*>(row_codes + col / 2)")
+    elif requantize:
+        load = to(cu, "const uint2 raw = *reinterpret_cast<const uint2*>(src);")
+    else:
+        load = to(cu, "for (int w = 0; w < kWords; ++w) raw.words[w] = count > 0 ? p[w]")
     rules.update({
         # G = 16: a group is two lanes of 8 elements in the RMSNorm kernels (one shuffle: the loop's guard and
         # its back-edge fall through), one lane of 16 in the SiLU*mul kernels (the guard skips the loop)
@@ -151,7 +166,7 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
             to(cu, "codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"),
         # the forward ops write y, the requantize ops y_t only
         cu.key("if (y != nullptr) store_codes("):
-            ("away:" if kernel.endswith("requantize") else "to:")
+            ("away:" if requantize else "to:")
             + cu.key("if (count > 0) *reinterpret_cast<uint2*>(dst) = make_uint2(codes.lo, codes.hi);"),
         # with y_t, rows % 4 == 0
         cu.key("if (y_t != nullptr) {"): into(cu.find("if (y_t != nullptr) {")),
@@ -161,12 +176,20 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         # (the compiler makes two versions of the loop over the 4 columns, word and byte stores)
         cu.key("for (int j = 0; j < 4; ++j) {", cu.find("const int64_t row = row0 + 4 * row_quad;")): "text:STG.E desc",
         # finite values: the fast encode
-        cu.key("if (finite) return codes_of_finite<kFormat>(q);"):
-            to(cu, "const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(q[4 * w + 2], q[4 * w + 3])"),
-        # a row inside the matrix; its save group's scale
-        cu.key("if (col >= valid_cols) return;"): to(cu, "const float scale = save_scale(amax);"),
-        cu.key("if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;"):
-            to(cu, "if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;"),
+        chunk.key("if (finite) return codes_of_finite<kFormat>(q);"):
+            to(chunk, "const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(q[4 * w + 2], q[4 * w + 3])"),
+        # the backward kernels read E4M3 codes (SavedCodes with the format known at run time)
+        cu.key("return fp4 ? load_as<true>(row, col, count, vector) : load_as<false>(row, col, count, vector);"):
+            to(cu, "return load_codes(row_codes + col, count, vector);"),
+        cu.key("return fp4 ? e4m3_as<true>(loaded) : e4m3_as<false>(loaded);"):
+            "away:" + "|".join(key(n) for n in range(cu.find("__device__ __forceinline__ Codes e2m1x8_to_e4m3("),
+                                                      cu.find("__byte_perm(kMagnitudes0To3, kMagnitudes4To7, magnitudes >> 16)") + 1)),
+        # inputs saved in E4M3, a row inside the matrix; its save group's scale
+        cu.key("if (fp4) return save_chunks_fp4("): to(cu, "const float scale = scale_from_amax<COAT_E4M3>(amax);"),
+        cu.key("if (col >= valid_cols) return;", e4m3_save):
+            to(cu, "const float scale = scale_from_amax<COAT_E4M3>(amax);"),
+        cu.key("if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;", e4m3_save):
+            to(cu, "if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;", e4m3_save),
         # L = 128: the row spans four warps
         cu.key("if (lanes == kWarpSize) return partial;"): to(cu, "if (lane == 0) warp_sums[warp] = partial;"),
         cu.key("if (lane == 0) warp_sums[warp] = partial;"): to(cu, "if (lane == 0) warp_sums[warp] = partial;"),
