@@ -228,19 +228,37 @@ def _moment_metrics(values: list[float]) -> dict[str, float]:
             "k_min": k_min, "k_median": k_median, "k_max": k_max, "k_expanded": k_expanded}
 
 
-def _to_host(blocks: list[torch.Tensor]) -> dict[int, list[list[float]]]:
-    """The rows of each 2-D tensor as lists of floats, by id, with one device-to-host copy per device."""
-    rows: dict[int, list[list[float]]] = {}
+def _copy_to_host(blocks: list[torch.Tensor]):
+    """Starts copying 2-D tensors to host memory, one copy per device, without waiting for a GPU; returns the
+    function that waits for the copies and gives the rows of each tensor as lists of floats, by id."""
     unique = list({id(block): block for block in blocks}.values())
+    copies = []
     for device in dict.fromkeys(block.device for block in unique):
         on_device = [block for block in unique if block.device == device]
-        flat = torch.cat([block.flatten() for block in on_device]).tolist()
-        start = 0
-        for block in on_device:
-            width = block.shape[1]
-            rows[id(block)] = [flat[start + i * width : start + (i + 1) * width] for i in range(block.shape[0])]
-            start += block.numel()
-    return rows
+        flat = torch.cat([block.flatten() for block in on_device])
+        done = None
+        if flat.device.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(flat.device))
+            flat = host
+        copies.append((on_device, flat, done))
+
+    def wait() -> dict[int, list[list[float]]]:
+        rows: dict[int, list[list[float]]] = {}
+        for on_device, flat, done in copies:
+            if done is not None:
+                done.synchronize()
+            values = flat.tolist()
+            start = 0
+            for block in on_device:
+                width = block.shape[1]
+                rows[id(block)] = [values[start + i * width : start + (i + 1) * width] for i in range(block.shape[0])]
+                start += block.numel()
+        return rows
+
+    return wait
 
 
 # ------------------------------------------------------------------------------------------- the report
@@ -310,13 +328,14 @@ class QuantizationReport:
         self._layer_order = {name or _ROOT: index for index, (name, _) in enumerate(model.named_modules())}
         self._layer_order[_NO_MODULE] = len(self._layer_order)
         self._module_stack: list[str] = []
-        # Per (layer, tensor): its format, and its row of a float64 buffer that its measurements add into; the
-        # buffers, and the measurements recorded since the last call to the native op.
-        self._sums: dict[tuple[str, str], tuple[str, torch.Tensor, int]] = {}
+        # Per (layer, tensor, device): a row of a float64 buffer that the tensor's measurements add into, as
+        # (buffer, row), kept from capture to capture: a capture starts with one zero_ per buffer and makes no
+        # tensors for its recordings. Per capture: the tensors recorded, in the order first recorded, with their
+        # format and row; and the measurements recorded since the last call to the native op.
+        self._slots: dict[tuple[str, str, torch.device], tuple[torch.Tensor, int, torch.Tensor]] = {}
         self._sum_buffers: dict[torch.device, list[torch.Tensor]] = {}
-        self._sum_rows_used: dict[torch.device, int] = {}
+        self._recorded: dict[tuple[str, str], tuple[str, tuple[torch.Tensor, int, torch.Tensor]]] = {}
         self._pending: list[tuple] = []
-        self._sum_capacity = 64
         self._captures = 0
         self._rows: list[dict] | None = None
 
@@ -354,9 +373,10 @@ class QuantizationReport:
         for name, module in self._modules.items():
             hooks.append(module.register_forward_pre_hook(functools.partial(self._enter_module, name)))
             hooks.append(module.register_forward_hook(self._leave_module))
-        expected_tensors = max(len(self._sums), 64)  # the last capture's count: one buffer per device
-        self._sums, self._sum_buffers, self._sum_rows_used = {}, {}, {}
-        self._sum_capacity = expected_tensors
+        self._recorded = {}
+        for buffers in self._sum_buffers.values():
+            for buffer in buffers:
+                buffer.zero_()
         _capture.active = self
         try:
             # Compiled code would trace the recording itself: it runs uncompiled meanwhile, and its compiled
@@ -392,16 +412,21 @@ class QuantizationReport:
             self._row_samples[key] = torch.linspace(0, rows - 1, self._sample_rows, device=device).round().long()
         return self._row_samples[key]
 
-    def _sums_row(self, device: torch.device) -> tuple[torch.Tensor, int]:
-        """A zero row of a float64 sums buffer on ``device`` for a newly recorded tensor: (buffer, row)."""
-        buffers = self._sum_buffers.setdefault(device, [])
-        used = self._sum_rows_used.get(device, 0)
-        if not buffers or used == buffers[-1].shape[0]:
-            capacity = 2 * buffers[-1].shape[0] if buffers else self._sum_capacity
-            buffers.append(torch.zeros(capacity, len(ops.QUANTIZATION_SUMS), dtype=torch.float64, device=device))
-            used = 0
-        self._sum_rows_used[device] = used + 1
-        return buffers[-1], used
+    def _slot(self, layer: str, tensor: str, device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """The float64 sums on ``device`` that (layer, tensor) adds into, made on its first recording: (buffer,
+        row, the row as a tensor). Buffers hold 64 rows, then twice the last's."""
+        key = (layer, tensor, device)
+        if key not in self._slots:
+            buffers = self._sum_buffers.setdefault(device, [])
+            used = sum(1 for (_, _, slot_device) in self._slots if slot_device == device)
+            first_row = sum(buffer.shape[0] for buffer in buffers[:-1])
+            if not buffers or used == first_row + buffers[-1].shape[0]:
+                capacity = 2 * buffers[-1].shape[0] if buffers else 64
+                buffers.append(torch.zeros(capacity, len(ops.QUANTIZATION_SUMS), dtype=torch.float64, device=device))
+                first_row = used
+            row = used - first_row
+            self._slots[key] = (buffers[-1], row, buffers[-1][row])
+        return self._slots[key]
 
     def _record(self, layer: str, tensor: str, x, q: torch.Tensor, scale: torch.Tensor,
                 group_size: int | None, format: str | None) -> None:
@@ -409,10 +434,11 @@ class QuantizationReport:
         if q.numel() == 0:
             return
         key = (layer, tensor)
-        if key not in self._sums:  # rows come out in the order tensors were first recorded
-            self._sums[key] = (format or _FORMAT_NAMES[q.dtype], *self._sums_row(q.device))
-        fmt, buffer, row = self._sums[key]
-        self._pending.append((buffer[row], x, q, scale, group_size, fmt))
+        recorded = self._recorded.get(key)
+        if recorded is None:  # rows come out in the order tensors were first recorded
+            recorded = self._recorded[key] = (format or _FORMAT_NAMES[q.dtype], self._slot(layer, tensor, q.device))
+        fmt, (_, _, sums) = recorded
+        self._pending.append((sums, x, q, scale, group_size, fmt))
 
     @torch.no_grad()
     def _flush(self) -> None:
@@ -429,9 +455,11 @@ class QuantizationReport:
 
     @torch.no_grad()
     def _finish(self, step: int) -> list[dict]:
-        """The capture's rows: one per (layer, tensor), in model order, tensors in the order first recorded."""
-        entries = [(layer, tensor, fmt, (buffer, row), _tensor_metrics)
-                   for (layer, tensor), (fmt, buffer, row) in self._sums.items()]
+        """The capture's rows: one per (layer, tensor), in model order, tensors in the order first recorded. The
+        values are copied to the host without waiting, and the rows are laid out while the GPU still runs the
+        step; then one wait for the copy, and the metrics go into the rows."""
+        entries = [(layer, tensor, fmt, buffer, row, _tensor_metrics)
+                   for (layer, tensor), (fmt, (buffer, row, _)) in self._recorded.items()]
         if self._optimizer is not None:
             named, moments = [], []
             for group in self._optimizer.param_groups:
@@ -441,35 +469,42 @@ class QuantizationReport:
                         rows = self._measured_rows(codes.shape[0], codes.device) if codes.dim() == 2 else None
                         named.append((layer, f"{name}.{moment}", _FORMAT_NAMES[codes.dtype]))
                         moments.append((codes, meta, group["group_size"], rows))
-            for (layer, tensor, fmt), values in zip(named, _moments_values(moments)):
-                entries.append((layer, tensor, fmt, values, _moment_metrics))
-        host = _to_host([block for _, _, _, (block, _), _ in entries])
+            for (layer, tensor, fmt), (block, row) in zip(named, _moments_values(moments)):
+                entries.append((layer, tensor, fmt, block, row, _moment_metrics))
+        wait_for_host = _copy_to_host([entry[3] for entry in entries])
+        tensor_order = {}
+        for entry in entries:
+            tensor_order.setdefault(entry[1], len(tensor_order))
+        entries.sort(key=lambda entry: (self._layer_order.get(entry[0], -1), tensor_order[entry[1]]))
         rows = []
-        for layer, tensor, fmt, (block, index), metrics in entries:
+        for layer, tensor, fmt, *_ in entries:
             row = dict.fromkeys(CSV_COLUMNS)
-            row.update(step=step, layer=layer, tensor=tensor, format=fmt, **metrics(host[id(block)][index]))
-            row["numel"] = int(row["numel"])
+            row.update(step=step, layer=layer, tensor=tensor, format=fmt)
             rows.append(row)
-        order = {}
-        for row in rows:
-            order.setdefault(row["tensor"], len(order))
-        return sorted(rows, key=lambda row: (self._layer_order.get(row["layer"], -1), order[row["tensor"]]))
+        host = wait_for_host()
+        for row, (_, _, _, block, index, metrics) in zip(rows, entries):
+            row.update(metrics(host[id(block)][index]))
+            row["numel"] = int(row["numel"])
+        return rows
 
     # ------------------------------------------------------------------------------------- results
 
     def rows(self) -> list[dict]:
         """The last capture as rows: dicts with every CSV column (:data:`CSV_COLUMNS`); the metrics that do
         not apply to a row's tensor are None."""
+        return [dict(row) for row in self._last_rows()]
+
+    def _last_rows(self) -> list[dict]:
         if self._rows is None:
             raise RuntimeError("coat.report: nothing captured yet; record a step with `with report.capture(step):`")
-        return [dict(row) for row in self._rows]
+        return self._rows
 
     def stats(self) -> dict[str, float]:
         """The last capture as a flat dict of floats for a logger: ``{"LAYER/TENSOR/METRIC": value}``, e.g.
         ``"model.layers.3/gate_up_input/rel_error"``; every metric that applies, numel left out."""
         return {
             f"{row['layer']}/{row['tensor']}/{metric}": float(row[metric])
-            for row in self.rows()
+            for row in self._last_rows()
             for metric in METRICS
             if row[metric] is not None
         }
