@@ -14,6 +14,9 @@ times that read and multiplies it by the reads per step, the whole cost of the r
 of the step.
 
     python benchmarks/report.py            (a CUDA GPU if there is one, else the CPU, train_llama.py's tiny model)
+    python benchmarks/report.py --batch 16 (more tokens per step: at batch 4 the plain step's host time is about
+                                            its GPU time on an H200, so whatever a capture adds on the host adds
+                                            to the step; at 16 the GPU's work hides it, as in a GPU-bound run)
     python benchmarks/report.py --smoke    (a smaller model on the CPU, one run each: checks that the script runs)
 """
 import statistics
@@ -70,9 +73,12 @@ def switch_seconds() -> float:
 def main():
     p = parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="a small model on the CPU, one run each")
+    p.add_argument("--batch", type=int, help="sequences per step (default: the model's, 4 on a GPU)")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() and coat.built_with_cuda() and not args.smoke else "cpu"
     shape = MODELS["smoke" if args.smoke else device]
+    if args.batch is not None:
+        shape = (*shape[:-1], args.batch)
     if args.smoke:
         args.warmup, args.repeat = 1, 1
     model, optimizer, tokens = build(shape, device)
@@ -113,7 +119,8 @@ def main():
     summary = {"smoke": args.smoke, "device": device, "capture_over_off": default["capture / off"],
                "capture_over_off_every_row": rows[1]["capture / off"], "target_capture_over_off": 1.05,
                **{f"overhead_every_{n}": default[f"every {n}"] for n in EVERY}, "switch_over_off": default["switch / off"]}
-    path = write_results(args.results_dir, "report-smoke" if args.smoke else "report", rows, summary)
+    name = "report-smoke" if args.smoke else "report" if args.batch is None else f"report-batch{args.batch}"
+    path = write_results(args.results_dir, name, rows, summary)
     print(f"wrote {path}")
 
 

@@ -156,6 +156,17 @@ def test_many_tiles_and_strided_operands(rng, run):
     assert sums[0] == 700 * 1100 and sums[4] > 0
 
 
+@pytest.mark.parametrize("cols", [1, 3, 5])
+def test_rows_narrower_than_a_threads_elements(cols, rng, run):
+    """The CUDA kernel takes 4 consecutive elements per thread and steps from row to row between them."""
+    x = (torch.randn(1500, cols, generator=rng) * torch.logspace(-6, 2, 1500)[:, None]).bfloat16()
+    x[3, 0] = float("nan")
+    q, scales, _ = coat.ops.quantize_group(x, 16, E4M3)
+    rows = torch.tensor([1499, 0, 7, 7, 800])
+    assert_same_bits(run(measure, x, q, scales, 16), reference_sums(x, q, scales, 16))
+    assert_same_bits(run(measure, x, q, scales, 16, rows), reference_sums(x, q, scales, 16, rows))
+
+
 def test_sampled_rows_with_x_indexed_or_holding_the_rows(rng, run):
     x = hard_values((200, 96), rng)
     q, scales, _ = coat.ops.quantize_group(x, 16, E4M3)

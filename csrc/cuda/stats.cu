@@ -49,16 +49,28 @@ struct SumsLaunch {
 };
 static_assert(sizeof(SumsLaunch) <= 4096, "launch parameters exceed 4 KiB");
 
-__device__ void measured_leaf(const coat_quantization_measure& m, int64_t i, double* leaf, float* amax) {
-  for (int k = 0; k < COAT_STATS_LEAF; ++k) leaf[k] = 0.0;
-  if (i >= m.rows * m.cols) return;
-  const int64_t r = i / m.cols, c = i % m.cols;
-  const int64_t row = m.row_index != nullptr ? m.row_index[r] : r;
-  if (row < 0 || row >= m.q_rows) return coat_unreadable_leaf(leaf, amax);
-  const float x = coat_load_f32(m.x, m.dtype, (m.x_indexed ? row : r) * m.x_row_stride + c * m.x_col_stride);
-  const float scale = m.group_size == 0 ? m.scales[0]
-                                        : m.scales[row * coat_ceil_div(m.cols, m.group_size) + c / m.group_size];
-  coat_quantization_leaf(x, m.q[row * m.q_row_stride + c * m.q_col_stride], scale, m.format, leaf, amax);
+/** Leaves first .. first + kLeavesPerThread - 1 of measure m (consecutive elements in row-major order; zeros past
+ *  the end). One division finds the first element's row; the others step along it. */
+__device__ void measured_leaves(const coat_quantization_measure& m, int64_t first,
+                                double (*leaves)[COAT_STATS_LEAF], float* amax) {
+  const int64_t numel = m.rows * m.cols;
+  const int group_log2 = m.group_size == 0 ? 0 : __ffsll(m.group_size) - 1;  // G is a power of two
+  const int64_t ngroups = m.group_size == 0 ? 0 : coat_ceil_div(m.cols, m.group_size);
+  int64_t r = first / m.cols, c = first - r * m.cols;
+  for (int j = 0; j < kLeavesPerThread; ++j, ++c) {
+    double* leaf = leaves[j];
+    for (int k = 0; k < COAT_STATS_LEAF; ++k) leaf[k] = 0.0;
+    if (first + j >= numel) continue;
+    for (; c >= m.cols; c -= m.cols) ++r;
+    const int64_t row = m.row_index != nullptr ? m.row_index[r] : r;
+    if (row < 0 || row >= m.q_rows) {
+      coat_unreadable_leaf(leaf, amax);
+      continue;
+    }
+    const float x = coat_load_f32(m.x, m.dtype, (m.x_indexed ? row : r) * m.x_row_stride + c * m.x_col_stride);
+    const float scale = m.group_size == 0 ? m.scales[0] : m.scales[row * ngroups + (c >> group_log2)];
+    coat_quantization_leaf(x, m.q[row * m.q_row_stride + c * m.q_col_stride], scale, m.format, leaf, amax);
+  }
 }
 
 /** Sums `node` over the block by the tree (xor shuffles, then the warps' totals pairwise) and the max of amax;
@@ -90,8 +102,7 @@ __device__ void tile_sums(const coat_quantization_measure& m, int64_t tile, int6
                           double (*warp_nodes)[COAT_STATS_LEAF], float* warp_amax) {
   double leaves[kLeavesPerThread][COAT_STATS_LEAF];
   float amax = 0.0f;
-  const int64_t first = tile * COAT_STATS_TILE + threadIdx.x * kLeavesPerThread;
-  for (int j = 0; j < kLeavesPerThread; ++j) measured_leaf(m, first + j, leaves[j], &amax);
+  measured_leaves(m, tile * COAT_STATS_TILE + threadIdx.x * kLeavesPerThread, leaves, &amax);
   double node[COAT_STATS_LEAF];
   for (int k = 0; k < COAT_STATS_LEAF; ++k) node[k] = (leaves[0][k] + leaves[1][k]) + (leaves[2][k] + leaves[3][k]);
   if (m.amax_per_scale > 0.0f) {  // this tile's share of the scales instead, NaN kept for an unreadable row
