@@ -167,6 +167,26 @@ def test_rows_narrower_than_a_threads_elements(cols, rng, run):
     assert_same_bits(run(measure, x, q, scales, 16, rows), reference_sums(x, q, scales, 16, rows))
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_amax_from_the_scales_reads_every_scale(offset, sampled, rng, run):
+    """2103 scales, the largest last: split over 23 tiles (every row measured) or read by one (two rows sampled);
+    the CUDA kernel reads them 4 at a time where they are 16-byte aligned (offset 0), one at a time otherwise."""
+    x = torch.randn(701, 33, generator=rng)
+    x[700, 32] = 1000.0
+    q, scales, _ = coat.ops.quantize_group(x, 16, E4M3)
+    rows = torch.tensor([0, 350]) if sampled else None
+
+    def measured(x, q, scales, rows):
+        shifted = torch.empty(scales.numel() + offset, device=scales.device)[offset:].view(scales.shape)
+        shifted.copy_(scales)
+        return measure(x, q, shifted, 16, rows, False, 448.0)
+
+    sums = run(measured, x, q, scales, rows)
+    assert_same_bits(sums, reference_sums(x, q, scales, 16, rows, amax_per_scale=448.0))
+    assert sums[6] == pytest.approx(1000.0, rel=2**-7)
+
+
 def test_sampled_rows_with_x_indexed_or_holding_the_rows(rng, run):
     x = hard_values((200, 96), rng)
     q, scales, _ = coat.ops.quantize_group(x, 16, E4M3)

@@ -97,6 +97,23 @@ __device__ void block_tree(double* node, float* amax, double (*warp_nodes)[COAT_
   __syncthreads();
 }
 
+/** coat_max_nan of amax and scales[begin .. end) over the block (the order does not matter). All scales of a tensor
+ *  are read, however few rows are measured: 16-byte loads, unrolled so that several are in flight per thread. */
+__device__ float max_of_scales(const float* scales, int64_t begin, int64_t end, float amax) {
+  int64_t j = begin;
+  if (reinterpret_cast<uintptr_t>(scales) % 16 == 0 && begin % 4 == 0) {
+    const float4* runs = reinterpret_cast<const float4*>(scales);
+#pragma unroll 4
+    for (int64_t k = begin / 4 + threadIdx.x; k < end / 4; k += kThreads) {
+      const float4 s = __ldg(runs + k);
+      amax = coat_max_nan(amax, coat_max_nan(coat_max_nan(s.x, s.y), coat_max_nan(s.z, s.w)));
+    }
+    j = end / 4 * 4;
+  }
+  for (j += threadIdx.x; j < end; j += kThreads) amax = coat_max_nan(amax, scales[j]);
+  return amax;
+}
+
 /** Tile `tile` (of `tiles`) of measure m into partials[0 .. kTileValues): its sums by the tree and its amax. */
 __device__ void tile_sums(const coat_quantization_measure& m, int64_t tile, int64_t tiles, double* partials,
                           double (*warp_nodes)[COAT_STATS_LEAF], float* warp_amax) {
@@ -107,10 +124,9 @@ __device__ void tile_sums(const coat_quantization_measure& m, int64_t tile, int6
   for (int k = 0; k < COAT_STATS_LEAF; ++k) node[k] = (leaves[0][k] + leaves[1][k]) + (leaves[2][k] + leaves[3][k]);
   if (m.amax_per_scale > 0.0f) {  // this tile's share of the scales instead, NaN kept for an unreadable row
     amax = amax != amax ? amax : 0.0f;
-    const int64_t scales_per_tile = coat_ceil_div(m.nscales, tiles);
-    const int64_t end = min(m.nscales, (tile + 1) * scales_per_tile);
-    for (int64_t j = tile * scales_per_tile + threadIdx.x; j < end; j += kThreads)
-      amax = coat_max_nan(amax, m.scales[j]);
+    const int64_t scales_per_tile = (coat_ceil_div(m.nscales, tiles) + 3) & ~int64_t{3};  // 16-byte runs
+    amax = max_of_scales(m.scales, min(m.nscales, tile * scales_per_tile), min(m.nscales, (tile + 1) * scales_per_tile),
+                         amax);
   }
   block_tree(node, &amax, warp_nodes, warp_amax);
   if (threadIdx.x == 0) {
