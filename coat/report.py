@@ -65,10 +65,11 @@ forward) is summed over its recordings: amax is the largest, shares and rel_erro
 Cost: only capture steps pay: the tensors a coat Function quantized are measured when it returns, all of them
 by one native call (coat.ops.quantization_sums_: their sampled rows' sums, one kernel launch, accumulated on
 the device; the RMSNorm and SiLU*mul outputs recomputed for those rows only), at the end one call for every
-optimizer moment (coat.ops.moment_stats) and one device-to-host copy. On one H100 (4 layers at hidden 2048,
-4 x 2048 tokens) a captured step takes 1.22x a plain one (every row: 2.10x), so capturing every 100 steps
-costs 0.22% of a run; outside a capture each coat autograd Function reads one module global in forward and
-in backward (``benchmarks/report.py`` measures both).
+optimizer moment (coat.ops.moment_stats) and one device-to-host copy, started before the rows are laid out
+and waited for once. On one H200 (4 layers at hidden 2048) a captured step takes 1.14-1.21x a plain one at 4 x
+2048 tokens, where the plain step's host time is about its GPU time, and 1.07x at 16 x 2048 (every row: 2.2x
+and 2.4x), so capturing every 100 steps costs 0.07-0.2% of a run; outside a capture each coat autograd Function
+reads one module global in forward and in backward (``benchmarks/report.py`` measures both).
 
 Captures run in eager mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs
 again after it (no recompilation); without a capture a converted model compiles as before, with no graph
