@@ -176,6 +176,26 @@ def test_capture_names_every_quantized_tensor_of_each_layer(model):
     assert tensor.endswith("grad_output") and value == max(row["rel_error"] for row in rows)
 
 
+def test_each_capture_reports_its_own_step(model):
+    """The sums a capture adds into are kept for the next one and zeroed when it starts: a second capture of the
+    same step gives the same rows, and a capture that records fewer tensors (forward only) reports only those."""
+    report = coat.report.QuantizationReport(model)
+    with report.capture():
+        train_step(model, None, tokens())
+    first = report.rows()
+    with report.capture():
+        model(tokens(), labels=tokens()).loss.detach()
+    forward_only = report.rows()
+    assert [row["tensor"] for row in forward_only if row["layer"] == "model.layers.0"] == LAYER_TENSORS[:12]
+    forward_rows = {(row["layer"], row["tensor"]): row for row in forward_only}
+    for row in first:
+        if (row["layer"], row["tensor"]) in forward_rows:
+            assert forward_rows[(row["layer"], row["tensor"])] == {**row, "step": 2}
+    with report.capture():
+        train_step(model, None, tokens())
+    assert report.rows() == [{**row, "step": 3} for row in first]
+
+
 def test_fp4_kept_inputs_are_reported_as_fp4_and_choose_each_layers_format():
     """With saved_format="fp4" the kept inputs are measured in FP4 (about 0.094 relative error on Gaussian
     data, tests/test_fp4.py); choose_saved_formats keeps FP4 where every kept input of a layer is within the
