@@ -78,6 +78,8 @@ def main():
     device = "cuda" if torch.cuda.is_available() and coat.built_with_cuda() and not args.smoke else "cpu"
     shape = MODELS["smoke" if args.smoke else device]
     if args.batch is not None:
+        if args.batch < 1:
+            p.error(f"--batch must be a positive number of sequences, got {args.batch}")
         shape = (*shape[:-1], args.batch)
     if args.smoke:
         args.warmup, args.repeat = 1, 1

@@ -13,10 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 
 
-def run_smoke(launcher: list[str], script: str, results_dir) -> dict:
+def run_smoke(launcher: list[str], script: str, results_dir, *args: str) -> dict:
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     completed = subprocess.run(
-        [*launcher, os.path.join(BENCHMARKS, f"{script}.py"), "--smoke", "--results-dir", str(results_dir)],
+        [*launcher, os.path.join(BENCHMARKS, f"{script}.py"), "--smoke", "--results-dir", str(results_dir), *args],
         capture_output=True,
         text=True,
         env=environment,
@@ -75,6 +75,14 @@ def test_benchmark_smoke_mode(script, tmp_path):
                               "coat fp4 G=128 eager"}
     if script == "e2e":
         check_e2e(result, world_size=1)
+
+
+def test_report_benchmark_takes_the_batch(tmp_path):
+    result = run_smoke([sys.executable], "report", tmp_path, "--batch", "3")
+    assert {row["batch x seq"] for row in result["rows"]} == {"3x32"}
+    completed = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "report.py"), "--smoke", "--batch", "0"],
+                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
+    assert completed.returncode == 2 and "--batch must be a positive number of sequences" in completed.stderr
 
 
 def test_e2e_smoke_mode_fsdp2(tmp_path):
