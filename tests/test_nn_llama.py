@@ -243,6 +243,20 @@ def test_which_modules_are_converted():
     loss_and_grads(model, token_batch("cpu"))
 
 
+def test_convert_inside_a_meta_device_context():
+    """A large model is built without memory, `with torch.device("meta")`, and converted there before FSDP
+    shards it: the conversion's check of the MLP's activation must not compute on the meta device."""
+    with torch.device("meta"):
+        model = coat.convert(AutoModelForCausalLM.from_config(LlamaConfig(**TINY), dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match="SiLU"):
+            coat.convert(AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, "hidden_act": "gelu"})))
+    assert all(isinstance(layer, FP8LlamaDecoderLayer) for layer in model.model.layers)
+    assert all(p.is_meta for p in model.parameters())
+    expected = coat.convert(tiny_model("llama")).state_dict()
+    assert {name: (t.shape, t.dtype) for name, t in model.state_dict().items()} == {
+        name: (t.shape, t.dtype) for name, t in expected.items()}
+
+
 def test_errors_for_unsupported_models_and_options():
     with pytest.raises(ValueError, match="LlamaDecoderLayer"):
         coat.convert(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))

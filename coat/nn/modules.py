@@ -89,7 +89,13 @@ class RMSNorm(nn.Module):
 
 
 def _is_silu(activation: nn.Module) -> bool:
-    probe = torch.tensor([-3.0, -0.5, 0.0, 0.75, 4.0])
+    """Whether a parameterless activation module computes SiLU, probed on the CPU (whatever the default device:
+    a model built and converted inside ``with torch.device("meta")`` has no values to probe there)."""
+    if isinstance(activation, nn.SiLU):
+        return True
+    if any(True for _ in activation.parameters()) or any(True for _ in activation.buffers()):
+        return False
+    probe = torch.tensor([-3.0, -0.5, 0.0, 0.75, 4.0], device="cpu")
     return torch.allclose(activation(probe), torch.nn.functional.silu(probe))
 
 
