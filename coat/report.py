@@ -239,7 +239,7 @@ def _copy_to_host(blocks: list[torch.Tensor]):
         flat = torch.cat([block.flatten() for block in on_device])
         done = None
         if flat.device.type == "cuda":
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=True)
             host.copy_(flat, non_blocking=True)
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(flat.device))

@@ -319,6 +319,26 @@ def test_params_without_grad_keep_their_own_step_count():
     assert_same_run(params, opt, separate, vector_opt, ["vector"])
 
 
+def test_a_default_device_context_leaves_the_step_counts_on_the_cpu():
+    """A training loop under torch.set_default_device("cuda") (or `with torch.device(...)`): the step counts
+    stay CPU tensors, read every step without synchronizing a GPU, also after a state_dict round trip. The
+    meta device stands in for the GPU: a count made there could not be read at all."""
+    grads = make_grads(2)
+    params, reference = make_params(), make_params()
+    opt, reference_opt = AdamW(params.values(), lr=1e-2), AdamW(reference.values(), lr=1e-2)
+    for step_grads in grads:
+        for name in params:
+            params[name].grad, reference[name].grad = step_grads[name], step_grads[name]
+        with torch.device("meta"):
+            opt.step()
+            opt.load_state_dict(opt.state_dict())
+        reference_opt.step()
+    assert all(state["step"].device.type == "cpu" and state["step"].item() == 2 for state in opt.state.values())
+    assert_same_run(params, opt, reference, reference_opt, list(params))
+    with torch.device("meta"):
+        assert AdamW([torch.zeros(3, requires_grad=True, device="cpu")]).clip_grad_norm_(1.0).device.type == "cpu"
+
+
 def test_groups_larger_than_one_kernel_call_step_like_separate_optimizers():
     # A group's step enqueues the kernel for 2 parameters, then 32 at a time (the GPU starts while the host
     # prepares the rest). Every parameter must still step as with an optimizer of its own, a lagging step count included, and a

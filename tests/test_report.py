@@ -11,6 +11,7 @@ from torch import nn
 
 import coat
 from coat.nn import _capture
+from conftest import requires_cuda
 from optim_helpers import tiny_llama
 
 E4M3_CLIP, E5M2_CLIP = 464.0, 61440.0  # FP8_MAX + half the top step: rounding to nearest would go past FP8_MAX
@@ -194,6 +195,22 @@ def test_each_capture_reports_its_own_step(model):
     with report.capture():
         train_step(model, None, tokens())
     assert report.rows() == [{**row, "step": 3} for row in first]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_a_capture_inside_a_default_device_context(device):
+    """A training loop under torch.set_default_device or `with torch.device(...)`: the capture's own tensors
+    (the pinned host copy on a GPU, the optimizer's step counts) go where they belong, not to the default
+    device (the meta device here, where nothing could be read)."""
+    model = coat.convert(tiny_llama(seed=0)).to(device)
+    optimizer = coat.optim.AdamW(model.parameters(), lr=1e-3)
+    report = coat.report.QuantizationReport(model, optimizer)
+    batch = tokens().to(device)
+    with torch.device("meta"):
+        with report.capture():
+            train_step(model, optimizer, batch)
+    assert {row["tensor"] for row in report.rows() if row["layer"] == "model.layers.0"} >= set(LAYER_TENSORS)
+    assert all(math.isfinite(value) for value in report.stats().values())
 
 
 def test_fp4_kept_inputs_are_reported_as_fp4_and_choose_each_layers_format():

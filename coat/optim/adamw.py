@@ -265,7 +265,7 @@ class AdamW(torch.optim.Optimizer):
                 "DTensor gradients with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)"
             )
         if not fp8 and not plain:
-            return torch.tensor(0.0)
+            return torch.tensor(0.0, device="cpu")
         norms = [
             torch.linalg.vector_norm(codes.to(torch.bfloat16), norm_type, dtype=torch.float32) * scale
             for codes, scale in fp8
@@ -759,7 +759,7 @@ def _init_state(param: torch.Tensor, group: dict[str, Any], state: dict[str, Any
     """Zero moments: FP8 zeros and the meta that coat.ops.quantize_expanded gives all-zero groups."""
     local = _local(param)
     group_size = group["group_size"]
-    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # read every step: never on a GPU
     for codes_key, meta_key, format_key, expand_index in _MOMENTS:
         fp8_dtype = ops.fp8_dtype(group[format_key])
         if local.numel() == 0:
@@ -835,7 +835,7 @@ def _check_storage_options(index: int, group: dict[str, Any], saved_group: dict[
 
 
 def _host_step(step: torch.Tensor | float) -> torch.Tensor:
-    return torch.tensor(float(step), dtype=torch.float32)
+    return torch.tensor(float(step), dtype=torch.float32, device="cpu")
 
 
 def _host_lr(lr: float | torch.Tensor) -> float:
