@@ -90,6 +90,25 @@ def test_loss_and_gradients_close_to_bf16(family, gradient_format, saved_format,
         assert error <= GRADIENT_BOUND[gradient_format, saved_format], name
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("gradient_format", ["e5m2", None])
+def test_float32_weights_under_autocast_match_the_stock_model(autocast_dtype, gradient_format, device):
+    """Mixed precision as most scripts run it: float32 weights, forward and backward inside torch.autocast.
+    The FP8 GEMMs' fallback where a device has none (the CPU here, GPUs before sm_89) and the BF16 backward
+    GEMMs compute in coat's dtypes: under float16 autocast the unscaled FP8 sums overflowed to Inf."""
+    model = tiny_model("llama", device).float()
+    converted = coat.convert(copy.deepcopy(model), gradient_format=gradient_format)
+    tokens = token_batch(device)
+    results = []
+    for m in (model, converted):
+        with torch.autocast(torch.device(device).type, dtype=autocast_dtype):
+            results.append(loss_and_grads(m, tokens))  # backward inside the region too
+    (stock_loss, stock_grads), (loss, grads) = results
+    assert abs(loss - stock_loss) <= LOSS_BOUND * abs(stock_loss)
+    for name, stock_grad in stock_grads.items():
+        assert relative_error(grads[name], stock_grad) <= GRADIENT_BOUND[gradient_format, "e4m3"], name
+
+
 def saved_activation_bytes(layer, hidden_states, position_embeddings, parameters) -> int:
     """Bytes of the distinct storages autograd saves in one decoder layer's forward, parameters excluded."""
     storages = {}

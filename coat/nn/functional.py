@@ -55,6 +55,12 @@ def _device_has_fp8_gemm(device: torch.device) -> bool:
     return _HAS_FP8_GEMM[device]
 
 
+def _no_autocast(device: torch.device):
+    """Where coat computes in the dtypes it chose itself: torch's autocast, if the caller runs one, would
+    recast the operands of a matmul."""
+    return torch.autocast(device.type, enabled=False)
+
+
 def _pad_last_dim(q: torch.Tensor, multiple: int) -> torch.Tensor:
     """Zero-pads the last dimension of a contiguous FP8 matrix to a multiple of ``multiple``. Byte 0 is +0.0
     in both FP8 formats; padding runs on the uint8 view because constant padding of FP8 dtypes is not
@@ -96,8 +102,10 @@ def fp8_gemm(
     n = b_t.shape[0]
     if not _device_has_fp8_gemm(a.device):
         # Products of FP8 values are exact in float32, so this differs from the FP8 GEMM only in the order of
-        # the fp32 additions; the scales are applied after the product, as the GEMM applies them.
-        out = (a.float() @ b_t.float().t()) * (a_scale * b_scale)
+        # the fp32 additions; the scales are applied after the product, as the GEMM applies them. Autocast
+        # would run the matmul in float16 (where the unscaled sums overflow) or bfloat16.
+        with _no_autocast(a.device):
+            out = (a.float() @ b_t.float().t()) * (a_scale * b_scale)
         return (out if bias is None else out + bias).to(out_dtype)
     a = _pad_last_dim(a, _GEMM_ALIGNMENT)
     b_t = _pad_rows(_pad_last_dim(b_t, _GEMM_ALIGNMENT), _GEMM_ALIGNMENT)
@@ -225,12 +233,13 @@ class Projections:
         """gradient_format=None: dgrad with the BF16 weights, summed in float32 and rounded once; wgrad with
         the dequantized FP8 input (paper appendix G.5)."""
         grad_input = weight_grads = None
-        if need_input_grad:
-            grad_input = sum(((g @ w.to(g.dtype)).float() for g, w in zip(grads, self.weights)))
-            grad_input = grad_input.to(input_grad_dtype)
-        if need_weight_grads:
-            x_t = _dequantized(x_q_t, x_scale, grads[0].dtype)
-            weight_grads = [(g.t() @ x_t.t()).to(w.dtype) for g, w in zip(grads, self.weights)]
+        with _no_autocast(grads[0].device):  # a backward() called inside the caller's autocast region
+            if need_input_grad:
+                grad_input = sum(((g @ w.to(g.dtype)).float() for g, w in zip(grads, self.weights)))
+                grad_input = grad_input.to(input_grad_dtype)
+            if need_weight_grads:
+                x_t = _dequantized(x_q_t, x_scale, grads[0].dtype)
+                weight_grads = [(g.t() @ x_t.t()).to(w.dtype) for g, w in zip(grads, self.weights)]
         return grad_input, weight_grads
 
 
