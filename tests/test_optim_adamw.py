@@ -475,7 +475,7 @@ def test_invalid_options_raise(option, message):
     [
         (torch.nn.Parameter(torch.randn(4, dtype=torch.complex64)), "complex parameters"),
         (torch.nn.Parameter(torch.ones(4, dtype=torch.int64), requires_grad=False), "got a torch.int64 parameter"),
-        (torch.nn.Parameter(torch.randn(4, dtype=torch.float16)), "got a torch.float16 parameter"),
+        (torch.nn.Parameter(torch.randn(4, dtype=torch.float16)), r"got a torch.float16 parameter .*model.float\(\)"),
         (torch.nn.Parameter(torch.randn(4, dtype=torch.float64)), "got a torch.float64 parameter"),
     ],
 )

@@ -654,7 +654,8 @@ def _check_param_dtype(param: torch.Tensor) -> None:
     if param.dtype not in _PARAM_DTYPES:
         raise ValueError(
             f"coat.optim.AdamW updates float32 parameters (master weights) and bfloat16 parameters, got a "
-            f"{param.dtype} parameter of shape {tuple(param.shape)}"
+            f"{param.dtype} parameter of shape {tuple(param.shape)}: keep float32 weights (model.float()) and "
+            "train under torch.autocast(dtype=torch.float16), or convert the model to bfloat16"
         )
 
 
