@@ -1,4 +1,5 @@
-"""Float64 oracles of the layers (coat.nn), written from the paper in plain PyTorch, independent of coat's kernels."""
+"""Float64 oracles of the layers (coat.nn), written from the paper in plain PyTorch, independent of coat's kernels;
+and a stand-in for the adapters users wrap linear layers in."""
 from __future__ import annotations
 
 import torch
@@ -44,3 +45,25 @@ def rms_norm_backward(grad_y, x_saved, rstd, weight):
 def swiglu_mlp(x, gate_weight, up_weight, down_weight):
     """LlamaMLP: down(silu(x gate^T) * (x up^T))."""
     return (torch.nn.functional.silu(x @ gate_weight.t()) * (x @ up_weight.t())) @ down_weight.t()
+
+
+class LowRankAdapter(torch.nn.Module):
+    """A PEFT-style wrapper of a linear layer (base layer kept, a low-rank update added), exposing the base
+    layer's weight as PEFT's LoRA layers do."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base_layer = base
+        self.lora_a = torch.nn.Linear(base.in_features, 2, bias=False)
+        self.lora_b = torch.nn.Linear(2, base.out_features, bias=False)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_b(self.lora_a(x))

@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import coat
 from coat.nn.decoder import FP8LlamaDecoderLayer
 from conftest import requires_cuda
-from reference_nn import relative_error
+from reference_nn import LowRankAdapter, relative_error
 
 TINY = dict(
     hidden_size=64,
@@ -274,6 +274,20 @@ def test_convert_inside_a_meta_device_context():
     expected = coat.convert(tiny_model("llama")).state_dict()
     assert {name: (t.shape, t.dtype) for name, t in model.state_dict().items()} == {
         name: (t.shape, t.dtype) for name, t in expected.items()}
+
+
+@pytest.mark.parametrize("child", ["self_attn.q_proj", "mlp.down_proj", "mlp", "post_attention_layernorm"])
+def test_a_child_replaced_after_conversion_is_refused_not_ignored(child):
+    """A converted layer computes its norms, projections and MLP itself from their parameters: a module put in
+    their place afterwards (PEFT's LoRA wrappers, say) would be skipped without a word, so the forward refuses it."""
+    model = coat.convert(tiny_model("llama"))
+    parent_name, _, name = ("model.layers.1." + child).rpartition(".")
+    parent = model.get_submodule(parent_name)
+    replaced = getattr(parent, name)
+    setattr(parent, name, LowRankAdapter(replaced) if isinstance(replaced, torch.nn.Linear) else copy.deepcopy(
+        LlamaDecoderLayer(model.config, 0).get_submodule(child)))
+    with pytest.raises(TypeError, match=f"{name} is now a .*not the coat.nn.*skip_modules"):
+        model(token_batch("cpu"))
 
 
 def test_errors_for_unsupported_models_and_options():

@@ -22,7 +22,7 @@ import coat.nn
 import coat.nn.functional as coat_functional
 import reference_nn as reference
 from conftest import requires_cuda
-from reference_nn import quantize_per_tensor_dequantized, relative_error
+from reference_nn import LowRankAdapter, quantize_per_tensor_dequantized, relative_error
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ONE_ROUNDING_BOUND = 0.06
@@ -268,6 +268,15 @@ def test_swiglu_mlp_from_mlp_errors():
         coat.nn.SwiGLUMLP.from_mlp(GeluMLP())
     with pytest.raises(TypeError, match="gate_proj"):
         coat.nn.SwiGLUMLP.from_mlp(torch.nn.Linear(8, 8))
+
+
+def test_a_wrapped_projection_is_refused_not_ignored():
+    """SwiGLUMLP computes its projections itself from their parameters: a wrapper put in place of one would be
+    skipped without a word, so the forward refuses it."""
+    mlp = coat.nn.SwiGLUMLP(16, 32)
+    mlp.up_proj = LowRankAdapter(mlp.up_proj)
+    with pytest.raises(TypeError, match=r"SwiGLUMLP.up_proj is now a LowRankAdapter.*PEFT.*skip_modules"):
+        mlp(torch.randn(4, 16))
 
 
 # ---------------------------------------------------------------------------------------------------------

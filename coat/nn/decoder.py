@@ -28,10 +28,11 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
-from coat.nn.modules import Linear, RMSNorm, SwiGLUMLP
+from coat.nn.modules import Linear, RMSNorm, SwiGLUMLP, converted_child
 
 
-def _projection(linear: nn.Linear):
+def _projection(parent: nn.Module, name: str):
+    linear = converted_child(parent, name, Linear)
     return linear.weight, linear.bias
 
 
@@ -50,7 +51,9 @@ class FP8DecoderLayerMixin:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        attn = self.self_attn
+        attn, mlp = self.self_attn, converted_child(self, "mlp", SwiGLUMLP)
+        input_norm = converted_child(self, "input_layernorm", RMSNorm)
+        post_attention_norm = converted_child(self, "post_attention_layernorm", RMSNorm)
         modeling = sys.modules[type(attn).__module__]  # the model family's eager attention
         config = self.fp8_config
         input_shape = hidden_states.shape[:-1]
@@ -58,9 +61,9 @@ class FP8DecoderLayerMixin:
 
         query, key, value = coat_functional.before_attention(
             hidden_states,
-            self.input_layernorm.weight,
-            self.input_layernorm.eps,
-            [_projection(attn.q_proj), _projection(attn.k_proj), _projection(attn.v_proj)],
+            input_norm.weight,
+            input_norm.eps,
+            [_projection(attn, "q_proj"), _projection(attn, "k_proj"), _projection(attn, "v_proj")],
             config,
         )
         cos, sin = position_embeddings
@@ -94,19 +97,18 @@ class FP8DecoderLayerMixin:
         hidden_states = coat_functional.after_attention(
             attn_output,
             hidden_states,
-            *_projection(attn.o_proj),
+            *_projection(attn, "o_proj"),
             config,
             # SDPA, FlashAttention and flex attention keep their output for backward; eager attention does not.
             attention_keeps_output=implementation != "eager",
         )
-        mlp = self.mlp
         return coat_functional.mlp_residual(
             hidden_states,
-            self.post_attention_layernorm.weight,
-            self.post_attention_layernorm.eps,
-            _projection(mlp.gate_proj),
-            _projection(mlp.up_proj),
-            _projection(mlp.down_proj),
+            post_attention_norm.weight,
+            post_attention_norm.eps,
+            _projection(mlp, "gate_proj"),
+            _projection(mlp, "up_proj"),
+            _projection(mlp, "down_proj"),
             config,
         )
 

@@ -99,6 +99,24 @@ def _is_silu(activation: nn.Module) -> bool:
     return torch.allclose(activation(probe), torch.nn.functional.silu(probe))
 
 
+_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def converted_child(parent: nn.Module, name: str, expected: type) -> nn.Module:
+    """``parent``'s child ``name``, checked to still be the coat module put there (by coat.convert or a coat
+    module's constructor): coat's fused blocks read its parameters and compute it themselves, so a replacement
+    (an adapter wrapping it, such as PEFT's LoRA layers) would be ignored without a word."""
+    module = getattr(parent, name)
+    if not isinstance(module, expected):
+        raise TypeError(
+            f"coat: {type(parent).__name__}.{name} is now a {type(module).__name__}, not the coat.nn."
+            f"{expected.__name__} coat put there, and coat's fused code, which reads its parameters and computes "
+            "it itself, would ignore it. Wrappers and adapters (e.g. PEFT's LoRA) are not supported inside "
+            "converted layers: leave such layers unconverted (coat.convert(model, skip_modules=[...]))"
+        )
+    return module
+
+
 class SwiGLUMLP(nn.Module):
     """LlamaMLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, in FP8: the input is quantized once for
     both gate and up GEMMs, SiLU*mul runs as one fused kernel that saves gate and up as E4M3 in 1 x G
@@ -126,7 +144,7 @@ class SwiGLUMLP(nn.Module):
     def from_mlp(cls, mlp: nn.Module, config: FP8Config = FP8Config()) -> "SwiGLUMLP":
         """From a module with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear) and ``act_fn`` SiLU, as
         transformers' LlamaMLP, MistralMLP and Qwen2MLP; shares their parameters."""
-        projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+        projections = [getattr(mlp, name, None) for name in _MLP_PROJECTIONS]
         if not all(isinstance(p, nn.Linear) for p in projections):
             raise TypeError(
                 f"coat.nn.SwiGLUMLP.from_mlp expects gate_proj, up_proj and down_proj nn.Linear children, "
@@ -148,12 +166,9 @@ class SwiGLUMLP(nn.Module):
         return converted.train(mlp.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (converted_child(self, name, Linear) for name in _MLP_PROJECTIONS)
         return coat_functional.swiglu_mlp(
-            x,
-            (self.gate_proj.weight, self.gate_proj.bias),
-            (self.up_proj.weight, self.up_proj.bias),
-            (self.down_proj.weight, self.down_proj.bias),
-            self.config,
+            x, (gate.weight, gate.bias), (up.weight, up.bias), (down.weight, down.bias), self.config
         )
 
     def extra_repr(self) -> str:
