@@ -290,6 +290,21 @@ def test_a_child_replaced_after_conversion_is_refused_not_ignored(child):
         model(token_batch("cpu"))
 
 
+def test_hooks_on_a_converted_layers_children_are_reported_as_never_running():
+    """Hooks on a converted layer's projections would silently never fire (torch.nn.utils.prune keeps a pruned
+    weight up to date in one): the forward warns. Hooks on the layer itself run as usual."""
+    model = coat.convert(tiny_model("llama"))
+    layer = model.model.layers[0]
+    calls = []
+    layer.register_forward_hook(lambda module, args, output: calls.append("layer"))
+    model(token_batch("cpu"))
+    assert calls == ["layer"]
+    layer.self_attn.k_proj.register_forward_pre_hook(lambda module, args: calls.append("k_proj"))
+    with pytest.warns(UserWarning, match=r"forward hooks of LlamaAttention.k_proj never run"):
+        model(token_batch("cpu"))
+    assert calls == ["layer", "layer"]
+
+
 def test_errors_for_unsupported_models_and_options():
     with pytest.raises(ValueError, match="LlamaDecoderLayer"):
         coat.convert(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))

@@ -1,6 +1,8 @@
 """coat's FP8 modules: drop-in replacements that keep the parameter names of the modules they replace."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -113,6 +115,12 @@ def converted_child(parent: nn.Module, name: str, expected: type) -> nn.Module:
             f"{expected.__name__} coat put there, and coat's fused code, which reads its parameters and computes "
             "it itself, would ignore it. Wrappers and adapters (e.g. PEFT's LoRA) are not supported inside "
             "converted layers: leave such layers unconverted (coat.convert(model, skip_modules=[...]))"
+        )
+    if module._forward_pre_hooks or module._forward_hooks:
+        warnings.warn(
+            f"coat: the forward hooks of {type(parent).__name__}.{name} never run: coat's fused code computes it "
+            "without calling it (hooks on the converted layer itself do run)",
+            stacklevel=3,
         )
     return module
 
