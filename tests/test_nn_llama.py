@@ -274,6 +274,12 @@ def test_convert_inside_a_meta_device_context():
     expected = coat.convert(tiny_model("llama")).state_dict()
     assert {name: (t.shape, t.dtype) for name, t in model.state_dict().items()} == {
         name: (t.shape, t.dtype) for name, t in expected.items()}
+    # Shapes without values, as memory and FLOP estimators run a model: forward and backward on the meta device.
+    tokens = token_batch("cpu").to("meta")
+    logits = model(tokens).logits
+    assert logits.is_meta and logits.shape == (*tokens.shape, TINY["vocab_size"])
+    logits.float().sum().backward()
+    assert all(p.grad is not None and p.grad.is_meta for p in model.model.layers.parameters())
 
 
 @pytest.mark.parametrize("child", ["self_attn.q_proj", "mlp.down_proj", "mlp", "post_attention_layernorm"])

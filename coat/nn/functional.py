@@ -28,6 +28,7 @@ nothing is recorded): the names it records under are the tensor names of the rep
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -58,6 +59,8 @@ def _device_has_fp8_gemm(device: torch.device) -> bool:
 def _no_autocast(device: torch.device):
     """Where coat computes in the dtypes it chose itself: torch's autocast, if the caller runs one, would
     recast the operands of a matmul."""
+    if not torch.amp.is_autocast_available(device.type):  # the meta device: nothing to switch off
+        return contextlib.nullcontext()
     return torch.autocast(device.type, enabled=False)
 
 
@@ -284,7 +287,7 @@ def _matrix(t: torch.Tensor) -> torch.Tensor:
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a layer returns: the autocast dtype inside autocast, the input's dtype otherwise."""
-    if torch.is_autocast_enabled(x.device.type):
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
