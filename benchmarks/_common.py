@@ -84,6 +84,26 @@ def time_cuda_gpu_ms(fn, warmup: int, repeat: int) -> float:
     return statistics.median(_event_ms(fn, cycles) for _ in range(repeat))
 
 
+def host_us_per_call(fn, calls: int, repeat: int, device: torch.device | str) -> float:
+    """Median microseconds of host time per call of fn(): ``calls`` calls enqueued back to back, on a GPU behind
+    a sleep kernel long enough that none of them waits for the GPU (Python, the op's checks, allocations and
+    launches, none of the GPU work)."""
+    cuda = torch.device(device).type == "cuda"
+    fn()
+    times = []
+    for _ in range(repeat):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(_sleep_cycles(1.0 + calls * 0.2))  # 200 us per call: above any host cost seen
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) * 1e6 / calls)
+        if cuda:
+            torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def time_ms(fn, warmup: int, repeat: int, device: torch.device | str) -> float:
     """Median milliseconds of fn(): CUDA events on a GPU, time.perf_counter on the CPU, where the benchmarks
     only run their smoke mode (tiny shapes, to check that they still work, not to time anything)."""

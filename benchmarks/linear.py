@@ -3,7 +3,8 @@
 1. GEMM throughput: y = x W^T with x [M, K], W [N, K], M = 8192 tokens, (K, N) the projections of
    Llama-2-7B. BF16 torch.mm against coat's FP8 GEMM (torch._scaled_mm, per-tensor scales, fp32
    accumulation, BF16 output) on operands already in FP8, and with the quantization of both operands.
-   TFLOP/s = 2 M N K / time.
+   "ms" is a call timed from an idle GPU, "GPU ms" the GPU work alone (_common.time_cuda_gpu_ms), "host us"
+   the host's time per call with the GPU kept busy (_common.host_us_per_call). TFLOP/s = 2 M N K / GPU ms.
 2. Layers, forward and forward+backward (input and weight gradients): torch.nn.Linear in BF16 (the
    baseline), torchao's float8 Linear (convert_to_float8_training, tensorwise scaling) under torch.compile
    (the peer a user would pick instead; the row says so when torchao is not installed: pip install -e
@@ -14,6 +15,7 @@
     python benchmarks/linear.py --smoke    (tiny shapes on the CPU: checks that the script runs)
 """
 import copy
+import statistics
 import sys
 
 import torch
@@ -21,11 +23,12 @@ import torch
 import coat
 from coat.nn import functional as coat_functional
 
-from _common import compile_for_fixed_shapes, parser, print_table, time_ms, write_results
+from _common import compile_for_fixed_shapes, host_us_per_call, parser, print_table, time_cuda_gpu_ms, time_ms, write_results
 
 TOKENS = 8192
 PROJECTIONS = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 12288)]  # (K, N): o/q, gate/up, down, qkv
 SMOKE_TOKENS, SMOKE_PROJECTIONS = 64, [(64, 48), (40, 24)]
+HOST_CALLS = 100  # calls per host-time measurement
 
 
 def gemm_rows(tokens, k, n, device, warmup, repeat):
@@ -39,12 +42,15 @@ def gemm_rows(tokens, k, n, device, warmup, repeat):
         "fp8 GEMM + quantize x, W": lambda: coat_functional.linear(x, w),
     }
     flops = 2 * tokens * k * n
-    times = {name: time_ms(fn, warmup, repeat, device) for name, fn in cases.items()}
-    bf16_ms = times["bf16 torch.mm"]
-    return [
-        {"M": tokens, "K": k, "N": n, "op": name, "ms": ms, "TFLOP/s": flops / ms / 1e9, "vs bf16": bf16_ms / ms}
-        for name, ms in times.items()
-    ]
+    rows = []
+    for name, fn in cases.items():
+        ms = time_ms(fn, warmup, repeat, device)
+        gpu_ms = time_cuda_gpu_ms(fn, warmup, repeat) if device == "cuda" else ms
+        rows.append({"M": tokens, "K": k, "N": n, "op": name, "ms": ms, "GPU ms": gpu_ms,
+                     "host us": host_us_per_call(fn, HOST_CALLS, repeat, device), "TFLOP/s": flops / gpu_ms / 1e9})
+    for row in rows:
+        row["vs bf16"] = rows[0]["GPU ms"] / row["GPU ms"]
+    return rows
 
 
 def torchao_float8_linear(reference: torch.nn.Linear, device):
@@ -108,13 +114,18 @@ def main():
     torch.manual_seed(0)
 
     gemms = [row for k, n in projections for row in gemm_rows(tokens, k, n, device, args.warmup, args.repeat)]
-    print_table(gemms, ["M", "K", "N", "op", "ms", "TFLOP/s", "vs bf16"])
+    print_table(gemms, ["M", "K", "N", "op", "ms", "GPU ms", "host us", "TFLOP/s", "vs bf16"])
     print()
     layers = [row for k, n in projections for row in layer_rows(tokens, k, n, device, args.warmup, args.repeat)]
     print_table(layers, ["M", "K", "N", "layer", "fwd ms", "fwd+bwd ms", "fwd vs bf16", "fwd+bwd vs bf16", "missing"])
 
     fp8_speedups = [row["vs bf16"] for row in gemms if row["op"] == "fp8 GEMM"]
-    summary = {"smoke": args.smoke, "fp8_gemm_speedup_min": min(fp8_speedups), "fp8_gemm_speedup_max": max(fp8_speedups)}
+
+    def host_us(op):
+        return statistics.median(row["host us"] for row in gemms if row["op"] == op)
+
+    summary = {"smoke": args.smoke, "fp8_gemm_speedup_min": min(fp8_speedups), "fp8_gemm_speedup_max": max(fp8_speedups),
+               "host_us_bf16_mm": host_us("bf16 torch.mm"), "host_us_fp8_gemm": host_us("fp8 GEMM")}
     path = write_results(args.results_dir, "linear-smoke" if args.smoke else "linear", gemms + layers, summary)
     print(f"wrote {path}")
 
