@@ -27,6 +27,7 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import coat
+from coat.nn import functional as coat_functional
 from coat.nn.decoder import FP8LlamaDecoderLayer
 from conftest import requires_cuda
 from reference_nn import LowRankAdapter, relative_error
@@ -354,6 +355,20 @@ def layer_step(layer, hidden, position_embeddings, grad):
     out = layer(hidden, attention_mask=None, position_embeddings=position_embeddings)
     out.backward(grad)
     return [out.detach(), hidden.grad] + [p.grad for p in layer.parameters()]
+
+
+def test_torch_compile_does_not_trace_the_autocast_query(monkeypatch):
+    """torch 2.11's dynamo cannot trace torch.amp.is_autocast_available (a C builtin it does not know), and
+    every converted layer asks it: the query is answered once per device type outside the graph. Here it is
+    replaced by a function dynamo must not trace, as 2.11 sees the builtin; the model still compiles whole."""
+    query = torch.amp.is_autocast_available
+    monkeypatch.setattr(torch.amp, "is_autocast_available", torch._dynamo.disable(lambda device_type: query(device_type)))
+    monkeypatch.setattr(coat_functional, "_AUTOCAST_AVAILABLE", {})
+    torch._dynamo.reset()
+    model = coat.convert(tiny_model("llama"))
+    tokens = token_batch("cpu")
+    explanation = torch._dynamo.explain(lambda t: model(t, labels=t).loss)(tokens)
+    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
 
 
 def test_torch_compile_traces_the_model_whole_with_eager_numerics():

@@ -56,10 +56,21 @@ def _device_has_fp8_gemm(device: torch.device) -> bool:
     return _HAS_FP8_GEMM[device]
 
 
+_AUTOCAST_AVAILABLE: dict[str, bool] = {}
+
+
+@torch.compiler.assume_constant_result  # torch 2.11's dynamo cannot trace the query: it broke every layer's graph
+def _autocast_available(device_type: str) -> bool:
+    """Whether torch has an autocast for this device type (the meta device has none)."""
+    if device_type not in _AUTOCAST_AVAILABLE:
+        _AUTOCAST_AVAILABLE[device_type] = torch.amp.is_autocast_available(device_type)
+    return _AUTOCAST_AVAILABLE[device_type]
+
+
 def _no_autocast(device: torch.device):
     """Where coat computes in the dtypes it chose itself: torch's autocast, if the caller runs one, would
     recast the operands of a matmul."""
-    if not torch.amp.is_autocast_available(device.type):  # the meta device: nothing to switch off
+    if not _autocast_available(device.type):  # the meta device: nothing to switch off
         return contextlib.nullcontext()
     return torch.autocast(device.type, enabled=False)
 
@@ -287,7 +298,7 @@ def _matrix(t: torch.Tensor) -> torch.Tensor:
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a layer returns: the autocast dtype inside autocast, the input's dtype otherwise."""
-    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
+    if _autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
