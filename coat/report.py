@@ -231,7 +231,8 @@ def _moment_metrics(values: list[float]) -> dict[str, float]:
 
 def _copy_to_host(blocks: list[torch.Tensor]):
     """Starts copying 2-D tensors to host memory, one copy per device, without waiting for a GPU; returns the
-    function that waits for the copies and gives the rows of each tensor as lists of floats, by id."""
+    function that waits for the copies and returns ``row_of(block, index)``, a row of one of the tensors as a
+    list of floats."""
     unique = list({id(block): block for block in blocks}.values())
     copies = []
     for device in dict.fromkeys(block.device for block in unique):
@@ -246,18 +247,22 @@ def _copy_to_host(blocks: list[torch.Tensor]):
             flat = host
         copies.append((on_device, flat, done))
 
-    def wait() -> dict[int, list[list[float]]]:
-        rows: dict[int, list[list[float]]] = {}
+    def wait():
+        starts: dict[int, tuple[list[float], int, int]] = {}  # id(block) -> (its device's values, offset, width)
         for on_device, flat, done in copies:
             if done is not None:
                 done.synchronize()
             values = flat.tolist()
             start = 0
             for block in on_device:
-                width = block.shape[1]
-                rows[id(block)] = [values[start + i * width : start + (i + 1) * width] for i in range(block.shape[0])]
+                starts[id(block)] = (values, start, block.shape[1])
                 start += block.numel()
-        return rows
+
+        def row_of(block: torch.Tensor, index: int) -> list[float]:
+            values, start, width = starts[id(block)]
+            return values[start + index * width : start + (index + 1) * width]
+
+        return row_of
 
     return wait
 
@@ -482,9 +487,9 @@ class QuantizationReport:
             row = dict.fromkeys(CSV_COLUMNS)
             row.update(step=step, layer=layer, tensor=tensor, format=fmt)
             rows.append(row)
-        host = wait_for_host()
+        row_of = wait_for_host()
         for row, (_, _, _, block, index, metrics) in zip(rows, entries):
-            row.update(metrics(host[id(block)][index]))
+            row.update(metrics(row_of(block, index)))
             row["numel"] = int(row["numel"])
         return rows
 
