@@ -21,8 +21,10 @@ FORMATS = ("e4m3", "e5m2")
 DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 # Rows 1, 97, 123, 4097 and columns 1, 16, 37, 128, 200, 4096: exact multiples of every group size, short
-# last groups, a single partial group, single columns and single rows. Not every pairing, to stay fast.
-SHAPES = [(1, 1), (1, 37), (1, 4096), (97, 37), (97, 200), (123, 16), (123, 128), (4097, 1), (4097, 37), (4097, 200), (123, 4096)]
+# last groups, a single partial group, single columns and single rows; rows 100 and 136 (multiples of 4 and 8:
+# the CUDA transposes' word and 8-byte stores). Not every pairing, to stay fast.
+SHAPES = [(1, 1), (1, 37), (1, 4096), (97, 37), (97, 200), (123, 16), (123, 128), (4097, 1), (4097, 37), (4097, 200),
+          (123, 4096), (100, 200), (136, 4096)]
 
 
 def shape_id(shape) -> str:

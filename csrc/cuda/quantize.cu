@@ -31,10 +31,10 @@ constexpr int kWarps = kThreads / 32;
 /** Passes of a tile: each thread handles one chunk of a different row in each pass. */
 constexpr int kPasses = 4;
 
-/** Quantizers: elements of one row per lane and pass. 8 (one 16-byte load of bf16 / fp16, two of fp32) on the
- *  transposing kernels, whose shared tile is laid out for it, and on the element-wise path; 16 on the
- *  row-wise vector path, where the group reductions and scales then cost half as much per element (G = 128
- *  from 0.80 to 0.94 of copy on an H200, benchmarks/NOTES.md). */
+/** Quantizers: elements of one row per lane and pass. 16 on the vector path, where the group reductions and
+ *  scales then cost half as much per element as with 8 (G = 128 from 0.80 to 0.94 of copy on an H200,
+ *  benchmarks/NOTES.md); 8 (one 16-byte load of bf16 / fp16, two of fp32) where rows are not multiples of
+ *  16 elements, and on the element-wise path. */
 constexpr int kQuantizeChunk = 8;
 constexpr int kWideQuantizeChunk = 16;
 /** Dequantizer: FP8 codes of one row per lane and pass, in pieces of 16 bytes of output (dequantize_kernel). */
@@ -42,11 +42,12 @@ constexpr int kDequantizeChunk = 16;
 /** Amax reduction: floats per lane and pass (one 16-byte load). */
 constexpr int kReduceChunk = 4;
 
-/** Transposing quantizers stage tiles of 64 rows x 128 columns of codes in shared memory: 16 lanes per
- *  row, 16 rows per pass. */
-constexpr int kTransposeLanesLog2 = 4;
-constexpr int kTransposeTileCols = kQuantizeChunk << kTransposeLanesLog2;
-constexpr int kTransposeTileRows = (kThreads >> kTransposeLanesLog2) * kPasses;
+/** Transposing quantizers stage tiles of 64 rows x 128 columns of codes in shared memory: 8 lanes per row
+ *  and 32 rows per pass with 16-element chunks, 16 and 16 with 8-element ones. */
+constexpr int kTransposeTileCols = 128;
+constexpr int kTransposeTileRows = 64;
+/** Lanes per row of a transposing kernel with chunks of `chunk` elements. */
+__host__ __device__ constexpr int transpose_lanes_log2(int chunk) { return chunk == kWideQuantizeChunk ? 3 : 4; }
 /** Row pitch of a staged tile in 32-bit words. Odd, so that the column reads of the transpose phase hit
  *  32 distinct banks (see write_transposed_tile); the row-wise staging stores are conflict-free too. */
 constexpr int kTilePitchWords = kTransposeTileCols / 4 + 1;
@@ -175,7 +176,7 @@ struct QuantizeParams {
   int64_t q_stride;
   uint8_t* q_t;              ///< transposed codes, column c at q_t + c * q_t_stride (transposing kernels)
   int64_t q_t_stride;
-  bool q_t_word_stores;      ///< rows and q_t_stride multiples of 4, q_t 4-byte aligned: 4-byte stores
+  int q_t_store_bytes;       ///< 8 (or 4) where rows and q_t_stride are multiples of it and q_t aligned to it, else 1
 };
 
 /** The shared tile of a transposing kernel. A function-local static, so that only the kernels that
@@ -197,48 +198,60 @@ __device__ __forceinline__ void transpose_4x4_bytes(const uint32_t (&in)[4], uin
   out[3] = __byte_perm(rows01_cols23, rows23_cols23, 0x7632);
 }
 
+/** Word index of staged word `word` of tile row `row`: rows 32-63 swap quad-column groups 4 apart, so that
+ *  the 8-row reads of write_transposed_tile fall in distinct banks (see there). Even words stay even. */
+__device__ __forceinline__ int staged_word(int row, int word) { return word ^ (((row >> 5) & 1) << 2); }
+
 /**
  * Writes a staged tile (matrix rows row0.., columns col0..) to q_t[c * q_t_stride + r].
  *
- * Each thread transposes 2 blocks of 4 rows x 4 columns: 4 word reads from shared memory, a 4x4 byte
- * transpose in registers, then one 4-byte store into each of 4 rows of q_t. A warp takes 8 quad-rows x
- * 4 quad-columns, so a store instruction writes 4 runs of 32 contiguous bytes (whole sectors), and its
- * shared reads (word (4 * quad_row + i) * 33 + quad_col) fall in banks 4 * quad_row + quad_col + i
- * mod 32: all distinct. Without word stores (rows % 4 != 0, unaligned q_t) the bytes go one by one.
+ * Each thread transposes 8 rows x 4 columns: 8 word reads from shared memory, two 4x4 byte transposes in
+ * registers, then 8 bytes into each of 4 rows of q_t. Warp w takes quad columns 4w..4w+3 of all 64 rows (lane
+ * = 8-row block + 8 x quad column), so one store instruction writes 4 runs of 64 contiguous bytes: 2 sectors a
+ * request (4-byte stores gave 1 and made the L2 the limit on an H200, benchmarks/NOTES.md). Its shared reads
+ * (word (8 * block + i) * 33 + staged_word) fall in banks 8 * block + i + (quad column ^ 4 * (block >= 4))
+ * mod 32: all distinct across the warp. Without 8-byte stores (rows % 8 != 0, q_t_stride % 8 != 0, unaligned
+ * q_t) the 8 bytes go as two words, or byte by byte.
  */
 __device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint8_t* __restrict__ q_t,
                                                       int64_t q_t_stride, int64_t rows, int64_t cols, int64_t row0,
-                                                      int64_t col0, bool word_stores) {
-  constexpr int kWarpQuadRows = 8;
-  constexpr int kWarpQuadCols = 4;
-  constexpr int kPatchesPerColumn = kTransposeTileRows / 4 / kWarpQuadRows;
-  constexpr int kSteps = (kTransposeTileRows / 4) * (kTransposeTileCols / 4) / kThreads;
-  const int warp = threadIdx.x >> 5;
+                                                      int64_t col0, int store_bytes) {
+  static_assert(kTransposeTileRows == 64 && kTransposeTileCols / 4 == 4 * kWarps, "one 8 x 4 block per thread");
   const int lane = threadIdx.x & 31;
+  const int block_row = 8 * (lane & 7);
+  const int quad_col = 4 * (threadIdx.x >> 5) + (lane >> 3);
+  uint32_t halves[2][4];
 #pragma unroll
-  for (int step = 0; step < kSteps; ++step) {
-    const int patch = step * kWarps + warp;
-    const int quad_row = (patch % kPatchesPerColumn) * kWarpQuadRows + lane % kWarpQuadRows;
-    const int quad_col = (patch / kPatchesPerColumn) * kWarpQuadCols + lane / kWarpQuadRows;
+  for (int half = 0; half < 2; ++half) {
     uint32_t tile_rows[4];
-    uint32_t tile_cols[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) tile_rows[i] = tile[(4 * quad_row + i) * kTilePitchWords + quad_col];
-    transpose_4x4_bytes(tile_rows, tile_cols);
+    for (int i = 0; i < 4; ++i) {
+      const int row = block_row + 4 * half + i;
+      tile_rows[i] = tile[row * kTilePitchWords + staged_word(row, quad_col)];
+    }
+    transpose_4x4_bytes(tile_rows, halves[half]);
+  }
 
-    const int64_t row = row0 + 4 * quad_row;
-    if (row >= rows) continue;
+  const int64_t row = row0 + block_row;
+  if (row >= rows) return;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int64_t col = col0 + 4 * quad_col + k;
-      if (col >= cols) continue;
-      uint8_t* target = q_t + col * q_t_stride + row;
-      if (word_stores) {
-        *reinterpret_cast<uint32_t*>(target) = tile_cols[k];
+  for (int k = 0; k < 4; ++k) {
+    const int64_t col = col0 + 4 * quad_col + k;
+    if (col >= cols) continue;
+    uint8_t* target = q_t + col * q_t_stride + row;
+    if (store_bytes == 8) {
+      *reinterpret_cast<uint2*>(target) = make_uint2(halves[0][k], halves[1][k]);
+      continue;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (row + 4 * half >= rows) break;
+      if (store_bytes == 4) {
+        *reinterpret_cast<uint32_t*>(target + 4 * half) = halves[half][k];
       } else {
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          if (row + i < rows) target[i] = static_cast<uint8_t>(tile_cols[k] >> (8 * i));
+          if (row + 4 * half + i < rows) target[4 * half + i] = static_cast<uint8_t>(halves[half][k] >> (8 * i));
       }
     }
   }
@@ -247,9 +260,9 @@ __device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint
 /**
  * Quantizes, or takes the group or tensor amax of, a rows x cols matrix, in tiles of kPasses * (256 / L) rows by
  * E * L columns, with L = 2^lanes_per_row_log2 lanes per row and E = kChunk elements per lane (8 or 16, see
- * kQuantizeChunk; L = 16 and E = 8 when transposing: 64 x 128 tiles).
+ * kQuantizeChunk); when transposing, 64 x 128 tiles (E * L = 128) in as many passes as that takes.
  *
- * In each of kPasses passes a thread owns the E elements [col, col + E) of one row, col = tile column +
+ * In each pass a thread owns the E elements [col, col + E) of one row, col = tile column +
  * E * (its lane in the row). It loads the chunks of a batch of passes (batch_chunks), then per pass:
  *   - converts them to fp32;
  *   - group modes: reduces the amax over the group_lanes(G, E, L) lanes of its group (out-of-range
@@ -263,18 +276,21 @@ __device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint
  *
  * kVector: x's chunks are 16-byte aligned and cols % E == 0 (16-byte loads, one E-byte store of codes per
  * chunk). Otherwise every element is loaded and stored on its own, with column bounds.
+ * The transposing kernels are held to 64 registers (4 blocks per SM): with 16-element chunks ptxas gave them
+ * up to 80 and 3 blocks, 4% slower than 8-element chunks at 4 blocks (benchmarks/NOTES.md).
  */
 template <QuantizeMode kMode, coat_dtype kDtype, coat_fp8_format kFormat, bool kTranspose, bool kVector, int kChunk>
-__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeParams p) {
-  static_assert(kChunk % kCodeChunk == 0 && (!kTranspose || kChunk == kQuantizeChunk));
+__global__ void __launch_bounds__(kThreads, kTranspose ? 4 : 2) quantize_kernel(const QuantizeParams p) {
+  static_assert(kChunk % kCodeChunk == 0);
   using T = typename Input<kDtype>::Storage;
   const T* __restrict__ x = static_cast<const T*>(p.x);
 
-  const int lanes_log2 = kTranspose ? kTransposeLanesLog2 : p.lanes_per_row_log2;
+  const int lanes_log2 = kTranspose ? transpose_lanes_log2(kChunk) : p.lanes_per_row_log2;
   const int lane_in_row = threadIdx.x & ((1 << lanes_log2) - 1);
   const int row_in_pass = threadIdx.x >> lanes_log2;
   const int rows_per_pass = kThreads >> lanes_log2;
-  const int64_t tile_rows = int64_t{rows_per_pass} * kPasses;
+  constexpr int kTilePasses = kTranspose ? kTransposeTileRows / (kThreads >> transpose_lanes_log2(kChunk)) : kPasses;
+  const int64_t tile_rows = int64_t{rows_per_pass} * kTilePasses;
   const int64_t tile_cols = int64_t{kChunk} << lanes_log2;
   const int group_size = 1 << p.group_log2;
   const int64_t ngroups = (p.cols + group_size - 1) >> p.group_log2;
@@ -295,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
     const int64_t col = col0 + lane_in_row * kChunk;
     for (int64_t row0 = blockIdx.x * tile_rows; row0 < p.rows; row0 += gridDim.x * tile_rows) {
 #pragma unroll
-      for (int first_pass = 0; first_pass < kPasses; first_pass += kBatch) {
+      for (int first_pass = 0; first_pass < kTilePasses; first_pass += kBatch) {
         Chunk<T, kChunk> chunks[kBatch];
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
@@ -338,9 +354,9 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
             if (p.q != nullptr) store_chunk<kVector>(codes, p.q, row * p.q_stride, col, p.cols, row_valid);
             if constexpr (kTranspose) {
               // Staged unconditionally: the transpose phase skips rows and columns out of range.
-              uint32_t* staged = transpose_tile() + tile_row * kTilePitchWords + 2 * lane_in_row;
-              staged[0] = words[0];
-              staged[1] = words[1];
+              uint32_t* staged = transpose_tile() + tile_row * kTilePitchWords;
+#pragma unroll
+              for (int w = 0; w < kChunk / 4; ++w) staged[staged_word(tile_row, kChunk / 4 * lane_in_row + w)] = words[w];
             }
           }
         }
@@ -348,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizePar
 
       if constexpr (kTranspose) {
         __syncthreads();
-        write_transposed_tile(transpose_tile(), p.q_t, p.q_t_stride, p.rows, p.cols, row0, col0, p.q_t_word_stores);
+        write_transposed_tile(transpose_tile(), p.q_t, p.q_t_stride, p.rows, p.cols, row0, col0, p.q_t_store_bytes);
         __syncthreads();  // the next tile's staging overwrites the tile
       }
     }
@@ -742,16 +758,19 @@ bool vector_chunks(const QuantizeParams& p, coat_dtype dtype, int chunk) {
 template <QuantizeMode kMode>
 coat_status launch_quantize(QuantizeParams p, coat_dtype dtype, coat_fp8_format format, cudaStream_t stream) {
   const bool transpose = p.q_t != nullptr;
-  const bool wide = !transpose && vector_chunks(p, dtype, kWideQuantizeChunk);
+  const bool wide = vector_chunks(p, dtype, kWideQuantizeChunk);
   const bool vector = wide || vector_chunks(p, dtype, kQuantizeChunk);
   const int chunk = wide ? kWideQuantizeChunk : kQuantizeChunk;
   // Rows as wide as the data allows (up to a whole block per row), for long contiguous runs; narrower (down to
   // a warp) where that makes the tile width divide the row, so that the last tile of a row has no idle lanes.
-  p.lanes_per_row_log2 = transpose ? kTransposeLanesLog2 : min(ceil_log2(coat_ceil_div(p.cols, chunk)), kThreadsLog2);
+  p.lanes_per_row_log2 = transpose ? transpose_lanes_log2(chunk) : min(ceil_log2(coat_ceil_div(p.cols, chunk)), kThreadsLog2);
   while (!transpose && p.lanes_per_row_log2 > 5 && p.cols % (int64_t{chunk} << p.lanes_per_row_log2) != 0)
     --p.lanes_per_row_log2;
-  p.q_t_word_stores = transpose && p.rows % 4 == 0 && p.q_t_stride % 4 == 0 && is_aligned(p.q_t, 4);
-  const int64_t tile_rows = int64_t{kThreads >> p.lanes_per_row_log2} * kPasses;
+  const auto q_t_stores_of = [&](int bytes) {
+    return p.rows % bytes == 0 && p.q_t_stride % bytes == 0 && is_aligned(p.q_t, bytes);
+  };
+  p.q_t_store_bytes = !transpose ? 1 : q_t_stores_of(8) ? 8 : q_t_stores_of(4) ? 4 : 1;
+  const int64_t tile_rows = transpose ? kTransposeTileRows : int64_t{kThreads >> p.lanes_per_row_log2} * kPasses;
   const int64_t tile_cols = int64_t{chunk} << p.lanes_per_row_log2;
   const dim3 grid(clamp_grid(coat_ceil_div(p.rows, tile_rows), kMaxGridX),
                   clamp_grid(coat_ceil_div(p.cols, tile_cols), kMaxGridY));
@@ -768,8 +787,7 @@ coat_status launch_quantize(QuantizeParams p, coat_dtype dtype, coat_fp8_format 
           constexpr coat_fp8_format kFormat = decltype(fp8)::value;
           dispatch_bool(transpose, [&](auto transposed) {
             constexpr bool kTranspose = decltype(transposed)::value;
-            if constexpr (!kTranspose || kChunk == kQuantizeChunk)  // wide chunks are never transposed
-              quantize_kernel<kMode, kDtype, kFormat, kTranspose, kVector, kChunk><<<grid, kThreads, 0, stream>>>(p);
+            quantize_kernel<kMode, kDtype, kFormat, kTranspose, kVector, kChunk><<<grid, kThreads, 0, stream>>>(p);
           });
         });
       }

@@ -202,9 +202,10 @@ int main(int argc, char** argv) {
   // (rows, cols): one element, odd widths, rows narrower than the smallest block, widths that are multiples of
   // 8 but not 16 (8-element chunks), exact multiples of every block size (16-element chunks on the row-wise
   // vector path), rows wider than one tile (2048 columns; 4096 with 16-element chunks) and rows whose width
-  // narrows the tile to a warp (4608), empty matrices.
-  const int64_t shapes[][2] = {{1, 1},    {3, 7},    {5, 37},   {33, 16}, {9, 200}, {130, 128},
-                               {2, 4104}, {2, 8192}, {3, 4608}, {0, 16},  {4, 0}};
+  // narrows the tile to a warp (4608), row counts that are multiples of 8 and of 4 (the transposes' 8- and 4-byte
+  // stores), empty matrices.
+  const int64_t shapes[][2] = {{1, 1},    {3, 7},    {5, 37},   {33, 16}, {9, 200}, {130, 128}, {72, 136},
+                               {100, 48}, {2, 4104}, {2, 8192}, {3, 4608}, {0, 16},  {4, 0}};
   const coat_dtype dtypes[] = {COAT_FLOAT32, COAT_BFLOAT16, COAT_FLOAT16};
   const int64_t block_sizes[] = {16, 32, 64, 128};
   int i = 0;
