@@ -277,7 +277,8 @@ __device__ __forceinline__ void write_transposed_tile(const uint32_t* tile, uint
  * kVector: x's chunks are 16-byte aligned and cols % E == 0 (16-byte loads, one E-byte store of codes per
  * chunk). Otherwise every element is loaded and stored on its own, with column bounds.
  * The transposing kernels are held to 64 registers (4 blocks per SM): with 16-element chunks ptxas gave them
- * up to 80 and 3 blocks, 4% slower than 8-element chunks at 4 blocks (benchmarks/NOTES.md).
+ * up to 80 and 3 blocks, which made them 3% slower than with 8-element chunks, and 4% slower than held
+ * (benchmarks/NOTES.md).
  */
 template <QuantizeMode kMode, coat_dtype kDtype, coat_fp8_format kFormat, bool kTranspose, bool kVector, int kChunk>
 __global__ void __launch_bounds__(kThreads, kTranspose ? 4 : 2) quantize_kernel(const QuantizeParams p) {
