@@ -8,11 +8,18 @@
 #include <cuda_bf16.h>
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <random>
 #include <vector>
 #include <functional>
 #include "coat/quantize.h"
+
+static void check(coat_status status, const char* what) {
+  if (status == COAT_SUCCESS) return;
+  fprintf(stderr, "%s failed: coat_status %d\n", what, static_cast<int>(status));
+  exit(1);
+}
 
 static float median_ms(const std::function<void()>& f, int iters = 200) {
   for (int i = 0; i < 20; ++i) f();
@@ -21,7 +28,11 @@ static float median_ms(const std::function<void()>& f, int iters = 200) {
   for (int i = 0; i < iters; ++i) { cudaEventRecord(a[i]); f(); cudaEventRecord(b[i]); }
   cudaDeviceSynchronize();
   std::vector<float> t(iters);
-  for (int i = 0; i < iters; ++i) cudaEventElapsedTime(&t[i], a[i], b[i]);
+  for (int i = 0; i < iters; ++i) {
+    cudaEventElapsedTime(&t[i], a[i], b[i]);
+    cudaEventDestroy(a[i]);
+    cudaEventDestroy(b[i]);
+  }
   std::sort(t.begin(), t.end());
   return t[iters / 2];
 }
@@ -55,13 +66,20 @@ int main(int argc, char** argv) {
     };
     printf("%s %lldx%lld copy %.4f ms\n", tag, (long long)rows, (long long)cols, copy);
     for (int g : {128, 16}) {
-      float ms = median_ms([&] { coat_quantize_group_cuda(x, COAT_BFLOAT16, rows, cols, cols, g, COAT_E4M3, q, s, qt, nullptr); });
+      float ms = median_ms([&] {
+        check(coat_quantize_group_cuda(x, COAT_BFLOAT16, rows, cols, cols, g, COAT_E4M3, q, s, qt, nullptr), "quantize_group");
+      });
       report(g == 128 ? "group128+T q_t" : "group16+T q_t", ms, 2.0 * n + 2.0 * n + 4.0 * n / g, qt, n);
-      ms = median_ms([&] { coat_quantize_group_cuda(x, COAT_BFLOAT16, rows, cols, cols, g, COAT_E4M3, q, s, nullptr, nullptr); });
+      ms = median_ms([&] {
+        check(coat_quantize_group_cuda(x, COAT_BFLOAT16, rows, cols, cols, g, COAT_E4M3, q, s, nullptr, nullptr), "quantize_group");
+      });
       report(g == 128 ? "group128 q" : "group16 q", ms, 2.0 * n + n + 4.0 * n / g, q, n);
     }
-    coat_tensor_amax_cuda(x, COAT_BFLOAT16, rows, cols, cols, amax, nullptr);
-    const float ms = median_ms([&] { coat_quantize_tensor_cuda(x, COAT_BFLOAT16, rows, cols, cols, amax, COAT_E4M3, q, cols, s, qt, rows, nullptr); });
+    check(coat_tensor_amax_cuda(x, COAT_BFLOAT16, rows, cols, cols, amax, nullptr), "tensor_amax");
+    const float ms = median_ms([&] {
+      check(coat_quantize_tensor_cuda(x, COAT_BFLOAT16, rows, cols, cols, amax, COAT_E4M3, q, cols, s, qt, rows, nullptr),
+            "quantize_tensor");
+    });
     report("tensor+T q_t", ms, 2.0 * n + 2.0 * n, qt, n);
     cudaFree(x); cudaFree(y); cudaFree(q); cudaFree(qt); cudaFree(s); cudaFree(amax);
   }

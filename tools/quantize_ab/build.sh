@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds tools/quantize_ab/bench.cu against versions of csrc/cuda/quantize.cu, one binary per version, for an
-# A/B of kernel changes in one process-free call on the GPU machine (no torch build needed: carry OUTDIR).
+# A/B of kernel changes on the GPU machine without building the torch extension (carry OUTDIR there).
 #   tools/quantize_ab/build.sh OUTDIR NAME=QUANTIZE_CU [NAME=QUANTIZE_CU...]   (e.g. old=<(git show HEAD:csrc/cuda/quantize.cu))
 #   then, on the GPU: for name in ...; do OUTDIR/bench_$name $name; done
 set -e
