@@ -1,8 +1,9 @@
-"""Bandwidth of coat's block-scaled FP4 kernels (quantize_fp4, dequantize_fp4, fp4_to_e4m3) against a
-device-to-device copy measured in the same run.
+"""Bandwidth of coat's block-scaled FP4 and FP6 kernels (quantize_blocks, dequantize_blocks, blocks_to_e4m3 with
+format "fp4" and "fp6") against a device-to-device copy measured in the same run.
 
 GB/s counts the bytes each op must move at the least (inputs read once, outputs written once: bf16 x, half a
-byte per FP4 code, 4 bytes per block scale, one byte per E4M3 code); the copy reads and writes bf16. Target on
+byte per FP4 code and three quarters per FP6 code, 4 bytes per block scale, one byte per E4M3 code); the copy
+reads and writes bf16. Target on
 H100/H200: every op at >= 85% of the copy's GB/s. Shapes are activations of a 7B / 8B model's RMSNorm input
 (hidden 4096) and SiLU*mul inputs (intermediate 14336) at 8192 tokens; an odd width times the element-wise path.
 
@@ -24,17 +25,19 @@ BLOCK_SIZES = (16, 128)
 TARGET = 0.85
 
 
-def cases(x, block_size):
+def cases(x, fmt, block_size):
     """name -> (callable, bytes moved)."""
     n, cols = x.numel(), x.shape[-1]
-    code_bytes = x.shape[0] * -(-cols // 2)
+    code_bytes = x.shape[0] * (-(-cols // 2) if fmt == "fp4" else -(-3 * cols // 4))
     scale_bytes = 4 * x.shape[0] * -(-cols // block_size)
-    codes, scales = ops.quantize_fp4(x, block_size)
+    codes, scales = ops.quantize_blocks(x, fmt, block_size)
     return {
-        f"quantize_fp4 B={block_size}": (lambda: ops.quantize_fp4(x, block_size), 2 * n + code_bytes + scale_bytes),
-        f"dequantize_fp4 B={block_size} -> bf16": (
-            lambda: ops.dequantize_fp4(codes, scales, cols, block_size), code_bytes + scale_bytes + 2 * n),
-        f"fp4_to_e4m3 B={block_size}": (lambda: ops.fp4_to_e4m3(codes, scales, cols, block_size), code_bytes + n),
+        f"quantize_{fmt} B={block_size}": (lambda: ops.quantize_blocks(x, fmt, block_size),
+                                           2 * n + code_bytes + scale_bytes),
+        f"dequantize_{fmt} B={block_size} -> bf16": (
+            lambda: ops.dequantize_blocks(codes, scales, cols, fmt, block_size), code_bytes + scale_bytes + 2 * n),
+        f"{fmt}_to_e4m3 B={block_size}": (lambda: ops.blocks_to_e4m3(codes, scales, cols, fmt, block_size),
+                                          code_bytes + n),
     }
 
 
@@ -42,8 +45,10 @@ def measure(shape, device, warmup, repeat):
     x = torch.randn(shape, device=device, dtype=torch.bfloat16)
     copy_destination = torch.empty_like(x)
     timed = {"copy (bf16)": (time_ms(lambda: copy_destination.copy_(x), warmup, repeat, device), 4 * x.numel())}
-    for block_size in BLOCK_SIZES:
-        timed.update({name: (time_ms(fn, warmup, repeat, device), nbytes) for name, (fn, nbytes) in cases(x, block_size).items()})
+    for fmt in ops.BLOCK_FORMATS:
+        for block_size in BLOCK_SIZES:
+            timed.update({name: (time_ms(fn, warmup, repeat, device), nbytes)
+                          for name, (fn, nbytes) in cases(x, fmt, block_size).items()})
     copy_gbs = timed["copy (bf16)"][1] / timed["copy (bf16)"][0] / 1e6
     rows = []
     for name, (ms, nbytes) in timed.items():

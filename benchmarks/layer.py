@@ -14,6 +14,8 @@ attention). Every run times, in one process on the same inputs:
     coat fp4 eager      coat.convert(saved_format="fp4"): RMSNorm's and SiLU*mul's inputs kept as FP4 E2M1
                         in 1 x 16 blocks
     coat fp4 G=128 eager    the same in 1 x 128 blocks (AGoQ's block size: fewer scales, coarser blocks)
+    coat fp6 eager      coat.convert(saved_format="fp6"): the same inputs kept as FP6 E2M3 in 1 x 16 blocks, the
+                        middle step of the report's per-layer choice
 
 Times are CUDA-event medians after warm-up (backward = total - forward); each step starts on an idle GPU, so
 they include the host's time to enqueue the step's first kernels. "GPU ms" is forward + backward with the GPU
@@ -53,7 +55,8 @@ BASELINE, PEER = "BF16 eager", "torchao compiled"
 # coat.convert's options of each coat variant
 COAT_VARIANTS = {"coat eager": {}, "coat compiled": {}, "coat fast-accum eager": {"fast_accum": True},
                  "coat fp4 eager": {"saved_format": "fp4"},
-                 "coat fp4 G=128 eager": {"saved_format": "fp4", "group_size": 128}}
+                 "coat fp4 G=128 eager": {"saved_format": "fp4", "group_size": 128},
+                 "coat fp6 eager": {"saved_format": "fp6"}}
 VARIANTS = [BASELINE, "BF16 compiled", PEER, *COAT_VARIANTS]
 
 
@@ -217,12 +220,13 @@ def main():
         "min_speedup": min(row["vs BF16 eager"] for row in coat_eager),
         "max_saved_U": max(row["saved U"] for row in coat_eager),
     }
-    for fp4_name, key in (("coat fp4 eager", "fp4"), ("coat fp4 G=128 eager", "fp4_g128")):
-        coat_fp4 = {(r["hidden"], r["seq"]): r for r in rows if r["layer"] == fp4_name and "total ms" in r}
-        if coat_fp4:
-            summary[f"max_{key}_saved_U"] = max(row["saved U"] for row in coat_fp4.values())
+    for low_bit_name, key in (("coat fp4 eager", "fp4"), ("coat fp4 G=128 eager", "fp4_g128"),
+                              ("coat fp6 eager", "fp6")):
+        low_bit = {(r["hidden"], r["seq"]): r for r in rows if r["layer"] == low_bit_name and "total ms" in r}
+        if low_bit:
+            summary[f"max_{key}_saved_U"] = max(row["saved U"] for row in low_bit.values())
             summary[f"min_{key}_vs_coat_eager"] = min(
-                row["total ms"] / coat_fp4[(row["hidden"], row["seq"])]["total ms"] for row in coat_eager
+                row["total ms"] / low_bit[(row["hidden"], row["seq"])]["total ms"] for row in coat_eager
             )
     if all("vs torchao" in row for row in coat_eager):
         summary["min_vs_torchao"] = min(row["vs torchao"] for row in coat_eager)

@@ -147,50 +147,86 @@ def dequantize(
 
 
 # ------------------------------------------------------------------------------------------------------
-# Block-scaled FP4 (E2M1) storage of activations saved for backward (csrc/include/coat/quantize.h and
-# fp4.h state every rule). One float32 scale per 1 x block_size block of the last dimension:
+# Block-scaled FP4 (E2M1) and FP6 (E2M3) storage of activations saved for backward (csrc/include/coat/quantize.h,
+# fp4.h and fp6.h state every rule). One float32 scale per 1 x block_size block of the last dimension:
 #
-#     scale = max(amax / 6, 2**-126)       NaN if the block holds a NaN, Inf if it holds +-Inf
-#     code  = e2m1(x / scale)              values +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, round to nearest even,
-#                                          saturating to +-6
+#     scale = max(amax / E_MAX, 2**-126)   NaN if the block holds a NaN, Inf if it holds +-Inf
+#     code  = encode(x / scale)            round to nearest even, saturating to +-E_MAX
 #     x'    = value(code) * scale
 #
-# Codes are packed two per byte, element 2i of a row in the low nibble and 2i+1 in the high one; a row of
-# `cols` elements takes ceil(cols / 2) bytes (an odd row ends in a high nibble of 0). A block holding a NaN
-# or an Inf dequantizes to NaN as a whole (E2M1 has no NaN: the block scale carries it). fp4_to_e4m3 turns
-# codes and scales into the E4M3 1 x block_size layout of quantize_group, which dequantize reads back to the
-# same bits as dequantize_fp4, so the FP8 backward kernels consume FP4-saved activations unchanged.
+# FP4 E2M1: values +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, E_MAX = 6; codes packed two per byte, element 2i of a row in
+# the low nibble and 2i+1 in the high one, a row of `cols` elements in ceil(cols / 2) bytes (an odd row ends in a
+# high nibble of 0).
+# FP6 E2M3: values +-{0, 0.125, ..., 1.875 in steps of 0.125, 2, ..., 3.75 in 0.25, 4, ..., 7.5 in 0.5}, E_MAX = 7.5;
+# codes packed four per three bytes (element 4i+j in bits 6j..6j+5 of the little-endian 24-bit word of bytes 3i
+# to 3i+2), a row in ceil(3 cols / 4) bytes.
+# A block holding a NaN or an Inf dequantizes to NaN as a whole (neither format has a NaN: the block scale
+# carries it). *_to_e4m3 turns codes and scales into the E4M3 1 x block_size layout of quantize_group, which
+# dequantize reads back to the same bits as the format's dequantizer, so the FP8 backward kernels consume
+# FP4- and FP6-saved activations unchanged.
+
+BLOCK_FORMATS = ("fp4", "fp6")  # the block-scaled saved formats, by their save_format names
+
+
+def _block_op(name: str, format: str, tensor: torch.Tensor, caller: str):
+    """The native op ``name`` ("quantize_blocks", ...) of ``format``, after the checks every op makes first;
+    ``caller`` names the public function in their errors."""
+    if format not in BLOCK_FORMATS:
+        raise ValueError(f"coat.ops.{caller}: format must be 'fp4' or 'fp6', got {format!r}")
+    check_device_supported(tensor, f"coat.ops.{caller}")
+    return getattr(torch.ops.coat, name.replace("blocks", format))
+
+
+def quantize_blocks(x: torch.Tensor, format: str, block_size: int = 16, *, _caller: str = "quantize_blocks"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes ``x`` (float32 / bfloat16 / float16, contiguous last dimension, row-strided views read in
+    place) to packed FP4 E2M1 (``format="fp4"``) or FP6 E2M3 (``"fp6"``) with one float32 scale per 1 x
+    ``block_size`` block (16, 32, 64 or 128) of its last dimension. Returns ``(codes, scales)``: codes torch.uint8
+    of shape ``x.shape[:-1] + (ceil(x.shape[-1] / 2),)`` (FP4) or ``(ceil(3 * x.shape[-1] / 4),)`` (FP6), scales
+    float32 of shape ``x.shape[:-1] + (ceil(x.shape[-1] / block_size),)``."""
+    return _block_op("quantize_blocks", format, x, _caller)(x, block_size)
+
+
+def dequantize_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, cols: int, format: str, block_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16, *, _caller: str = "dequantize_blocks",
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_blocks`: ``value(code) * scale`` rounded to ``dtype`` (torch.bfloat16 or
+    torch.float32), of shape ``codes.shape[:-1] + (cols,)``. ``cols`` is the original last dimension (packed
+    codes cannot tell every width from the next)."""
+    return _block_op("dequantize_blocks", format, codes, _caller)(codes, scales, cols, block_size, dtype)
+
+
+def blocks_to_e4m3(
+    codes: torch.Tensor, scales: torch.Tensor, cols: int, format: str, block_size: int = 16, *,
+    _caller: str = "blocks_to_e4m3",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expands :func:`quantize_blocks`'s output, exactly, into the FP8 layout of :func:`quantize_group` with
+    ``group_size = block_size``: returns ``(q, scales)``, q torch.float8_e4m3fn of shape ``codes.shape[:-1] +
+    (cols,)`` and ``scales`` itself (the same tensor, not a copy: every E2M1 and E2M3 value is an E4M3 value, so
+    the block scales carry over). ``dequantize(q, scales, block_size, dtype)`` equals
+    ``dequantize_blocks(codes, scales, cols, format, block_size, dtype)`` bit for bit, NaN and Inf blocks
+    included."""
+    return _block_op("blocks_to_e4m3", format, codes, _caller)(codes, scales, cols, block_size), scales
 
 
 def quantize_fp4(x: torch.Tensor, block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantizes ``x`` (float32 / bfloat16 / float16, contiguous last dimension, row-strided views read in
-    place) to packed FP4 E2M1 with one float32 scale per 1 x ``block_size`` block (16, 32, 64 or 128) of its
-    last dimension. Returns ``(codes, scales)``: codes torch.uint8 of shape ``x.shape[:-1] +
-    (ceil(x.shape[-1] / 2),)``, scales float32 of shape ``x.shape[:-1] + (ceil(x.shape[-1] / block_size),)``."""
-    check_device_supported(x, "coat.ops.quantize_fp4")
-    return torch.ops.coat.quantize_fp4(x, block_size)
+    """:func:`quantize_blocks` with ``format="fp4"``."""
+    return quantize_blocks(x, "fp4", block_size, _caller="quantize_fp4")
 
 
 def dequantize_fp4(
     codes: torch.Tensor, scales: torch.Tensor, cols: int, block_size: int = 16, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp4`: ``value(code) * scale`` rounded to ``dtype`` (torch.bfloat16 or
-    torch.float32), of shape ``codes.shape[:-1] + (cols,)``. ``cols`` is the original last dimension (the
-    packed codes cannot tell an odd width from the next even one)."""
-    check_device_supported(codes, "coat.ops.dequantize_fp4")
-    return torch.ops.coat.dequantize_fp4(codes, scales, cols, block_size, dtype)
+    """:func:`dequantize_blocks` with ``format="fp4"``."""
+    return dequantize_blocks(codes, scales, cols, "fp4", block_size, dtype, _caller="dequantize_fp4")
 
 
 def fp4_to_e4m3(
     codes: torch.Tensor, scales: torch.Tensor, cols: int, block_size: int = 16
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expands :func:`quantize_fp4`'s output, exactly, into the FP8 layout of :func:`quantize_group` with
-    ``group_size = block_size``: returns ``(q, scales)``, q torch.float8_e4m3fn of shape ``codes.shape[:-1] +
-    (cols,)`` and ``scales`` itself (the same tensor, not a copy: every E2M1 value is an E4M3 value, so the
-    block scales carry over). ``dequantize(q, scales, block_size, dtype)`` equals
-    ``dequantize_fp4(codes, scales, cols, block_size, dtype)`` bit for bit, NaN and Inf blocks included."""
-    check_device_supported(codes, "coat.ops.fp4_to_e4m3")
-    return torch.ops.coat.fp4_to_e4m3(codes, scales, cols, block_size), scales
+    """:func:`blocks_to_e4m3` with ``format="fp4"``."""
+    return blocks_to_e4m3(codes, scales, cols, "fp4", block_size, _caller="fp4_to_e4m3")
 
 
 def adamw_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, float, float]:
@@ -373,25 +409,33 @@ def _check_block_size(block_size: int, op: str) -> None:
         raise RuntimeError(f"{op}: block_size must be 16, 32, 64 or 128, got {block_size}")
 
 
-@torch.library.register_fake("coat::quantize_fp4")
-def _quantize_fp4_fake(x, block_size):
-    _check_block_size(block_size, "coat.quantize_fp4")
-    return x.new_empty((*x.shape[:-1], -(-x.shape[-1] // 2)), dtype=torch.uint8), _grouped(x, block_size)
+def _packed_row_bytes(cols: int, format: str) -> int:
+    """Bytes of a row of ``cols`` codes saved in ``format``: FP4 two codes per byte, FP6 four per three bytes."""
+    return {"e4m3": cols, "fp4": -(-cols // 2), "fp6": -(-3 * cols // 4)}[format]
 
 
-def _fp4_decoded(codes, cols, block_size, op, dtype):
-    _check_block_size(block_size, op)
-    return codes.new_empty((*codes.shape[:-1], cols), dtype=dtype)
+def _register_block_fakes(format: str) -> None:
+    @torch.library.register_fake(f"coat::quantize_{format}")
+    def _quantize_fake(x, block_size):
+        _check_block_size(block_size, f"coat.quantize_{format}")
+        codes = x.new_empty((*x.shape[:-1], _packed_row_bytes(x.shape[-1], format)), dtype=torch.uint8)
+        return codes, _grouped(x, block_size)
+
+    def decoded(codes, cols, block_size, op, dtype):
+        _check_block_size(block_size, op)
+        return codes.new_empty((*codes.shape[:-1], cols), dtype=dtype)
+
+    @torch.library.register_fake(f"coat::dequantize_{format}")
+    def _dequantize_fake(codes, scales, cols, block_size, dtype):
+        return decoded(codes, cols, block_size, f"coat.dequantize_{format}", dtype)
+
+    @torch.library.register_fake(f"coat::{format}_to_e4m3")
+    def _to_e4m3_fake(codes, scales, cols, block_size):
+        return decoded(codes, cols, block_size, f"coat.{format}_to_e4m3", torch.float8_e4m3fn)
 
 
-@torch.library.register_fake("coat::dequantize_fp4")
-def _dequantize_fp4_fake(codes, scales, cols, block_size, dtype):
-    return _fp4_decoded(codes, cols, block_size, "coat.dequantize_fp4", dtype)
-
-
-@torch.library.register_fake("coat::fp4_to_e4m3")
-def _fp4_to_e4m3_fake(codes, scales, cols, block_size):
-    return _fp4_decoded(codes, cols, block_size, "coat.fp4_to_e4m3", torch.float8_e4m3fn)
+for _format in BLOCK_FORMATS:
+    _register_block_fakes(_format)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -416,17 +460,28 @@ def _check_named_group_size(group_size: int, name: str, op: str) -> None:
         raise RuntimeError(f"{op}: {name} must be 16, 32, 64 or 128, got {group_size}")
 
 
-def _is_fp4(format: str, name: str, op: str) -> bool:
-    """Whether a forward op's ``save_format`` (or the ``saved_format`` a backward op reads) is FP4."""
-    if format not in ("e4m3", "fp4"):
-        raise ValueError(f"coat.ops.{op}: {name} must be 'e4m3' or 'fp4', got {format!r}")
-    return format == "fp4"
+SAVED_FORMATS = ("e4m3", "fp4", "fp6")  # index = the coat_saved_format value the native ops take
 
 
-def _saved_codes(x: torch.Tensor, save_fp4: bool) -> torch.Tensor:
-    if save_fp4:
-        return x.new_empty((*x.shape[:-1], (x.shape[-1] + 1) // 2), dtype=torch.uint8)
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+def _saved_format_code(format: str, name: str, op: str) -> int:
+    """A forward op's ``save_format`` (or the ``saved_format`` a backward op reads) as the native ops' int."""
+    if format not in SAVED_FORMATS:
+        raise ValueError(f"coat.ops.{op}: {name} must be 'e4m3', 'fp4' or 'fp6', got {format!r}")
+    return SAVED_FORMATS.index(format)
+
+
+def _saved_format_name(code: int, name: str, op: str) -> str:
+    """The fake ops' check of the native int, with the real ops' message."""
+    if code not in range(len(SAVED_FORMATS)):
+        raise RuntimeError(f"{op}: {name} must be 0 (E4M3), 1 (FP4) or 2 (FP6), the values coat.ops passes for "
+                           f"'e4m3', 'fp4' and 'fp6'; got {code}")
+    return SAVED_FORMATS[code]
+
+
+def _saved_codes(x: torch.Tensor, format: str) -> torch.Tensor:
+    if format == "e4m3":
+        return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+    return x.new_empty((*x.shape[:-1], _packed_row_bytes(x.shape[-1], format)), dtype=torch.uint8)
 
 
 def rmsnorm_quantize(
@@ -454,15 +509,15 @@ def rmsnorm_quantize(
     Returns ``(y, y_scale, y_t, x_saved, x_saved_scales, rstd)``: y (x's shape, FP8 ``format``), its 0-d
     float32 scale, its (H, rows) transpose when ``transpose`` is set (else None), x as E4M3 with
     per-``save_group_size`` scales (``quantize_group(x, save_group_size)``), and rstd, float32 [rows].
-    With ``save_format="fp4"`` x is saved as ``quantize_fp4(x, save_group_size)`` instead (packed codes and
-    block scales, bit for bit), made in the same pass over x; the backward ops read it with
-    ``saved_format="fp4"``.
+    With ``save_format="fp4"`` or ``"fp6"`` x is saved as ``quantize_blocks(x, save_format, save_group_size)``
+    instead (packed codes and block scales, bit for bit), made in the same pass over x; the backward ops read it
+    with the same ``saved_format``.
     A row holding +-Inf normalizes to 0 with NaN at the Inf (Inf * 0), as PyTorch's formula does.
     """
     check_device_supported(x, "coat.ops.rmsnorm_quantize")
     y, y_scale, y_t, x_saved, x_saved_scales, rstd = torch.ops.coat.rmsnorm_quantize(
         x, weight, eps, save_group_size, amax_group_size, fp8_dtype(format), transpose,
-        _is_fp4(save_format, "save_format", "rmsnorm_quantize"),
+        _saved_format_code(save_format, "save_format", "rmsnorm_quantize"),
     )
     return y, y_scale, y_t if transpose else None, x_saved, x_saved_scales, rstd
 
@@ -491,14 +546,14 @@ def rmsnorm_backward(
     float32 and rounded once, which is ``dx.to(residual.dtype) + residual`` bit for bit when residual has dy's
     dtype or is float32. A NaN in dx is the canonical quiet NaN.
 
-    Both sums have a fixed reduction order, so results are reproducible and the same on CPU and CUDA. An FP4
-    copy is read as its exact E4M3 expansion (:func:`fp4_to_e4m3`) would be, without writing it: the results
-    equal those from the expansion bit for bit.
+    Both sums have a fixed reduction order, so results are reproducible and the same on CPU and CUDA. An FP4 or
+    FP6 copy is read as its exact E4M3 expansion (:func:`blocks_to_e4m3`) would be, without writing it: the
+    results equal those from the expansion bit for bit.
     """
     check_device_supported(dy, "coat.ops.rmsnorm_backward")
     return torch.ops.coat.rmsnorm_backward(
         dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual,
-        _is_fp4(saved_format, "saved_format", "rmsnorm_backward"),
+        _saved_format_code(saved_format, "saved_format", "rmsnorm_backward"),
     )
 
 
@@ -523,12 +578,12 @@ def silu_mul_quantize(
     silu(g) = g * sigmoid(g) in float32 with coat's own exp (identical on CPU and CUDA); silu(-inf) is NaN.
 
     Returns ``(y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales)`` as in
-    :func:`rmsnorm_quantize`, gate and up saved in ``save_format`` ("e4m3" or "fp4") likewise.
+    :func:`rmsnorm_quantize`, gate and up saved in ``save_format`` ("e4m3", "fp4" or "fp6") likewise.
     """
     check_device_supported(gate, "coat.ops.silu_mul_quantize")
     y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = torch.ops.coat.silu_mul_quantize(
         gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype(format), transpose,
-        _is_fp4(save_format, "save_format", "silu_mul_quantize"),
+        _saved_format_code(save_format, "save_format", "silu_mul_quantize"),
     )
     return y, y_scale, y_t if transpose else None, gate_saved, gate_scales, up_saved, up_scales
 
@@ -556,7 +611,7 @@ def silu_mul_backward(
     check_device_supported(dy, "coat.ops.silu_mul_backward")
     return torch.ops.coat.silu_mul_backward(
         dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size,
-        _is_fp4(saved_format, "saved_format", "silu_mul_backward"),
+        _saved_format_code(saved_format, "saved_format", "silu_mul_backward"),
     )
 
 
@@ -579,14 +634,14 @@ def rmsnorm_requantize(
         y_t = fp8(y / y_scale).T                       FP8 ``format``, NaN codes positive
 
     Equal to the forward's y_t bit for bit where x was FP8-representable in its group (x == x'); otherwise
-    within one E4M3 rounding of x (one E2M1 rounding from FP4), carried through the op. Values past the
+    within one rounding of x to the saved format (E4M3, E2M1 or E2M3), carried through the op. Values past the
     forward's amax saturate to +-FP8_MAX. Pass ``save_group_size``, ``format`` and, as ``saved_format``, the
     ``save_format`` given to the forward.
     """
     check_device_supported(x_saved, "coat.ops.rmsnorm_requantize")
     return torch.ops.coat.rmsnorm_requantize(
         x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype(format),
-        _is_fp4(saved_format, "saved_format", "rmsnorm_requantize"),
+        _saved_format_code(saved_format, "saved_format", "rmsnorm_requantize"),
     )
 
 
@@ -608,12 +663,12 @@ def silu_mul_requantize(
     ``y_scale``: ``y = silu(bf16(g')) * u' [* smooth_scale]`` with the forward's silu of g' rounded to bf16
     (nearest even; under 2^-8 relative, so that the GPU reads silu from the forward's bf16 table), then as
     :func:`rmsnorm_requantize` (saturation, NaN, the tie to the forward's y_t for bf16 gates, and
-    ``saved_format``). With ``saved_format="fp4"`` pass ``cols``, the width I of gate and up: packed FP4 rows do
-    not tell an odd width from the next even one."""
+    ``saved_format``). With ``saved_format="fp4"`` or ``"fp6"`` pass ``cols``, the width I of gate and up: packed
+    rows do not tell every width from the next."""
     check_device_supported(gate_saved, "coat.ops.silu_mul_requantize")
     return torch.ops.coat.silu_mul_requantize(
         gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size, fp8_dtype(format),
-        _is_fp4(saved_format, "saved_format", "silu_mul_requantize"), cols,
+        _saved_format_code(saved_format, "saved_format", "silu_mul_requantize"), cols,
     )
 
 
@@ -626,8 +681,9 @@ def _check_rmsnorm_cols(x: torch.Tensor, name: str, op: str) -> None:
 
 
 @torch.library.register_fake("coat::rmsnorm_quantize")
-def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8_dtype, transpose, save_fp4=False):
+def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8_dtype, transpose, save_format=0):
     op = "coat.rmsnorm_quantize"
+    saved = _saved_format_name(save_format, "save_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
     _check_named_group_size(amax_group_size, "amax_group_size", op)
     _check_rmsnorm_cols(x, "x", op)
@@ -635,7 +691,7 @@ def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8
         x.new_empty(x.shape, dtype=fp8_dtype),
         x.new_empty((), dtype=torch.float32),
         _transposed(x, fp8_dtype, transpose),
-        _saved_codes(x, save_fp4),
+        _saved_codes(x, saved),
         _grouped(x, save_group_size),
         x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32),
     )
@@ -643,8 +699,9 @@ def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8
 
 @torch.library.register_fake("coat::rmsnorm_backward")
 def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual=None,
-                           saved_fp4=False):
+                           saved_format=0):
     op = "coat.rmsnorm_backward"
+    _saved_format_name(saved_format, "saved_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
     _check_rmsnorm_cols(dy, "dy", op)
     if residual is not None and residual.shape != dy.shape:
@@ -658,8 +715,9 @@ def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group
 
 @torch.library.register_fake("coat::silu_mul_quantize")
 def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype, transpose,
-                            save_fp4=False):
+                            save_format=0):
     op = "coat.silu_mul_quantize"
+    saved = _saved_format_name(save_format, "save_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
     _check_named_group_size(amax_group_size, "amax_group_size", op)
     if gate.shape != up.shape:
@@ -668,24 +726,26 @@ def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_
         gate.new_empty(gate.shape, dtype=fp8_dtype),
         gate.new_empty((), dtype=torch.float32),
         _transposed(gate, fp8_dtype, transpose),
-        _saved_codes(gate, save_fp4),
+        _saved_codes(gate, saved),
         _grouped(gate, save_group_size),
-        _saved_codes(gate, save_fp4),
+        _saved_codes(gate, saved),
         _grouped(gate, save_group_size),
     )
 
 
 @torch.library.register_fake("coat::silu_mul_backward")
 def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size,
-                            saved_fp4=False):
+                            saved_format=0):
+    _saved_format_name(saved_format, "saved_format", "coat.silu_mul_backward")
     _check_named_group_size(save_group_size, "save_group_size", "coat.silu_mul_backward")
     return dy.new_empty(dy.shape), dy.new_empty(dy.shape), dy.new_empty((), dtype=torch.float32)
 
 
 @torch.library.register_fake("coat::rmsnorm_requantize")
 def _rmsnorm_requantize_fake(x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype,
-                             saved_fp4=False):
+                             saved_format=0):
     op = "coat.rmsnorm_requantize"
+    _saved_format_name(saved_format, "saved_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
     _check_rmsnorm_cols(weight, "weight", op)
     return x_saved.new_empty((weight.shape[0], math.prod(x_saved.shape[:-1])), dtype=fp8_dtype)
@@ -693,15 +753,17 @@ def _rmsnorm_requantize_fake(x_saved, x_saved_scales, rstd, weight, y_scale, sav
 
 @torch.library.register_fake("coat::silu_mul_requantize")
 def _silu_mul_requantize_fake(gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size,
-                              fp8_dtype, saved_fp4=False, cols=None):
+                              fp8_dtype, saved_format=0, cols=None):
     op = "coat.silu_mul_requantize"
     _check_named_group_size(save_group_size, "save_group_size", op)
     if up_saved.shape != gate_saved.shape:
         raise RuntimeError(f"{op}: up_saved has shape {tuple(up_saved.shape)} but gate_saved has shape "
                            f"{tuple(gate_saved.shape)}; pass the tensors the forward op returned")
-    if saved_fp4 and cols is None:
-        raise RuntimeError(f"{op}: with saved_fp4=True pass cols, the width of gate and up")
-    width = cols if saved_fp4 else gate_saved.shape[-1]
+    saved = _saved_format_name(saved_format, "saved_format", op)
+    packed = saved != "e4m3"
+    if packed and cols is None:
+        raise RuntimeError(f"{op}: with saved_format='{saved}' pass cols, the width of gate and up")
+    width = cols if packed else gate_saved.shape[-1]
     return gate_saved.new_empty((width, math.prod(gate_saved.shape[:-1])), dtype=fp8_dtype)
 
 

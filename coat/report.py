@@ -14,8 +14,8 @@ backward in 1 x G groups, the per-tensor FP8 inputs and weights of every GEMM, a
 of the backward GEMMs; at its end it reads the optimizer's FP8 moments. Rows are named by module (the
 converted decoder layer, ``model.layers.3``, or a coat.nn module outside one, e.g. ``lm_head``) and tensor:
 
-    attn_norm_input       input of the attention RMSNorm, kept in 1 x G groups for its backward (E4M3, or FP4
-                          with saved_format="fp4": the format column says which)
+    attn_norm_input       input of the attention RMSNorm, kept in 1 x G groups for its backward (E4M3, or FP4 /
+                          FP6 with saved_format="fp4" / "fp6": the format column says which)
     qkv_input             the RMSNorm's output, the FP8 input of the q/k/v GEMMs (per tensor)
     qkv_weight            q, k and v weights, quantized together with one scale
     o_input, o_weight     attention output and o_proj weight
@@ -31,7 +31,7 @@ converted decoder layer, ``model.layers.3``, or a coat.nn module outside one, e.
 Which elements are measured. By default (``sample_rows=64``) a capture measures 64 evenly spaced rows of
 each quantized matrix (all of a matrix with fewer): nonfinite, flushed, saturated and rel_error are those
 rows' exactly, estimates of the whole tensor's (a lone NaN or a rare saturated value elsewhere is not
-seen), and amax is the whole tensor's, FP8_MAX (6 for FP4 blocks) times its largest scale (the quantizer
+seen), and amax is the whole tensor's, FP8_MAX (6 for FP4 blocks, 7.5 for FP6) times its largest scale (the quantizer
 derives the scales from its amax; a non-finite amax shows as a non-finite scale). The moments' k statistics cover every group,
 their other metrics the sampled rows. ``sample_rows=None`` measures every element, exactly, at several
 times the cost.
@@ -99,9 +99,11 @@ MOMENT_METRICS = ("amax", "nonfinite", "zero_codes", "k_min", "k_median", "k_max
 METRICS = tuple(dict.fromkeys(TENSOR_METRICS + MOMENT_METRICS))
 CSV_COLUMNS = ("step", "layer", "tensor", "format", "numel", *METRICS)
 # The inputs of RMSNorm and SiLU*mul that a layer keeps for backward in its saved_format, and the largest
-# FP4 relative error QuantizationReport.choose_saved_formats keeps FP4 at by default.
+# relative error at which QuantizationReport.choose_saved_formats keeps a layer's low-bit format by default.
 KEPT_INPUTS = ("attn_norm_input", "mlp_norm_input", "gate_output", "up_output", "norm_input")
-FP4_MAX_REL_ERROR = 0.12
+MAX_KEPT_REL_ERROR = 0.12
+# choose_saved_formats' ladder: a layer whose kept inputs fail at one format goes to the next, wider one.
+WIDER_FORMAT = {"fp4": "fp6", "fp6": "e4m3"}
 METRIC_DESCRIPTIONS = {
     "amax": "max |x|",
     "nonfinite": "share of NaN / Inf elements",
@@ -117,7 +119,8 @@ METRIC_DESCRIPTIONS = {
 # Metrics whose values span decades: the heat map draws them on a log scale.
 _LOG_SCALE_METRICS = ("amax", "nonfinite", "flushed", "saturated", "rel_error", "zero_codes")
 _FORMAT_NAMES = {dtype: name for name, dtype in ops.FP8_DTYPES.items()}
-_FP4_MAX = 6.0  # the largest E2M1 magnitude: an FP4 block's amax is 6 times its scale
+# The largest magnitude of each block format: a block's amax is that times its scale.
+_BLOCK_FORMAT_MAX = {"fp4": 6.0, "fp6": 7.5}
 _NO_MODULE = "coat.nn.functional"  # the layer name of a Function called outside any coat module
 _ROOT = "(model)"  # the layer name of the model itself, whose module name is empty
 
@@ -140,7 +143,7 @@ def _measure_args(sums: torch.Tensor, x, q: torch.Tensor, scale: torch.Tensor, g
     held = callable(x) and rows is not None
     if callable(x):
         x = x(rows)
-    amax_per_scale = 0.0 if rows is None else _FP4_MAX if fmt == "fp4" else ops.FP8_MAX[q.dtype]
+    amax_per_scale = 0.0 if rows is None else _BLOCK_FORMAT_MAX.get(fmt) or ops.FP8_MAX[q.dtype]
     return sums, x, q, scale, group_size, rows, held, amax_per_scale
 
 
@@ -515,14 +518,16 @@ class QuantizationReport:
             if row[metric] is not None
         }
 
-    def choose_saved_formats(self, max_rel_error: float = FP4_MAX_REL_ERROR) -> dict[str, str]:
+    def choose_saved_formats(self, max_rel_error: float = MAX_KEPT_REL_ERROR) -> dict[str, str]:
         """Sets, per converted layer, how the inputs of its RMSNorms and SiLU*mul are kept for backward, from
-        the last capture, and returns ``{layer: "fp4" or "e4m3"}``. The rule: a layer whose kept inputs the
-        capture measured in FP4 (it ran with ``saved_format="fp4"``) keeps FP4 if every one of them had a
-        relative error of at most ``max_rel_error``, and goes to E4M3 otherwise. The default, 0.12, is 1.3x
-        FP4's error on Gaussian data at G = 16 (0.094): inputs whose 1 x G blocks hold outliers, where FP4
-        loses the small values beside them, get 8 bits. Layers measured in E4M3 are left as they are (their
-        FP4 error is unknown). Capture again with FP4 to re-decide."""
+        the last capture, and returns ``{layer: "fp4", "fp6" or "e4m3"}`` for the layers it decided. The rule:
+        a layer whose kept inputs the capture measured in FP4 (4 bits) or FP6 (6 bits) keeps that format if
+        every one of them had a relative error of at most ``max_rel_error``, and otherwise goes one step wider,
+        FP4 to FP6, FP6 to E4M3 (8 bits). The default, 0.12, is 1.3x FP4's error on Gaussian data at G = 16
+        (0.094; FP6's is about 0.02): inputs whose 1 x G blocks hold outliers, where the narrow formats lose the
+        small values beside them, get more bits. Layers measured in E4M3 are left as they are (their low-bit
+        error is unknown). Start from saved_format="fp4" and capture and choose again until no layer moves: a
+        layer settles within two rounds."""
         if not max_rel_error >= 0:
             raise ValueError(f"coat.report: max_rel_error must be >= 0, got {max_rel_error!r}")
         kept: dict[str, list[dict]] = {}
@@ -531,17 +536,19 @@ class QuantizationReport:
                 kept.setdefault(row["layer"], []).append(row)
         choice = {}
         for layer, rows in kept.items():
-            if any(row["format"] != "fp4" for row in rows):
+            formats = {row["format"] for row in rows}
+            if len(formats) != 1 or not formats <= WIDER_FORMAT.keys():
                 continue
+            (measured,) = formats
             module = self._modules[layer]
             attribute = "fp8_config" if hasattr(module, "fp8_config") else "config"
             fits = all(row["rel_error"] <= max_rel_error for row in rows)  # NaN fails
-            choice[layer] = "fp4" if fits else "e4m3"
+            choice[layer] = measured if fits else WIDER_FORMAT[measured]
             setattr(module, attribute, dataclasses.replace(getattr(module, attribute), saved_format=choice[layer]))
         if not choice:
             raise ValueError(
-                "coat.report: the last capture measured no kept input in FP4; convert with saved_format=\"fp4\" "
-                "(or set it on the layers) and capture a step before choosing"
+                "coat.report: the last capture measured no kept input in FP4 or FP6; convert with "
+                "saved_format=\"fp4\" (or set it on the layers) and capture a step before choosing"
             )
         return choice
 

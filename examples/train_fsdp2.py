@@ -164,7 +164,7 @@ def main() -> None:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 shards themselves
     if args.coat:
         if args.saved_format == "auto":
-            raise SystemExit("--saved-format auto is train_llama.py's (it captures a report step): use e4m3 or fp4")
+            raise SystemExit("--saved-format auto is train_llama.py's (it captures a report step): use e4m3, fp6 or fp4")
         coat.convert(model, saved_format=args.saved_format, fast_accum=args.fast_accum, group_size=args.group_size)
     shard(model, device, args.fp8_all_gather)
     if args.fp8_reduce_scatter:

@@ -17,13 +17,14 @@ the summary, and OUT/NAME.png plots the loss of this run and of every --compare 
 With --coat --report-every N, every N-th step is captured by coat.report: a line names the tensor with the
 largest quantization error, OUT/NAME-report.csv gets a row per (step, layer, tensor), and at the end
 OUT/NAME-report.png draws the last captured step's relative errors, layers x tensors. --saved-format auto
-converts with FP4-kept activations, captures the first step and keeps FP4 in the layers whose kept inputs
-measured within coat.report's bound (QuantizationReport.choose_saved_formats), E4M3 in the others.
+converts with FP4-kept activations and captures the first two steps: after each, a layer whose kept inputs
+measured outside coat.report's bound goes one format wider, FP4 to FP6 to E4M3
+(QuantizationReport.choose_saved_formats); the others keep theirs.
 
     python examples/train_llama.py                                   # tiny preset, BF16, a few minutes on a CPU
     python examples/train_llama.py --coat --compare runs/tiny-bf16.csv
     python examples/train_llama.py --coat --report-every 50          # + quantization report
-    python examples/train_llama.py --coat --saved-format auto        # FP4-kept activations where the report allows
+    python examples/train_llama.py --coat --saved-format auto        # 4, 6 or 8 bits per layer, as the report allows
     python examples/train_llama.py --preset 100m [--coat]            # ~100M parameters, 2000 steps, one GPU
 
 --uniform-fp4 (with --coat --saved-format fp4) also keeps attention's saved activations in FP4
@@ -53,6 +54,9 @@ from training_common import (
     training_step,
     try_plot,
 )
+
+# --saved-format auto: captured steps that decide the formats; a layer moves at most FP4 -> FP6 -> E4M3.
+CHOOSING_STEPS = 2
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -98,7 +102,7 @@ def main() -> None:
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
     log = TrainingLog(args, first_step=0, tokens_per_step=args.batch * args.seq, device=device)
     report = QuantizationLog(args, model, optimizer) if args.report_every else None
-    # --saved-format auto: the first step is captured (in FP4) to choose each layer's format
+    # --saved-format auto: the first steps are captured to choose each layer's format, starting from FP4
     chooser = coat.report.QuantizationReport(model) if args.saved_format == "auto" else None
     saved_formats = None
     interval_loss = torch.zeros((), device=device)
@@ -107,17 +111,19 @@ def main() -> None:
         batch = data.train_batch(step, args.batch).to(device, non_blocking=True)
         done = step + 1
         capturing = report is not None and done % args.report_every == 0
-        choosing = chooser is not None and step == 0
+        choosing = chooser is not None and step < CHOOSING_STEPS
         capture = report.capture(done) if capturing else chooser.capture(done) if choosing else contextlib.nullcontext()
         with capture, coat.nn.saved_in_fp4() if args.uniform_fp4 else contextlib.nullcontext():
             interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
         if capturing:
             report.log(done)
         if choosing:
-            saved_formats = (report.report if capturing else chooser).choose_saved_formats()
-            fp4_layers = sum(fmt == "fp4" for fmt in saved_formats.values())
-            tqdm.write(f"saved formats from step 1's report: FP4 in {fp4_layers} of {len(saved_formats)} layers"
-                       + "".join(f", {layer} E4M3" for layer, fmt in saved_formats.items() if fmt != "fp4"))
+            saved_formats = {**(saved_formats or {}),
+                             **(report.report if capturing else chooser).choose_saved_formats()}
+            counts = ", ".join(f"{fmt.upper()} in {sum(chosen == fmt for chosen in saved_formats.values())}"
+                               for fmt in ("fp4", "fp6", "e4m3"))
+            tqdm.write(f"saved formats after step {done}'s report: {counts} of {len(saved_formats)} layers"
+                       + "".join(f"; {layer} {fmt.upper()}" for layer, fmt in saved_formats.items() if fmt != "fp4"))
         log.step_done()
         if done % args.log_every == 0 or done == args.steps:
             intervals = done % args.log_every or args.log_every

@@ -66,14 +66,14 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how --bf16-weights rounds each update (stochastic keeps updates below half an ulp)")
     parser.add_argument("--fp8-grads", choices=["e5m2", "e4m3"],
                         help="with --coat: keep gradients in FP8 with a per-tensor scale after backward (1 byte)")
-    parser.add_argument("--saved-format", choices=["e4m3", "fp4", "auto"], default="e4m3",
+    parser.add_argument("--saved-format", choices=["e4m3", "fp6", "fp4", "auto"], default="e4m3",
                         help="with --coat: how RMSNorm and SiLU*mul keep their inputs for backward (fp4: 4 bits "
-                             "+ a float32 scale per 16, AGoQ's low-bit storage; coat.convert(saved_format=...)); "
-                             "auto (train_llama.py): FP4 per layer where the first step's report finds it within "
-                             "coat.report's bound, E4M3 elsewhere")
+                             "+ a float32 scale per 16, AGoQ's low-bit storage; fp6: 6 bits + a scale per 16; "
+                             "coat.convert(saved_format=...)); auto (train_llama.py): 4, 6 or 8 bits per layer, "
+                             "the narrowest whose error the first steps' reports find within coat.report's bound")
     parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=16,
                         help="with --coat: elements per scale of the 1 x G groups that non-linear layers' "
-                             "activations and FP4-kept inputs are quantized in (coat.convert(group_size=...); "
+                             "activations and FP4- and FP6-kept inputs are quantized in (coat.convert(group_size=...); "
                              "128 is AGoQ's block)")
     parser.add_argument("--fast-accum", action="store_true",
                         help="with --coat: the forward GEMMs accumulate in the tensor cores' fast FP8 accumulator, "

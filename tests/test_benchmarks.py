@@ -69,10 +69,10 @@ def test_benchmark_smoke_mode(script, tmp_path):
         # The saved bytes do not depend on the device: at least 1.8x less than BF16 (the paper's figure) here too.
         saved = {row["layer"]: row["saved U"] for row in result["rows"]}
         assert saved["coat eager"] * 1.8 <= saved["BF16 eager"]
-        assert saved["coat fp4 G=128 eager"] < saved["coat fp4 eager"] < saved["coat eager"]
+        assert saved["coat fp4 G=128 eager"] < saved["coat fp4 eager"] < saved["coat fp6 eager"] < saved["coat eager"]
         assert saved["coat fast-accum eager"] == saved["coat eager"]
         assert set(saved) == {"BF16 eager", "coat eager", "coat fast-accum eager", "coat fp4 eager",
-                              "coat fp4 G=128 eager"}
+                              "coat fp4 G=128 eager", "coat fp6 eager"}
     if script == "e2e":
         check_e2e(result, world_size=1)
 

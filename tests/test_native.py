@@ -73,6 +73,11 @@ def test_cuda_tensor_on_cpu_only_build_is_refused(monkeypatch):
         pytest.param("quantize_fp4", lambda x: coat.ops.quantize_fp4(x), id="quantize_fp4"),
         pytest.param("dequantize_fp4", lambda x: coat.ops.dequantize_fp4(x, torch.ones(1), 2), id="dequantize_fp4"),
         pytest.param("fp4_to_e4m3", lambda x: coat.ops.fp4_to_e4m3(x, torch.ones(1), 2), id="fp4_to_e4m3"),
+        pytest.param("quantize_blocks", lambda x: coat.ops.quantize_blocks(x, "fp6"), id="quantize_blocks"),
+        pytest.param(
+            "dequantize_blocks", lambda x: coat.ops.dequantize_blocks(x, torch.ones(1), 2, "fp6"), id="dequantize_blocks"
+        ),
+        pytest.param("blocks_to_e4m3", lambda x: coat.ops.blocks_to_e4m3(x, torch.ones(1), 2, "fp6"), id="blocks_to_e4m3"),
         pytest.param("rmsnorm_requantize", lambda x: coat.ops.rmsnorm_requantize(x, x, x, x, x), id="rmsnorm_requantize"),
         pytest.param(
             "silu_mul_requantize", lambda x: coat.ops.silu_mul_requantize(x, x, x, x, None, x), id="silu_mul_requantize"

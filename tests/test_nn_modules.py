@@ -367,7 +367,7 @@ def test_after_attention(device, attention_keeps_output):
 @pytest.mark.parametrize("smooth_swiglu, saved_format", [(False, "e4m3"), (True, "e4m3"), (False, "fp4")])
 def test_mlp_residual(device, smooth_swiglu, saved_format):
     """With saved_format="fp4" the norm's input and gate and up are kept as FP4 (relative RMS error 0.094
-    each, tests/test_fp4.py): three of the chain's E4M3 terms become FP4 ones, sqrt(2 * 0.072^2 + 2 * 0.036^2
+    each, tests/test_block_formats.py): three of the chain's E4M3 terms become FP4 ones, sqrt(2 * 0.072^2 + 2 * 0.036^2
     + 3 * 0.094^2) = 0.19, bound 0.3."""
     x, norm_weight, _ = make_norm(device)
     _, weights, _ = make_mlp(device)

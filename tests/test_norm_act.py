@@ -36,6 +36,9 @@ from coat import ops
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-6
+# The native ops' int save_format / saved_format (coat_saved_format), by the names coat.ops takes.
+SAVED_FORMATS = {"e4m3": 0, "fp4": 1, "fp6": 2}
+BLOCK_FORMATS = ("fp4", "fp6")  # the packed, block-scaled ones
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -130,14 +133,15 @@ def rows_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def rmsnorm_forward(x, weight, *, eps=EPS, group_size=16, amax_group_size=128, fp8=E4M3, transpose=True, device="cpu",
-                    save_fp4=False):
-    return run(torch.ops.coat.rmsnorm_quantize, x, weight, eps, group_size, amax_group_size, fp8, transpose, save_fp4,
-               device=device)
+                    save_format="e4m3"):
+    return run(torch.ops.coat.rmsnorm_quantize, x, weight, eps, group_size, amax_group_size, fp8, transpose,
+               SAVED_FORMATS[save_format], device=device)
 
 
-def silu_mul_forward(gate, up, smooth=None, *, group_size=16, fp8=E4M3, transpose=True, device="cpu", save_fp4=False):
-    return run(torch.ops.coat.silu_mul_quantize, gate, up, smooth, group_size, 128, fp8, transpose, save_fp4,
-               device=device)
+def silu_mul_forward(gate, up, smooth=None, *, group_size=16, fp8=E4M3, transpose=True, device="cpu",
+                     save_format="e4m3"):
+    return run(torch.ops.coat.silu_mul_quantize, gate, up, smooth, group_size, 128, fp8, transpose,
+               SAVED_FORMATS[save_format], device=device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -224,27 +228,30 @@ def test_rmsnorm_forward_without_transpose(device):
     assert y_t is None
 
 
-# Widths with whole chunks, a short chunk (1000 % 16 == 8), an odd row (a padding nibble) and one narrower than a
-# chunk; group sizes 16 and 128.
-FP4_SAVE_CASES = [((97, 2048), 16), ((33, 1000), 128), ((5, 100), 16), ((3, 7), 16), ((4097, 176), 32)]
+# Widths with whole chunks, a short chunk (1000 % 16 == 8), rows that end inside a packed byte (FP4: the odd widths 7
+# and 13) or inside a packed three-byte word (FP6: 13, 50 and 7 leave 1, 2 and 3 codes in the last word), one
+# narrower than a chunk; group sizes 16 to 128.
+BLOCK_SAVE_CASES = [((97, 2048), 16), ((33, 1000), 128), ((5, 100), 16), ((3, 7), 16), ((4097, 176), 32),
+                    ((9, 50), 32), ((4, 13), 16)]
 
 
-@pytest.mark.parametrize("shape, group_size", FP4_SAVE_CASES, ids=str)
-def test_rmsnorm_forward_saves_fp4(device, shape, group_size):
-    """save_fp4: x kept as quantize_fp4(x, G) bit for bit, made in the same pass; every other output as with E4M3.
-    Specials (NaN, Inf, zeros, tiny values) go through the FP4 block rule."""
+@pytest.mark.parametrize("shape, group_size", BLOCK_SAVE_CASES, ids=str)
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_rmsnorm_forward_saves_fp4_and_fp6(device, fmt, shape, group_size):
+    """save_format 1 (FP4) or 2 (FP6): x kept as quantize_blocks(x, fmt, G) bit for bit, made in the same pass;
+    every other output as with E4M3. Specials (NaN, Inf, zeros, tiny values) go through the block rule."""
     x = activations(shape, torch.bfloat16, seed=shape[1])
     x[0, : min(3, shape[1])] = torch.tensor([float("nan"), 0.0, 1e-30][: min(3, shape[1])], dtype=torch.bfloat16)
     if shape[0] > 1:
         x[1, -1] = float("inf")
     weight = (1 + 0.2 * torch.randn(shape[1], generator=torch.Generator().manual_seed(1))).bfloat16()
-    fp4 = rmsnorm_forward(x, weight, group_size=group_size, device=device, save_fp4=True)
+    packed = rmsnorm_forward(x, weight, group_size=group_size, device=device, save_format=fmt)
     e4m3 = rmsnorm_forward(x, weight, group_size=group_size, device=device)
-    codes, scales = ops.quantize_fp4(x, group_size)
-    assert_same_bits(fp4[3], codes, "x_saved vs quantize_fp4")
-    assert_same_bits(fp4[4], scales, "x_saved_scales vs quantize_fp4")
+    codes, scales = ops.quantize_blocks(x, fmt, group_size)
+    assert_same_bits(packed[3], codes, f"x_saved vs quantize_blocks {fmt}")
+    assert_same_bits(packed[4], scales, f"x_saved_scales vs quantize_blocks {fmt}")
     for i in (0, 1, 2, 5):
-        assert_same_bits(fp4[i], e4m3[i], "an output other than the saved copy")
+        assert_same_bits(packed[i], e4m3[i], "an output other than the saved copy")
 
 
 def test_rmsnorm_amax_group_size_does_not_change_outputs(device):
@@ -494,19 +501,24 @@ def test_silu_mul_forward_nd_and_views(device):
         assert_same_bits(nd.reshape(two_d.shape), two_d, "N-D strided vs 2-D contiguous")
 
 
-@pytest.mark.parametrize("shape, group_size", FP4_SAVE_CASES, ids=str)
-def test_silu_mul_forward_saves_fp4(device, shape, group_size):
+@pytest.mark.parametrize("shape, group_size", BLOCK_SAVE_CASES, ids=str)
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_silu_mul_forward_saves_fp4_and_fp6(device, fmt, shape, group_size):
+    """gate and up kept as quantize_blocks(., fmt, G) bit for bit; y, y_scale and y_t as with E4M3."""
     gate, up = gate_up(shape, torch.bfloat16, seed=shape[1] + 1)
     gate[0, 0], up[-1, -1] = float("nan"), float("-inf")
-    fp4 = silu_mul_forward(gate, up, group_size=group_size, device=device, save_fp4=True)
+    packed = silu_mul_forward(gate, up, group_size=group_size, device=device, save_format=fmt)
     e4m3 = silu_mul_forward(gate, up, group_size=group_size, device=device)
-    for saved, source, name in ((fp4[3:5], gate, "gate"), (fp4[5:7], up, "up")):
-        codes, scales = ops.quantize_fp4(source, group_size)
-        assert_same_bits(saved[0], codes, f"{name}_saved vs quantize_fp4")
-        assert_same_bits(saved[1], scales, f"{name}_scales vs quantize_fp4")
+    for saved, source, name in ((packed[3:5], gate, "gate"), (packed[5:7], up, "up")):
+        codes, scales = ops.quantize_blocks(source, fmt, group_size)
+        assert_same_bits(saved[0], codes, f"{name}_saved vs quantize_blocks {fmt}")
+        assert_same_bits(saved[1], scales, f"{name}_scales vs quantize_blocks {fmt}")
     for i in (0, 1, 2):
-        assert_same_bits(fp4[i], e4m3[i], "an output other than the saved copies")
-    with pytest.raises(ValueError, match="save_format must be 'e4m3' or 'fp4'"):
+        assert_same_bits(packed[i], e4m3[i], "an output other than the saved copies")
+    wrapped = ops.silu_mul_quantize(gate, up, save_group_size=group_size, save_format=fmt)
+    for i in (3, 4, 5, 6):
+        assert_same_bits(wrapped[i], packed[i], f"coat.ops.silu_mul_quantize(save_format={fmt!r}) output {i}")
+    with pytest.raises(ValueError, match="save_format must be 'e4m3', 'fp4' or 'fp6', got 'fp8'"):
         ops.silu_mul_quantize(gate, up, save_format="fp8")
 
 
@@ -860,9 +872,9 @@ def test_silu_mul_requantize_special_gates(device, fp8):
     assert not (out[~special] == 0x7F).any()
 
 # ----------------------------------------------------------------------------------------------------
-# Backward and requantize from an FP4 copy (saved_fp4=True): each op reads an FP4 code as its exact E4M3
-# expansion, so its outputs equal, bit for bit, the same op's on ops.fp4_to_e4m3 of the copy, which the tests
-# above hold to the float64 references. On CUDA run() also ties every output to the C core's.
+# Backward and requantize from an FP4 or FP6 copy (saved_format 1 or 2): each op reads a packed code as its exact
+# E4M3 expansion, so its outputs equal, bit for bit, the same op's on ops.blocks_to_e4m3 of the copy, which the
+# tests above hold to the float64 references. On CUDA run() also ties every output to the C core's.
 
 
 def with_special_values(x: torch.Tensor) -> torch.Tensor:
@@ -874,75 +886,83 @@ def with_special_values(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("shape, group_size", FP4_SAVE_CASES, ids=str)
+@pytest.mark.parametrize("shape, group_size", BLOCK_SAVE_CASES, ids=str)
 @pytest.mark.parametrize("dy_dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_rmsnorm_ops_read_fp4_as_its_e4m3_expansion(device, shape, group_size, dy_dtype):
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_rmsnorm_ops_read_fp4_and_fp6_as_their_e4m3_expansion(device, fmt, shape, group_size, dy_dtype):
     x = with_special_values(activations(shape, torch.bfloat16, seed=shape[1] + 1))
     weight = (1 + 0.2 * torch.randn(shape[1], generator=torch.Generator().manual_seed(2))).bfloat16()
-    _, y_scale, _, codes, scales, rstd = rmsnorm_forward(x, weight, group_size=group_size, save_fp4=True)
-    expanded, _ = ops.fp4_to_e4m3(codes, scales, shape[1], group_size)
+    _, y_scale, _, codes, scales, rstd = rmsnorm_forward(x, weight, group_size=group_size, save_format=fmt)
+    expanded, _ = ops.blocks_to_e4m3(codes, scales, shape[1], fmt, group_size)
+    code = SAVED_FORMATS[fmt]
     dy = activations(shape, dy_dtype, seed=3, outliers=False)
     for residual in (None, activations(shape, torch.float32, seed=4, outliers=False)):
-        from_fp4 = run(torch.ops.coat.rmsnorm_backward, dy, codes, scales, rstd, weight, group_size, residual, True,
-                       device=device)
+        from_packed = run(torch.ops.coat.rmsnorm_backward, dy, codes, scales, rstd, weight, group_size, residual, code,
+                          device=device)
         from_e4m3 = run(torch.ops.coat.rmsnorm_backward, dy, expanded, scales, rstd, weight, group_size, residual,
                         device=device)
-        for name, a, b in zip(("dx", "dweight"), from_fp4, from_e4m3):
-            assert_same_bits(a, b, f"{name} from FP4 vs from its expansion (residual: {residual is not None})")
+        for name, a, b in zip(("dx", "dweight"), from_packed, from_e4m3):
+            assert_same_bits(a, b, f"{name} from {fmt} vs from its expansion (residual: {residual is not None})")
     for fp8 in (E4M3, E5M2):
-        (from_fp4,) = run(lambda *a: (torch.ops.coat.rmsnorm_requantize(*a),), codes, scales, rstd, weight, y_scale,
-                          group_size, fp8, True, device=device)
+        (from_packed,) = run(lambda *a: (torch.ops.coat.rmsnorm_requantize(*a),), codes, scales, rstd, weight,
+                             y_scale, group_size, fp8, code, device=device)
         (from_e4m3,) = run(lambda *a: (torch.ops.coat.rmsnorm_requantize(*a),), expanded, scales, rstd, weight,
                            y_scale, group_size, fp8, device=device)
-        assert_same_bits(from_fp4, from_e4m3, f"{fp8} y_t from FP4 vs from its expansion")
+        assert_same_bits(from_packed, from_e4m3, f"{fp8} y_t from {fmt} vs from its expansion")
 
 
-@pytest.mark.parametrize("shape, group_size", FP4_SAVE_CASES, ids=str)
+@pytest.mark.parametrize("shape, group_size", BLOCK_SAVE_CASES, ids=str)
 @pytest.mark.parametrize("dy_dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_silu_mul_ops_read_fp4_as_their_e4m3_expansion(device, shape, group_size, dy_dtype):
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_silu_mul_ops_read_fp4_and_fp6_as_their_e4m3_expansion(device, fmt, shape, group_size, dy_dtype):
     gate, up = gate_up(shape, torch.bfloat16, seed=shape[1] + 5)
     gate = with_special_values(gate)
     smooth = torch.exp(torch.randn(shape[1], generator=torch.Generator().manual_seed(6)))
     _, y_scale, _, gate_codes, gate_scales, up_codes, up_scales = silu_mul_forward(
-        gate, up, smooth, group_size=group_size, save_fp4=True
+        gate, up, smooth, group_size=group_size, save_format=fmt
     )
-    gate_expanded, _ = ops.fp4_to_e4m3(gate_codes, gate_scales, shape[1], group_size)
-    up_expanded, _ = ops.fp4_to_e4m3(up_codes, up_scales, shape[1], group_size)
+    gate_expanded, _ = ops.blocks_to_e4m3(gate_codes, gate_scales, shape[1], fmt, group_size)
+    up_expanded, _ = ops.blocks_to_e4m3(up_codes, up_scales, shape[1], fmt, group_size)
+    code = SAVED_FORMATS[fmt]
     dy = activations(shape, dy_dtype, seed=7, outliers=False)
     for s in (None, smooth):
-        from_fp4 = run(torch.ops.coat.silu_mul_backward, dy, gate_codes, gate_scales, up_codes, up_scales, s,
-                       group_size, True, device=device)
+        from_packed = run(torch.ops.coat.silu_mul_backward, dy, gate_codes, gate_scales, up_codes, up_scales, s,
+                          group_size, code, device=device)
         from_e4m3 = run(torch.ops.coat.silu_mul_backward, dy, gate_expanded, gate_scales, up_expanded, up_scales, s,
                         group_size, device=device)
-        for name, a, b in zip(("dgate", "dup", "d_amax"), from_fp4, from_e4m3):
-            assert_same_bits(a, b, f"{name} from FP4 vs from the expansion (smooth: {s is not None})")
+        for name, a, b in zip(("dgate", "dup", "d_amax"), from_packed, from_e4m3):
+            assert_same_bits(a, b, f"{name} from {fmt} vs from the expansion (smooth: {s is not None})")
         for fp8 in (E4M3, E5M2):
-            (from_fp4,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), gate_codes, gate_scales, up_codes,
-                              up_scales, s, y_scale, group_size, fp8, True, shape[1], device=device)
+            (from_packed,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), gate_codes, gate_scales,
+                                 up_codes, up_scales, s, y_scale, group_size, fp8, code, shape[1], device=device)
             (from_e4m3,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), gate_expanded, gate_scales,
                                up_expanded, up_scales, s, y_scale, group_size, fp8, device=device)
-            assert_same_bits(from_fp4, from_e4m3, f"{fp8} y_t from FP4 vs from the expansion (smooth: {s is not None})")
+            assert_same_bits(from_packed, from_e4m3,
+                             f"{fp8} y_t from {fmt} vs from the expansion (smooth: {s is not None})")
 
 
-def test_fp4_python_wrappers():
-    """coat.ops passes saved_format through; its FP4 results equal the ops' own."""
-    x = activations((5, 100), torch.bfloat16, seed=8)
-    weight = torch.ones(100, dtype=torch.bfloat16)
-    _, y_scale, _, codes, scales, rstd = ops.rmsnorm_quantize(x, weight, save_format="fp4")
-    expanded, _ = ops.fp4_to_e4m3(codes, scales, 100)
-    assert_same_bits(ops.rmsnorm_backward(x, codes, scales, rstd, weight, saved_format="fp4")[0],
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_fp4_and_fp6_python_wrappers(fmt):
+    """coat.ops passes save_format and saved_format through; its FP4 and FP6 results equal the ops' own on the
+    E4M3 expansion."""
+    x = activations((5, 102), torch.bfloat16, seed=8)  # 102 codes: FP4 rows of 51 bytes, FP6 rows of 77
+    weight = torch.ones(102, dtype=torch.bfloat16)
+    _, y_scale, _, codes, scales, rstd = ops.rmsnorm_quantize(x, weight, save_format=fmt)
+    assert codes.shape == (5, {"fp4": 51, "fp6": 77}[fmt]) and codes.dtype == torch.uint8
+    expanded, _ = ops.blocks_to_e4m3(codes, scales, 102, fmt)
+    assert_same_bits(ops.rmsnorm_backward(x, codes, scales, rstd, weight, saved_format=fmt)[0],
                      ops.rmsnorm_backward(x, expanded, scales, rstd, weight)[0], "wrapper dx")
-    assert_same_bits(ops.rmsnorm_requantize(codes, scales, rstd, weight, y_scale, saved_format="fp4"),
+    assert_same_bits(ops.rmsnorm_requantize(codes, scales, rstd, weight, y_scale, saved_format=fmt),
                      ops.rmsnorm_requantize(expanded, scales, rstd, weight, y_scale), "wrapper y_t")
-    assert_same_bits(ops.silu_mul_backward(x, codes, scales, codes, scales, saved_format="fp4")[0],
+    assert_same_bits(ops.silu_mul_backward(x, codes, scales, codes, scales, saved_format=fmt)[0],
                      ops.silu_mul_backward(x, expanded, scales, expanded, scales)[0], "wrapper dgate")
     assert_same_bits(
-        ops.silu_mul_requantize(codes, scales, codes, scales, None, y_scale, saved_format="fp4", cols=100),
+        ops.silu_mul_requantize(codes, scales, codes, scales, None, y_scale, saved_format=fmt, cols=102),
         ops.silu_mul_requantize(expanded, scales, expanded, scales, None, y_scale), "wrapper silu y_t",
     )
     for call in (lambda: ops.rmsnorm_backward(x, codes, scales, rstd, weight, saved_format="fp8"),
                  lambda: ops.silu_mul_requantize(codes, scales, codes, scales, None, y_scale, saved_format="int4")):
-        with pytest.raises(ValueError, match="saved_format must be 'e4m3' or 'fp4'"):
+        with pytest.raises(ValueError, match="saved_format must be 'e4m3', 'fp4' or 'fp6', got '(fp8|int4)'"):
             call()
 
 
@@ -1072,14 +1092,33 @@ def test_opcheck(device):
             (x_saved, x_saved_scales, x_saved, x_saved_scales, s, y_scale, 16, fp8),
             test_utils=fp8_input_checks,
         )
-    # FP4 copies are uint8, which every check can compare.
-    _, _, _, fp4, fp4_scales, rstd = torch.ops.coat.rmsnorm_quantize(x, weight, EPS, 16, 128, E4M3, False, True)
-    torch.library.opcheck(torch.ops.coat.rmsnorm_backward.default, (x, fp4, fp4_scales, rstd, weight, 16, None, True))
-    torch.library.opcheck(torch.ops.coat.silu_mul_backward.default, (x, fp4, fp4_scales, fp4, fp4_scales, smooth, 16, True))
+
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_opcheck_fp4_and_fp6_copies(device, fmt):
+    """The forward ops saving FP4 or FP6, and the backward and requantize ops reading them (the packed copies are
+    uint8, which every check can compare). H = 66 is not a multiple of 4 or 8: FP6 rows end with two codes in their
+    last three-byte word."""
+    code = SAVED_FORMATS[fmt]
+    x = on_device(activations((3, 5, 66), torch.bfloat16, seed=42), device)
+    weight = on_device(torch.ones(66, dtype=torch.bfloat16), device)
+    smooth = on_device(torch.rand(66) + 0.5, device)
+    torch.library.opcheck(torch.ops.coat.rmsnorm_quantize.default, (x, weight, EPS, 16, 128, E4M3, True, code))
+    torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default, (x, x * 2, smooth, 32, 64, E5M2, False, code))
+    _, _, _, packed, packed_scales, rstd = torch.ops.coat.rmsnorm_quantize(x, weight, EPS, 16, 128, E4M3, False, code)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, {"fp4": 33, "fp6": 50}[fmt])
+    y_scale = on_device(torch.tensor(0.01), device)
+    for residual in (None, x.float()):
+        torch.library.opcheck(torch.ops.coat.rmsnorm_backward.default,
+                              (x, packed, packed_scales, rstd, weight, 16, residual, code))
+    torch.library.opcheck(torch.ops.coat.silu_mul_backward.default,
+                          (x, packed, packed_scales, packed, packed_scales, smooth, 16, code))
     torch.library.opcheck(torch.ops.coat.rmsnorm_requantize.default,
-                          (fp4, fp4_scales, rstd, weight, y_scale, 16, E4M3, True))
-    torch.library.opcheck(torch.ops.coat.silu_mul_requantize.default,
-                          (fp4, fp4_scales, fp4, fp4_scales, None, y_scale, 16, E5M2, True, 64))
+                          (packed, packed_scales, rstd, weight, y_scale, 16, E4M3, code))
+    for s, fp8 in ((None, E5M2), (smooth, E4M3)):
+        torch.library.opcheck(torch.ops.coat.silu_mul_requantize.default,
+                              (packed, packed_scales, packed, packed_scales, s, y_scale, 16, fp8, code, 66))
 
 
 def test_errors():
@@ -1114,14 +1153,13 @@ def test_errors():
         (lambda: backward(x, saved, scales, rstd, w, 16, x.int()), "residual must be float32, bfloat16 or float16"),
         (lambda: torch.ops.coat.silu_mul_backward(x, saved, scales, saved.T, scales, None, 16), "up_saved has shape"),
     ]
-    _, _, _, fp4, fp4_scales, _ = rmsnorm(x, w, EPS, 16, 128, E4M3, False, True)
+    format_code = r"must be 0 \(E4M3\), 1 \(FP4\) or 2 \(FP6\), the values coat.ops passes for 'e4m3', 'fp4' and 'fp6'; got"
     cases += [
-        (lambda: backward(x, fp4, fp4_scales, rstd, w, 16), "pass saved_fp4=True"),
-        (lambda: backward(x, saved, scales, rstd, w, 16, None, True), "with saved_fp4=True x_saved must be torch.uint8"),
-        (lambda: backward(x, fp4[:, :16], fp4_scales, rstd, w, 16, None, True),
-         r"x_saved has shape \[4, 16\] but the FP4 codes of an input of shape \[4, 64\] \(from dy\) have shape \[4, 32\]"),
-        (lambda: torch.ops.coat.silu_mul_backward(x, fp4, fp4_scales, saved, scales, None, 16, True),
-         "with saved_fp4=True up_saved must be torch.uint8"),
+        (lambda: rmsnorm(x, w, EPS, 16, 128, E4M3, False, 3), rf"coat\.rmsnorm_quantize: save_format {format_code} 3"),
+        (lambda: silu_mul(x, x, None, 16, 128, E4M3, False, -1), rf"coat\.silu_mul_quantize: save_format {format_code} -1"),
+        (lambda: backward(x, saved, scales, rstd, w, 16, None, 3), rf"coat\.rmsnorm_backward: saved_format {format_code} 3"),
+        (lambda: torch.ops.coat.silu_mul_backward(x, saved, scales, saved, scales, None, 16, -1),
+         rf"coat\.silu_mul_backward: saved_format {format_code} -1"),
     ]
     y_scale = torch.tensor(0.01)
     requantize = torch.ops.coat.rmsnorm_requantize
@@ -1146,15 +1184,62 @@ def test_errors():
          r"smooth_scale must have shape \[64\]"),
         (lambda: silu_requantize(saved, scales, saved, scales, None, torch.empty(0), 16, E4M3),
          "y_scale must be a float32 tensor with one element"),
-        (lambda: requantize(fp4, fp4_scales, rstd, w[:32], y_scale, 16, E4M3, True),
-         r"x_saved has shape \[4, 32\] but the FP4 codes of an input of shape \[4, 32\] \(from weight\)"),
-        (lambda: requantize(fp4, fp4_scales, rstd, w[None], y_scale, 16, E4M3, True), r"weight must have shape \[H\]"),
-        (lambda: silu_requantize(fp4, fp4_scales, fp4, fp4_scales, None, y_scale, 16, E4M3, True),
-         "with saved_fp4=True pass cols"),
-        (lambda: silu_requantize(fp4, fp4_scales, fp4, fp4_scales, None, y_scale, 16, E4M3, True, 66),
-         r"the FP4 codes of an input of shape \[4, 66\] \(from cols\) have shape \[4, 33\]"),
-        (lambda: silu_requantize(saved, scales, saved, scales, None, y_scale, 16, E4M3, False, 63),
+        (lambda: silu_requantize(saved, scales, saved, scales, None, y_scale, 16, E4M3, 0, 63),
          "cols=63 but gate_saved has 64 columns"),
+        (lambda: requantize(saved, scales, rstd, w, y_scale, 16, E4M3, 3),
+         rf"coat\.rmsnorm_requantize: saved_format {format_code} 3"),
+        (lambda: silu_requantize(saved, scales, saved, scales, None, y_scale, 16, E4M3, -1, 64),
+         rf"coat\.silu_mul_requantize: saved_format {format_code} -1"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+# Bytes of a packed row of 64, 32, 16 and 66 codes: FP4 ceil(cols / 2), FP6 ceil(3 cols / 4).
+PACKED_BYTES = {"fp4": {64: 32, 32: 16, 16: 8, 66: 33}, "fp6": {64: 48, 32: 24, 16: 12, 66: 50}}
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_errors_with_fp4_and_fp6_copies(fmt):
+    """Each packed format's checks: an E4M3 reading of packed codes, a packed reading of E4M3 codes, packed shapes
+    (the message names the format), a copy of the other packed format, and silu_mul_requantize's cols."""
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    w = torch.ones(64, dtype=torch.bfloat16)
+    y_scale = torch.tensor(0.01)
+    code, other = SAVED_FORMATS[fmt], {"fp4": "fp6", "fp6": "fp4"}[fmt]
+    nbytes = PACKED_BYTES[fmt]
+    rmsnorm, backward = torch.ops.coat.rmsnorm_quantize, torch.ops.coat.rmsnorm_backward
+    requantize, silu_requantize = torch.ops.coat.rmsnorm_requantize, torch.ops.coat.silu_mul_requantize
+    _, _, _, saved, scales, rstd = rmsnorm(x, w, EPS, 16, 128, E4M3, False)
+    _, _, _, packed, packed_scales, _ = rmsnorm(x, w, EPS, 16, 128, E4M3, False, code)
+    _, _, _, other_packed, _, _ = rmsnorm(x, w, EPS, 16, 128, E4M3, False, SAVED_FORMATS[other])
+    assert packed.shape == (4, nbytes[64])
+    cases = [
+        (lambda: backward(x, packed, packed_scales, rstd, w, 16),
+         "x_saved must be torch.float8_e4m3fn, as the forward op saves it, got Byte; for packed FP4 or FP6 codes pass "
+         "the saved_format the forward op saved them in"),
+        (lambda: backward(x, saved, scales, rstd, w, 16, None, code),
+         rf"with saved_format='{fmt}' x_saved must be torch\.uint8 \(packed codes, as the forward op saves them with "
+         rf"save_format='{fmt}'\), got Float8_e4m3fn"),
+        (lambda: backward(x, packed[:, :16], packed_scales, rstd, w, 16, None, code),
+         rf"x_saved has shape \[4, 16\] but the {fmt} codes of an input of shape \[4, 64\] \(from dy\) have shape "
+         rf"\[4, {nbytes[64]}\]"),
+        (lambda: backward(x, other_packed, packed_scales, rstd, w, 16, None, code),
+         rf"x_saved has shape \[4, {PACKED_BYTES[other][64]}\] but the {fmt} codes of an input of shape \[4, 64\]"),
+        (lambda: torch.ops.coat.silu_mul_backward(x, packed, packed_scales, saved, scales, None, 16, code),
+         rf"with saved_format='{fmt}' up_saved must be torch\.uint8"),
+        (lambda: requantize(packed, packed_scales, rstd, w[:32], y_scale, 16, E4M3, code),
+         rf"x_saved has shape \[4, {nbytes[64]}\] but the {fmt} codes of an input of shape \[4, 32\] \(from weight\) "
+         rf"have shape \[4, {nbytes[32]}\]"),
+        (lambda: requantize(packed, packed_scales, rstd, w[None], y_scale, 16, E4M3, code), r"weight must have shape \[H\]"),
+        (lambda: silu_requantize(packed, packed_scales, packed, packed_scales, None, y_scale, 16, E4M3, code),
+         rf"with saved_format='{fmt}' pass cols, the width of gate and up"),
+        (lambda: silu_requantize(packed, packed_scales, packed, packed_scales, None, y_scale, 16, E4M3, code, 66),
+         rf"the {fmt} codes of an input of shape \[4, 66\] \(from cols\) have shape \[4, {nbytes[66]}\]"),
+        (lambda: silu_requantize(packed, packed_scales, packed[:, :nbytes[16]], packed_scales, None, y_scale, 16, E4M3,
+                                 code, 64),
+         rf"up_saved has shape \[4, {nbytes[16]}\] but the {fmt} codes of an input of shape \[4, 64\] \(from gate_saved\)"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):

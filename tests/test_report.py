@@ -213,11 +213,13 @@ def test_a_capture_inside_a_default_device_context(device):
     assert all(math.isfinite(value) for value in report.stats().values())
 
 
-def test_fp4_kept_inputs_are_reported_as_fp4_and_choose_each_layers_format():
-    """With saved_format="fp4" the kept inputs are measured in FP4 (about 0.094 relative error on Gaussian
-    data, tests/test_fp4.py); choose_saved_formats keeps FP4 where every kept input of a layer is within the
-    bound and sets E4M3 elsewhere, and the next step keeps what it chose."""
+def test_kept_inputs_are_reported_in_their_format_and_each_layer_climbs_4_6_8_bits():
+    """With saved_format="fp4" the kept inputs are measured in FP4 (about 0.094 relative error on Gaussian data,
+    tests/test_block_formats.py); choose_saved_formats keeps FP4 where every kept input of a layer is within the
+    bound and moves the other layer to FP6; the next capture measures that layer in FP6 (about 0.02), and a
+    layer that fails there goes to E4M3, where it stays."""
     model = coat.convert(tiny_llama(seed=0), saved_format="fp4")
+    layers = model.model.layers
     report = coat.report.QuantizationReport(model)
     with report.capture(step=1):
         train_step(model, None, tokens())
@@ -227,29 +229,35 @@ def test_fp4_kept_inputs_are_reported_as_fp4_and_choose_each_layers_format():
     others = [row for row in report.rows() if row not in kept]
     assert {row["format"] for row in others} == {"e4m3", "e5m2"}
 
-    layer0 = [row["rel_error"] for row in kept if row["layer"] == "model.layers.0"]
-    layer1 = [row["rel_error"] for row in kept if row["layer"] == "model.layers.1"]
-    bound = (max(layer0) + max(layer1)) / 2
-    if max(layer0) > max(layer1):
-        expected = {"model.layers.0": "e4m3", "model.layers.1": "fp4"}
-    else:
-        expected = {"model.layers.0": "fp4", "model.layers.1": "e4m3"}
-    assert report.choose_saved_formats(max_rel_error=bound) == expected
-    layers = model.model.layers
+    worst = {layer: max(row["rel_error"] for row in kept if row["layer"] == layer)
+             for layer in ("model.layers.0", "model.layers.1")}
+    failing = max(worst, key=worst.get)
+    passing = min(worst, key=worst.get)
+    expected = {failing: "fp6", passing: "fp4"}
+    assert report.choose_saved_formats(max_rel_error=sum(worst.values()) / 2) == expected
     assert {f"model.layers.{i}": layer.fp8_config.saved_format for i, layer in enumerate(layers)} == expected
 
     with report.capture(step=2):
         train_step(model, None, tokens(seed=1))
-    formats = {(row["layer"], row["format"]) for row in report.rows() if row["tensor"] in coat.report.KEPT_INPUTS}
-    assert formats == set(expected.items())
-    # The layer now in E4M3 is left as it is; the FP4 one is decided again.
-    assert report.choose_saved_formats(max_rel_error=0.0) == {
-        layer: "e4m3" for layer, fmt in expected.items() if fmt == "fp4"
-    }
-    assert {layer.fp8_config.saved_format for layer in layers} == {"e4m3"}
+    kept = [row for row in report.rows() if row["tensor"] in coat.report.KEPT_INPUTS]
+    assert {(row["layer"], row["format"]) for row in kept} == set(expected.items())
+    fp6_errors = [row["rel_error"] for row in kept if row["format"] == "fp6"]
+    fp4_errors = [row["rel_error"] for row in kept if row["format"] == "fp4"]
+    assert max(fp6_errors) < 0.05 < min(fp4_errors)  # two more mantissa bits: about a quarter of the error
+    # A bound above every error: both layers keep their formats. One between the formats' errors: the FP4 layer
+    # goes to FP6, the FP6 layer stays. One below both: each goes one step wider, FP4 to FP6 and FP6 to E4M3.
+    assert report.choose_saved_formats(max_rel_error=max(fp4_errors)) == expected
+    assert report.choose_saved_formats(max_rel_error=0.05) == {failing: "fp6", passing: "fp6"}
+    assert report.choose_saved_formats(max_rel_error=0.0) == {failing: "e4m3", passing: "fp6"}
+    assert {layer.fp8_config.saved_format for layer in layers} == {"e4m3", "fp6"}
+
     with report.capture(step=3):
         train_step(model, None, tokens(seed=2))
-    with pytest.raises(ValueError, match="measured no kept input in FP4"):
+    # The E4M3 layer is left as it is; the FP6 one is decided again.
+    assert report.choose_saved_formats(max_rel_error=0.0) == {passing: "e4m3"}
+    with report.capture(step=4):
+        train_step(model, None, tokens(seed=3))
+    with pytest.raises(ValueError, match="measured no kept input in FP4 or FP6"):
         report.choose_saved_formats()
     with pytest.raises(ValueError, match="max_rel_error"):
         report.choose_saved_formats(max_rel_error=math.nan)
@@ -263,8 +271,8 @@ def test_choose_saved_formats_sets_the_config_of_lone_coat_modules():
     with report.capture():
         model(torch.randn(8, 64, requires_grad=True)).sum().backward()
     assert report.choose_saved_formats(max_rel_error=1.0) == {"0": "fp4", "1": "fp4"}
-    assert report.choose_saved_formats(max_rel_error=0.0) == {"0": "e4m3", "1": "e4m3"}
-    assert model[0].config.saved_format == model[1].config.saved_format == "e4m3"
+    assert report.choose_saved_formats(max_rel_error=0.0) == {"0": "fp6", "1": "fp6"}
+    assert model[0].config.saved_format == model[1].config.saved_format == "fp6"
 
 
 def test_sampled_amax_of_an_fp4_kept_input_is_the_tensors():

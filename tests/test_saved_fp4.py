@@ -1,21 +1,21 @@
 """coat.nn.saved_in_fp4: what it keeps in FP4, what it leaves alone, and that backward reads exactly the
-FP4 round trip (the float64 oracle of tests/reference_fp4.py) of each saved activation, in its layout."""
+FP4 round trip (the float64 oracle of tests/reference_blocks.py) of each saved activation, in its layout."""
 import contextlib
 
 import pytest
 import torch
 
 import coat
-import reference_fp4
+import reference_blocks
 from conftest import to_device
 
 
 def fp4_round_trip(t: torch.Tensor, block_size: int = 16) -> torch.Tensor:
     """The oracle's quantize and dequantize, in blocks along ``t``'s last dimension."""
     rows = t.detach().cpu().reshape(-1, t.shape[-1])
-    codes, scales = reference_fp4.quantize_fp4(rows, block_size)
+    codes, scales = reference_blocks.quantize(rows, "fp4", block_size)
     out_dtype = torch.bfloat16 if t.dtype == torch.bfloat16 else torch.float32
-    back = reference_fp4.dequantize_fp4(codes, scales, t.shape[-1], block_size, out_dtype)
+    back = reference_blocks.dequantize(codes, scales, t.shape[-1], "fp4", block_size, out_dtype)
     return back.to(t.dtype).reshape(t.shape).to(t.device)
 
 

@@ -65,20 +65,24 @@ KERNELS = {
                                       *BACKWARD_LOOP),
     "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16], "silu_mul_stats_kernel(", *SILU_LOOP),
     "silu_mul_apply": Loop(["apply_quantize_kernelINS_12SiluMulApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
-    "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16 + "EELb0E"], "silu_mul_backward_kernel(", *SILU_LOOP),
+    "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format0E"], "silu_mul_backward_kernel(",
+                              *SILU_LOOP),
     # the requantize ops: the second pass on the FP8-saved inputs (vector codes), y_t only
-    "rmsnorm_requantize": Loop(["apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1ELb0E"],
+    "rmsnorm_requantize": Loop(["apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1EL17coat_saved_format0E"],
                                "apply_quantize_kernel(", *APPLY_LOOP),
-    "silu_mul_requantize": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1ELb0E"],
+    "silu_mul_requantize": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1EL17coat_saved_format0E"],
                                 "apply_quantize_kernel(", *APPLY_LOOP),
-    # the kernels instantiated for FP4-saved inputs
-    "silu_mul_backward_fp4": Loop(["silu_mul_backward_kernel", BF16 + "EELb1E"], "silu_mul_backward_kernel(",
-                                  *SILU_LOOP),
-    "rmsnorm_requantize_fp4": Loop(["apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1ELb1E"],
-                                   "apply_quantize_kernel(", *APPLY_LOOP),
-    "silu_mul_requantize_fp4": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1ELb1E"],
-                                    "apply_quantize_kernel(", *APPLY_LOOP),
 }
+# the kernels instantiated for FP4- and FP6-saved inputs (coat_saved_format 1 and 2)
+for _name, _format in (("fp4", 1), ("fp6", 2)):
+    KERNELS[f"silu_mul_backward_{_name}"] = Loop(["silu_mul_backward_kernel", BF16 + f"EEL17coat_saved_format{_format}E"],
+                                                 "silu_mul_backward_kernel(", *SILU_LOOP)
+    KERNELS[f"rmsnorm_requantize_{_name}"] = Loop(
+        [f"apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1EL17coat_saved_format{_format}E"],
+        "apply_quantize_kernel(", *APPLY_LOOP)
+    KERNELS[f"silu_mul_requantize_{_name}"] = Loop(
+        [f"apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1EL17coat_saved_format{_format}E"],
+        "apply_quantize_kernel(", *APPLY_LOOP)
 
 
 def rules_for(cu: Source, headers: dict[str, Source], kernel: str):

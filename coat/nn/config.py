@@ -11,7 +11,7 @@ from coat.ops import GROUP_SIZES, fp8_dtype
 # Stage-1 group of "group scaling" (per-tensor amax computed as a max over per-group maxima). It changes
 # only how the reduction is split, never a value: 128 keeps the intermediate small.
 AMAX_GROUP_SIZE = 128
-SAVED_FORMATS = ("e4m3", "fp4")
+SAVED_FORMATS = ("e4m3", "fp4", "fp6")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +32,10 @@ class FP8Config:
                      down projection, and fold the inverse into the down projection's weight (Smooth-SwiGLU,
                      Fishman et al. 2024), so that channels with outliers do not crush the per-tensor scale.
     saved_format:    how the inputs of RMSNorm and SiLU*mul are kept for backward, in 1 x group_size groups:
-                     "e4m3" (8 bits + a float32 scale per group, the paper's) or "fp4" (FP4 E2M1, 4 bits + a
-                     float32 scale per group, quantized from the op's input itself; AGoQ's low-bit storage).
-                     Backward expands an FP4 copy exactly into the E4M3 layout and recomputes from it.
+                     "e4m3" (8 bits + a float32 scale per group, the paper's), "fp6" (FP6 E2M3, 6 bits + a
+                     float32 scale per group) or "fp4" (FP4 E2M1, 4 bits + a float32 scale per group; AGoQ's
+                     low-bit storage), FP6 and FP4 quantized from the op's input itself. Backward expands an FP6
+                     or FP4 copy exactly into the E4M3 layout and recomputes from it.
     fast_accum:      the forward GEMMs accumulate in the tensor cores' own FP8 accumulator, which Hopper
                      promotes to fp32 less often (torch._scaled_mm's use_fast_accum): faster, and less precise
                      over long K. torchao's float8 training and TransformerEngine accumulate the forward GEMM

@@ -388,9 +388,9 @@ def _saved(ctx) -> dict:
 
 
 def _as_e4m3(codes, scales, cols: int, config: FP8Config):
-    """A kept input in the E4M3 1 x G layout the report's statistics read: an FP4 copy expands exactly."""
-    if config.saved_format == "fp4":
-        return ops.fp4_to_e4m3(codes, scales, cols, config.group_size)
+    """A kept input in the E4M3 1 x G layout the report's statistics read: an FP6 or FP4 copy expands exactly."""
+    if config.saved_format in ops.BLOCK_FORMATS:
+        return ops.blocks_to_e4m3(codes, scales, cols, config.saved_format, config.group_size)
     return codes, scales
 
 
@@ -568,7 +568,7 @@ def _params_need_grad(param_needs) -> bool:
 
 class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm(x) * weight through the fused op, returned dequantized from its per-tensor FP8 output.
-    Saves x in 1 x G groups (E4M3, or FP4 with saved_format="fp4"), its scales, rstd, and the weight parameter."""
+    Saves x in 1 x G groups (E4M3, or FP6 / FP4 as saved_format says), its scales, rstd, and the weight parameter."""
 
     @staticmethod
     @_capture.measures_records

@@ -31,33 +31,52 @@ void check_channel_vector(const at::Tensor& v, const at::Tensor& input, int64_t 
   TORCH_CHECK(v.is_contiguous(), op, ": ", arg, " must be contiguous; call .contiguous() first");
 }
 
+// The saved format an op's int argument names (coat_saved_format), checked.
+coat_saved_format saved_format(int64_t format, const char* op, const char* arg) {
+  TORCH_CHECK(format == COAT_SAVED_E4M3 || format == COAT_SAVED_FP4 || format == COAT_SAVED_FP6, op, ": ", arg,
+              " must be 0 (E4M3), 1 (FP4) or 2 (FP6), the values coat.ops passes for 'e4m3', 'fp4' and 'fp6'; got ",
+              format);
+  return static_cast<coat_saved_format>(format);
+}
+
+// FP4 and FP6 codes are packed into bytes; an E4M3 copy holds one code per element.
+bool is_packed(coat_saved_format format) { return format != COAT_SAVED_E4M3; }
+
+const char* format_name(coat_saved_format format) {
+  return format == COAT_SAVED_FP4 ? "fp4" : format == COAT_SAVED_FP6 ? "fp6" : "e4m3";
+}
+
 // The shape of the codes a forward op saves of an input of shape `input`: the input's (E4M3), or with the last
-// dimension halved, rounded up (FP4, two codes per byte).
-std::vector<int64_t> saved_codes_shape(at::IntArrayRef input, bool fp4) {
+// dimension packed (FP4: two codes per byte, FP6: four per three bytes, rounded up).
+std::vector<int64_t> saved_codes_shape(at::IntArrayRef input, coat_saved_format format) {
   std::vector<int64_t> shape(input.begin(), input.end());
-  if (fp4 && !shape.empty()) shape.back() = (shape.back() + 1) / 2;
+  if (!shape.empty()) {
+    if (format == COAT_SAVED_FP4) shape.back() = (shape.back() + 1) / 2;
+    if (format == COAT_SAVED_FP6) shape.back() = (3 * shape.back() + 3) / 4;
+  }
   return shape;
 }
 
-// A copy of an input of shape `input` saved by a forward op: E4M3 codes of that shape (torch.float8_e4m3fn), or with
-// saved_fp4 FP4 codes packed two per byte (torch.uint8); contiguous, on `like`'s device. like_arg names where
-// `input` comes from.
-void check_saved(const at::Tensor& saved, const at::Tensor& like, at::IntArrayRef input, bool fp4, const char* op,
-                 const char* arg, const char* like_arg = "dy") {
+// A copy of an input of shape `input` saved by a forward op: E4M3 codes of that shape (torch.float8_e4m3fn), or
+// packed FP4 or FP6 codes (torch.uint8); contiguous, on `like`'s device. like_arg names where `input` comes from.
+void check_saved(const at::Tensor& saved, const at::Tensor& like, at::IntArrayRef input, coat_saved_format format,
+                 const char* op, const char* arg, const char* like_arg = "dy") {
   check_same_device(like, saved, op, arg);
-  if (fp4) {
-    TORCH_CHECK(saved.scalar_type() == at::kByte, op, ": with saved_fp4=True ", arg,
-                " must be torch.uint8 (FP4 codes packed two per byte, as the forward op saves them with "
-                "save_format='fp4'), got ", saved.scalar_type());
+  if (is_packed(format)) {
+    TORCH_CHECK(saved.scalar_type() == at::kByte, op, ": with saved_format='", format_name(format), "' ", arg,
+                " must be torch.uint8 (packed codes, as the forward op saves them with save_format='",
+                format_name(format), "'), got ", saved.scalar_type());
   } else {
     TORCH_CHECK(saved.scalar_type() == at::kFloat8_e4m3fn, op, ": ", arg,
                 " must be torch.float8_e4m3fn, as the forward op saves it, got ", saved.scalar_type(),
-                saved.scalar_type() == at::kByte ? "; for FP4 codes (save_format='fp4') pass saved_fp4=True" : "");
+                saved.scalar_type() == at::kByte
+                    ? "; for packed FP4 or FP6 codes pass the saved_format the forward op saved them in"
+                    : "");
   }
-  const std::vector<int64_t> expected = saved_codes_shape(input, fp4);
-  if (fp4) {
-    TORCH_CHECK(saved.sizes() == at::IntArrayRef(expected), op, ": ", arg, " has shape ", saved.sizes(),
-                " but the FP4 codes of an input of shape ", input, " (from ", like_arg, ") have shape ",
+  const std::vector<int64_t> expected = saved_codes_shape(input, format);
+  if (is_packed(format)) {
+    TORCH_CHECK(saved.sizes() == at::IntArrayRef(expected), op, ": ", arg, " has shape ", saved.sizes(), " but the ",
+                format_name(format), " codes of an input of shape ", input, " (from ", like_arg, ") have shape ",
                 at::IntArrayRef(expected), "; pass the tensors the forward op returned");
   } else {
     TORCH_CHECK(saved.sizes() == input, op, ": ", arg, " has shape ", saved.sizes(), " but ", like_arg,
@@ -67,15 +86,15 @@ void check_saved(const at::Tensor& saved, const at::Tensor& like, at::IntArrayRe
 }
 
 // The shape of the input the first saved copy of a requantize op was made of: the copy's own (E4M3), or its leading
-// dimensions and `cols` (FP4, whose packed rows cannot tell an odd width from the next even one). cols_arg names
+// dimensions and `cols` (FP4 and FP6, whose packed rows cannot tell every width from the next). cols_arg names
 // where `cols` comes from.
-std::vector<int64_t> saved_input_shape(const at::Tensor& saved, bool fp4, int64_t cols, const char* op,
+std::vector<int64_t> saved_input_shape(const at::Tensor& saved, coat_saved_format format, int64_t cols, const char* op,
                                        const char* arg, const char* cols_arg) {
   check_device(saved, op, arg);
   TORCH_CHECK(saved.dim() >= 1, op, ": ", arg, " must have at least one dimension, as the forward op returns it");
   std::vector<int64_t> shape(saved.sizes().begin(), saved.sizes().end());
-  if (fp4) shape.back() = cols;
-  check_saved(saved, saved, shape, fp4, op, arg, fp4 ? cols_arg : arg);
+  if (is_packed(format)) shape.back() = cols;
+  check_saved(saved, saved, shape, format, op, arg, is_packed(format) ? cols_arg : arg);
   return shape;
 }
 
@@ -86,8 +105,6 @@ RowMatrix contiguous_matrix(const std::vector<int64_t>& shape) {
   for (size_t d = 0; d + 1 < shape.size(); ++d) rows *= shape[d];
   return {rows, cols, cols};
 }
-
-coat_saved_format saved_format(bool fp4) { return fp4 ? COAT_SAVED_FP4 : COAT_SAVED_E4M3; }
 
 // The forward's per-tensor scale, an input of the requantize ops.
 void check_given_scale(const at::Tensor& y_scale, const at::Tensor& input, const char* op) {
@@ -124,17 +141,18 @@ at::Tensor transposed_output(const at::Tensor& x, const RowMatrix& m, at::Scalar
                    : at::empty({0}, x.options().dtype(fp8_dtype));
 }
 
-// The copy of an input a forward op saves for backward: E4M3 codes of its shape, or FP4 codes packed two per byte
-// (the last dimension halved, rounded up), as coat.quantize_fp4 returns them.
-at::Tensor saved_codes(const at::Tensor& input, bool save_fp4) {
-  return at::empty(saved_codes_shape(input.sizes(), save_fp4),
-                   input.options().dtype(save_fp4 ? at::kByte : at::kFloat8_e4m3fn));
+// The copy of an input a forward op saves for backward: E4M3 codes of its shape, or packed FP4 or FP6 codes, as
+// coat.quantize_fp4 and coat.quantize_fp6 return them.
+at::Tensor saved_codes(const at::Tensor& input, coat_saved_format format) {
+  return at::empty(saved_codes_shape(input.sizes(), format),
+                   input.options().dtype(is_packed(format) ? at::kByte : at::kFloat8_e4m3fn));
 }
 
 RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& weight, double eps,
                                        int64_t save_group_size, int64_t amax_group_size, at::ScalarType fp8_dtype,
-                                       bool transpose, bool save_fp4) {
+                                       bool transpose, int64_t save_format) {
   constexpr const char* op = "coat.rmsnorm_quantize";
+  const coat_saved_format saved = saved_format(save_format, op, "save_format");
   check_device(x, op, "x");
   const coat_dtype x_dtype = input_dtype(x, op, "x");
   const coat_fp8_format format = fp8_format(fp8_dtype, op, "fp8_dtype");
@@ -150,12 +168,12 @@ RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& we
   at::Tensor y = at::empty(x.sizes(), x.options().dtype(fp8_dtype));
   at::Tensor y_scale = at::empty({}, float_options);
   at::Tensor y_t = transposed_output(x, m, fp8_dtype, transpose);
-  at::Tensor x_saved = saved_codes(x, save_fp4);
+  at::Tensor x_saved = saved_codes(x, saved);
   at::Tensor x_saved_scales = at::empty(grouped_shape(x, save_group_size), float_options);
   at::Tensor rstd = at::empty({m.rows}, float_options);
   at::Tensor y_amax = at::empty({1}, float_options);
   COAT_CALL_CORE(x, coat_rmsnorm_quantize, x.data_ptr(), x_dtype, m.rows, m.cols, m.row_stride, weight.data_ptr(),
-                 weight_dtype, static_cast<float>(eps), save_group_size, saved_format(save_fp4),
+                 weight_dtype, static_cast<float>(eps), save_group_size, saved,
                  format, data_as<uint8_t>(y),
                  data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(x_saved),
                  data_as<float>(x_saved_scales), data_as<float>(rstd), data_as<float>(y_amax));
@@ -182,14 +200,15 @@ coat_dtype check_residual(const at::Tensor& residual, const at::Tensor& dy, cons
 std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const at::Tensor& x_saved,
                                                     const at::Tensor& x_saved_scales, const at::Tensor& rstd,
                                                     const at::Tensor& weight, int64_t save_group_size,
-                                                    const std::optional<at::Tensor>& residual, bool saved_fp4) {
+                                                    const std::optional<at::Tensor>& residual, int64_t saved_format_arg) {
   constexpr const char* op = "coat.rmsnorm_backward";
+  const coat_saved_format format = saved_format(saved_format_arg, op, "saved_format");
   check_device(dy, op, "dy");
   const coat_dtype dy_dtype = input_dtype(dy, op, "dy");
   check_named_group_size(save_group_size, op, "save_group_size");
   const RowMatrix m = as_row_matrix(dy, op, "dy");
   check_rmsnorm_cols(m.cols, op, "dy");
-  check_saved(x_saved, dy, dy.sizes(), saved_fp4, op, "x_saved");
+  check_saved(x_saved, dy, dy.sizes(), format, op, "x_saved");
   check_saved_scales(x_saved_scales, dy, dy.sizes(), save_group_size, op, "x_saved_scales");
   check_rstd(rstd, dy, m.rows, op);
   check_channel_vector(weight, dy, m.cols, op, "weight");
@@ -201,7 +220,7 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const 
   at::Tensor workspace = at::empty({coat_rmsnorm_backward_workspace_size(m.rows, m.cols)}, dy.options().dtype(at::kFloat));
   COAT_CALL_CORE(dy, coat_rmsnorm_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
                  data_as<const uint8_t>(x_saved), data_as<const float>(x_saved_scales), save_group_size,
-                 saved_format(saved_fp4), data_as<const float>(rstd), weight.data_ptr(), weight_dtype,
+                 format, data_as<const float>(rstd), weight.data_ptr(), weight_dtype,
                  residual ? residual->data_ptr() : nullptr, residual_dtype, dx.data_ptr(), data_as<float>(dweight),
                  data_as<float>(workspace));
   return {dx, dweight};
@@ -209,10 +228,11 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const 
 
 at::Tensor rmsnorm_requantize(const at::Tensor& x_saved, const at::Tensor& x_saved_scales, const at::Tensor& rstd,
                               const at::Tensor& weight, const at::Tensor& y_scale, int64_t save_group_size,
-                              at::ScalarType fp8_dtype, bool saved_fp4) {
+                              at::ScalarType fp8_dtype, int64_t saved_format_arg) {
   constexpr const char* op = "coat.rmsnorm_requantize";
+  const coat_saved_format saved = saved_format(saved_format_arg, op, "saved_format");
   TORCH_CHECK(weight.dim() == 1, op, ": weight must have shape [H] (H the normalized size), got ", weight.sizes());
-  const std::vector<int64_t> shape = saved_input_shape(x_saved, saved_fp4, weight.size(0), op, "x_saved", "weight");
+  const std::vector<int64_t> shape = saved_input_shape(x_saved, saved, weight.size(0), op, "x_saved", "weight");
   const RowMatrix m = contiguous_matrix(shape);
   check_rmsnorm_cols(m.cols, op, "x_saved");
   check_named_group_size(save_group_size, op, "save_group_size");
@@ -225,8 +245,8 @@ at::Tensor rmsnorm_requantize(const at::Tensor& x_saved, const at::Tensor& x_sav
 
   at::Tensor y_t = at::empty({m.cols, m.rows}, x_saved.options().dtype(fp8_dtype));
   COAT_CALL_CORE(x_saved, coat_rmsnorm_requantize, data_as<const uint8_t>(x_saved),
-                 data_as<const float>(x_saved_scales), save_group_size, saved_format(saved_fp4),
-                 data_as<const float>(rstd), m.rows, m.cols,
+                 data_as<const float>(x_saved_scales), save_group_size, saved, data_as<const float>(rstd), m.rows,
+                 m.cols,
                  weight.data_ptr(), weight_dtype, data_as<const float>(y_scale), format, data_as<uint8_t>(y_t));
   return y_t;
 }
@@ -243,8 +263,9 @@ const float* smooth_scale_data(const std::optional<at::Tensor>& smooth_scale, co
 SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor& up,
                                         const std::optional<at::Tensor>& smooth_scale, int64_t save_group_size,
                                         int64_t amax_group_size, at::ScalarType fp8_dtype, bool transpose,
-                                        bool save_fp4) {
+                                        int64_t save_format) {
   constexpr const char* op = "coat.silu_mul_quantize";
+  const coat_saved_format saved = saved_format(save_format, op, "save_format");
   check_device(gate, op, "gate");
   check_same_device(gate, up, op, "up");
   const coat_dtype dtype = input_dtype(gate, op, "gate");
@@ -264,14 +285,14 @@ SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor
   at::Tensor y = at::empty(gate.sizes(), gate.options().dtype(fp8_dtype));
   at::Tensor y_scale = at::empty({}, float_options);
   at::Tensor y_t = transposed_output(gate, gate_m, fp8_dtype, transpose);
-  at::Tensor gate_saved = saved_codes(gate, save_fp4);
+  at::Tensor gate_saved = saved_codes(gate, saved);
   at::Tensor gate_scales = at::empty(grouped_shape(gate, save_group_size), float_options);
-  at::Tensor up_saved = saved_codes(gate, save_fp4);
+  at::Tensor up_saved = saved_codes(gate, saved);
   at::Tensor up_scales = at::empty(grouped_shape(gate, save_group_size), float_options);
   at::Tensor y_amax = at::empty({1}, float_options);
   COAT_CALL_CORE(gate, coat_silu_mul_quantize, gate.data_ptr(), up.data_ptr(), dtype, gate_m.rows, gate_m.cols,
                  gate_m.row_stride, up_m.row_stride, smooth, save_group_size,
-                 saved_format(save_fp4), format, data_as<uint8_t>(y),
+                 saved, format, data_as<uint8_t>(y),
                  data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(gate_saved),
                  data_as<float>(gate_scales), data_as<uint8_t>(up_saved), data_as<float>(up_scales),
                  data_as<float>(y_amax));
@@ -282,15 +303,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tenso
                                                      const at::Tensor& gate_scales, const at::Tensor& up_saved,
                                                      const at::Tensor& up_scales,
                                                      const std::optional<at::Tensor>& smooth_scale,
-                                                     int64_t save_group_size, bool saved_fp4) {
+                                                     int64_t save_group_size, int64_t saved_format_arg) {
   constexpr const char* op = "coat.silu_mul_backward";
+  const coat_saved_format format = saved_format(saved_format_arg, op, "saved_format");
   check_device(dy, op, "dy");
   const coat_dtype dy_dtype = input_dtype(dy, op, "dy");
   check_named_group_size(save_group_size, op, "save_group_size");
   const RowMatrix m = as_row_matrix(dy, op, "dy");
   check_max_cols(m.cols, op, "dy");
-  check_saved(gate_saved, dy, dy.sizes(), saved_fp4, op, "gate_saved");
-  check_saved(up_saved, dy, dy.sizes(), saved_fp4, op, "up_saved");
+  check_saved(gate_saved, dy, dy.sizes(), format, op, "gate_saved");
+  check_saved(up_saved, dy, dy.sizes(), format, op, "up_saved");
   check_saved_scales(gate_scales, dy, dy.sizes(), save_group_size, op, "gate_scales");
   check_saved_scales(up_scales, dy, dy.sizes(), save_group_size, op, "up_scales");
   const float* smooth = smooth_scale_data(smooth_scale, dy, m.cols, op);
@@ -301,24 +323,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tenso
   COAT_CALL_CORE(dy, coat_silu_mul_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
                  data_as<const uint8_t>(gate_saved), data_as<const float>(gate_scales),
                  data_as<const uint8_t>(up_saved), data_as<const float>(up_scales), smooth, save_group_size,
-                 saved_format(saved_fp4), dgate.data_ptr(), dup.data_ptr(), data_as<float>(d_amax));
+                 format, dgate.data_ptr(), dup.data_ptr(), data_as<float>(d_amax));
   return {dgate, dup, d_amax};
 }
 
 at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& gate_scales, const at::Tensor& up_saved,
                                const at::Tensor& up_scales, const std::optional<at::Tensor>& smooth_scale,
                                const at::Tensor& y_scale, int64_t save_group_size, at::ScalarType fp8_dtype,
-                               bool saved_fp4, std::optional<int64_t> cols) {
+                               int64_t saved_format_arg, std::optional<int64_t> cols) {
   constexpr const char* op = "coat.silu_mul_requantize";
-  TORCH_CHECK(cols || !saved_fp4, op, ": with saved_fp4=True pass cols, the width of gate and up: FP4 codes pack two "
-              "per byte, so their shape does not tell an odd width from the next even one");
+  const coat_saved_format saved = saved_format(saved_format_arg, op, "saved_format");
+  TORCH_CHECK(cols || !is_packed(saved), op, ": with saved_format='", format_name(saved), "' pass cols, the width of "
+              "gate and up: packed codes do not tell every width from the next");
   const std::vector<int64_t> shape =
-      saved_input_shape(gate_saved, saved_fp4, cols.value_or(0), op, "gate_saved", "cols");
+      saved_input_shape(gate_saved, saved, cols.value_or(0), op, "gate_saved", "cols");
   TORCH_CHECK(!cols || *cols == shape.back(), op, ": cols=", cols.value_or(0), " but gate_saved has ", shape.back(),
               " columns");
   const RowMatrix m = contiguous_matrix(shape);
   check_max_cols(m.cols, op, "gate_saved");
-  check_saved(up_saved, gate_saved, shape, saved_fp4, op, "up_saved", "gate_saved");
+  check_saved(up_saved, gate_saved, shape, saved, op, "up_saved", "gate_saved");
   check_named_group_size(save_group_size, op, "save_group_size");
   check_saved_scales(gate_scales, gate_saved, shape, save_group_size, op, "gate_scales");
   check_saved_scales(up_scales, gate_saved, shape, save_group_size, op, "up_scales");
@@ -329,8 +352,7 @@ at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& g
   at::Tensor y_t = at::empty({m.cols, m.rows}, gate_saved.options().dtype(fp8_dtype));
   COAT_CALL_CORE(gate_saved, coat_silu_mul_requantize, data_as<const uint8_t>(gate_saved),
                  data_as<const float>(gate_scales), data_as<const uint8_t>(up_saved), data_as<const float>(up_scales),
-                 save_group_size, saved_format(saved_fp4), m.rows, m.cols, smooth, data_as<const float>(y_scale),
-                 format,
+                 save_group_size, saved, m.rows, m.cols, smooth, data_as<const float>(y_scale), format,
                  data_as<uint8_t>(y_t));
   return y_t;
 }

@@ -1,4 +1,4 @@
-// ATen bindings of the quantize family (coat/quantize.h, FP8 and FP4): check, allocate, call the core.
+// ATen bindings of the quantize family (coat/quantize.h, FP8, FP4 and FP6): check, allocate, call the core.
 #include "coat/quantize.h"
 
 #include <vector>
@@ -161,37 +161,71 @@ void check_block_size(int64_t block_size, const char* op) {
               ": block_size must be 16, 32, 64 or 128, got ", block_size);
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_fp4(const at::Tensor& x, int64_t block_size) {
-  constexpr const char* op = "coat.quantize_fp4";
+// The block-scaled formats of coat/quantize.h: how their codes pack into a row, and their core entry points.
+struct Fp4 {
+  static constexpr const char* kQuantize = "coat.quantize_fp4";
+  static constexpr const char* kPythonQuantize = "quantize_fp4";
+  static constexpr const char* kDequantize = "coat.dequantize_fp4";
+  static constexpr const char* kToE4m3 = "coat.fp4_to_e4m3";
+  static constexpr const char* kPacking = "ceil(cols / 2)";
+  static int64_t row_bytes(int64_t cols) { return (cols + 1) / 2; }
+  template <typename... Args>
+  static void quantize(const at::Tensor& on, Args... args) { COAT_CALL_CORE(on, coat_quantize_fp4, args...); }
+  template <typename... Args>
+  static void dequantize(const at::Tensor& on, Args... args) { COAT_CALL_CORE(on, coat_dequantize_fp4, args...); }
+  template <typename... Args>
+  static void to_e4m3(const at::Tensor& on, Args... args) { COAT_CALL_CORE(on, coat_fp4_to_e4m3, args...); }
+};
+
+struct Fp6 {
+  static constexpr const char* kQuantize = "coat.quantize_fp6";
+  static constexpr const char* kPythonQuantize = "quantize_blocks(x, 'fp6')";
+  static constexpr const char* kDequantize = "coat.dequantize_fp6";
+  static constexpr const char* kToE4m3 = "coat.fp6_to_e4m3";
+  static constexpr const char* kPacking = "ceil(3 cols / 4)";
+  static int64_t row_bytes(int64_t cols) { return (3 * cols + 3) / 4; }
+  template <typename... Args>
+  static void quantize(const at::Tensor& on, Args... args) { COAT_CALL_CORE(on, coat_quantize_fp6, args...); }
+  template <typename... Args>
+  static void dequantize(const at::Tensor& on, Args... args) { COAT_CALL_CORE(on, coat_dequantize_fp6, args...); }
+  template <typename... Args>
+  static void to_e4m3(const at::Tensor& on, Args... args) { COAT_CALL_CORE(on, coat_fp6_to_e4m3, args...); }
+};
+
+template <class Format>
+std::tuple<at::Tensor, at::Tensor> quantize_blocks(const at::Tensor& x, int64_t block_size) {
+  const char* op = Format::kQuantize;
   check_device(x, op, "x");
   const coat_dtype dtype = input_dtype(x, op, "x");
   check_block_size(block_size, op);
   const RowMatrix m = as_row_matrix(x, op, "x");
 
   std::vector<int64_t> packed(x.sizes().begin(), x.sizes().end());
-  packed.back() = (m.cols + 1) / 2;
+  packed.back() = Format::row_bytes(m.cols);
   at::Tensor codes = at::empty(packed, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty(grouped_shape(x, block_size), x.options().dtype(at::kFloat));
-  COAT_CALL_CORE(x, coat_quantize_fp4, x.data_ptr(), dtype, m.rows, m.cols, m.row_stride, block_size,
-                 data_as<uint8_t>(codes), data_as<float>(scales));
+  Format::quantize(x, x.data_ptr(), dtype, m.rows, m.cols, m.row_stride, block_size, data_as<uint8_t>(codes),
+                   data_as<float>(scales));
   return {codes, scales};
 }
 
-// Checks packed FP4 codes and their block scales for a last dimension of `cols` elements; returns the
-// decoded shape, codes.shape[:-1] + (cols,).
-std::vector<int64_t> check_fp4_operands(const at::Tensor& codes, const at::Tensor& scales, int64_t cols,
-                                        int64_t block_size, const char* op) {
+// Checks packed codes and their block scales for a last dimension of `cols` elements; returns the decoded shape,
+// codes.shape[:-1] + (cols,).
+template <class Format>
+std::vector<int64_t> check_block_operands(const at::Tensor& codes, const at::Tensor& scales, int64_t cols,
+                                          int64_t block_size, const char* op) {
   check_device(codes, op, "codes");
   check_block_size(block_size, op);
-  TORCH_CHECK(codes.scalar_type() == at::kByte, op, ": codes must be torch.uint8 (packed FP4 codes, as "
-              "coat.ops.quantize_fp4 returns), got ", codes.scalar_type());
+  TORCH_CHECK(codes.scalar_type() == at::kByte, op, ": codes must be torch.uint8 (packed codes, as coat.ops.",
+              Format::kPythonQuantize, " returns), got ", codes.scalar_type());
   TORCH_CHECK(codes.dim() >= 1 && codes.is_contiguous(), op,
-              ": codes must be a contiguous tensor with at least one dimension, as coat.ops.quantize_fp4 returns");
-  TORCH_CHECK(cols >= 0 && codes.size(-1) == (cols + 1) / 2, op, ": cols=", cols, " needs ceil(cols / 2) = ",
-              (cols + 1) / 2, " bytes of codes per row, but codes has shape ", codes.sizes());
+              ": codes must be a contiguous tensor with at least one dimension, as coat.ops.", Format::kPythonQuantize,
+              " returns");
+  TORCH_CHECK(cols >= 0 && codes.size(-1) == Format::row_bytes(cols), op, ": cols=", cols, " needs ", Format::kPacking,
+              " = ", Format::row_bytes(cols), " bytes of codes per row, but codes has shape ", codes.sizes());
   check_same_device(codes, scales, op, "scales");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), op,
-              ": scales must be a contiguous float32 tensor, as coat.ops.quantize_fp4 returns, got ",
+              ": scales must be a contiguous float32 tensor, as coat.ops.", Format::kPythonQuantize, " returns, got ",
               scales.scalar_type(), scales.is_contiguous() ? "" : " (non-contiguous)");
   std::vector<int64_t> shape(codes.sizes().begin(), codes.sizes().end() - 1);  // dim() >= 1, checked above
   shape.push_back(cols);
@@ -202,22 +236,25 @@ std::vector<int64_t> check_fp4_operands(const at::Tensor& codes, const at::Tenso
   return shape;
 }
 
-at::Tensor dequantize_fp4(const at::Tensor& codes, const at::Tensor& scales, int64_t cols, int64_t block_size,
-                          at::ScalarType dtype) {
-  constexpr const char* op = "coat.dequantize_fp4";
-  const std::vector<int64_t> shape = check_fp4_operands(codes, scales, cols, block_size, op);
+template <class Format>
+at::Tensor dequantize_blocks(const at::Tensor& codes, const at::Tensor& scales, int64_t cols, int64_t block_size,
+                             at::ScalarType dtype) {
+  const char* op = Format::kDequantize;
+  const std::vector<int64_t> shape = check_block_operands<Format>(codes, scales, cols, block_size, op);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": dtype must be torch.float32 or torch.bfloat16, got ", dtype);
   at::Tensor out = at::empty(shape, codes.options().dtype(dtype));
-  COAT_CALL_CORE(codes, coat_dequantize_fp4, data_as<const uint8_t>(codes), as_row_matrix(codes, op, "codes").rows, cols, data_as<const float>(scales), block_size, out.data_ptr(), input_dtype(out, op, "out"));
+  Format::dequantize(codes, data_as<const uint8_t>(codes), as_row_matrix(codes, op, "codes").rows, cols,
+                     data_as<const float>(scales), block_size, out.data_ptr(), input_dtype(out, op, "out"));
   return out;
 }
 
-at::Tensor fp4_to_e4m3(const at::Tensor& codes, const at::Tensor& scales, int64_t cols, int64_t block_size) {
-  constexpr const char* op = "coat.fp4_to_e4m3";
-  const std::vector<int64_t> shape = check_fp4_operands(codes, scales, cols, block_size, op);
+template <class Format>
+at::Tensor blocks_to_e4m3(const at::Tensor& codes, const at::Tensor& scales, int64_t cols, int64_t block_size) {
+  const char* op = Format::kToE4m3;
+  const std::vector<int64_t> shape = check_block_operands<Format>(codes, scales, cols, block_size, op);
   at::Tensor q = at::empty(shape, codes.options().dtype(at::kFloat8_e4m3fn));
-  COAT_CALL_CORE(codes, coat_fp4_to_e4m3, data_as<const uint8_t>(codes), as_row_matrix(codes, op, "codes").rows, cols,
-                 data_as<uint8_t>(q));
+  Format::to_e4m3(codes, data_as<const uint8_t>(codes), as_row_matrix(codes, op, "codes").rows, cols,
+                  data_as<uint8_t>(q));
   return q;
 }
 
@@ -230,9 +267,12 @@ TORCH_LIBRARY_IMPL(coat, CPU, m) {
   m.impl("tensor_amax", &tensor_amax);
   m.impl("quantize_tensors", &quantize_tensors);
   m.impl("dequantize", &dequantize);
-  m.impl("quantize_fp4", &quantize_fp4);
-  m.impl("dequantize_fp4", &dequantize_fp4);
-  m.impl("fp4_to_e4m3", &fp4_to_e4m3);
+  m.impl("quantize_fp4", &quantize_blocks<Fp4>);
+  m.impl("dequantize_fp4", &dequantize_blocks<Fp4>);
+  m.impl("fp4_to_e4m3", &blocks_to_e4m3<Fp4>);
+  m.impl("quantize_fp6", &quantize_blocks<Fp6>);
+  m.impl("dequantize_fp6", &dequantize_blocks<Fp6>);
+  m.impl("fp6_to_e4m3", &blocks_to_e4m3<Fp6>);
 }
 
 #ifdef COAT_WITH_CUDA
@@ -243,9 +283,12 @@ TORCH_LIBRARY_IMPL(coat, CUDA, m) {
   m.impl("tensor_amax", &tensor_amax);
   m.impl("quantize_tensors", &quantize_tensors);
   m.impl("dequantize", &dequantize);
-  m.impl("quantize_fp4", &quantize_fp4);
-  m.impl("dequantize_fp4", &dequantize_fp4);
-  m.impl("fp4_to_e4m3", &fp4_to_e4m3);
+  m.impl("quantize_fp4", &quantize_blocks<Fp4>);
+  m.impl("dequantize_fp4", &dequantize_blocks<Fp4>);
+  m.impl("fp4_to_e4m3", &blocks_to_e4m3<Fp4>);
+  m.impl("quantize_fp6", &quantize_blocks<Fp6>);
+  m.impl("dequantize_fp6", &dequantize_blocks<Fp6>);
+  m.impl("fp6_to_e4m3", &blocks_to_e4m3<Fp6>);
 }
 #endif
 

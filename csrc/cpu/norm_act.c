@@ -6,6 +6,7 @@
 
 #include "coat/detail/norm_act_math.h"
 #include "coat/fp4.h"
+#include "coat/fp6.h"
 #include "coat/quantize.h"
 
 static int valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
@@ -21,26 +22,38 @@ static const void* row_at(const void* x, coat_dtype dtype, int64_t row, int64_t 
 static int64_t lane_of_column(int64_t col, int64_t lanes) { return (col / COAT_NORM_ACT_CHUNK) % lanes; }
 
 static int valid_saved_format(coat_saved_format format) {
-  return format == COAT_SAVED_E4M3 || format == COAT_SAVED_FP4;
+  return format == COAT_SAVED_E4M3 || format == COAT_SAVED_FP4 || format == COAT_SAVED_FP6;
 }
 
 /* Bytes of one saved row. */
 static int64_t saved_row_bytes(int64_t cols, coat_saved_format format) {
-  return format == COAT_SAVED_FP4 ? coat_ceil_div(cols, 2) : cols;
+  switch (format) {
+    case COAT_SAVED_FP4: return coat_ceil_div(cols, 2);
+    case COAT_SAVED_FP6: return coat_fp6_row_bytes(cols);
+    default: return cols;
+  }
 }
 
-/* Element c of saved row r as an E4M3 code: an FP4 code is read as its exact E4M3 expansion. */
+/* Element c of saved row r as an E4M3 code: an FP4 or FP6 code is read as its exact E4M3 expansion. */
 static uint8_t saved_code(const uint8_t* saved, coat_saved_format format, int64_t r, int64_t c, int64_t cols) {
   const uint8_t* row = saved + r * saved_row_bytes(cols, format);
-  return format == COAT_SAVED_FP4 ? coat_e2m1_to_e4m3(coat_fp4_code_at(row, c)) : row[c];
+  switch (format) {
+    case COAT_SAVED_FP4: return coat_e2m1_to_e4m3(coat_fp4_code_at(row, c));
+    case COAT_SAVED_FP6: return coat_e2m3_to_e4m3(coat_fp6_code_at(row, c));
+    default: return row[c];
+  }
 }
 
-/* One row of an input saved for backward: coat_quantize_group(x, group_size, E4M3) or coat_quantize_fp4(x,
- * group_size). */
+/* One row of an input saved for backward: coat_quantize_group(x, group_size, E4M3), coat_quantize_fp4(x,
+ * group_size) or coat_quantize_fp6(x, group_size). */
 static void save_row(const void* row, coat_dtype dtype, int64_t cols, int64_t group_size, coat_saved_format format,
                      uint8_t* codes, float* scales) {
   if (format == COAT_SAVED_FP4) {
     coat_quantize_fp4_cpu(row, dtype, 1, cols, cols, group_size, codes, scales);
+    return;
+  }
+  if (format == COAT_SAVED_FP6) {
+    coat_quantize_fp6_cpu(row, dtype, 1, cols, cols, group_size, codes, scales);
     return;
   }
   for (int64_t begin = 0, group = 0; begin < cols; begin += group_size, ++group) {

@@ -14,21 +14,21 @@
 //                            the FP8-saved gate and up, the amax of y; the warp's next row in flight
 //   apply_quantize_kernel    persistent over 64 x 64 tiles, the next tile in flight: recomputes y from the
 //                            inputs, writes it in FP8 and, through a shared-memory tile, its transpose; the
-//                            requantize ops run it on the saved inputs (E4M3 or FP4, an instantiation each)
+//                            requantize ops run it on the saved inputs (E4M3, FP4 or FP6, an instantiation each)
 //                            with the forward's scale, y_t only
 //   rmsnorm_backward_kernel  L threads per slice of rows, the next row in flight: dx (plus the residual
 //                            gradient when there is one), and one partial dweight row per slice
 //   dweight_finish_kernel    the slices' partial dweight rows summed in the documented order
 //   silu_mul_backward_kernel persistent, on silu_mul_stats_kernel's segments with each lane's two chunks 256
 //                            columns apart: dgate, dup and their joint amax
-// The kernels that read saved inputs take them in either saved format (SavedCodes): FP4 codes are loaded
+// The kernels that read saved inputs take them in any saved format (SavedCodes): FP4 and FP6 codes are loaded
 // packed and expanded to their E4M3 codes where they are decoded, so that the next row or tile stays in flight.
 //
 // Fast paths. The arithmetic that used to dominate (IEEE divisions, coat's exp with its range checks, FP8,
 // bf16 and fp16 conversions with their special cases) runs in forms that give the same bits on the values
 // that occur in training, behind one test per chunk that sends every other chunk (NaN, Inf, scales below
 // 2^-80, gates below -80) through the plain formulas: see fp8_chunk.cuh (scale_from_amax, quotient,
-// reciprocal_of_normal, encode_chunk), fp4_chunk.cuh (encode_fp4_chunk), decode_e4m3, sigmoid_near, SiluOfGates (a table of silu for bf16 gates) and the Io stores.
+// reciprocal_of_normal, encode_chunk), e2m_chunk.cuh (encode_e2m_chunk), decode_e4m3, sigmoid_near, SiluOfGates (a table of silu for bf16 gates) and the Io stores.
 // tools/cuda_emulation runs these kernels on the CPU against the C core.
 #include <cuda_runtime.h>
 
@@ -36,7 +36,7 @@
 
 #include "coat/detail/norm_act_math.h"
 #include "coat/norm_act.h"
-#include "fp4_chunk.cuh"
+#include "e2m_chunk.cuh"
 #include "fp8_chunk.cuh"
 #include "group_amax.cuh"
 #include "launch.cuh"
@@ -47,8 +47,11 @@ using coat::device::amax_step;
 using coat::device::Codes;
 using coat::device::code_at;
 using coat::device::encode_chunk;
-using coat::device::encode_fp4_chunk;
-using coat::device::fp4_scale_from_amax_bits;
+using coat::device::e2m_scale_from_amax_bits;
+using coat::device::encode_e2m_chunk;
+using coat::device::load_e2m_chunk;
+using coat::device::PackedCodes;
+using coat::device::store_e2m_chunk;
 using coat::device::group_amax_reduce;
 using coat::device::pack_16bit;
 using coat::device::pack_16bit_not_nan;
@@ -158,48 +161,79 @@ __device__ __forceinline__ Codes e2m1x8_to_e4m3(uint32_t word) {
               (__byte_perm(word, shifted, 0x3726u) & kSignBits)};
 }
 
-// The codes an input was saved in for backward (coat/norm_act.h, "Saved inputs"): E4M3, or FP4 read as its exact
-// E4M3 expansion, so that the kernels reading them decode both alike. The *_as<kFp4> forms take the format as a
-// compile-time constant, for kernels instantiated per format; the others read it from `fp4`.
+// The E4M3 codes of the eight E2M3 codes packed in `codes` (element e at bit 6e of the 48 bits lo, hi),
+// coat_e2m3_to_e4m3 of each, four at a time in the bytes of a word: the magnitudes from 8 on add 48, those below
+// are looked up in a byte table by prmt, and each code's sign (bit 5) moves to bit 7.
+__device__ __forceinline__ uint32_t e2m3x4_to_e4m3(uint32_t four) {
+  // the four 6-bit codes of `four` (bits 0..23), one per byte
+  const uint32_t bytes = (four & 0x3Fu) | ((four << 2) & 0x3F00u) | ((four << 4) & 0x3F0000u) | ((four << 6) & 0x3F000000u);
+  const uint32_t magnitudes = bytes & 0x1F1F1F1Fu;
+  // coat_e2m3_to_e4m3 of the subnormal magnitudes 0..7: 0x00 0x20 0x28 0x2C and 0x30 0x32 0x34 0x36
+  constexpr uint32_t kSubnormals0To3 = 0x2C282000u, kSubnormals4To7 = 0x36343230u;
+  const uint32_t low3 = bytes & 0x07070707u;
+  const uint32_t nibbles = low3 | (low3 >> 4);  // bytes 0 and 2: two selector nibbles each
+  const uint32_t selector = (nibbles & 0xFFu) | ((nibbles >> 8) & 0xFF00u);
+  const uint32_t subnormal = __byte_perm(kSubnormals0To3, kSubnormals4To7, selector);
+  const uint32_t normal_mask = (((magnitudes + 0x78787878u) & 0x80808080u) >> 7) * 0xFFu;  // magnitude >= 8
+  return (((magnitudes + 0x30303030u) & normal_mask) | (subnormal & ~normal_mask)) | ((bytes & 0x20202020u) << 2);
+}
+
+__device__ __forceinline__ Codes e2m3x8_to_e4m3(Codes packed) {
+  return {e2m3x4_to_e4m3(packed.lo), e2m3x4_to_e4m3((packed.lo >> 24) | (packed.hi << 8))};
+}
+
+// The codes an input was saved in for backward (coat/norm_act.h, "Saved inputs"): E4M3, or FP4 or FP6 read as
+// their exact E4M3 expansion, so that the kernels reading them decode every format alike. The *_as<kFormat>
+// forms take the format as a compile-time constant, for kernels instantiated per format; the others read it from
+// `format`.
 struct SavedCodes {
   const uint8_t* data;
-  int64_t row_bytes;  // cols, or ceil(cols / 2) in FP4
-  bool fp4;
+  int64_t row_bytes;  // cols, or the packed bytes of a row in FP4 and FP6
+  coat_saved_format format;
 
   // The codes of elements [col, col + count) of `row` as stored, zeros past count: 8 bytes of E4M3, or the packed
-  // FP4 codes in `lo` (element e in nibble e). `vector`: count is 0 or 8 and the codes are aligned for one access
-  // per chunk (8 bytes of E4M3, 4 of FP4).
-  template <bool kFp4>
+  // FP4 or FP6 codes (element e at bit 4e or 6e of lo, hi). `vector`: count is 0 or 8 and the codes are aligned
+  // for one access per chunk (8 bytes of E4M3, 4 of FP4) or three (FP6's 2-byte halves).
+  template <coat_saved_format kFormat>
   __device__ __forceinline__ Codes load_as(int64_t row, int col, int count, bool vector) const {
     const uint8_t* row_codes = data + row * row_bytes;
-    if constexpr (!kFp4) {
+    if constexpr (kFormat == COAT_SAVED_E4M3) {
       return load_codes(row_codes + col, count, vector);
     } else {
-      if (vector) return {count == 0 ? 0u : *reinterpret_cast<const uint32_t*>(row_codes + col / 2), 0u};
-      Codes codes{0u, 0u};
-#pragma unroll
-      for (int e = 0; e < kChunk; ++e)
-        if (e < count) codes.lo |= uint32_t{coat_fp4_code_at(row_codes, col + e)} << (4 * e);
-      return codes;
+      constexpr int kMantissaBits = kFormat == COAT_SAVED_FP4 ? 1 : 3;
+      if (count == 0) return {0u, 0u};
+      const PackedCodes packed = load_e2m_chunk<kMantissaBits>(
+          row_codes + col / kChunk * coat::device::E2m<kMantissaBits>::kChunkBytes, count, vector);
+      return {packed.lo, packed.hi};
     }
   }
 
-  // Loaded codes as E4M3 codes: FP4 codes expand exactly. Apart from load(), so that a kernel prefetching the
-  // next row or tile waits for its data where it decodes it, not where it issues the load.
-  template <bool kFp4>
+  // Loaded codes as E4M3 codes: FP4 and FP6 codes expand exactly. Apart from load(), so that a kernel prefetching
+  // the next row or tile waits for its data where it decodes it, not where it issues the load.
+  template <coat_saved_format kFormat>
   __device__ __forceinline__ static Codes e4m3_as(Codes loaded) {
-    if constexpr (kFp4) {
+    if constexpr (kFormat == COAT_SAVED_FP4) {
       return e2m1x8_to_e4m3(loaded.lo);
+    } else if constexpr (kFormat == COAT_SAVED_FP6) {
+      return e2m3x8_to_e4m3(loaded);
     } else {
       return loaded;
     }
   }
 
   __device__ __forceinline__ Codes load(int64_t row, int col, int count, bool vector) const {
-    return fp4 ? load_as<true>(row, col, count, vector) : load_as<false>(row, col, count, vector);
+    switch (format) {
+      case COAT_SAVED_FP4: return load_as<COAT_SAVED_FP4>(row, col, count, vector);
+      case COAT_SAVED_FP6: return load_as<COAT_SAVED_FP6>(row, col, count, vector);
+      default: return load_as<COAT_SAVED_E4M3>(row, col, count, vector);
+    }
   }
   __device__ __forceinline__ Codes e4m3(Codes loaded) const {
-    return fp4 ? e4m3_as<true>(loaded) : e4m3_as<false>(loaded);
+    switch (format) {
+      case COAT_SAVED_FP4: return e4m3_as<COAT_SAVED_FP4>(loaded);
+      case COAT_SAVED_FP6: return e4m3_as<COAT_SAVED_FP6>(loaded);
+      default: return e4m3_as<COAT_SAVED_E4M3>(loaded);
+    }
   }
 };
 
@@ -515,13 +549,14 @@ __device__ __forceinline__ void atomic_max_nonnegative(float* amax, float value)
     atomicMax(reinterpret_cast<unsigned int*>(amax), __float_as_uint(value));
 }
 
-// save_chunks in COAT_SAVED_FP4: coat_quantize_fp4's blocks (coat/quantize.h), the amax taken on the bits of |x|
-// (a NaN makes its block's scale NaN), two codes per byte, so the chunk's 8 codes fill 4 bytes at col / 2.
-template <int kChunks>
-__device__ __forceinline__ void save_chunks_fp4(const float (&v)[kChunks][kChunk], int col, int valid_cols,
+// save_chunks in COAT_SAVED_FP4 (kMantissaBits 1) and COAT_SAVED_FP6 (3): coat_quantize_fp4's and
+// coat_quantize_fp6's blocks (coat/quantize.h), the amax taken on the bits of |x| (a NaN makes its block's scale
+// NaN), the chunk's 8 codes packed into 4 bytes at col / 2 (FP4) or 6 at col * 3 / 4 (FP6).
+template <int kMantissaBits, int kChunks>
+__device__ __forceinline__ void save_chunks_e2m(const float (&v)[kChunks][kChunk], int col, int valid_cols,
                                                 int lanes_per_group, int group_shift, bool vector, uint8_t* saved_row,
                                                 float* scales_row) {
-  static_assert(kChunk == coat::device::kFp4CodeChunk, "a chunk's FP4 codes are one 4-byte word");
+  static_assert(kChunk == coat::device::kE2mCodeChunk, "a chunk's codes are one packed chunk");
   uint32_t amax_bits = 0;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c)
@@ -531,21 +566,16 @@ __device__ __forceinline__ void save_chunks_fp4(const float (&v)[kChunks][kChunk
     amax_bits =
         coat_max_bits(amax_bits, static_cast<uint32_t>(__shfl_xor_sync(kFullMask, static_cast<int>(amax_bits), mask)));
   if (col >= valid_cols) return;
-  const float scale = fp4_scale_from_amax_bits(amax_bits);
+  const float scale = e2m_scale_from_amax_bits<kMantissaBits>(amax_bits);
   const float reciprocal = reciprocal_of_normal(scale);
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     const int first = col + c * kChunk, count = chunk_count(first, valid_cols);
-    // past the row x is +0, whose code is 0: the padding nibble of an odd row
-    const uint32_t word = encode_fp4_chunk(v[c], scale, reciprocal);
-    uint8_t* target = saved_row + first / 2;
-    if (vector && count == kChunk) {
-      *reinterpret_cast<uint32_t*>(target) = word;
-    } else {
-#pragma unroll
-      for (int i = 0; i < kChunk / 2; ++i)
-        if (2 * i < count) target[i] = static_cast<uint8_t>(word >> (8 * i));
-    }
+    // past the row x is +0, whose code is 0: the padding bits of the row's last byte
+    if (count > 0)
+      store_e2m_chunk<kMantissaBits>(saved_row + first / kChunk * coat::device::E2m<kMantissaBits>::kChunkBytes,
+                                     encode_e2m_chunk<kMantissaBits>(v[c], scale, reciprocal), count,
+                                     vector && count == kChunk);
   }
   if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;
 }
@@ -556,9 +586,12 @@ __device__ __forceinline__ void save_chunks_fp4(const float (&v)[kChunks][kChunk
 // is stored). All lanes of the warp must call it.
 template <int kChunks>
 __device__ __forceinline__ void save_chunks(const float (&v)[kChunks][kChunk], int col, int valid_cols,
-                                            int lanes_per_group, int group_shift, bool vector, bool fp4,
-                                            uint8_t* saved_row, float* scales_row) {
-  if (fp4) return save_chunks_fp4(v, col, valid_cols, lanes_per_group, group_shift, vector, saved_row, scales_row);
+                                            int lanes_per_group, int group_shift, bool vector,
+                                            coat_saved_format format, uint8_t* saved_row, float* scales_row) {
+  if (format == COAT_SAVED_FP4)
+    return save_chunks_e2m<1>(v, col, valid_cols, lanes_per_group, group_shift, vector, saved_row, scales_row);
+  if (format == COAT_SAVED_FP6)
+    return save_chunks_e2m<3>(v, col, valid_cols, lanes_per_group, group_shift, vector, saved_row, scales_row);
   float amax = 0.0f;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c)
@@ -593,7 +626,7 @@ struct RmsnormStatsArgs {
   int group_shift;  // log2 of the save group size
   int lanes;
   int64_t row_groups;  // groups of kMaxThreads / lanes rows, one per block and iteration
-  bool save_fp4;
+  coat_saved_format save_format;
   int saved_row_bytes;
   uint8_t* x_saved;
   float* x_saved_scales;
@@ -678,7 +711,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) partial = partial + x[0][e] * x[0][e];
       save_chunks<1>(x, (lane + k * a.lanes) * kChunk, valid_cols, (1 << a.group_shift) / kChunk, a.group_shift,
-                     Io::kVector, a.save_fp4, saved_row, scales_row);
+                     Io::kVector, a.save_format, saved_row, scales_row);
     }
     const float rstd = coat_rmsnorm_rstd(row_sum(partial, a.lanes, warp_sums[parity]), a.cols, a.eps);
     if (active && lane == 0) a.rstd[row] = coat_canonical_nan(rstd);
@@ -737,8 +770,8 @@ __device__ __forceinline__ float round_to_bf16(float g) {
 }
 
 // The gates of the SiLU*mul requantize op: silu of the decoded gate rounded to bf16 (coat_requantize_gate),
-// so from the bf16 table (and its computed fallback) of the forward. kZeroGates, for FP4 copies, whose smallest
-// code is 0: a zero gate, below the table's range, is looked up as 1 and its silu put back (silu(+-0) = +-0 * 0.5
+// so from the bf16 table (and its computed fallback) of the forward. kZeroGates, for FP4 and FP6 copies, which
+// flush the values below their block's amax / 12 (FP4) or / 120 (FP6) to code 0: a zero gate, below the table's range, is looked up as 1 and its silu put back (silu(+-0) = +-0 * 0.5
 // = +-0), since a chunk holding one would otherwise compute every silu of the chunk. E4M3 copies hold hardly any.
 template <bool kZeroGates>
 struct SiluOfDecodedGates {
@@ -762,28 +795,28 @@ struct SiluOfDecodedGates {
   }
 };
 
-// A saved input: codes of rows x cols (FP4 when kFp4, else E4M3), and one scale per 1 x 2^group_shift group.
+// A saved input: codes of rows x cols in kFormat, and one scale per 1 x 2^group_shift group.
 // kVectorCodes: cols % 8 == 0 and codes aligned for SavedCodes' vector loads. As a gate, the decoded value is
 // rounded to bf16 before silu (coat_requantize_gate).
-template <bool kVectorCodes, bool kFp4>
+template <bool kVectorCodes, coat_saved_format kFormat>
 struct SavedRows {
   static constexpr bool kVector = kVectorCodes;
   struct Chunk {
     Codes codes;
     float scale;
   };
-  using Gates = SiluOfDecodedGates<kFp4>;
+  using Gates = SiluOfDecodedGates<kFormat != COAT_SAVED_E4M3>;
   SavedCodes codes;
   const float* scales;
   int ngroups;      // scales per row, ceil(cols / 2^group_shift)
   int group_shift;  // log2 of the save group size
 
   __device__ __forceinline__ Chunk load(int64_t row, int col, int count) const {
-    return {codes.load_as<kFp4>(row, col, count, kVector),
+    return {codes.load_as<kFormat>(row, col, count, kVector),
             count > 0 ? scales[row * ngroups + (col >> group_shift)] : 0.0f};
   }
   __device__ __forceinline__ void values(const Chunk& chunk, float v[kChunk]) const {
-    decode_saved(SavedCodes::e4m3_as<kFp4>(chunk.codes), chunk.scale, v);
+    decode_saved(SavedCodes::e4m3_as<kFormat>(chunk.codes), chunk.scale, v);
   }
 };
 
@@ -1019,7 +1052,7 @@ struct SiluMulStatsArgs {
   int group_shift;  // log2 of the save group size
   int segments;     // ceil(cols / 512)
   int strands;  // blocks per segment
-  bool save_fp4;
+  coat_saved_format save_format;
   int saved_row_bytes;
   uint8_t* gate_saved;
   float* gate_scales;
@@ -1070,9 +1103,9 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(Sil
       io.unpack(current.gate[c], gate[c]);
       io.unpack(current.up[c], up[c]);
     }
-    save_chunks(gate, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_fp4,
+    save_chunks(gate, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_format,
                 a.gate_saved + row * a.saved_row_bytes, a.gate_scales + row * ngroups);
-    save_chunks(up, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_fp4,
+    save_chunks(up, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_format,
                 a.up_saved + row * a.saved_row_bytes, a.up_scales + row * ngroups);
     // Past the row gate and up are 0, and so is y.
 #pragma unroll
@@ -1347,8 +1380,8 @@ struct SiluMulBackwardInputs {
   float gate_scale[kUnitChunks], up_scale[kUnitChunks];
 };
 
-// kFp4: the saved format, a compile-time constant so that each format's kernel holds only its own decoding.
-template <class Io, bool kFp4>
+// kFormat: the saved format, a compile-time constant so that each format's kernel holds only its own decoding.
+template <class Io, coat_saved_format kFormat>
 __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(SiluMulBackwardArgs a) {
   const Io io{a.dy_dtype};
   const SegmentLane at = segment_lane(a.segments, a.strands);
@@ -1360,8 +1393,8 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
     for (int c = 0; c < kUnitChunks; ++c) {
       const int col = at.chunk_col(c), count = chunk_count(col, a.cols);
       in.dy[c] = io.load(dy_row, col, count);
-      in.gate[c] = a.gate_saved.load_as<kFp4>(row, col, count, Io::kVector);
-      in.up[c] = a.up_saved.load_as<kFp4>(row, col, count, Io::kVector);
+      in.gate[c] = a.gate_saved.load_as<kFormat>(row, col, count, Io::kVector);
+      in.up[c] = a.up_saved.load_as<kFormat>(row, col, count, Io::kVector);
       in.gate_scale[c] = count > 0 ? a.gate_scales[row * ngroups + (col >> a.group_shift)] : 0.0f;
       in.up_scale[c] = count > 0 ? a.up_scales[row * ngroups + (col >> a.group_shift)] : 0.0f;
     }
@@ -1380,8 +1413,8 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
       if (count == 0) continue;
       float dy[kChunk], gate[kChunk], up[kChunk], s[kChunk], smooth[kChunk], dgate[kChunk], dup[kChunk];
       io.unpack(current.dy[c], dy);
-      decode_saved(SavedCodes::e4m3_as<kFp4>(current.gate[c]), current.gate_scale[c], gate);
-      decode_saved(SavedCodes::e4m3_as<kFp4>(current.up[c]), current.up_scale[c], up);
+      decode_saved(SavedCodes::e4m3_as<kFormat>(current.gate[c]), current.gate_scale[c], gate);
+      decode_saved(SavedCodes::e4m3_as<kFormat>(current.up[c]), current.up_scale[c], up);
       sigmoid_chunk(gate, s);
       load_smooth(a.smooth_scale, col, count, Io::kVector, smooth);
 #pragma unroll
@@ -1403,15 +1436,23 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
 
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-bool valid_saved_format(coat_saved_format format) { return format == COAT_SAVED_E4M3 || format == COAT_SAVED_FP4; }
+bool valid_saved_format(coat_saved_format format) {
+  return format == COAT_SAVED_E4M3 || format == COAT_SAVED_FP4 || format == COAT_SAVED_FP6;
+}
+
+// Bytes of a saved row of cols elements.
+int64_t saved_row_bytes(int64_t cols, coat_saved_format format) {
+  return format == COAT_SAVED_FP4 ? (cols + 1) / 2 : format == COAT_SAVED_FP6 ? coat_fp6_row_bytes(cols) : cols;
+}
 
 SavedCodes saved_codes(const uint8_t* data, int64_t cols, coat_saved_format format) {
-  const bool fp4 = format == COAT_SAVED_FP4;
-  return {data, fp4 ? (cols + 1) / 2 : cols, fp4};
+  return {data, saved_row_bytes(cols, format), format};
 }
 
 // Whether saved codes of rows of cols % 8 == 0 elements take SavedCodes' vector loads.
-bool vector_aligned(const SavedCodes& codes) { return aligned(codes.data, codes.fp4 ? 4 : 8); }
+bool vector_aligned(const SavedCodes& codes) {
+  return aligned(codes.data, codes.format == COAT_SAVED_FP4 ? 4 : codes.format == COAT_SAVED_FP6 ? 2 : 8);
+}
 
 bool rows_aligned16(const void* base, coat_dtype dtype, int64_t row_stride) {
   return aligned(base, 16) && (row_stride * (dtype == COAT_FLOAT32 ? 4 : 2)) % 16 == 0;
@@ -1422,14 +1463,23 @@ bool valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride)
          (x != nullptr || rows * cols == 0);
 }
 
-// Calls launch(vector, fp4), each std::true_type or std::false_type as the bools say: the SavedRows of the
-// requantize ops, which read saved inputs only (no Io).
+// Calls launch(format) with the saved format as a std::integral_constant.
 template <class Launch>
-coat_status with_saved_rows(bool vector, bool fp4, Launch&& launch) {
-  const auto with_format = [&](auto vector_codes) {
-    return fp4 ? launch(vector_codes, std::true_type{}) : launch(vector_codes, std::false_type{});
-  };
-  return vector ? with_format(std::true_type{}) : with_format(std::false_type{});
+auto with_saved_format(coat_saved_format format, Launch&& launch) {
+  switch (format) {
+    case COAT_SAVED_FP4: return launch(std::integral_constant<coat_saved_format, COAT_SAVED_FP4>{});
+    case COAT_SAVED_FP6: return launch(std::integral_constant<coat_saved_format, COAT_SAVED_FP6>{});
+    default: return launch(std::integral_constant<coat_saved_format, COAT_SAVED_E4M3>{});
+  }
+}
+
+// Calls launch(vector, format), std::bool_constant and std::integral_constant: the SavedRows of the requantize
+// ops, which read saved inputs only (no Io).
+template <class Launch>
+coat_status with_saved_rows(bool vector, coat_saved_format format, Launch&& launch) {
+  return with_saved_format(format, [&](auto saved) {
+    return vector ? launch(std::true_type{}, saved) : launch(std::false_type{}, saved);
+  });
 }
 
 // Calls launch(io) with VectorIo<dtype> when `vector`, else with ElementIo.
@@ -1567,8 +1617,8 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
   args.group_shift = coat::device::ceil_log2(save_group_size);
   args.lanes = static_cast<int>(coat_rmsnorm_lanes(cols));
   args.row_groups = 0;
-  args.save_fp4 = save_format == COAT_SAVED_FP4;
-  args.saved_row_bytes = static_cast<int>(args.save_fp4 ? (cols + 1) / 2 : cols);
+  args.save_format = save_format;
+  args.saved_row_bytes = static_cast<int>(saved_row_bytes(cols, save_format));
   args.x_saved = x_saved;
   args.x_saved_scales = x_saved_scales;
   args.rstd = rstd;
@@ -1671,14 +1721,15 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
   args.up_row_stride = up_row_stride;
   args.smooth_scale = smooth_scale;
   args.group_shift = coat::device::ceil_log2(save_group_size);
-  args.save_fp4 = save_format == COAT_SAVED_FP4;
-  args.saved_row_bytes = static_cast<int>(args.save_fp4 ? (cols + 1) / 2 : cols);
+  args.save_format = save_format;
+  args.saved_row_bytes = static_cast<int>(saved_row_bytes(cols, save_format));
   args.gate_saved = gate_saved;
   args.gate_scales = gate_scales;
   args.up_saved = up_saved;
   args.up_scales = up_scales;
   args.y_amax = y_amax;
-  // The saved codes move 8 bytes (E4M3) or 4 (FP4) at a time: rows of cols % 8 == 0 codes keep them aligned.
+  // The saved codes move 8 bytes (E4M3), 4 (FP4) or 2 (FP6) at a time: rows of cols % 8 == 0 codes keep them
+  // aligned.
   const bool vector = cols % kChunk == 0 && rows_aligned16(gate, dtype, gate_row_stride) &&
                       rows_aligned16(up, dtype, up_row_stride) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(gate_saved, 8) &&
@@ -1715,8 +1766,8 @@ coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_
   const int ngroups = static_cast<int>(coat_ceil_div(cols, save_group_size));
   const SavedCodes codes = saved_codes(x_saved, cols, saved_format);
   const bool vector = cols % kChunk == 0 && vector_aligned(codes) && aligned(weight, 16);
-  return with_saved_rows(vector, codes.fp4, [&](auto vector_codes, auto fp4) {
-    using Saved = SavedRows<decltype(vector_codes)::value, decltype(fp4)::value>;
+  return with_saved_rows(vector, codes.format, [&](auto vector_codes, auto format) {
+    using Saved = SavedRows<decltype(vector_codes)::value, decltype(format)::value>;
     const RmsnormApply<Saved> op{Saved{codes, x_saved_scales, ngroups, group_shift}, rstd, weight, weight_dtype};
     return launch_apply_quantize(op, rows, static_cast<int>(cols), OutputScale::of(y_scale), y_format, nullptr, y_t,
                                  reinterpret_cast<cudaStream_t>(stream));
@@ -1740,8 +1791,8 @@ coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float
   const SavedCodes up_codes = saved_codes(up_saved, cols, saved_format);
   const bool vector = cols % kChunk == 0 && vector_aligned(gate_codes) && vector_aligned(up_codes) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16));
-  return with_saved_rows(vector, gate_codes.fp4, [&](auto vector_codes, auto fp4) {
-    using Saved = SavedRows<decltype(vector_codes)::value, decltype(fp4)::value>;
+  return with_saved_rows(vector, gate_codes.format, [&](auto vector_codes, auto format) {
+    using Saved = SavedRows<decltype(vector_codes)::value, decltype(format)::value>;
     const Saved gate{gate_codes, gate_scales, ngroups, group_shift};
     const Saved up{up_codes, up_scales, ngroups, group_shift};
     const SiluMulApply<Saved> op{gate, up, smooth_scale};
@@ -1782,8 +1833,8 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
                       aligned(dup, 16) && vector_aligned(args.gate_saved) && vector_aligned(args.up_saved);
   coat_status status = COAT_SUCCESS;
   with_io(dy_dtype, vector, [&](auto io) {
-    const auto launch = [&](auto fp4) {
-      constexpr auto kernel = silu_mul_backward_kernel<decltype(io), decltype(fp4)::value>;
+    with_saved_format(saved_format, [&](auto format) {
+      constexpr auto kernel = silu_mul_backward_kernel<decltype(io), decltype(format)::value>;
       unsigned blocks = 0;
       if (!silu_mul_grid<kernel>(rows, args.cols, &args.segments, &args.strands, &blocks)) {
         status = COAT_ERROR_CUDA;
@@ -1791,12 +1842,7 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
       }
       kernel<<<blocks, kElementwiseThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(args);
       status = launch_status();
-    };
-    if (args.gate_saved.fp4) {
-      launch(std::true_type{});
-    } else {
-      launch(std::false_type{});
-    }
+    });
   });
   return status;
 }

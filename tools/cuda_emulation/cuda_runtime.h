@@ -120,6 +120,7 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned sel) {
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 inline unsigned atomicMax(unsigned* address, unsigned value) {

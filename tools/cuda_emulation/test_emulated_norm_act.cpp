@@ -1,7 +1,8 @@
 // Runs csrc/cuda/norm_act.cu's kernels under the CPU emulation (cuda_runtime.h here) and compares every output
-// with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward (saving E4M3 and FP4),
+// with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward (saving E4M3, FP4 and FP6),
 // requantize (with the forward's y_scale and with one that saturates, from aligned and misaligned codes) and
-// backward (without a residual gradient, and with one of dy's dtype or another), both from either saved format, over row widths of every lane count, odd widths
+// backward (without a residual gradient, and with one of dy's dtype or another), both from every saved format, over
+// row widths of every lane count, odd widths
 // and misaligned views (the element-wise path), row strides, the three dtypes, every save group size, both FP8
 // formats, with and without the transpose, NaN / Inf / zero / subnormal / huge inputs and gates past the fast
 // sigmoid's range, on 1 to 3 emulated SMs (so that the persistent kernels walk several rows or tiles per block
@@ -107,6 +108,15 @@ PlacedCodes codes_at(const std::vector<uint8_t>& codes, int offset) {
   return c;
 }
 
+// The bytes of `rows` saved rows of `cols` elements in `format`.
+int64_t saved_bytes(coat_saved_format format, int64_t rows, int64_t cols) {
+  return rows * (format == COAT_SAVED_FP4 ? (cols + 1) / 2 : format == COAT_SAVED_FP6 ? coat_fp6_row_bytes(cols) : cols);
+}
+
+const char* format_name(coat_saved_format format) {
+  return format == COAT_SAVED_FP4 ? "fp4" : format == COAT_SAVED_FP6 ? "fp6" : "e4m3";
+}
+
 // An input a forward saved for backward: its format, codes and scales.
 struct SavedInput {
   coat_saved_format format;
@@ -161,12 +171,12 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
     o.y.assign(n, 0xAB), o.y_t.assign(transpose ? n : 0, 0xAB), o.saved.assign(n, 0xAB);
     o.y_scale.assign(1, -1.0f), o.scales.assign(rows * ngroups, -1.0f), o.rstd.assign(rows, -1.0f), o.y_amax.assign(1, -1.0f);
   }
-  // First with x kept in FP4 (coat_quantize_fp4's packed layout), then in E4M3; requantize and backward read both.
-  std::vector<uint8_t> fp4_saved;
-  std::vector<float> fp4_scales;
-  for (const coat_saved_format save : {COAT_SAVED_FP4, COAT_SAVED_E4M3}) {
-    const int64_t saved_bytes = save == COAT_SAVED_FP4 ? rows * ((cols + 1) / 2) : n;
-    for (Out& o : out) o.saved.assign(saved_bytes, 0xAB);
+  // First with x kept in FP4 and FP6 (coat_quantize_fp4's and coat_quantize_fp6's packed layouts), then in E4M3;
+  // requantize and backward read every one.
+  std::vector<uint8_t> packed_saved[2];
+  std::vector<float> packed_scales[2];
+  for (const coat_saved_format save : {COAT_SAVED_FP4, COAT_SAVED_FP6, COAT_SAVED_E4M3}) {
+    for (Out& o : out) o.saved.assign(saved_bytes(save, rows, cols), 0xAB);
     const coat_status cpu = coat_rmsnorm_quantize_cpu(
         x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, eps, group, save, format, out[0].y.data(),
         out[0].y_scale.data(), transpose ? out[0].y_t.data() : nullptr, out[0].saved.data(), out[0].scales.data(),
@@ -176,10 +186,11 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
         out[1].y_scale.data(), transpose ? out[1].y_t.data() : nullptr, out[1].saved.data(), out[1].scales.data(),
         out[1].rstd.data(), out[1].y_amax.data(), nullptr);
     CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
-    if (save == COAT_SAVED_FP4) {
-      same(out[0].saved, out[1].saved, "x_saved fp4", name);
-      same(out[0].scales, out[1].scales, "x_saved_scales fp4", name);
-      fp4_saved = out[0].saved, fp4_scales = out[0].scales;
+    if (save != COAT_SAVED_E4M3) {
+      const int k = save == COAT_SAVED_FP4 ? 0 : 1;
+      same(out[0].saved, out[1].saved, k ? "x_saved fp6" : "x_saved fp4", name);
+      same(out[0].scales, out[1].scales, k ? "x_saved_scales fp6" : "x_saved_scales fp4", name);
+      packed_saved[k] = out[0].saved, packed_scales[k] = out[0].scales;
     }
   }
   same(out[0].y, out[1].y, "y", name);
@@ -191,7 +202,8 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
   same(out[0].y_amax, out[1].y_amax, "y_amax", name);
 
   const SavedInput saved_inputs[] = {{COAT_SAVED_E4M3, &out[0].saved, &out[0].scales},
-                                     {COAT_SAVED_FP4, &fp4_saved, &fp4_scales}};
+                                     {COAT_SAVED_FP4, &packed_saved[0], &packed_scales[0]},
+                                     {COAT_SAVED_FP6, &packed_saved[1], &packed_scales[1]}};
 
   // y_t recomputed from the saved input (misaligned with `offset`).
   for (const SavedInput& saved : saved_inputs) {
@@ -205,7 +217,9 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
                                                              out[0].rstd.data(), rows, cols, weight.data, w_dtype,
                                                              &y_scale, format, y_t[1].data(), nullptr);
       CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", name, cpu_r, gpu_r);
-      same(y_t[0], y_t[1], saved.format == COAT_SAVED_FP4 ? "requantized y_t from fp4" : "requantized y_t", name);
+      char what[64];
+      snprintf(what, sizeof what, "requantized y_t from %s", format_name(saved.format));
+      same(y_t[0], y_t[1], what, name);
     }
   }
 
@@ -222,7 +236,7 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
     const coat_dtype dx_dtype = residual ? residual->dtype : x_dtype;
     char backward_name[220];
     snprintf(backward_name, sizeof backward_name, "%s backward from %s, residual %s", name,
-             saved.format == COAT_SAVED_FP4 ? "fp4" : "e4m3", residual ? dtype_name(dx_dtype) : "none");
+             format_name(saved.format), residual ? dtype_name(dx_dtype) : "none");
     struct Grads {
       std::vector<uint8_t> dx;
       std::vector<float> dweight, workspace;
@@ -274,13 +288,13 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
     o.y_scale.assign(1, -1.0f), o.gate_scales.assign(rows * ngroups, -1.0f), o.up_scales.assign(rows * ngroups, -1.0f);
     o.y_amax.assign(1, -1.0f);
   }
-  // First with gate and up kept in FP4 (coat_quantize_fp4's packed layout), then in E4M3; requantize and backward
-  // read both.
-  std::vector<uint8_t> fp4_gate, fp4_up;
-  std::vector<float> fp4_gate_scales, fp4_up_scales;
-  for (const coat_saved_format save : {COAT_SAVED_FP4, COAT_SAVED_E4M3}) {
-    const int64_t saved_bytes = save == COAT_SAVED_FP4 ? rows * ((cols + 1) / 2) : n;
-    for (Out& o : out) o.gate_saved.assign(saved_bytes, 0xAB), o.up_saved.assign(saved_bytes, 0xAB);
+  // First with gate and up kept in FP4 and FP6 (the packed layouts of coat_quantize_fp4 and coat_quantize_fp6),
+  // then in E4M3; requantize and backward read every one.
+  std::vector<uint8_t> packed_gate[2], packed_up[2];
+  std::vector<float> packed_gate_scales[2], packed_up_scales[2];
+  for (const coat_saved_format save : {COAT_SAVED_FP4, COAT_SAVED_FP6, COAT_SAVED_E4M3}) {
+    const int64_t bytes = saved_bytes(save, rows, cols);
+    for (Out& o : out) o.gate_saved.assign(bytes, 0xAB), o.up_saved.assign(bytes, 0xAB);
     const coat_status cpu = coat_silu_mul_quantize_cpu(
         gate, up, dtype, rows, cols, stride, stride, smooth_ptr, group, save, format, out[0].y.data(),
         out[0].y_scale.data(), transpose ? out[0].y_t.data() : nullptr, out[0].gate_saved.data(),
@@ -290,13 +304,14 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
         out[1].y_scale.data(), transpose ? out[1].y_t.data() : nullptr, out[1].gate_saved.data(),
         out[1].gate_scales.data(), out[1].up_saved.data(), out[1].up_scales.data(), out[1].y_amax.data(), nullptr);
     CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
-    if (save == COAT_SAVED_FP4) {
-      same(out[0].gate_saved, out[1].gate_saved, "gate_saved fp4", name);
-      same(out[0].up_saved, out[1].up_saved, "up_saved fp4", name);
-      same(out[0].gate_scales, out[1].gate_scales, "gate_scales fp4", name);
-      same(out[0].up_scales, out[1].up_scales, "up_scales fp4", name);
-      fp4_gate = out[0].gate_saved, fp4_up = out[0].up_saved;
-      fp4_gate_scales = out[0].gate_scales, fp4_up_scales = out[0].up_scales;
+    if (save != COAT_SAVED_E4M3) {
+      const int k = save == COAT_SAVED_FP4 ? 0 : 1;
+      same(out[0].gate_saved, out[1].gate_saved, k ? "gate_saved fp6" : "gate_saved fp4", name);
+      same(out[0].up_saved, out[1].up_saved, k ? "up_saved fp6" : "up_saved fp4", name);
+      same(out[0].gate_scales, out[1].gate_scales, k ? "gate_scales fp6" : "gate_scales fp4", name);
+      same(out[0].up_scales, out[1].up_scales, k ? "up_scales fp6" : "up_scales fp4", name);
+      packed_gate[k] = out[0].gate_saved, packed_up[k] = out[0].up_saved;
+      packed_gate_scales[k] = out[0].gate_scales, packed_up_scales[k] = out[0].up_scales;
     }
   }
   same(out[0].y, out[1].y, "y", name);
@@ -311,10 +326,11 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
   const Matrix dy = make_matrix(rows, cols, stride, offset, dtype, specials);
   const SavedPair saved_pairs[] = {
       {COAT_SAVED_E4M3, &out[0].gate_saved, &out[0].gate_scales, &out[0].up_saved, &out[0].up_scales},
-      {COAT_SAVED_FP4, &fp4_gate, &fp4_gate_scales, &fp4_up, &fp4_up_scales}};
+      {COAT_SAVED_FP4, &packed_gate[0], &packed_gate_scales[0], &packed_up[0], &packed_up_scales[0]},
+      {COAT_SAVED_FP6, &packed_gate[1], &packed_gate_scales[1], &packed_up[1], &packed_up_scales[1]}};
   for (const SavedPair& saved : saved_pairs) {
     char saved_name[200];
-    snprintf(saved_name, sizeof saved_name, "%s from %s", name, saved.format == COAT_SAVED_FP4 ? "fp4" : "e4m3");
+    snprintf(saved_name, sizeof saved_name, "%s from %s", name, format_name(saved.format));
     const PlacedCodes gate_saved = codes_at(*saved.gate, offset), up_saved = codes_at(*saved.up, 0);
     // The forward's gate scales, and a copy in which some groups have an Inf scale (decoded gates +-Inf, NaN) or
     // one that takes the largest codes past the largest bf16 (448 * 7.59e35 is finite in fp32, Inf in bf16).
@@ -417,42 +433,58 @@ void check_quotient(long samples) {
   CHECK(mismatches == 0, "quotient's code != coat_quantize_value's on %ld of %ld samples", mismatches, checked);
 }
 
-// fp4_scale_from_amax_bits == coat_fp4_scale_from_amax_bits on every `step`-th amax bit pattern in [0, Inf] and on
+// e2m_scale_from_amax_bits == coat_e2m_scale_from_amax_bits on every `step`-th amax bit pattern in [0, Inf] and on
 // the NaNs' first and last.
-void check_fp4_scale_from_amax(uint32_t step) {
+template <int kMantissaBits>
+void check_e2m_scale_from_amax(uint32_t step) {
   long mismatches = 0;
   for (uint64_t bits = 0; bits <= 0x7F800000u; bits += step)
-    if (f2u(coat::device::fp4_scale_from_amax_bits(static_cast<uint32_t>(bits))) !=
-        f2u(coat_fp4_scale_from_amax_bits(static_cast<uint32_t>(bits))))
+    if (f2u(coat::device::e2m_scale_from_amax_bits<kMantissaBits>(static_cast<uint32_t>(bits))) !=
+        f2u(coat_e2m_scale_from_amax_bits(static_cast<uint32_t>(bits), kMantissaBits)))
       ++mismatches;
   for (uint32_t nan : {0x7F800001u, 0x7FFFFFFFu})
-    if (f2u(coat::device::fp4_scale_from_amax_bits(nan)) != f2u(coat_fp4_scale_from_amax_bits(nan))) ++mismatches;
-  CHECK(mismatches == 0, "fp4_scale_from_amax_bits != coat_fp4_scale_from_amax_bits on %ld floats", mismatches);
-  printf("fp4_scale_from_amax_bits checked on every %u-th amax in [0, Inf]: %ld mismatches\n", step, mismatches);
-}
-
-// e2m1_magnitude_code_below_7_biased(q) - its bias == coat_e2m1_magnitude_code(q) for every float q in [0, 7)
-// (every `step`-th).
-void check_e2m1_below_7(uint32_t step) {
-  long mismatches = 0;
-  for (uint64_t bits = 0; bits < 0x40E00000u; bits += step)
-    if (coat::device::e2m1_magnitude_code_below_7_biased(u2f(static_cast<uint32_t>(bits))) -
-            coat::device::kE2m1CodeBias !=
-        coat_e2m1_magnitude_code(static_cast<uint32_t>(bits)))
+    if (f2u(coat::device::e2m_scale_from_amax_bits<kMantissaBits>(nan)) !=
+        f2u(coat_e2m_scale_from_amax_bits(nan, kMantissaBits)))
       ++mismatches;
-  CHECK(mismatches == 0, "e2m1_magnitude_code_below_7_biased != coat_e2m1_magnitude_code on %ld floats", mismatches);
-  printf("e2m1_magnitude_code_below_7_biased checked on every %u-th float in [0, 7): %ld mismatches\n", step, mismatches);
+  CHECK(mismatches == 0, "e2m_scale_from_amax_bits<%d> != coat_e2m_scale_from_amax_bits on %ld floats", kMantissaBits,
+        mismatches);
+  printf("e2m_scale_from_amax_bits<%d> checked on every %u-th amax in [0, Inf]: %ld mismatches\n", kMantissaBits, step,
+         mismatches);
 }
 
-// encode_fp4_chunk against coat_quantize_fp4_scaled on random blocks: scales from amax over the whole range (down
-// to 2^-126, below the fast path's 2^-80), values of either sign whose quotients cover [0, 6] and below, grid
-// midpoints and their neighbours, and chunks holding a NaN, an Inf or a -0.
-void check_fp4_chunk(long samples) {
+// e2m_magnitude_code_biased(q) - its bias == coat_e2m_magnitude_code(q) for every float q below the fast limit
+// (every `step`-th).
+template <int kMantissaBits>
+void check_e2m_fast_code(uint32_t step) {
   long mismatches = 0;
-  const float midpoints[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 6.0f};
+  for (uint64_t bits = 0; bits < coat::device::E2m<kMantissaBits>::kFastLimitBits; bits += step)
+    if (coat::device::e2m_magnitude_code_biased<kMantissaBits>(u2f(static_cast<uint32_t>(bits))) -
+            coat::device::kE2mCodeBias !=
+        coat_e2m_magnitude_code(static_cast<uint32_t>(bits), kMantissaBits))
+      ++mismatches;
+  CHECK(mismatches == 0, "e2m_magnitude_code_biased<%d> != coat_e2m_magnitude_code on %ld floats", kMantissaBits,
+        mismatches);
+  printf("e2m_magnitude_code_biased<%d> checked on every %u-th float below its limit: %ld mismatches\n", kMantissaBits,
+         step, mismatches);
+}
+
+// encode_e2m_chunk against coat_quantize_e2m_scaled on random blocks: scales from amax over the whole range (down
+// to 2^-126, below the fast path's 2^-80), values of either sign whose quotients cover [0, E_MAX] and below, grid
+// midpoints and their neighbours, and chunks holding a NaN, an Inf or a -0. The packed codes also go through
+// store_e2m_chunk and load_e2m_chunk (vector and element by element) and back.
+template <int kMantissaBits>
+void check_e2m_chunk(long samples) {
+  std::vector<float> midpoints;
+  for (uint8_t k = 0; k + 1 < (4 << kMantissaBits); ++k) {
+    const float a = kMantissaBits == 1 ? coat_e2m1_to_f32(k) : coat_e2m3_to_f32(k);
+    const float b = kMantissaBits == 1 ? coat_e2m1_to_f32(k + 1) : coat_e2m3_to_f32(k + 1);
+    midpoints.push_back((a + b) / 2);
+  }
+  midpoints.push_back(coat::device::E2m<kMantissaBits>::kMax);
+  long mismatches = 0;
   for (long i = 0; i < samples; ++i) {
     const float amax = u2f(static_cast<uint32_t>(rng() % 0x7F000000u));
-    const float scale = coat_fp4_scale_from_amax_bits(f2u(amax));  // of the midpoints' values
+    const float scale = coat_e2m_scale_from_amax_bits(f2u(amax), kMantissaBits);  // of the midpoints' values
     float v[8];
     for (int e = 0; e < 8; ++e) {
       const uint64_t r = rng();
@@ -462,9 +494,9 @@ void check_fp4_chunk(long samples) {
         case 0: x = static_cast<float>(amax * uniform()); break;
         case 1: x = static_cast<float>(amax * ldexp(uniform(), -static_cast<int>((r >> 8) % 40))); break;
         default: {  // a midpoint's quotient, moved by up to 2 ulps
-          const float q = nextafterf(midpoints[(r >> 8) % 8], (r >> 12) & 1 ? INFINITY : 0.0f);
+          const float q = nextafterf(midpoints[(r >> 8) % midpoints.size()], (r >> 16) & 1 ? INFINITY : 0.0f);
           x = fminf(q * scale, amax);
-          if ((r >> 13) & 1) x = nextafterf(x, 0.0f);
+          if ((r >> 17) & 1) x = nextafterf(x, 0.0f);
         }
       }
       v[e] = sign * x;
@@ -473,13 +505,42 @@ void check_fp4_chunk(long samples) {
     // the block's scale, as the kernels take it: its amax may be another chunk's (amax), a NaN or an Inf here
     uint32_t amax_bits = f2u(amax);
     for (int e = 0; e < 8; ++e) amax_bits = coat_max_bits(amax_bits, coat_magnitude_bits(v[e]));
-    const float s = coat_fp4_scale_from_amax_bits(amax_bits);
-    const uint32_t word = coat::device::encode_fp4_chunk(v, s, 1.0f / s);
+    const float s = coat_e2m_scale_from_amax_bits(amax_bits, kMantissaBits);
+    const coat::device::PackedCodes packed = coat::device::encode_e2m_chunk<kMantissaBits>(v, s, 1.0f / s);
     for (int e = 0; e < 8; ++e)
-      if (((word >> (4 * e)) & 0xFu) != coat_quantize_fp4_scaled(v[e], s, 1.0f / s)) ++mismatches;
+      if (coat::device::e2m_code_at<kMantissaBits>(packed, e) != coat_quantize_e2m_scaled(v[e], s, 1.0f / s, kMantissaBits))
+        ++mismatches;
+    // a chunk of `count` codes stores its bytes and loads its codes back, vector-wise when whole
+    const int count = 1 + static_cast<int>(rng() % 8);
+    alignas(8) uint8_t bytes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    coat::device::store_e2m_chunk<kMantissaBits>(bytes, packed, count, count == 8);
+    const coat::device::PackedCodes loaded = coat::device::load_e2m_chunk<kMantissaBits>(bytes, count, count == 8);
+    for (int e = 0; e < count; ++e)
+      if (coat::device::e2m_code_at<kMantissaBits>(loaded, e) != coat::device::e2m_code_at<kMantissaBits>(packed, e))
+        ++mismatches;
   }
-  CHECK(mismatches == 0, "encode_fp4_chunk != coat_quantize_fp4_scaled on %ld of %ld codes", mismatches, samples * 8);
-  printf("encode_fp4_chunk checked on %ld random chunks: %ld mismatches\n", samples, mismatches);
+  CHECK(mismatches == 0, "encode_e2m_chunk<%d> != coat_quantize_e2m_scaled on %ld of %ld codes", kMantissaBits,
+        mismatches, samples * 8);
+  printf("encode_e2m_chunk<%d> checked on %ld random chunks: %ld mismatches\n", kMantissaBits, samples, mismatches);
+}
+
+// e2m3x8_to_e4m3 (the SWAR expansion of eight packed FP6 codes) against coat_e2m3_to_e4m3 of each code, for every
+// code in every position.
+void check_e2m3_expansion() {
+  long mismatches = 0;
+  for (uint32_t code = 0; code < 64; ++code)
+    for (int e = 0; e < 8; ++e) {
+      const uint64_t word = (uint64_t{code} << (6 * e)) | (uint64_t{(code * 37u + 11u) & 63u} << (6 * ((e + 3) % 8)));
+      const coat::device::Codes packed{static_cast<uint32_t>(word), static_cast<uint32_t>(word >> 32)};
+      const coat::device::Codes expanded = e2m3x8_to_e4m3(packed);
+      for (int k = 0; k < 8; ++k) {
+        const uint8_t expected = coat_e2m3_to_e4m3(static_cast<uint8_t>((word >> (6 * k)) & 63u));
+        const uint8_t got = static_cast<uint8_t>((k < 4 ? expanded.lo >> (8 * k) : expanded.hi >> (8 * (k - 4))) & 0xFFu);
+        if (got != expected) ++mismatches;
+      }
+    }
+  CHECK(mismatches == 0, "e2m3x8_to_e4m3 != coat_e2m3_to_e4m3 on %ld codes", mismatches);
+  printf("e2m3x8_to_e4m3 checked on every code in every position: %ld mismatches\n", mismatches);
 }
 
 }  // namespace
@@ -490,9 +551,13 @@ int main(int argc, char** argv) {
   check_sigmoid_near(full ? 1u : 4099u);
   check_quotient(full ? 100000000L : 2000000L);
   check_scale_from_amax(full ? 1u : 997u);
-  check_fp4_scale_from_amax(full ? 1u : 997u);
-  check_e2m1_below_7(full ? 1u : 97u);
-  check_fp4_chunk(full ? 20000000L : 500000L);
+  check_e2m_scale_from_amax<1>(full ? 1u : 997u);
+  check_e2m_scale_from_amax<3>(full ? 1u : 997u);
+  check_e2m_fast_code<1>(full ? 1u : 97u);
+  check_e2m_fast_code<3>(full ? 1u : 97u);
+  check_e2m_chunk<1>(full ? 20000000L : 500000L);
+  check_e2m_chunk<3>(full ? 20000000L : 500000L);
+  check_e2m3_expansion();
 
   const coat_dtype dtypes[] = {COAT_BFLOAT16, COAT_FLOAT32, COAT_FLOAT16};
   const int64_t groups[] = {16, 32, 64, 128};

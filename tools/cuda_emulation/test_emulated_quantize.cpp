@@ -1,11 +1,11 @@
 // Runs csrc/cuda/quantize.cu's kernels under the CPU emulation (cuda_runtime.h here) and compares every output with
 // the C core's, byte for byte. FP8: quantize_group (with and without the transpose), group_amax, tensor_amax,
-// quantize_tensor (with the transpose, and into wider outputs) and dequantize, in both formats. FP4: quantize_fp4,
-// dequantize_fp4 and fp4_to_e4m3. Cases: the three input dtypes, every group / block size, rows narrower than a
+// quantize_tensor (with the transpose, and into wider outputs) and dequantize, in both formats. FP4 and FP6:
+// quantize_fp4 / fp6, dequantize_fp4 / fp6 and fp4_to_e4m3 / fp6_to_e4m3. Cases: the three input dtypes, every group / block size, rows narrower than a
 // group, odd widths and widths that are not multiples of 8 (the element-wise path), padded and misaligned row
 // strides, misaligned outputs, several tiles per grid, and groups holding NaN, Inf, zeros, subnormals, huge values
-// and values small enough for scales below 2^-80 (the quantizers' slow path). It also checks the FP4 encoder against
-// its definition on every float (on a sample with `quick`). Built and run by run.sh.
+// and values small enough for scales below 2^-80 (the quantizers' slow path). It also checks the FP4 and FP6
+// encoders against their definition on every float (on a sample with `quick`). Built and run by run.sh.
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -17,6 +17,7 @@
 #include "check.h"
 #include "coat/float_bits.h"
 #include "coat/fp4.h"
+#include "coat/fp6.h"
 #include "coat/quantize.h"
 
 static std::mt19937_64 rng(2027);
@@ -79,39 +80,64 @@ static Buffer random_matrix(int64_t rows, int64_t cols, coat_dtype dtype, int64_
   return x;
 }
 
+// The entry points of one block-scaled format (coat/quantize.h), C core and CUDA.
+struct BlockFormat {
+  const char* name;
+  int64_t (*row_bytes)(int64_t cols);
+  coat_status (*quantize_cpu)(const void*, coat_dtype, int64_t, int64_t, int64_t, int64_t, uint8_t*, float*);
+  coat_status (*quantize_cuda)(const void*, coat_dtype, int64_t, int64_t, int64_t, int64_t, uint8_t*, float*,
+                               coat_cuda_stream);
+  coat_status (*dequantize_cpu)(const uint8_t*, int64_t, int64_t, const float*, int64_t, void*, coat_dtype);
+  coat_status (*dequantize_cuda)(const uint8_t*, int64_t, int64_t, const float*, int64_t, void*, coat_dtype,
+                                 coat_cuda_stream);
+  coat_status (*to_e4m3_cpu)(const uint8_t*, int64_t, int64_t, uint8_t*);
+  coat_status (*to_e4m3_cuda)(const uint8_t*, int64_t, int64_t, uint8_t*, coat_cuda_stream);
+};
+
+static int64_t fp4_row_bytes(int64_t cols) { return (cols + 1) / 2; }
+
+static const BlockFormat kBlockFormats[] = {
+    {"fp4", fp4_row_bytes, coat_quantize_fp4_cpu, coat_quantize_fp4_cuda, coat_dequantize_fp4_cpu,
+     coat_dequantize_fp4_cuda, coat_fp4_to_e4m3_cpu, coat_fp4_to_e4m3_cuda},
+    {"fp6", coat_fp6_row_bytes, coat_quantize_fp6_cpu, coat_quantize_fp6_cuda, coat_dequantize_fp6_cpu,
+     coat_dequantize_fp6_cuda, coat_fp6_to_e4m3_cpu, coat_fp6_to_e4m3_cuda},
+};
+
 // shift: elements the input starts past a 16-byte boundary, and bytes the decoders' outputs do (0: vector path).
-static void run_case(int64_t rows, int64_t cols, coat_dtype dtype, int64_t block_size, int64_t row_stride, int shift,
-                     bool specials) {
+static void run_case(const BlockFormat& f, int64_t rows, int64_t cols, coat_dtype dtype, int64_t block_size,
+                     int64_t row_stride, int shift, bool specials) {
   ++cases;
   const Buffer x = random_matrix(rows, cols, dtype, row_stride, shift, specials);
-  const int64_t row_bytes = (cols + 1) / 2;
+  const int64_t row_bytes = f.row_bytes(cols);
   const int64_t nblocks = (cols + block_size - 1) / block_size;
   Buffer codes[2] = {Buffer(rows * row_bytes, 0, 0xAB), Buffer(rows * row_bytes, 0, 0xAB)};
   Buffer scales[2] = {Buffer(rows * nblocks * 4, 0, 0xAB), Buffer(rows * nblocks * 4, 0, 0xAB)};
   coat_status status[2];
-  status[0] = coat_quantize_fp4_cpu(x.data, dtype, rows, cols, row_stride, block_size, codes[0].data,
-                                    reinterpret_cast<float*>(scales[0].data));
-  status[1] = coat_quantize_fp4_cuda(x.data, dtype, rows, cols, row_stride, block_size, codes[1].data,
-                                     reinterpret_cast<float*>(scales[1].data), nullptr);
-  CHECK(status[0] == COAT_SUCCESS && status[1] == COAT_SUCCESS, "quantize status %d / %d", status[0], status[1]);
-  same_bytes(codes[0], codes[1], "codes", rows, cols, dtype, block_size, row_stride, shift);
+  status[0] = f.quantize_cpu(x.data, dtype, rows, cols, row_stride, block_size, codes[0].data,
+                             reinterpret_cast<float*>(scales[0].data));
+  status[1] = f.quantize_cuda(x.data, dtype, rows, cols, row_stride, block_size, codes[1].data,
+                              reinterpret_cast<float*>(scales[1].data), nullptr);
+  CHECK(status[0] == COAT_SUCCESS && status[1] == COAT_SUCCESS, "%s quantize status %d / %d", f.name, status[0], status[1]);
+  same_bytes(codes[0], codes[1], f.name, rows, cols, dtype, block_size, row_stride, shift);
   same_bytes(scales[0], scales[1], "scales", rows, cols, dtype, block_size, row_stride, shift);
 
   const float* block_scales = reinterpret_cast<const float*>(scales[0].data);
   for (coat_dtype out_dtype : {COAT_FLOAT32, COAT_BFLOAT16}) {
     const size_t out_bytes = rows * cols * element_size(out_dtype);
     Buffer out[2] = {Buffer(out_bytes, shift, 0xAB), Buffer(out_bytes, shift, 0xAB)};
-    status[0] = coat_dequantize_fp4_cpu(codes[0].data, rows, cols, block_scales, block_size, out[0].data, out_dtype);
-    status[1] = coat_dequantize_fp4_cuda(codes[0].data, rows, cols, block_scales, block_size, out[1].data, out_dtype, nullptr);
-    CHECK(status[0] == COAT_SUCCESS && status[1] == COAT_SUCCESS, "dequantize status %d / %d", status[0], status[1]);
-    same_bytes(out[0], out[1], out_dtype == COAT_FLOAT32 ? "dequantize fp32" : "dequantize bf16", rows, cols, dtype,
-               block_size, row_stride, shift);
+    status[0] = f.dequantize_cpu(codes[0].data, rows, cols, block_scales, block_size, out[0].data, out_dtype);
+    status[1] = f.dequantize_cuda(codes[0].data, rows, cols, block_scales, block_size, out[1].data, out_dtype, nullptr);
+    CHECK(status[0] == COAT_SUCCESS && status[1] == COAT_SUCCESS, "%s dequantize status %d / %d", f.name, status[0],
+          status[1]);
+    same_bytes(out[0], out[1], out_dtype == COAT_FLOAT32 ? "block dequantize fp32" : "block dequantize bf16", rows,
+               cols, dtype, block_size, row_stride, shift);
   }
   Buffer q[2] = {Buffer(rows * cols, shift, 0xAB), Buffer(rows * cols, shift, 0xAB)};
-  status[0] = coat_fp4_to_e4m3_cpu(codes[0].data, rows, cols, q[0].data);
-  status[1] = coat_fp4_to_e4m3_cuda(codes[0].data, rows, cols, q[1].data, nullptr);
-  CHECK(status[0] == COAT_SUCCESS && status[1] == COAT_SUCCESS, "fp4_to_e4m3 status %d / %d", status[0], status[1]);
-  same_bytes(q[0], q[1], "fp4_to_e4m3", rows, cols, dtype, block_size, row_stride, shift);
+  status[0] = f.to_e4m3_cpu(codes[0].data, rows, cols, q[0].data);
+  status[1] = f.to_e4m3_cuda(codes[0].data, rows, cols, q[1].data, nullptr);
+  CHECK(status[0] == COAT_SUCCESS && status[1] == COAT_SUCCESS, "%s to_e4m3 status %d / %d", f.name, status[0],
+        status[1]);
+  same_bytes(q[0], q[1], "to_e4m3", rows, cols, dtype, block_size, row_stride, shift);
 }
 
 // The FP8 quantizers of one matrix against the C core: group scaling (codes, scales, transpose), group and tensor
@@ -180,25 +206,45 @@ static void run_fp8_case(int64_t rows, int64_t cols, coat_dtype dtype, int64_t g
   }
 }
 
-// coat_f32_to_e2m1 (arithmetic) against its definition, the count of grid midpoints |f| passes (> at 0.25, 1.25,
-// 2.5 and 5, >= at 0.75, 1.75 and 3.5; a NaN passes none) with f's sign, on every `step`-th float.
-static void check_e2m1_encoder(uint32_t step) {
+// The encoders (arithmetic) against their definition, the count of grid midpoints |f| passes with f's sign: a
+// midpoint between codes k and k + 1 is passed when |f| is above it, or on it with k odd (ties go to the even
+// code); a NaN passes none. On every `step`-th float.
+static void check_encoder(const char* name, const float* grid, int grid_size, uint32_t sign_bit,
+                          uint8_t (*encode)(float), uint32_t step) {
   long mismatches = 0;
   for (uint64_t bits = 0; bits <= 0xFFFFFFFFu; bits += step) {
     float f;
     const uint32_t u = static_cast<uint32_t>(bits);
     memcpy(&f, &u, 4);
     const float m = fabsf(f);
-    const uint32_t code = (m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) + (m >= 3.5f) + (m > 5.0f);
-    if (coat_f32_to_e2m1(f) != (((u >> 28) & 0x8u) | code)) ++mismatches;
+    uint32_t code = 0;
+    for (int k = 0; k + 1 < grid_size; ++k) {
+      const float midpoint = (grid[k] + grid[k + 1]) / 2;  // exact: the grids are short binary fractions
+      code += m > midpoint || (m == midpoint && k % 2 == 1);
+    }
+    if (encode(f) != ((u >> 31) * sign_bit | code)) ++mismatches;
   }
-  CHECK(mismatches == 0, "coat_f32_to_e2m1 differs from the midpoint count on %ld floats", mismatches);
-  printf("coat_f32_to_e2m1 checked on every %u-th float: %ld mismatches\n", step, mismatches);
+  CHECK(mismatches == 0, "coat_f32_to_%s differs from the midpoint count on %ld floats", name, mismatches);
+  printf("coat_f32_to_%s checked on every %u-th float: %ld mismatches\n", name, step, mismatches);
+}
+
+static uint8_t encode_e2m1(float f) { return coat_f32_to_e2m1(f); }
+static uint8_t encode_e2m3(float f) { return coat_f32_to_e2m3(f); }
+
+static void check_encoders(uint32_t step) {
+  const float e2m1[] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  check_encoder("e2m1", e2m1, 8, 0x8u, encode_e2m1, step);
+  float e2m3[32];
+  for (int k = 0; k < 32; ++k) e2m3[k] = coat_e2m3_to_f32(static_cast<uint8_t>(k));
+  for (int k = 0; k < 8; ++k) CHECK(e2m3[k] == k * 0.125f, "E2M3 subnormal %d decodes to %a", k, e2m3[k]);
+  for (int k = 8; k < 32; ++k)
+    CHECK(e2m3[k] == ldexpf(1.0f + (k & 7) / 8.0f, (k >> 3) - 1), "E2M3 code %d decodes to %a", k, e2m3[k]);
+  check_encoder("e2m3", e2m3, 32, 0x20u, encode_e2m3, step);
 }
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
-  check_e2m1_encoder(quick ? 997u : 1u);
+  check_encoders(quick ? 997u : 1u);
   // (rows, cols): one element, odd widths, rows narrower than the smallest block, widths that are multiples of
   // 8 but not 16 (8-element chunks), exact multiples of every block size (16-element chunks on the row-wise
   // vector path), rows wider than one tile (2048 columns; 4096 with 16-element chunks) and rows whose width
@@ -215,14 +261,16 @@ int main(int argc, char** argv) {
         ++i;
         if (quick && i % 3 != 0) continue;
         const int64_t rows = shape[0], cols = shape[1];
-        run_case(rows, cols, dtype, block_size, cols, 0, i % 2 == 0);            // contiguous
-        run_case(rows, cols, dtype, block_size, cols + 8 * (i % 3), 0, true);    // padded row stride
-        run_case(rows, cols, dtype, block_size, cols + 3, 1, i % 2 == 1);        // misaligned rows and outputs
+        for (const BlockFormat& f : kBlockFormats) {
+          run_case(f, rows, cols, dtype, block_size, cols, 0, i % 2 == 0);            // contiguous
+          run_case(f, rows, cols, dtype, block_size, cols + 8 * (i % 3), 0, true);    // padded row stride
+          run_case(f, rows, cols, dtype, block_size, cols + 3, 1, i % 2 == 1);        // misaligned rows and outputs
+        }
         const coat_fp8_format format = i % 2 ? COAT_E5M2 : COAT_E4M3;
         run_fp8_case(rows, cols, dtype, block_size, format, cols, 0, i % 2 == 0);
         run_fp8_case(rows, cols, dtype, block_size, format, cols + 8 * (i % 3), 0, true);
         run_fp8_case(rows, cols, dtype, block_size, format, cols + 3, 1, i % 2 == 1);
       }
-  printf("quantize (FP8 and FP4): %d cases, %s: %d failures\n", cases, failures ? "FAILED" : "ok", failures);
+  printf("quantize (FP8, FP4 and FP6): %d cases, %s: %d failures\n", cases, failures ? "FAILED" : "ok", failures);
   return failures != 0;
 }

@@ -22,28 +22,19 @@
 
 #include "coat/common.h"
 #include "coat/float_bits.h"
+#include "coat/minifloat.h"
 
 #define COAT_E2M1_MAX 6.0f
 
 /* The three magnitude bits of coat_f32_to_e2m1's code, from the bits of a magnitude m >= 0 or of a NaN of either
- * sign (see coat_f32_to_e2m1). */
-COAT_INLINE uint32_t coat_e2m1_magnitude_code(uint32_t magnitude) {
-  const uint32_t clamped = magnitude < 0x41000000u ? magnitude : 0x41000000u; /* min(m, 8); a NaN too */
-  const uint32_t biased = clamped >> 23;
-  const uint32_t e = biased > 127u ? biased - 127u : 0u; /* 3 for 8 itself */
-  const float scaled = coat_f32_from_bits(clamped) * coat_f32_from_bits((128u - e) << 23);
-  const uint32_t code = coat_f32_to_bits(scaled + 8388608.0f) - 0x4B000000u + 2u * e;
-  return magnitude > 0x7F800000u ? 0u : code < 7u ? code : 7u;
-}
+ * sign: coat_e2m_magnitude_code with one mantissa bit (coat/minifloat.h says how). Equal to counting the
+ * midpoints that m passes (> at 0.25, 1.25, 2.5 and 5, >= at 0.75, 1.75 and 3.5) on every float
+ * (tools/cuda_emulation checks them all). */
+COAT_INLINE uint32_t coat_e2m1_magnitude_code(uint32_t magnitude) { return coat_e2m_magnitude_code(magnitude, 1u); }
 
 /* The code of f, by arithmetic rather than seven comparisons with the grid's midpoints (the quantizers encode
- * every element, and the comparisons made FP4 encoding compute-bound on the GPU). The grid's steps are 0.5
- * below 2, 1 in [2, 4) and 2 from 4 on, so with e = 0, 1, 2 for |f| in those ranges the code is
- * |f| * 2^(1 - e) rounded to an integer, ties to even (the even integer is the even code), plus 2e; the rounding
- * is the float addition of 2^23 (the scaled value is below 4, the product exact). Magnitudes from 8 on, Inf
- * included, are clamped to 8, whose code 8 saturates to 7; a NaN encodes to 0. Equal to counting the midpoints
- * that |f| passes (> at 0.25, 1.25, 2.5 and 5, >= at 0.75, 1.75 and 3.5) on every float (tools/cuda_emulation
- * checks them all); tests/test_fp4.py holds it to a float64 oracle. */
+ * every element, and the comparisons made FP4 encoding compute-bound on the GPU); tests/test_block_formats.py holds it
+ * to a float64 oracle. */
 COAT_INLINE uint8_t coat_f32_to_e2m1(float f) {
   const uint32_t bits = coat_f32_to_bits(f);
   return (uint8_t)(((bits >> 28) & 0x8u) | coat_e2m1_magnitude_code(bits & 0x7FFFFFFFu));

@@ -37,10 +37,12 @@
  *   COAT_SAVED_FP4:  saved (rows*ceil(cols/2) bytes) and scales (rows*ceil(cols/G) fp32) are bit for bit
  *                    coat_quantize_fp4(input, G) (coat/quantize.h): the copy a layer keeps at about 4 bits,
  *                    made while the input is read anyway.
- * The backward and requantize entry points read either format (their `saved_format`). An FP4 code is read as
- * its E4M3 expansion coat_e2m1_to_e4m3 (the same value, with the same block scale), so their results from an
- * FP4 copy equal, bit for bit, their results from coat_fp4_to_e4m3's expansion of it, without that expansion
- * being written: below, "decoded" means this decoding in both formats.
+ *   COAT_SAVED_FP6:  saved (rows*ceil(3 cols/4) bytes) and scales (rows*ceil(cols/G) fp32) are bit for bit
+ *                    coat_quantize_fp6(input, G): the copy at about 6 bits.
+ * The backward and requantize entry points read any of them (their `saved_format`). An FP4 or FP6 code is read
+ * as its E4M3 expansion coat_e2m1_to_e4m3 / coat_e2m3_to_e4m3 (the same value, with the same block scale), so
+ * their results from such a copy equal, bit for bit, their results from coat_fp4_to_e4m3's / coat_fp6_to_e4m3's
+ * expansion of it, without that expansion being written: below, "decoded" means this decoding in every format.
  *
  * Determinism. Every sum (the per-row sum of squares and dot product of RMSNorm, the column sums of
  * dweight) has a fixed reduction order, defined in coat/detail/norm_act_math.h and shared by the C and
@@ -63,6 +65,7 @@ extern "C" {
 typedef enum {
   COAT_SAVED_E4M3 = 0,
   COAT_SAVED_FP4 = 1,
+  COAT_SAVED_FP6 = 2,
 } coat_saved_format;
 
 /** The widest row RMSNorm accepts: a row is reduced by at most 1024 threads holding 32 elements each. */

@@ -91,36 +91,39 @@ coat_status coat_dequantize_cuda(const uint8_t* q, coat_fp8_format format, int64
                                  coat_cuda_stream stream);
 
 /*
- * Block-scaled FP4 (E2M1, coat/fp4.h), the storage format of activations saved for backward at about 4 bits.
+ * Block-scaled FP4 (E2M1, coat/fp4.h) and FP6 (E2M3, coat/fp6.h), the storage formats of activations saved for
+ * backward at about 4 and 6 bits. The two follow one set of rules and differ in the code width, the packing and
+ * the largest magnitude, E_MAX = 6 (E2M1) or 7.5 (E2M3).
  *
  * Layout. The input is the row-major matrix of the FP8 quantizers above. Blocks are 1 x B runs along a
  * row, like the FP8 groups: block j of row r holds columns [j*B, min((j+1)*B, cols)), B is 16, 32, 64 or
- * 128, and a row has nblocks = ceil(cols / B) blocks, the last one possibly short. Codes are packed two per
+ * 128, and a row has nblocks = ceil(cols / B) blocks, the last one possibly short. FP4 codes are packed two per
  * byte, element 2i of a row in the low nibble of byte i and element 2i+1 in the high nibble; each row takes
- * ceil(cols / 2) bytes, so with odd cols its last byte holds one code and a high nibble of 0. As B is even,
- * the two codes of a byte always share a block. codes is rows x ceil(cols/2) bytes, scales rows x nblocks
- * fp32, both contiguous.
+ * ceil(cols / 2) bytes, so with odd cols its last byte holds one code and a high nibble of 0. FP6 codes are
+ * packed four per three bytes (coat/fp6.h); each row takes ceil(3 cols / 4) bytes. As B is a multiple of 4, the
+ * codes of a byte (or of a three-byte word) always share a block. codes is rows x row_bytes bytes, scales rows x
+ * nblocks fp32, both contiguous.
  *
  * Scales are fp32 and quantization divides by exactly the stored scale, as for FP8:
  *     amax  = max |x| over the block
  *     scale = NaN                            if the block holds a NaN
- *             max(amax / 6, 2^-126)          otherwise (Inf when the block holds +-Inf)
- *     code  = e2m1_encode(x / scale)         (fp32 division, then coat_f32_to_e2m1)
- *     x'    = e2m1_decode(code) * scale      (fp32 product, then rounded to the output dtype)
+ *             max(amax / E_MAX, 2^-126)      otherwise (Inf when the block holds +-Inf)
+ *     code  = encode(x / scale)              (fp32 division, then coat_f32_to_e2m1 / coat_f32_to_e2m3)
+ *     x'    = decode(code) * scale           (fp32 product, then rounded to the output dtype)
  * All-zero and tiny blocks: the 2^-126 floor keeps them finite; they quantize to (signed) zeros, or to the
- * E2M1 values nearest x * 2^126, and dequantize without NaN.
- * NaN: E2M1 has no NaN, so a NaN makes its whole block's scale NaN and every element of that block
- * dequantizes to NaN; a NaN is never silently lost (the FP8 rule keeps the rest of the group, FP4 cannot).
+ * values nearest x * 2^126, and dequantize without NaN.
+ * NaN: neither format has a NaN, so a NaN makes its whole block's scale NaN and every element of that block
+ * dequantizes to NaN; a NaN is never silently lost (the FP8 rule keeps the rest of the group, these cannot).
  * Inf: the block's scale is Inf, as in the FP8 rule. Its finite elements encode +-0 (x / Inf) and its
  * infinities +-0 too (Inf / Inf is NaN, which encodes to zero), so every element dequantizes to
  * 0 * Inf = NaN: the whole block reads NaN instead of silently clipping the overflow.
  * The code of a NaN quotient takes the sign of x, so that CPU and CUDA agree (see coat_quantize_scaled).
  *
- * Expansion to E4M3 for the FP8 backward kernels: every E2M1 value is exactly an E4M3 value, so
- *     q[r*cols + c] = e4m3_encode(e2m1_decode(code[r, c])) = coat_e2m1_to_e4m3(code[r, c])
+ * Expansion to E4M3 for the FP8 backward kernels: every E2M1 and E2M3 value is exactly an E4M3 value, so
+ *     q[r*cols + c] = e4m3_encode(decode(code[r, c])) = coat_e2m1_to_e4m3 / coat_e2m3_to_e4m3 (code[r, c])
  * with the block scales passed on unchanged makes the 1xG layout of coat_quantize_group with G = B, and
- * coat_dequantize of (q, scales) computes the same fp32 product e2m1_decode(code) * scale as
- * coat_dequantize_fp4: equal bit for bit, NaN and Inf blocks included (their scale is the same NaN or Inf).
+ * coat_dequantize of (q, scales) computes the same fp32 product decode(code) * scale as the dequantizers
+ * below: equal bit for bit, NaN and Inf blocks included (their scale is the same NaN or Inf).
  */
 
 /** codes and scales of x (`dtype` elements, rows x cols, rows row_stride elements apart), as above. */
@@ -128,18 +131,29 @@ coat_status coat_quantize_fp4_cpu(const void* x, coat_dtype dtype, int64_t rows,
                                   int64_t block_size, uint8_t* codes, float* scales);
 coat_status coat_quantize_fp4_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols, int64_t row_stride,
                                    int64_t block_size, uint8_t* codes, float* scales, coat_cuda_stream stream);
+coat_status coat_quantize_fp6_cpu(const void* x, coat_dtype dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                                  int64_t block_size, uint8_t* codes, float* scales);
+coat_status coat_quantize_fp6_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                                   int64_t block_size, uint8_t* codes, float* scales, coat_cuda_stream stream);
 
-/** out[r*cols + c] = round_to(out_dtype, e2m1_decode(code[r, c]) * scales[r*nblocks + c/B]); out is contiguous,
+/** out[r*cols + c] = round_to(out_dtype, decode(code[r, c]) * scales[r*nblocks + c/B]); out is contiguous,
  *  out_dtype COAT_FLOAT32 or COAT_BFLOAT16. */
 coat_status coat_dequantize_fp4_cpu(const uint8_t* codes, int64_t rows, int64_t cols, const float* scales,
                                     int64_t block_size, void* out, coat_dtype out_dtype);
 coat_status coat_dequantize_fp4_cuda(const uint8_t* codes, int64_t rows, int64_t cols, const float* scales,
                                      int64_t block_size, void* out, coat_dtype out_dtype, coat_cuda_stream stream);
+coat_status coat_dequantize_fp6_cpu(const uint8_t* codes, int64_t rows, int64_t cols, const float* scales,
+                                    int64_t block_size, void* out, coat_dtype out_dtype);
+coat_status coat_dequantize_fp6_cuda(const uint8_t* codes, int64_t rows, int64_t cols, const float* scales,
+                                     int64_t block_size, void* out, coat_dtype out_dtype, coat_cuda_stream stream);
 
-/** q[r*cols + c] = coat_e2m1_to_e4m3(code[r, c]): the E4M3 codes that, with the unchanged block scales, are the
- *  1xB group layout of the same values. q is rows x cols bytes. */
+/** q[r*cols + c] = the E4M3 code of code[r, c]'s value: the E4M3 codes that, with the unchanged block scales, are
+ *  the 1xB group layout of the same values. q is rows x cols bytes. */
 coat_status coat_fp4_to_e4m3_cpu(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* q);
 coat_status coat_fp4_to_e4m3_cuda(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* q,
+                                  coat_cuda_stream stream);
+coat_status coat_fp6_to_e4m3_cpu(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* q);
+coat_status coat_fp6_to_e4m3_cuda(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* q,
                                   coat_cuda_stream stream);
 
 #ifdef __cplusplus

@@ -8,6 +8,7 @@
 #include <math.h>
 
 #include "coat/fp4.h"
+#include "coat/fp6.h"
 #include "coat/fp8.h"
 #include "coat/quantize.h"
 
@@ -88,28 +89,33 @@ COAT_INLINE float coat_dequantize_value(float decoded, float scale) {
   return coat_canonical_nan(decoded * scale);
 }
 
-/* FP4 block scaling (quantize.h). A block's amax is taken on the bits of |x|: as unsigned integers they
- * order like the magnitudes, with every NaN above Inf, so the max of the bits is the amax of a block
- * without NaN and a NaN otherwise, in any order of reduction. */
+/* Block scaling of FP4 (E2M1) and FP6 (E2M3), quantize.h: the two formats differ in their mantissa bits M only
+ * (coat/minifloat.h). A block's amax is taken on the bits of |x|: as unsigned integers they order like the
+ * magnitudes, with every NaN above Inf, so the max of the bits is the amax of a block without NaN and a NaN
+ * otherwise, in any order of reduction. */
 COAT_INLINE uint32_t coat_magnitude_bits(float x) { return coat_f32_to_bits(x) & 0x7FFFFFFFu; }
 
 COAT_INLINE uint32_t coat_max_bits(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
+/* The largest magnitude of E2M<M>: 6 for FP4, 7.5 for FP6. */
+COAT_INLINE float coat_e2m_max(uint32_t mantissa_bits) { return mantissa_bits == 1u ? COAT_E2M1_MAX : COAT_E2M3_MAX; }
+
 /* The block scale from the max of coat_magnitude_bits: the canonical NaN for a block holding a NaN, else
- * max(amax / 6, 2^-126), Inf for an Inf. */
-COAT_INLINE float coat_fp4_scale_from_amax_bits(uint32_t amax_bits) {
+ * max(amax / coat_e2m_max, 2^-126), Inf for an Inf. */
+COAT_INLINE float coat_e2m_scale_from_amax_bits(uint32_t amax_bits, uint32_t mantissa_bits) {
   if (amax_bits > 0x7F800000u) return coat_f32_from_bits(0x7FC00000u);
-  const float scale = coat_f32_from_bits(amax_bits) / COAT_E2M1_MAX;
+  const float scale = coat_f32_from_bits(amax_bits) / coat_e2m_max(mantissa_bits);
   return scale < COAT_MIN_SCALE ? COAT_MIN_SCALE : scale;
 }
 
-/* The E2M1 code of x / scale, the quotient signed as in coat_quantize_scaled: x's sign bit, and the code of
- * |x| / scale (the division is symmetric in the sign; a NaN quotient encodes to 0). coat_divide_by_scale's CUDA
- * fast path is exact here too: the quotients it may round differently are below 2^-20, which E2M1 encodes
- * as zero (everything up to 0.25 is). */
-COAT_INLINE uint8_t coat_quantize_fp4_scaled(float x, float scale, float reciprocal) {
+/* The E2M<M> code of x / scale, the quotient signed as in coat_quantize_scaled: x's sign bit (bit M + 2), and the
+ * code of |x| / scale (the division is symmetric in the sign; a NaN quotient encodes to 0). coat_divide_by_scale's
+ * CUDA fast path is exact here too: the quotients it may round differently are below 2^-20, which both formats
+ * encode as zero (everything up to 2^-(M+1) is). */
+COAT_INLINE uint8_t coat_quantize_e2m_scaled(float x, float scale, float reciprocal, uint32_t mantissa_bits) {
   const uint32_t quotient = coat_f32_to_bits(coat_divide_by_scale(fabsf(x), scale, reciprocal));
-  return (uint8_t)(((coat_f32_to_bits(x) >> 28) & 0x8u) | coat_e2m1_magnitude_code(quotient));
+  const uint32_t sign = (coat_f32_to_bits(x) >> 31) << (mantissa_bits + 2u);
+  return (uint8_t)(sign | coat_e2m_magnitude_code(quotient, mantissa_bits));
 }
 
 COAT_INLINE int coat_is_valid_group_size(int64_t group_size) {

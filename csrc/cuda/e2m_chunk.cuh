@@ -1,0 +1,183 @@
+// Device-side block quantization of chunks of 8 values to FP4 (E2M1) and FP6 (E2M3), shared by the block
+// quantizers (quantize.cu) and the fused RMSNorm / SiLU*mul kernels that save their inputs in either format
+// (norm_act.cu). The formats are E2M<M> with M = 1 (FP4) or 3 (FP6) mantissa bits (coat/minifloat.h); a chunk's
+// codes pack into 4 bytes (FP4) or 6 (FP6), element e at bit e * (M + 3).
+//
+// coat_quantize_e2m_scaled (coat/detail/quantize_math.h) compiled as written costs about 25 instructions per
+// element on sm_90: a per-element branch around the division's slow path, the clamp and NaN tests of the general
+// encoder, and constants rematerialized per element. In a block-scaled quantizer the quotients |x| / scale lie in
+// [0, E_MAX] (scale = amax / E_MAX), so the forms below encode them without those tests, behind one test per chunk
+// that sends every other chunk (a NaN or Inf value, an Inf or NaN scale, a scale below 2^-80, a quotient past the
+// fast form's range) through coat_quantize_e2m_scaled itself. tools/cuda_emulation checks each against the C core.
+#pragma once
+
+#include <stdint.h>
+
+#include "coat/detail/quantize_math.h"
+#include "coat/fp4.h"
+#include "coat/fp6.h"
+#include "fp8_chunk.cuh"
+
+namespace coat {
+namespace device {
+
+/** Values a chunk holds. */
+constexpr int kE2mCodeChunk = 8;
+
+/** FP4 (kMantissaBits 1) and FP6 (3): the largest magnitude, the quotients the fast encoder takes (below
+ *  kFastLimit, where the coarse term's code stays within the format), and the bytes of a chunk's packed codes. */
+template <int kMantissaBits>
+struct E2m;
+template <>
+struct E2m<1> {
+  static constexpr float kMax = COAT_E2M1_MAX;
+  static constexpr uint32_t kFastLimitBits = 0x40E00000u;  // 7.0f
+  static constexpr int kChunkBytes = 4;
+};
+template <>
+struct E2m<3> {
+  static constexpr float kMax = COAT_E2M3_MAX;
+  static constexpr uint32_t kFastLimitBits = 0x40F80000u;  // 7.75f
+  static constexpr int kChunkBytes = 6;
+};
+
+/** coat_e2m_scale_from_amax_bits: max(amax / E_MAX, 2^-126), the canonical NaN for a NaN amax. For E2M1's 6 by the
+ *  Markstein form of scale_from_amax, equal to the division on every amax bit pattern; for E2M3's 7.5 that form
+ *  misses the correctly rounded quotient on a few hundred in 10^7 (tools/cuda_emulation checks them), so FP6 divides
+ *  (IEEE, -prec-div=true; once per block). */
+template <int kMantissaBits>
+__device__ __forceinline__ float e2m_scale_from_amax_bits(uint32_t amax_bits) {
+  if (amax_bits > 0x7F800000u) return __uint_as_float(0x7FC00000u);
+  constexpr float kMax = E2m<kMantissaBits>::kMax;
+  if constexpr (kMantissaBits == 1) {
+    return scale_by_inverse(__uint_as_float(amax_bits), kMax, 1.0f / kMax);
+  } else {
+    return fmaxf(__fdiv_rn(__uint_as_float(amax_bits), kMax), COAT_MIN_SCALE);
+  }
+}
+
+/** coat_e2m_magnitude_code of a quotient q in [0, kFastLimit), plus 2^23, as a float: min(rint(q 2^M),
+ *  rint(q 2^(M-1)) + 2^M, rint(q 2^(M-2)) + 2^(M+1)), rint rounding to nearest even. Each term is the code where
+ *  the grid's step is 2^-M (q < 2), 2^(1-M) ([2, 4)) or 2^(2-M) (from 4 on), an even integer being an even code,
+ *  and the other two terms are never below it there. Each term is one FMA into 2^23 (+ 2^M, + 2^(M+1)), which
+ *  rounds to an integer; the terms are positive, so their minimum is that of their bit patterns. Floating-point
+ *  work, where an integer form kept the ALU pipe busy. */
+constexpr uint32_t kE2mCodeBias = 0x4B000000u;  // the bits of 2^23
+template <int kMantissaBits>
+__device__ __forceinline__ uint32_t e2m_magnitude_code_biased(float q) {
+  constexpr float kStep = static_cast<float>(1 << kMantissaBits);
+  const uint32_t fine = __float_as_uint(__fmaf_rn(q, kStep, 8388608.0f));
+  const uint32_t unit = __float_as_uint(__fmaf_rn(q, kStep / 2.0f, 8388608.0f + kStep));
+  const uint32_t coarse = __float_as_uint(__fmaf_rn(q, kStep / 4.0f, 8388608.0f + 2.0f * kStep));
+  return min(min(fine, unit), coarse);
+}
+
+/** A chunk's packed codes: element e at bit e * (M + 3), in `lo` (FP4, and FP6's elements 0..4 and the low two
+ *  bits of element 5) and `hi` (FP6's bits 32..47). */
+struct PackedCodes {
+  uint32_t lo;
+  uint32_t hi;
+};
+
+/** The packed codes of coat_quantize_e2m_scaled(v[e], scale, 1 / scale, M) for the chunk's 8 values; reciprocal
+ *  = 1 / scale rounded to nearest (garbage is fine when scale is not finite). A chunk whose quotients |v| / scale
+ *  are all below the fast limit with scale >= 2^-80 takes quotient() and e2m_magnitude_code_biased(), the value's
+ *  sign bit on top; any other chunk is encoded by coat_quantize_e2m_scaled. */
+template <int kMantissaBits>
+__device__ __forceinline__ PackedCodes encode_e2m_chunk(const float v[kE2mCodeChunk], float scale, float reciprocal) {
+  constexpr int kCodeBits = kMantissaBits + 3;
+  float q[kE2mCodeChunk];
+  uint32_t largest = 0;  // the quotients' largest bit pattern: a NaN's (or a -0's) is above the limit's
+#pragma unroll
+  for (int e = 0; e < kE2mCodeChunk; ++e) {
+    q[e] = quotient(fabsf(v[e]), scale, reciprocal);
+    largest = max(largest, __float_as_uint(q[e]));
+  }
+  uint32_t codes[kE2mCodeChunk];
+  if (scale >= COAT_MIN_FAST_DIVISION_SCALE && largest < E2m<kMantissaBits>::kFastLimitBits) {
+    if constexpr (kMantissaBits == 1) {  // eight nibbles: the biases cancel mod 2^32 in one subtraction
+      uint32_t word = 0;
+#pragma unroll
+      for (int e = 0; e < kE2mCodeChunk; ++e)
+        word += (e2m_magnitude_code_biased<1>(q[e]) + ((__float_as_uint(v[e]) >> 28) & 0x8u)) << (4 * e);
+      return {word - kE2mCodeBias * 0x11111111u, 0u};  // each nibble's 2^23 bits, shifted out or cancelled
+    } else {
+#pragma unroll
+      for (int e = 0; e < kE2mCodeChunk; ++e)
+        codes[e] = e2m_magnitude_code_biased<kMantissaBits>(q[e]) - kE2mCodeBias +
+                   ((__float_as_uint(v[e]) >> (31 - kMantissaBits - 2)) & (1u << (kMantissaBits + 2)));
+    }
+  } else {
+    const float exact_reciprocal = 1.0f / scale;
+#pragma unroll
+    for (int e = 0; e < kE2mCodeChunk; ++e) codes[e] = coat_quantize_e2m_scaled(v[e], scale, exact_reciprocal, kMantissaBits);
+  }
+  PackedCodes packed{0u, 0u};
+#pragma unroll
+  for (int e = 0; e < kE2mCodeChunk; ++e) {
+    const int bit = e * kCodeBits;
+    if (bit >= 32) {
+      packed.hi |= codes[e] << (bit - 32);
+    } else {
+      packed.lo |= codes[e] << bit;
+      if (bit + kCodeBits > 32) packed.hi |= codes[e] >> (32 - bit);  // FP6's element 5 straddles the words
+    }
+  }
+  return packed;
+}
+
+/** Code of element e of a chunk's packed codes. */
+template <int kMantissaBits>
+__device__ __forceinline__ uint32_t e2m_code_at(PackedCodes packed, int e) {
+  constexpr int kCodeBits = kMantissaBits + 3;
+  const int bit = e * kCodeBits;
+  const uint64_t word = (uint64_t{packed.hi} << 32) | packed.lo;
+  return static_cast<uint32_t>(word >> bit) & ((1u << kCodeBits) - 1u);
+}
+
+/** Stores the first `count` codes' bytes of a chunk at dst (ceil(count (M + 3) / 8) bytes). vector: count == 8
+ *  and dst aligned to 4 (FP4) or 2 (FP6) bytes, for one 4-byte store or three 2-byte ones. */
+template <int kMantissaBits>
+__device__ __forceinline__ void store_e2m_chunk(uint8_t* dst, PackedCodes packed, int count, bool vector) {
+  if (vector) {
+    if constexpr (kMantissaBits == 1) {
+      *reinterpret_cast<uint32_t*>(dst) = packed.lo;
+    } else {
+      uint16_t* halves = reinterpret_cast<uint16_t*>(dst);
+      halves[0] = static_cast<uint16_t>(packed.lo);
+      halves[1] = static_cast<uint16_t>(packed.lo >> 16);
+      halves[2] = static_cast<uint16_t>(packed.hi);
+    }
+    return;
+  }
+  const int bytes = (count * (kMantissaBits + 3) + 7) / 8;
+#pragma unroll
+  for (int i = 0; i < E2m<kMantissaBits>::kChunkBytes; ++i)
+    if (i < bytes) dst[i] = static_cast<uint8_t>((i < 4 ? packed.lo >> (8 * i) : packed.hi >> (8 * (i - 4))) & 0xFFu);
+}
+
+/** Loads the packed codes of the chunk's first `count` elements from src; the layout and `vector` as in
+ *  store_e2m_chunk. A row's bits past its last code are 0, so a short chunk reads 0 codes past count. */
+template <int kMantissaBits>
+__device__ __forceinline__ PackedCodes load_e2m_chunk(const uint8_t* src, int count, bool vector) {
+  if (vector) {
+    if constexpr (kMantissaBits == 1) {
+      return {*reinterpret_cast<const uint32_t*>(src), 0u};
+    } else {
+      const uint16_t* halves = reinterpret_cast<const uint16_t*>(src);
+      return {uint32_t{halves[0]} | uint32_t{halves[1]} << 16, uint32_t{halves[2]}};
+    }
+  }
+  const int bytes = (count * (kMantissaBits + 3) + 7) / 8;
+  PackedCodes packed{0u, 0u};
+#pragma unroll
+  for (int i = 0; i < E2m<kMantissaBits>::kChunkBytes; ++i) {
+    if (i >= bytes) break;
+    if (i < 4) packed.lo |= uint32_t{src[i]} << (8 * i);
+    else packed.hi |= uint32_t{src[i]} << (8 * (i - 4));
+  }
+  return packed;
+}
+
+}  // namespace device
+}  // namespace coat
