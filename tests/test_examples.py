@@ -69,15 +69,17 @@ def test_train_llama_quantization_report(tmp_path):
     assert (tmp_path / "runs" / "tiny-coat-report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_train_llama_chooses_saved_formats_from_the_first_step(tmp_path):
-    """--saved-format auto: step 1 captured in FP4 decides each layer; the later reports show the choice.
-    In AGoQ's 1 x 128 blocks (--group-size 128)."""
+def test_train_llama_chooses_saved_formats_from_the_first_steps(tmp_path):
+    """--saved-format auto: steps 1 and 2, captured from FP4 on, decide each layer (4, 6 or 8 bits); the later
+    reports show the choice. In AGoQ's 1 x 128 blocks (--group-size 128)."""
     completed = run([os.path.join(EXAMPLES, "train_llama.py"), *QUICK, "--coat", "--saved-format", "auto",
                      "--group-size", "128", "--report-every", "3", "--out", "runs"], tmp_path)
-    assert "saved formats from step 1's report: FP4 in" in completed.stdout
+    assert "saved formats after step 1's report: FP4 in" in completed.stdout
+    assert "saved formats after step 2's report: FP4 in" in completed.stdout
+    assert "saved formats after step 3's report" not in completed.stdout
     summary = json.loads((tmp_path / "runs" / "tiny-coat-auto-saved-g128.json").read_text())
     chosen = summary["saved_formats_chosen"]
-    assert summary["group_size"] == 128 and chosen and set(chosen.values()) <= {"fp4", "e4m3"}
+    assert summary["group_size"] == 128 and chosen and set(chosen.values()) <= {"fp4", "fp6", "e4m3"}
     rows = read_csv(tmp_path / "runs" / "tiny-coat-auto-saved-g128-report.csv")
     kept = {(row["layer"], row["format"]) for row in rows if row["tensor"] in ("attn_norm_input", "gate_output")}
     assert kept == set(chosen.items())
