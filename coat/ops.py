@@ -460,22 +460,21 @@ def _check_named_group_size(group_size: int, name: str, op: str) -> None:
         raise RuntimeError(f"{op}: {name} must be 16, 32, 64 or 128, got {group_size}")
 
 
-SAVED_FORMATS = ("e4m3", "fp4", "fp6")  # index = the coat_saved_format value the native ops take
+SAVED_FORMATS = ("e4m3", "fp4", "fp6")
 
 
-def _saved_format_code(format: str, name: str, op: str) -> int:
-    """A forward op's ``save_format`` (or the ``saved_format`` a backward op reads) as the native ops' int."""
+def _checked_saved_format(format: str, name: str, op: str) -> str:
+    """A forward op's ``save_format`` (or the ``saved_format`` a backward op reads), checked before the native op."""
     if format not in SAVED_FORMATS:
         raise ValueError(f"coat.ops.{op}: {name} must be 'e4m3', 'fp4' or 'fp6', got {format!r}")
-    return SAVED_FORMATS.index(format)
+    return format
 
 
-def _saved_format_name(code: int, name: str, op: str) -> str:
-    """The fake ops' check of the native int, with the real ops' message."""
-    if code not in range(len(SAVED_FORMATS)):
-        raise RuntimeError(f"{op}: {name} must be 0 (E4M3), 1 (FP4) or 2 (FP6), the values coat.ops passes for "
-                           f"'e4m3', 'fp4' and 'fp6'; got {code}")
-    return SAVED_FORMATS[code]
+def _saved_format_name(format: str, name: str, op: str) -> str:
+    """The fake ops' check of the native ops' format argument, with their message."""
+    if format not in SAVED_FORMATS:
+        raise RuntimeError(f"{op}: {name} must be 'e4m3', 'fp4' or 'fp6', got '{format}'")
+    return format
 
 
 def _saved_codes(x: torch.Tensor, format: str) -> torch.Tensor:
@@ -517,7 +516,7 @@ def rmsnorm_quantize(
     check_device_supported(x, "coat.ops.rmsnorm_quantize")
     y, y_scale, y_t, x_saved, x_saved_scales, rstd = torch.ops.coat.rmsnorm_quantize(
         x, weight, eps, save_group_size, amax_group_size, fp8_dtype(format), transpose,
-        _saved_format_code(save_format, "save_format", "rmsnorm_quantize"),
+        _checked_saved_format(save_format, "save_format", "rmsnorm_quantize"),
     )
     return y, y_scale, y_t if transpose else None, x_saved, x_saved_scales, rstd
 
@@ -553,7 +552,7 @@ def rmsnorm_backward(
     check_device_supported(dy, "coat.ops.rmsnorm_backward")
     return torch.ops.coat.rmsnorm_backward(
         dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual,
-        _saved_format_code(saved_format, "saved_format", "rmsnorm_backward"),
+        _checked_saved_format(saved_format, "saved_format", "rmsnorm_backward"),
     )
 
 
@@ -583,7 +582,7 @@ def silu_mul_quantize(
     check_device_supported(gate, "coat.ops.silu_mul_quantize")
     y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = torch.ops.coat.silu_mul_quantize(
         gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype(format), transpose,
-        _saved_format_code(save_format, "save_format", "silu_mul_quantize"),
+        _checked_saved_format(save_format, "save_format", "silu_mul_quantize"),
     )
     return y, y_scale, y_t if transpose else None, gate_saved, gate_scales, up_saved, up_scales
 
@@ -611,7 +610,7 @@ def silu_mul_backward(
     check_device_supported(dy, "coat.ops.silu_mul_backward")
     return torch.ops.coat.silu_mul_backward(
         dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size,
-        _saved_format_code(saved_format, "saved_format", "silu_mul_backward"),
+        _checked_saved_format(saved_format, "saved_format", "silu_mul_backward"),
     )
 
 
@@ -641,7 +640,7 @@ def rmsnorm_requantize(
     check_device_supported(x_saved, "coat.ops.rmsnorm_requantize")
     return torch.ops.coat.rmsnorm_requantize(
         x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype(format),
-        _saved_format_code(saved_format, "saved_format", "rmsnorm_requantize"),
+        _checked_saved_format(saved_format, "saved_format", "rmsnorm_requantize"),
     )
 
 
@@ -668,7 +667,7 @@ def silu_mul_requantize(
     check_device_supported(gate_saved, "coat.ops.silu_mul_requantize")
     return torch.ops.coat.silu_mul_requantize(
         gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size, fp8_dtype(format),
-        _saved_format_code(saved_format, "saved_format", "silu_mul_requantize"), cols,
+        _checked_saved_format(saved_format, "saved_format", "silu_mul_requantize"), cols,
     )
 
 
@@ -681,7 +680,7 @@ def _check_rmsnorm_cols(x: torch.Tensor, name: str, op: str) -> None:
 
 
 @torch.library.register_fake("coat::rmsnorm_quantize")
-def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8_dtype, transpose, save_format=0):
+def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8_dtype, transpose, save_format="e4m3"):
     op = "coat.rmsnorm_quantize"
     saved = _saved_format_name(save_format, "save_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
@@ -699,7 +698,7 @@ def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8
 
 @torch.library.register_fake("coat::rmsnorm_backward")
 def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual=None,
-                           saved_format=0):
+                           saved_format="e4m3"):
     op = "coat.rmsnorm_backward"
     _saved_format_name(saved_format, "saved_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
@@ -715,7 +714,7 @@ def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group
 
 @torch.library.register_fake("coat::silu_mul_quantize")
 def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype, transpose,
-                            save_format=0):
+                            save_format="e4m3"):
     op = "coat.silu_mul_quantize"
     saved = _saved_format_name(save_format, "save_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
@@ -735,7 +734,7 @@ def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_
 
 @torch.library.register_fake("coat::silu_mul_backward")
 def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size,
-                            saved_format=0):
+                            saved_format="e4m3"):
     _saved_format_name(saved_format, "saved_format", "coat.silu_mul_backward")
     _check_named_group_size(save_group_size, "save_group_size", "coat.silu_mul_backward")
     return dy.new_empty(dy.shape), dy.new_empty(dy.shape), dy.new_empty((), dtype=torch.float32)
@@ -743,7 +742,7 @@ def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, sm
 
 @torch.library.register_fake("coat::rmsnorm_requantize")
 def _rmsnorm_requantize_fake(x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype,
-                             saved_format=0):
+                             saved_format="e4m3"):
     op = "coat.rmsnorm_requantize"
     _saved_format_name(saved_format, "saved_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
@@ -753,7 +752,7 @@ def _rmsnorm_requantize_fake(x_saved, x_saved_scales, rstd, weight, y_scale, sav
 
 @torch.library.register_fake("coat::silu_mul_requantize")
 def _silu_mul_requantize_fake(gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size,
-                              fp8_dtype, saved_format=0, cols=None):
+                              fp8_dtype, saved_format="e4m3", cols=None):
     op = "coat.silu_mul_requantize"
     _check_named_group_size(save_group_size, "save_group_size", op)
     if up_saved.shape != gate_saved.shape:

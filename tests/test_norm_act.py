@@ -36,9 +36,7 @@ from coat import ops
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-6
-# The native ops' int save_format / saved_format (coat_saved_format), by the names coat.ops takes.
-SAVED_FORMATS = {"e4m3": 0, "fp4": 1, "fp6": 2}
-BLOCK_FORMATS = ("fp4", "fp6")  # the packed, block-scaled ones
+BLOCK_FORMATS = ("fp4", "fp6")  # the packed, block-scaled saved formats
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -135,13 +133,13 @@ def rows_of(t: torch.Tensor) -> torch.Tensor:
 def rmsnorm_forward(x, weight, *, eps=EPS, group_size=16, amax_group_size=128, fp8=E4M3, transpose=True, device="cpu",
                     save_format="e4m3"):
     return run(torch.ops.coat.rmsnorm_quantize, x, weight, eps, group_size, amax_group_size, fp8, transpose,
-               SAVED_FORMATS[save_format], device=device)
+               save_format, device=device)
 
 
 def silu_mul_forward(gate, up, smooth=None, *, group_size=16, fp8=E4M3, transpose=True, device="cpu",
                      save_format="e4m3"):
     return run(torch.ops.coat.silu_mul_quantize, gate, up, smooth, group_size, 128, fp8, transpose,
-               SAVED_FORMATS[save_format], device=device)
+               save_format, device=device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -872,7 +870,7 @@ def test_silu_mul_requantize_special_gates(device, fp8):
     assert not (out[~special] == 0x7F).any()
 
 # ----------------------------------------------------------------------------------------------------
-# Backward and requantize from an FP4 or FP6 copy (saved_format 1 or 2): each op reads a packed code as its exact
+# Backward and requantize from an FP4 or FP6 copy (saved_format 'fp4' or 'fp6'): each op reads a packed code as its exact
 # E4M3 expansion, so its outputs equal, bit for bit, the same op's on ops.blocks_to_e4m3 of the copy, which the
 # tests above hold to the float64 references. On CUDA run() also ties every output to the C core's.
 
@@ -894,10 +892,9 @@ def test_rmsnorm_ops_read_fp4_and_fp6_as_their_e4m3_expansion(device, fmt, shape
     weight = (1 + 0.2 * torch.randn(shape[1], generator=torch.Generator().manual_seed(2))).bfloat16()
     _, y_scale, _, codes, scales, rstd = rmsnorm_forward(x, weight, group_size=group_size, save_format=fmt)
     expanded, _ = ops.blocks_to_e4m3(codes, scales, shape[1], fmt, group_size)
-    code = SAVED_FORMATS[fmt]
     dy = activations(shape, dy_dtype, seed=3, outliers=False)
     for residual in (None, activations(shape, torch.float32, seed=4, outliers=False)):
-        from_packed = run(torch.ops.coat.rmsnorm_backward, dy, codes, scales, rstd, weight, group_size, residual, code,
+        from_packed = run(torch.ops.coat.rmsnorm_backward, dy, codes, scales, rstd, weight, group_size, residual, fmt,
                           device=device)
         from_e4m3 = run(torch.ops.coat.rmsnorm_backward, dy, expanded, scales, rstd, weight, group_size, residual,
                         device=device)
@@ -905,7 +902,7 @@ def test_rmsnorm_ops_read_fp4_and_fp6_as_their_e4m3_expansion(device, fmt, shape
             assert_same_bits(a, b, f"{name} from {fmt} vs from its expansion (residual: {residual is not None})")
     for fp8 in (E4M3, E5M2):
         (from_packed,) = run(lambda *a: (torch.ops.coat.rmsnorm_requantize(*a),), codes, scales, rstd, weight,
-                             y_scale, group_size, fp8, code, device=device)
+                             y_scale, group_size, fp8, fmt, device=device)
         (from_e4m3,) = run(lambda *a: (torch.ops.coat.rmsnorm_requantize(*a),), expanded, scales, rstd, weight,
                            y_scale, group_size, fp8, device=device)
         assert_same_bits(from_packed, from_e4m3, f"{fp8} y_t from {fmt} vs from its expansion")
@@ -923,18 +920,17 @@ def test_silu_mul_ops_read_fp4_and_fp6_as_their_e4m3_expansion(device, fmt, shap
     )
     gate_expanded, _ = ops.blocks_to_e4m3(gate_codes, gate_scales, shape[1], fmt, group_size)
     up_expanded, _ = ops.blocks_to_e4m3(up_codes, up_scales, shape[1], fmt, group_size)
-    code = SAVED_FORMATS[fmt]
     dy = activations(shape, dy_dtype, seed=7, outliers=False)
     for s in (None, smooth):
         from_packed = run(torch.ops.coat.silu_mul_backward, dy, gate_codes, gate_scales, up_codes, up_scales, s,
-                          group_size, code, device=device)
+                          group_size, fmt, device=device)
         from_e4m3 = run(torch.ops.coat.silu_mul_backward, dy, gate_expanded, gate_scales, up_expanded, up_scales, s,
                         group_size, device=device)
         for name, a, b in zip(("dgate", "dup", "d_amax"), from_packed, from_e4m3):
             assert_same_bits(a, b, f"{name} from {fmt} vs from the expansion (smooth: {s is not None})")
         for fp8 in (E4M3, E5M2):
             (from_packed,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), gate_codes, gate_scales,
-                                 up_codes, up_scales, s, y_scale, group_size, fp8, code, shape[1], device=device)
+                                 up_codes, up_scales, s, y_scale, group_size, fp8, fmt, shape[1], device=device)
             (from_e4m3,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), gate_expanded, gate_scales,
                                up_expanded, up_scales, s, y_scale, group_size, fp8, device=device)
             assert_same_bits(from_packed, from_e4m3,
@@ -1100,25 +1096,24 @@ def test_opcheck_fp4_and_fp6_copies(device, fmt):
     """The forward ops saving FP4 or FP6, and the backward and requantize ops reading them (the packed copies are
     uint8, which every check can compare). H = 66 is not a multiple of 4 or 8: FP6 rows end with two codes in their
     last three-byte word."""
-    code = SAVED_FORMATS[fmt]
     x = on_device(activations((3, 5, 66), torch.bfloat16, seed=42), device)
     weight = on_device(torch.ones(66, dtype=torch.bfloat16), device)
     smooth = on_device(torch.rand(66) + 0.5, device)
-    torch.library.opcheck(torch.ops.coat.rmsnorm_quantize.default, (x, weight, EPS, 16, 128, E4M3, True, code))
-    torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default, (x, x * 2, smooth, 32, 64, E5M2, False, code))
-    _, _, _, packed, packed_scales, rstd = torch.ops.coat.rmsnorm_quantize(x, weight, EPS, 16, 128, E4M3, False, code)
+    torch.library.opcheck(torch.ops.coat.rmsnorm_quantize.default, (x, weight, EPS, 16, 128, E4M3, True, fmt))
+    torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default, (x, x * 2, smooth, 32, 64, E5M2, False, fmt))
+    _, _, _, packed, packed_scales, rstd = torch.ops.coat.rmsnorm_quantize(x, weight, EPS, 16, 128, E4M3, False, fmt)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 5, {"fp4": 33, "fp6": 50}[fmt])
     y_scale = on_device(torch.tensor(0.01), device)
     for residual in (None, x.float()):
         torch.library.opcheck(torch.ops.coat.rmsnorm_backward.default,
-                              (x, packed, packed_scales, rstd, weight, 16, residual, code))
+                              (x, packed, packed_scales, rstd, weight, 16, residual, fmt))
     torch.library.opcheck(torch.ops.coat.silu_mul_backward.default,
-                          (x, packed, packed_scales, packed, packed_scales, smooth, 16, code))
+                          (x, packed, packed_scales, packed, packed_scales, smooth, 16, fmt))
     torch.library.opcheck(torch.ops.coat.rmsnorm_requantize.default,
-                          (packed, packed_scales, rstd, weight, y_scale, 16, E4M3, code))
+                          (packed, packed_scales, rstd, weight, y_scale, 16, E4M3, fmt))
     for s, fp8 in ((None, E5M2), (smooth, E4M3)):
         torch.library.opcheck(torch.ops.coat.silu_mul_requantize.default,
-                              (packed, packed_scales, packed, packed_scales, s, y_scale, 16, fp8, code, 66))
+                              (packed, packed_scales, packed, packed_scales, s, y_scale, 16, fp8, fmt, 66))
 
 
 def test_errors():
@@ -1153,13 +1148,13 @@ def test_errors():
         (lambda: backward(x, saved, scales, rstd, w, 16, x.int()), "residual must be float32, bfloat16 or float16"),
         (lambda: torch.ops.coat.silu_mul_backward(x, saved, scales, saved.T, scales, None, 16), "up_saved has shape"),
     ]
-    format_code = r"must be 0 \(E4M3\), 1 \(FP4\) or 2 \(FP6\), the values coat.ops passes for 'e4m3', 'fp4' and 'fp6'; got"
+    format_choice = r"must be 'e4m3', 'fp4' or 'fp6', got"
     cases += [
-        (lambda: rmsnorm(x, w, EPS, 16, 128, E4M3, False, 3), rf"coat\.rmsnorm_quantize: save_format {format_code} 3"),
-        (lambda: silu_mul(x, x, None, 16, 128, E4M3, False, -1), rf"coat\.silu_mul_quantize: save_format {format_code} -1"),
-        (lambda: backward(x, saved, scales, rstd, w, 16, None, 3), rf"coat\.rmsnorm_backward: saved_format {format_code} 3"),
-        (lambda: torch.ops.coat.silu_mul_backward(x, saved, scales, saved, scales, None, 16, -1),
-         rf"coat\.silu_mul_backward: saved_format {format_code} -1"),
+        (lambda: rmsnorm(x, w, EPS, 16, 128, E4M3, False, "fp8"), rf"coat\.rmsnorm_quantize: save_format {format_choice} 'fp8'"),
+        (lambda: silu_mul(x, x, None, 16, 128, E4M3, False, "FP4"), rf"coat\.silu_mul_quantize: save_format {format_choice} 'FP4'"),
+        (lambda: backward(x, saved, scales, rstd, w, 16, None, "int4"), rf"coat\.rmsnorm_backward: saved_format {format_choice} 'int4'"),
+        (lambda: torch.ops.coat.silu_mul_backward(x, saved, scales, saved, scales, None, 16, ""),
+         rf"coat\.silu_mul_backward: saved_format {format_choice} ''"),
     ]
     y_scale = torch.tensor(0.01)
     requantize = torch.ops.coat.rmsnorm_requantize
@@ -1184,12 +1179,12 @@ def test_errors():
          r"smooth_scale must have shape \[64\]"),
         (lambda: silu_requantize(saved, scales, saved, scales, None, torch.empty(0), 16, E4M3),
          "y_scale must be a float32 tensor with one element"),
-        (lambda: silu_requantize(saved, scales, saved, scales, None, y_scale, 16, E4M3, 0, 63),
+        (lambda: silu_requantize(saved, scales, saved, scales, None, y_scale, 16, E4M3, "e4m3", 63),
          "cols=63 but gate_saved has 64 columns"),
-        (lambda: requantize(saved, scales, rstd, w, y_scale, 16, E4M3, 3),
-         rf"coat\.rmsnorm_requantize: saved_format {format_code} 3"),
-        (lambda: silu_requantize(saved, scales, saved, scales, None, y_scale, 16, E4M3, -1, 64),
-         rf"coat\.silu_mul_requantize: saved_format {format_code} -1"),
+        (lambda: requantize(saved, scales, rstd, w, y_scale, 16, E4M3, "fp8"),
+         rf"coat\.rmsnorm_requantize: saved_format {format_choice} 'fp8'"),
+        (lambda: silu_requantize(saved, scales, saved, scales, None, y_scale, 16, E4M3, "fp5", 64),
+         rf"coat\.silu_mul_requantize: saved_format {format_choice} 'fp5'"),
     ]
     for call, message in cases:
         with pytest.raises(RuntimeError, match=message):
@@ -1207,38 +1202,38 @@ def test_errors_with_fp4_and_fp6_copies(fmt):
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)
     y_scale = torch.tensor(0.01)
-    code, other = SAVED_FORMATS[fmt], {"fp4": "fp6", "fp6": "fp4"}[fmt]
+    other = {"fp4": "fp6", "fp6": "fp4"}[fmt]
     nbytes = PACKED_BYTES[fmt]
     rmsnorm, backward = torch.ops.coat.rmsnorm_quantize, torch.ops.coat.rmsnorm_backward
     requantize, silu_requantize = torch.ops.coat.rmsnorm_requantize, torch.ops.coat.silu_mul_requantize
     _, _, _, saved, scales, rstd = rmsnorm(x, w, EPS, 16, 128, E4M3, False)
-    _, _, _, packed, packed_scales, _ = rmsnorm(x, w, EPS, 16, 128, E4M3, False, code)
-    _, _, _, other_packed, _, _ = rmsnorm(x, w, EPS, 16, 128, E4M3, False, SAVED_FORMATS[other])
+    _, _, _, packed, packed_scales, _ = rmsnorm(x, w, EPS, 16, 128, E4M3, False, fmt)
+    _, _, _, other_packed, _, _ = rmsnorm(x, w, EPS, 16, 128, E4M3, False, other)
     assert packed.shape == (4, nbytes[64])
     cases = [
         (lambda: backward(x, packed, packed_scales, rstd, w, 16),
          "x_saved must be torch.float8_e4m3fn, as the forward op saves it, got Byte; for packed FP4 or FP6 codes pass "
          "the saved_format the forward op saved them in"),
-        (lambda: backward(x, saved, scales, rstd, w, 16, None, code),
+        (lambda: backward(x, saved, scales, rstd, w, 16, None, fmt),
          rf"with saved_format='{fmt}' x_saved must be torch\.uint8 \(packed codes, as the forward op saves them with "
          rf"save_format='{fmt}'\), got Float8_e4m3fn"),
-        (lambda: backward(x, packed[:, :16], packed_scales, rstd, w, 16, None, code),
+        (lambda: backward(x, packed[:, :16], packed_scales, rstd, w, 16, None, fmt),
          rf"x_saved has shape \[4, 16\] but the {fmt} codes of an input of shape \[4, 64\] \(from dy\) have shape "
          rf"\[4, {nbytes[64]}\]"),
-        (lambda: backward(x, other_packed, packed_scales, rstd, w, 16, None, code),
+        (lambda: backward(x, other_packed, packed_scales, rstd, w, 16, None, fmt),
          rf"x_saved has shape \[4, {PACKED_BYTES[other][64]}\] but the {fmt} codes of an input of shape \[4, 64\]"),
-        (lambda: torch.ops.coat.silu_mul_backward(x, packed, packed_scales, saved, scales, None, 16, code),
+        (lambda: torch.ops.coat.silu_mul_backward(x, packed, packed_scales, saved, scales, None, 16, fmt),
          rf"with saved_format='{fmt}' up_saved must be torch\.uint8"),
-        (lambda: requantize(packed, packed_scales, rstd, w[:32], y_scale, 16, E4M3, code),
+        (lambda: requantize(packed, packed_scales, rstd, w[:32], y_scale, 16, E4M3, fmt),
          rf"x_saved has shape \[4, {nbytes[64]}\] but the {fmt} codes of an input of shape \[4, 32\] \(from weight\) "
          rf"have shape \[4, {nbytes[32]}\]"),
-        (lambda: requantize(packed, packed_scales, rstd, w[None], y_scale, 16, E4M3, code), r"weight must have shape \[H\]"),
-        (lambda: silu_requantize(packed, packed_scales, packed, packed_scales, None, y_scale, 16, E4M3, code),
+        (lambda: requantize(packed, packed_scales, rstd, w[None], y_scale, 16, E4M3, fmt), r"weight must have shape \[H\]"),
+        (lambda: silu_requantize(packed, packed_scales, packed, packed_scales, None, y_scale, 16, E4M3, fmt),
          rf"with saved_format='{fmt}' pass cols, the width of gate and up"),
-        (lambda: silu_requantize(packed, packed_scales, packed, packed_scales, None, y_scale, 16, E4M3, code, 66),
+        (lambda: silu_requantize(packed, packed_scales, packed, packed_scales, None, y_scale, 16, E4M3, fmt, 66),
          rf"the {fmt} codes of an input of shape \[4, 66\] \(from cols\) have shape \[4, {nbytes[66]}\]"),
         (lambda: silu_requantize(packed, packed_scales, packed[:, :nbytes[16]], packed_scales, None, y_scale, 16, E4M3,
-                                 code, 64),
+                                 fmt, 64),
          rf"up_saved has shape \[4, {nbytes[16]}\] but the {fmt} codes of an input of shape \[4, 64\] \(from gate_saved\)"),
     ]
     for call, message in cases:

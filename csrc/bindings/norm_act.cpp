@@ -31,12 +31,12 @@ void check_channel_vector(const at::Tensor& v, const at::Tensor& input, int64_t 
   TORCH_CHECK(v.is_contiguous(), op, ": ", arg, " must be contiguous; call .contiguous() first");
 }
 
-// The saved format an op's int argument names (coat_saved_format), checked.
-coat_saved_format saved_format(int64_t format, const char* op, const char* arg) {
-  TORCH_CHECK(format == COAT_SAVED_E4M3 || format == COAT_SAVED_FP4 || format == COAT_SAVED_FP6, op, ": ", arg,
-              " must be 0 (E4M3), 1 (FP4) or 2 (FP6), the values coat.ops passes for 'e4m3', 'fp4' and 'fp6'; got ",
-              format);
-  return static_cast<coat_saved_format>(format);
+// The saved format an op's string argument names ("e4m3", "fp4" or "fp6"), checked.
+coat_saved_format saved_format(c10::string_view format, const char* op, const char* arg) {
+  if (format == "e4m3") return COAT_SAVED_E4M3;
+  if (format == "fp4") return COAT_SAVED_FP4;
+  if (format == "fp6") return COAT_SAVED_FP6;
+  TORCH_CHECK(false, op, ": ", arg, " must be 'e4m3', 'fp4' or 'fp6', got '", format, "'");
 }
 
 // FP4 and FP6 codes are packed into bytes; an E4M3 copy holds one code per element.
@@ -150,7 +150,7 @@ at::Tensor saved_codes(const at::Tensor& input, coat_saved_format format) {
 
 RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& weight, double eps,
                                        int64_t save_group_size, int64_t amax_group_size, at::ScalarType fp8_dtype,
-                                       bool transpose, int64_t save_format) {
+                                       bool transpose, c10::string_view save_format) {
   constexpr const char* op = "coat.rmsnorm_quantize";
   const coat_saved_format saved = saved_format(save_format, op, "save_format");
   check_device(x, op, "x");
@@ -200,7 +200,7 @@ coat_dtype check_residual(const at::Tensor& residual, const at::Tensor& dy, cons
 std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const at::Tensor& x_saved,
                                                     const at::Tensor& x_saved_scales, const at::Tensor& rstd,
                                                     const at::Tensor& weight, int64_t save_group_size,
-                                                    const std::optional<at::Tensor>& residual, int64_t saved_format_arg) {
+                                                    const std::optional<at::Tensor>& residual, c10::string_view saved_format_arg) {
   constexpr const char* op = "coat.rmsnorm_backward";
   const coat_saved_format format = saved_format(saved_format_arg, op, "saved_format");
   check_device(dy, op, "dy");
@@ -228,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const 
 
 at::Tensor rmsnorm_requantize(const at::Tensor& x_saved, const at::Tensor& x_saved_scales, const at::Tensor& rstd,
                               const at::Tensor& weight, const at::Tensor& y_scale, int64_t save_group_size,
-                              at::ScalarType fp8_dtype, int64_t saved_format_arg) {
+                              at::ScalarType fp8_dtype, c10::string_view saved_format_arg) {
   constexpr const char* op = "coat.rmsnorm_requantize";
   const coat_saved_format saved = saved_format(saved_format_arg, op, "saved_format");
   TORCH_CHECK(weight.dim() == 1, op, ": weight must have shape [H] (H the normalized size), got ", weight.sizes());
@@ -263,7 +263,7 @@ const float* smooth_scale_data(const std::optional<at::Tensor>& smooth_scale, co
 SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor& up,
                                         const std::optional<at::Tensor>& smooth_scale, int64_t save_group_size,
                                         int64_t amax_group_size, at::ScalarType fp8_dtype, bool transpose,
-                                        int64_t save_format) {
+                                        c10::string_view save_format) {
   constexpr const char* op = "coat.silu_mul_quantize";
   const coat_saved_format saved = saved_format(save_format, op, "save_format");
   check_device(gate, op, "gate");
@@ -303,7 +303,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tenso
                                                      const at::Tensor& gate_scales, const at::Tensor& up_saved,
                                                      const at::Tensor& up_scales,
                                                      const std::optional<at::Tensor>& smooth_scale,
-                                                     int64_t save_group_size, int64_t saved_format_arg) {
+                                                     int64_t save_group_size, c10::string_view saved_format_arg) {
   constexpr const char* op = "coat.silu_mul_backward";
   const coat_saved_format format = saved_format(saved_format_arg, op, "saved_format");
   check_device(dy, op, "dy");
@@ -330,7 +330,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tenso
 at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& gate_scales, const at::Tensor& up_saved,
                                const at::Tensor& up_scales, const std::optional<at::Tensor>& smooth_scale,
                                const at::Tensor& y_scale, int64_t save_group_size, at::ScalarType fp8_dtype,
-                               int64_t saved_format_arg, std::optional<int64_t> cols) {
+                               c10::string_view saved_format_arg, std::optional<int64_t> cols) {
   constexpr const char* op = "coat.silu_mul_requantize";
   const coat_saved_format saved = saved_format(saved_format_arg, op, "saved_format");
   TORCH_CHECK(cols || !is_packed(saved), op, ": with saved_format='", format_name(saved), "' pass cols, the width of "
