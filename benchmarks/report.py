@@ -18,7 +18,14 @@ of the step.
                                             its GPU time on an H200, so whatever a capture adds on the host adds
                                             to the step; at 16 the GPU's work hides it, as in a GPU-bound run)
     python benchmarks/report.py --smoke    (a smaller model on the CPU, one run each: checks that the script runs)
+    python benchmarks/report.py --host-profile 10
+                                           (also: where a captured step spends host time that a plain one does not,
+                                            from cProfile over 10 steps of each, enqueued while a GPU sleep keeps
+                                            the GPU busy, so that only a real synchronization waits for it)
 """
+import cProfile
+import os
+import pstats
 import statistics
 import timeit
 
@@ -28,7 +35,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import coat
 from coat.nn import _capture
 
-from _common import parser, print_table, time_ms, write_results
+from _common import _sleep_cycles, parser, print_table, time_ms, write_results
 
 # (hidden, intermediate, layers, heads, seq, batch)
 MODELS = {
@@ -70,10 +77,47 @@ def switch_seconds() -> float:
     return (forward + backward) / 2
 
 
+def host_profile(plain_step, captured_step, steps: int, device: str, top: int = 30) -> None:
+    """Prints the functions whose host time per step (cProfile's own time, profiler overhead included) grows
+    most from a plain step to a captured one, and each step's total. On a GPU each profiled step is enqueued
+    behind a sleep kernel longer than the step's host time, so a function that waits for the GPU shows the
+    wait: the capture's end waits once, for its copy to the host (Event.synchronize)."""
+    def per_step(step) -> dict:
+        profile = cProfile.Profile()
+        for _ in range(steps):
+            if device == "cuda":
+                torch.cuda.synchronize()
+                start = timeit.default_timer()
+                step()
+                torch.cuda.synchronize()
+                torch.cuda._sleep(_sleep_cycles(3e3 * (timeit.default_timer() - start) + 5.0))
+            profile.enable()
+            step()
+            profile.disable()
+        stats = pstats.Stats(profile).stats  # (file, line, function) -> (primitive calls, calls, own s, cumulative s, callers)
+        return {key: (calls / steps, own * 1e3 / steps) for key, (_, calls, own, _, _) in stats.items()}
+
+    plain, captured = per_step(plain_step), per_step(captured_step)
+    rows = []
+    for key in captured.keys() | plain.keys():
+        plain_calls, plain_ms = plain.get(key, (0.0, 0.0))
+        calls, ms = captured.get(key, (0.0, 0.0))
+        file, line, function = key
+        where = function if file == "~" else f"{os.path.relpath(file) if file.startswith(os.getcwd()) else os.path.basename(file)}:{line} {function}"
+        rows.append({"function": where[-90:], "calls off": plain_calls, "calls capture": calls,
+                     "own ms off": plain_ms, "own ms capture": ms, "added ms": ms - plain_ms})
+    rows.sort(key=lambda row: -row["added ms"])
+    print(f"\nhost time per step under cProfile, {steps} steps each: plain {sum(r['own ms off'] for r in rows):.2f} ms, "
+          f"captured {sum(r['own ms capture'] for r in rows):.2f} ms; the {top} functions that add the most:")
+    print_table(rows[:top], list(rows[0]))
+
+
 def main():
     p = parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="a small model on the CPU, one run each")
     p.add_argument("--batch", type=int, help="sequences per step (default: the model's, 4 on a GPU)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                   help="also profile the host time of STEPS plain and captured steps (cProfile) and print where they differ")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() and coat.built_with_cuda() and not args.smoke else "cpu"
     shape = MODELS["smoke" if args.smoke else device]
@@ -124,6 +168,8 @@ def main():
     name = "report-smoke" if args.smoke else "report" if args.batch is None else f"report-batch{args.batch}"
     path = write_results(args.results_dir, name, rows, summary)
     print(f"wrote {path}")
+    if args.host_profile:
+        host_profile(plain_step, steps["64"], args.host_profile, device)
 
 
 if __name__ == "__main__":
