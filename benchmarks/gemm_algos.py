@@ -17,6 +17,7 @@ import ctypes
 import glob
 import os
 import statistics
+import sys
 
 import torch
 
@@ -186,6 +187,8 @@ def main():
     p = parser(__doc__)
     p.add_argument("--workspace-mib", type=int, default=32, help="cuBLASLt workspace the heuristic may use")
     args = p.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        sys.exit("benchmarks/gemm_algos.py needs a CUDA GPU with FP8 tensor cores (H100/H200)")
     global LT
     LT = load_cublaslt()
     handle = ctypes.c_void_p()
