@@ -85,6 +85,32 @@ def test_report_benchmark_takes_the_batch(tmp_path):
     assert completed.returncode == 2 and "--batch must be a positive number of sequences" in completed.stderr
 
 
+def test_report_benchmark_profiles_the_host(tmp_path):
+    environment = {**os.environ, "PYTHONPATH": ROOT}
+    completed = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "report.py"), "--smoke", "--host-profile", "2",
+                                "--results-dir", str(tmp_path)], capture_output=True, text=True, env=environment,
+                               timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "host time per step under cProfile, 2 steps each" in completed.stdout
+    assert "quantization_sums_" in completed.stdout  # the native measuring op: a captured step's, not a plain one's
+
+
+def test_gemm_algos_times_every_candidate_or_says_what_it_needs(tmp_path):
+    """benchmarks/gemm_algos.py calls cuBLASLt: on an FP8 GPU it times each GEMM's candidates (the fastest is
+    never slower than the first), elsewhere it exits saying what it needs."""
+    completed = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "gemm_algos.py"), "--warmup", "1",
+                                "--repeat", "2", "--results-dir", str(tmp_path)], capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        (result_file,) = tmp_path.iterdir()
+        rows = json.loads(result_file.read_text())["rows"]
+        assert len(rows) == 22 and all(row["algos"] >= 1 and row["best us"] <= row["first us"] for row in rows)
+    else:
+        assert completed.returncode == 1
+        assert "needs a CUDA GPU with FP8 tensor cores" in completed.stderr
+
+
 def test_e2e_smoke_mode_fsdp2(tmp_path):
     """benchmarks/e2e.py under torchrun: FSDP2 on two CPU processes (gloo), meta-device build included."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
