@@ -77,6 +77,15 @@ def switch_seconds() -> float:
     return (forward + backward) / 2
 
 
+def _function_label(key: tuple) -> str:
+    """cProfile's (file, line, function) as a short label: built-ins by name, files relative to here."""
+    file, line, function = key
+    if file == "~":
+        return function
+    path = os.path.relpath(file) if file.startswith(os.getcwd()) else os.path.basename(file)
+    return f"{path}:{line} {function}"
+
+
 def host_profile(plain_step, captured_step, steps: int, device: str, top: int = 30) -> None:
     """Prints the functions whose host time per step (cProfile's own time, profiler overhead included) grows
     most from a plain step to a captured one, and each step's total. On a GPU each profiled step is enqueued
@@ -102,9 +111,7 @@ def host_profile(plain_step, captured_step, steps: int, device: str, top: int = 
     for key in captured.keys() | plain.keys():
         plain_calls, plain_ms = plain.get(key, (0.0, 0.0))
         calls, ms = captured.get(key, (0.0, 0.0))
-        file, line, function = key
-        where = function if file == "~" else f"{os.path.relpath(file) if file.startswith(os.getcwd()) else os.path.basename(file)}:{line} {function}"
-        rows.append({"function": where[-90:], "calls off": plain_calls, "calls capture": calls,
+        rows.append({"function": _function_label(key)[-90:], "calls off": plain_calls, "calls capture": calls,
                      "own ms off": plain_ms, "own ms capture": ms, "added ms": ms - plain_ms})
     rows.sort(key=lambda row: -row["added ms"])
     print(f"\nhost time per step under cProfile, {steps} steps each: plain {sum(r['own ms off'] for r in rows):.2f} ms, "
