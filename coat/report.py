@@ -65,8 +65,10 @@ forward) is summed over its recordings: amax is the largest, shares and rel_erro
 Cost: only capture steps pay: the tensors a coat Function quantized are measured when it returns, all of them
 by one native call (coat.ops.quantization_sums_: their sampled rows' sums, one kernel launch, accumulated on
 the device; the RMSNorm and SiLU*mul outputs recomputed for those rows only), at the end one call for every
-optimizer moment (coat.ops.moment_stats) and one device-to-host copy, started before the rows are laid out
-and waited for once. On one H200 (4 layers at hidden 2048) a captured step takes 1.14-1.21x a plain one at 4 x
+optimizer moment (coat.ops.moment_stats) and one device-to-host copy, which the capture's end starts and does
+not wait for: the first read of the results (stats(), rows(), worst(), to_csv(), heatmap(), or the next
+capture) waits for it, once. Read them after the next step is enqueued (at a logging interval, as
+examples/train_llama.py does) and a GPU-bound loop never drains for the report. On one H200 (4 layers at hidden 2048) a captured step takes 1.14-1.21x a plain one at 4 x
 2048 tokens, where the plain step's host time is about its GPU time, and 1.07x at 16 x 2048 (every row: 2.2x
 and 2.4x), so capturing every 100 steps costs 0.07-0.2% of a run; outside a capture each coat autograd Function
 reads one module global in forward and in backward (``benchmarks/report.py`` measures both).
@@ -84,7 +86,7 @@ import functools
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -346,7 +348,7 @@ class QuantizationReport:
         self._recorded: dict[tuple[str, str], tuple[str, tuple[torch.Tensor, int, torch.Tensor]]] = {}
         self._pending: list[tuple] = []
         self._captures = 0
-        self._rows: list[dict] | None = None
+        self._rows: list[dict] | Callable[[], list[dict]] | None = None  # a function until the first read
 
     def _name_moments(self, model: nn.Module, optimizer: AdamW) -> dict[int, tuple[str, str]]:
         """id(parameter) -> (layer, parameter name within it): the report module holding the parameter, or
@@ -371,13 +373,15 @@ class QuantizationReport:
         """Records the quantization of the forward and backward passes (and the optimizer state) inside the
         ``with`` block as one step, ``step`` (default: the number of this capture, from 1). Put the
         optimizer's step() inside the block to see the moments it writes; the optimizer state is read when
-        the block ends. Only autograd forward passes are recorded (not torch.no_grad() evaluation), and only
+        the block ends; the block ends without waiting for the GPU (the first read of the results waits).
+        Only autograd forward passes are recorded (not torch.no_grad() evaluation), and only
         eagerly: torch.compile'd code runs uncompiled inside the block (torch.compiler.set_stance
         "force_eager") and compiled again after it."""
         if _capture.active is not None:
             raise RuntimeError("coat.report: another capture is in progress; captures cannot be nested")
         if torch.compiler.is_compiling():
             raise RuntimeError("coat.report: capture() runs in eager mode; call it outside torch.compile'd code")
+        self._last_rows()  # the last capture's copy, before its sums are zeroed (usually done long ago)
         hooks = []
         for name, module in self._modules.items():
             hooks.append(module.register_forward_pre_hook(functools.partial(self._enter_module, name)))
@@ -463,10 +467,11 @@ class QuantizationReport:
         _measure(measures)
 
     @torch.no_grad()
-    def _finish(self, step: int) -> list[dict]:
-        """The capture's rows: one per (layer, tensor), in model order, tensors in the order first recorded. The
-        values are copied to the host without waiting, and the rows are laid out while the GPU still runs the
-        step; then one wait for the copy, and the metrics go into the rows."""
+    def _finish(self, step: int) -> Callable[[], list[dict]]:
+        """Starts the capture's rows: one per (layer, tensor), in model order, tensors in the order first recorded.
+        The values are copied to the host without waiting and the rows laid out while the GPU still runs the step;
+        returns the function that waits for the copy once and puts the metrics into the rows (_last_rows calls it
+        on the first read), so that the capture's end does not stall a GPU-bound training loop."""
         entries = [(layer, tensor, fmt, buffer, row, _tensor_metrics)
                    for (layer, tensor), (fmt, (buffer, row, _)) in self._recorded.items()]
         if self._optimizer is not None:
@@ -490,30 +495,41 @@ class QuantizationReport:
             row = dict.fromkeys(CSV_COLUMNS)
             row.update(step=step, layer=layer, tensor=tensor, format=fmt)
             rows.append(row)
-        row_of = wait_for_host()
-        for row, (_, _, _, block, index, metrics) in zip(rows, entries):
-            row.update(metrics(row_of(block, index)))
-            row["numel"] = int(row["numel"])
-        return rows
+
+        def filled_rows() -> list[dict]:
+            row_of = wait_for_host()
+            for row, (_, _, _, block, index, metrics) in zip(rows, entries):
+                row.update(metrics(row_of(block, index)))
+                row["numel"] = int(row["numel"])
+            return rows
+
+        return filled_rows
 
     # ------------------------------------------------------------------------------------- results
 
     def rows(self) -> list[dict]:
         """The last capture as rows: dicts with every CSV column (:data:`CSV_COLUMNS`); the metrics that do
         not apply to a row's tensor are None."""
-        return [dict(row) for row in self._last_rows()]
+        return [dict(row) for row in self._read_rows()]
 
-    def _last_rows(self) -> list[dict]:
-        if self._rows is None:
-            raise RuntimeError("coat.report: nothing captured yet; record a step with `with report.capture(step):`")
+    def _last_rows(self) -> list[dict] | None:
+        """The last capture's rows, waiting for its values on the first call after it; None before any capture."""
+        if callable(self._rows):
+            self._rows = self._rows()
         return self._rows
+
+    def _read_rows(self) -> list[dict]:
+        rows = self._last_rows()
+        if rows is None:
+            raise RuntimeError("coat.report: nothing captured yet; record a step with `with report.capture(step):`")
+        return rows
 
     def stats(self) -> dict[str, float]:
         """The last capture as a flat dict of floats for a logger: ``{"LAYER/TENSOR/METRIC": value}``, e.g.
         ``"model.layers.3/gate_up_input/rel_error"``; every metric that applies, numel left out."""
         return {
             f"{row['layer']}/{row['tensor']}/{metric}": float(row[metric])
-            for row in self._last_rows()
+            for row in self._read_rows()
             for metric in METRICS
             if row[metric] is not None
         }

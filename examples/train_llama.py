@@ -113,10 +113,14 @@ def main() -> None:
         capturing = report is not None and done % args.report_every == 0
         choosing = chooser is not None and step < CHOOSING_STEPS
         capture = report.capture(done) if capturing else chooser.capture(done) if choosing else contextlib.nullcontext()
+        if capturing:
+            report.log_pending()  # the last capture's rows, before this capture replaces them
         with capture, coat.nn.saved_in_fp4() if args.uniform_fp4 else contextlib.nullcontext():
             interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
         if capturing:
-            report.log(done)
+            report.pending_step = done
+        elif report is not None:
+            report.log_pending()  # read once the next step is enqueued: the GPU has work while the host waits
         if choosing:
             saved_formats = {**(saved_formats or {}),
                              **(report.report if capturing else chooser).choose_saved_formats()}
@@ -160,10 +164,15 @@ class QuantizationLog:
         self.capture = self.report.capture
         self.csv_path = os.path.join(args.out, f"{args.name}-report.csv")
         self.captured = False
+        self.pending_step: int | None = None  # captured, not logged yet
         with contextlib.suppress(FileNotFoundError):
             os.remove(self.csv_path)  # a new run, like the training log
 
-    def log(self, step: int) -> None:
+    def log_pending(self) -> None:
+        """Logs the captured step not logged yet, if any: its rows are waited for here, not at its end."""
+        if self.pending_step is None:
+            return
+        step, self.pending_step = self.pending_step, None
         self.captured = True
         self.report.to_csv(self.csv_path)
         parts = []
@@ -175,6 +184,7 @@ class QuantizationLog:
         tqdm.write(f"quantization report, step {step}: " + ", ".join(parts))
 
     def finish(self) -> None:
+        self.log_pending()
         if not self.captured:
             print("no step was captured for the quantization report: --report-every is larger than --steps")
             return

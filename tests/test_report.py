@@ -198,6 +198,57 @@ def test_each_capture_reports_its_own_step(model):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_results_read_later_are_the_captured_steps(device):
+    """The capture's end does not wait for its values: steps run before the first read (which reuse the memory
+    the step freed) leave them as they were, and a second capture begun before any read finishes the first's
+    copy before zeroing the sums it was copied from."""
+    model = coat.convert(tiny_llama(seed=0)).to(device)
+    report = coat.report.QuantizationReport(model)
+    batch = tokens().to(device)
+    with report.capture():
+        train_step(model, None, batch)
+    for seed in (1, 2):
+        train_step(model, None, tokens(seed=seed).to(device))
+    read_later = report.rows()
+    with report.capture():
+        train_step(model, None, batch)
+    read_at_once = report.rows()
+    # The same weights and batch (no optimizer): the same sums, bit for bit on the CPU; a GPU's attention
+    # backward may add in another order.
+    tolerance = {} if device == "cpu" else {"rel": 1e-6}
+
+    def as_step(rows, step):
+        return [{**row, "step": step, **{metric: pytest.approx(row[metric], **tolerance)
+                                         for metric in coat.report.TENSOR_METRICS}} for row in rows]
+
+    assert read_later == as_step(read_at_once, 1)
+    with report.capture():
+        train_step(model, None, tokens(seed=3).to(device))
+    with report.capture():  # starts before the previous capture was read
+        train_step(model, None, batch)
+    assert report.rows() == as_step(read_at_once, 4)
+
+
+@requires_cuda
+def test_the_capture_end_does_not_wait_for_the_gpu():
+    """A GPU-bound loop keeps the GPU busy through a capture: its end returns while the GPU still runs the
+    step (here held back by a sleep kernel of about half a second), and the first read waits for it."""
+    model = coat.convert(tiny_llama(seed=0)).cuda()
+    optimizer = coat.optim.AdamW(model.parameters(), lr=1e-3)
+    report = coat.report.QuantizationReport(model, optimizer)
+    train_step(model, optimizer, tokens().cuda())
+    torch.cuda.synchronize()
+    with report.capture():
+        torch.cuda._sleep(1_000_000_000)
+        train_step(model, optimizer, tokens().cuda())
+    ended = torch.cuda.Event()
+    ended.record()
+    assert not ended.query()  # the GPU is still sleeping, and the capture has ended
+    stats = report.stats()
+    assert stats and all(math.isfinite(value) for value in stats.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
 def test_a_capture_inside_a_default_device_context(device):
     """A training loop under torch.set_default_device or `with torch.device(...)`: the capture's own tensors
     (the pinned host copy on a GPU, the optimizer's step counts) go where they belong, not to the default
