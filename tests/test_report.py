@@ -232,15 +232,19 @@ def test_results_read_later_are_the_captured_steps(device):
 @requires_cuda
 def test_the_capture_end_does_not_wait_for_the_gpu():
     """A GPU-bound loop keeps the GPU busy through a capture: its end returns while the GPU still runs the
-    step (here held back by a sleep kernel of about half a second), and the first read waits for it."""
+    step (here held back by a sleep kernel of about half a second), and the first read waits for it. The first
+    capture is not timed: allocating its buffers (device and pinned host memory) may wait for the GPU."""
     model = coat.convert(tiny_llama(seed=0)).cuda()
     optimizer = coat.optim.AdamW(model.parameters(), lr=1e-3)
     report = coat.report.QuantizationReport(model, optimizer)
-    train_step(model, optimizer, tokens().cuda())
+    batch = tokens().cuda()  # before the sleep: a copy from pageable host memory waits for the GPU
+    with report.capture():
+        train_step(model, optimizer, batch)
+    report.stats()
     torch.cuda.synchronize()
     with report.capture():
         torch.cuda._sleep(1_000_000_000)
-        train_step(model, optimizer, tokens().cuda())
+        train_step(model, optimizer, batch)
     ended = torch.cuda.Event()
     ended.record()
     assert not ended.query()  # the GPU is still sleeping, and the capture has ended
