@@ -14,9 +14,7 @@ float32 master weights, coat.optim.AdamW step), timed in one process on the same
 
 All are medians of runs alternated. Target: a captured step at most 5% slower than a plain one. "capture / off" is the
 captured step's time over the plain one's (in a loop: (loop with a capture - plain loop) / plain step + 1);
-"every N" is the overhead of capturing every N-th step, (capture - off) / (N * off). On a GPU it also gives the
-GPU time of the kernels a capture launches (torch.profiler), a figure that the GPU's clocks, which move a step's
-time by a few percent from run to run, do not blur. Outside a capture each
+"every N" is the overhead of capturing every N-th step, (capture - off) / (N * off). Outside a capture each
 coat autograd Function reads one module global (coat.nn._capture.active) in forward and in backward: "switch"
 times that read and multiplies it by the reads per step, the whole cost of the report when off, as a share
 of the step.
@@ -43,7 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import coat
 from coat.nn import _capture
 
-from _common import _sleep_cycles, kernel_profile, parser, print_table, time_ms, write_results
+from _common import _sleep_cycles, parser, print_table, time_ms, write_results
 
 # (hidden, intermediate, layers, heads, seq, batch)
 MODELS = {
@@ -128,19 +126,6 @@ def host_profile(plain_step, captured_step, steps: int, device: str, top: int = 
     print_table(rows[:top], list(rows[0]))
 
 
-def capture_kernels_ms(plain_step, captured_step, steps: int = 3) -> float:
-    """GPU time of the kernels a capture launches beyond a plain step's, per step (torch.profiler): of each kernel,
-    the share of its time that its added launches take. Unlike a step's time, this does not move with the GPU's
-    clocks from one step to the next."""
-    plain = {k["kernel"]: k for k in kernel_profile(plain_step, steps)["kernels"]}
-    added_us = 0.0
-    for kernel in kernel_profile(captured_step, steps)["kernels"]:
-        extra_calls = kernel["calls"] - plain.get(kernel["kernel"], {"calls": 0.0})["calls"]
-        if extra_calls > 0:
-            added_us += kernel["us"] * extra_calls / kernel["calls"]
-    return added_us / 1e3
-
-
 def main():
     p = parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="a small model on the CPU, one run each")
@@ -219,11 +204,6 @@ def main():
                "target_capture_over_off": 1.05,
                **{f"overhead_every_{n}": default[f"every {n}"] for n in EVERY},
                **{f"overhead_every_{n}_in_loop": in_loop[f"every {n}"] for n in EVERY}, "switch_over_off": default["switch / off"]}
-    if device == "cuda":
-        added_ms = capture_kernels_ms(plain_step, steps["64"])
-        summary.update(capture_kernels_ms=added_ms, capture_kernels_over_off=added_ms / off_ms)
-        print(f"kernels a capture adds (64 rows, read at once): {added_ms:.3f} ms per step, "
-              f"{added_ms / off_ms:.4f} of a plain step")
     name = "report-smoke" if args.smoke else "report" if args.batch is None else f"report-batch{args.batch}"
     path = write_results(args.results_dir, name, rows, summary)
     print(f"wrote {path}")

@@ -67,11 +67,12 @@ by one native call (coat.ops.quantization_sums_: their sampled rows' sums, one k
 the device; the RMSNorm and SiLU*mul outputs recomputed for those rows only), at the end one call for every
 optimizer moment (coat.ops.moment_stats) and one device-to-host copy, which the capture's end starts and does
 not wait for: the first read of the results (stats(), rows(), worst(), to_csv(), heatmap(), or the next
-capture) waits for it, once. Read them after the next step is enqueued (at a logging interval, as
-examples/train_llama.py does) and a GPU-bound loop never drains for the report. On one H200 (4 layers at hidden 2048) a captured step takes 1.14-1.21x a plain one at 4 x
-2048 tokens, where the plain step's host time is about its GPU time, and 1.07x at 16 x 2048 (every row: 2.2x
-and 2.4x), so capturing every 100 steps costs 0.07-0.2% of a run; outside a capture each coat autograd Function
-reads one module global in forward and in backward (``benchmarks/report.py`` measures both).
+capture) waits for it, once. Read them after the next step is enqueued (as examples/train_llama.py does) and
+a GPU-bound loop never drains for the report. On one H200 (4 layers at
+hidden 2048) a captured step takes 1.06x a plain one at 16 x 2048 tokens in such a loop (1.09-1.11x read at
+once; every row: 2.3x), and 1.2-1.3x at 4 x 2048, where the plain step's host time is about its GPU time, so
+capturing every 100 steps costs 0.06-0.3% of a run; outside a capture each coat autograd Function reads one
+module global in forward and in backward (``benchmarks/report.py`` measures both).
 
 Captures run in eager mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs
 again after it (no recompilation); without a capture a converted model compiles as before, with no graph

@@ -11,9 +11,10 @@ def text_batches(tokens: torch.Tensor, steps: int, batch: int, context: int, see
     return [torch.stack([tokens[s : s + context] for s in row.tolist()]) for row in starts]
 
 
-def tiny_llama(seed: int, hidden: int = 64, layers: int = 2, intermediate: int = 128, heads: int = 4):
-    """A LlamaForCausalLM with a byte vocabulary, initialised from ``seed``. Eager attention: the same
-    kernels forward and backward on every run, so two runs on the same data agree bit for bit."""
+def tiny_llama(seed: int, hidden: int = 64, layers: int = 2, intermediate: int = 128, heads: int = 4,
+               attention: str = "eager"):
+    """A LlamaForCausalLM with a byte vocabulary, initialised from ``seed``. Eager attention by default: the
+    same kernels forward and backward on every run, so two runs on the same data agree bit for bit."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -24,7 +25,7 @@ def tiny_llama(seed: int, hidden: int = 64, layers: int = 2, intermediate: int =
         num_attention_heads=heads,
         num_key_value_heads=heads // 2,
         max_position_embeddings=256,
-        attn_implementation="eager",
+        attn_implementation=attention,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
