@@ -104,6 +104,25 @@ def host_us_per_call(fn, calls: int, repeat: int, device: torch.device | str) ->
     return statistics.median(times)
 
 
+def loop_ms(steps, device: torch.device | str) -> list[float]:
+    """Milliseconds of each of ``steps`` (callables) run back to back without a wait, as a training loop runs them:
+    on a GPU the intervals between CUDA events recorded after each (the GPU's time from the end of one step's work
+    to the end of the next's, including any time it waited for the host); on the CPU, host time."""
+    if torch.device(device).type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(steps) + 1)]
+        events[0].record()
+        for step, event in zip(steps, events[1:]):
+            step()
+            event.record()
+        events[-1].synchronize()
+        return [start.elapsed_time(end) for start, end in zip(events, events[1:])]
+    times = [time.perf_counter()]
+    for step in steps:
+        step()
+        times.append(time.perf_counter())
+    return [(end - start) * 1e3 for start, end in zip(times, times[1:])]
+
+
 def time_ms(fn, warmup: int, repeat: int, device: torch.device | str) -> float:
     """Median milliseconds of fn(): CUDA events on a GPU, time.perf_counter on the CPU, where the benchmarks
     only run their smoke mode (tiny shapes, to check that they still work, not to time anything)."""

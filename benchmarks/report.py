@@ -1,29 +1,33 @@
-"""What coat.report costs a training step of a converted Llama (forward and backward under bf16 autocast,
-float32 master weights, coat.optim.AdamW step), timed in one process on the same batch:
+"""What coat.report costs a training loop of a converted Llama (forward and backward under bf16 autocast,
+float32 master weights, coat.optim.AdamW step), timed in one process on the same batch.
 
-    report off      the step with a QuantizationReport built but no capture in progress
-    capture on      the same step inside ``with report.capture():``, every quantized tensor and both moments
-                    of every parameter measured, one device-to-host copy at the end, and the report read at
-                    once (report.stats(), which waits for that copy): with the default 64 evenly spaced rows
-                    of each matrix (sample_rows=64; amax over the whole tensor), and with every row
+Each timed run is a loop of training steps back to back, with no wait between, as a training loop runs them
+(40 on a GPU), with a capture every 10 steps (steps 5, 15, 25 and 35; RUNS), by kind of run:
+
+    off             no capture: the QuantizationReport is built, never used
+    at once         each capture (``with report.capture():``, every quantized tensor and both moments of every
+                    parameter measured, one device-to-host copy at the end) read at once (report.stats(), which
+                    waits for that copy, so the GPU drains before the next step): with the default 64 evenly
+                    spaced rows of each matrix (sample_rows=64; amax over the whole tensor), and with every row
                     (sample_rows=None)
-    in a loop       LOOP steps back to back as a training loop runs them, with no wait between: all plain, or
-                    the first captured (64 rows) and its report read after the second step is enqueued, as
-                    examples/train_llama.py reads it; what the capture adds to the loop is its cost per
-                    captured step, the GPU kept busy through the capture's end
+    after the next step   each capture (64 rows) read once the next step is enqueued, as
+                    examples/train_llama.py reads it: the GPU stays busy through the capture's end
 
-All are medians of runs alternated. Target: a captured step at most 5% slower than a plain one. "capture / off" is the
-captured step's time over the plain one's (in a loop: (loop with a capture - plain loop) / plain step + 1);
-"every N" is the overhead of capturing every N-th step, (capture - off) / (N * off). Outside a capture each
-coat autograd Function reads one module global (coat.nn._capture.active) in forward and in backward: "switch"
-times that read and multiplies it by the reads per step, the whole cost of the report when off, as a share
-of the step.
+Runs alternate; a run's time is the sum of its steps' intervals between CUDA events recorded after each step
+(host time on the CPU). What a capture costs is (median run - median plain run) / captures per run: the
+captured step's own time and whatever lands after it (a drained GPU, a host that fell behind, slower steps
+after it: on the H200s measured here, which run at their power cap under this load, the steps after a capture
+were at times a few ms slower, which timing the captured step alone would miss). Target: a captured step at
+most 5% slower than a plain one: "capture / off" is (off + that cost) / off, "off" the plain runs' mean step;
+"every N" is the overhead of capturing every N-th step, cost / (N * off). Outside a capture each coat autograd
+Function reads one module global (coat.nn._capture.active) in forward and in backward: "switch" times that
+read and multiplies it by the reads per step, the whole cost of the report when off, as a share of the step.
 
     python benchmarks/report.py            (a CUDA GPU if there is one, else the CPU, train_llama.py's tiny model)
     python benchmarks/report.py --batch 16 (more tokens per step: at batch 4 the plain step's host time is about
                                             its GPU time on an H200, so whatever a capture adds on the host adds
                                             to the step; at 16 the GPU's work hides it, as in a GPU-bound run)
-    python benchmarks/report.py --smoke    (a smaller model on the CPU, one run each: checks that the script runs)
+    python benchmarks/report.py --smoke    (a smaller model on the CPU, one short run each: checks that the script runs)
     python benchmarks/report.py --host-profile 10
                                            (also: where a captured step spends host time that a plain one does not,
                                             from cProfile over 10 steps of each, enqueued while a GPU sleep keeps
@@ -41,7 +45,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import coat
 from coat.nn import _capture
 
-from _common import _sleep_cycles, parser, print_table, time_ms, write_results
+from _common import _sleep_cycles, loop_ms, parser, print_table, write_results
 
 # (hidden, intermediate, layers, heads, seq, batch)
 MODELS = {
@@ -50,7 +54,8 @@ MODELS = {
     "smoke": (64, 176, 2, 4, 32, 2),
 }
 EVERY = (10, 100)
-LOOP = 5  # steps per timed loop
+# Steps per timed run, a capture every how many, the first captured: on a GPU steps 5, 15, 25 and 35.
+RUNS = {"cuda": (40, 10, 5), "cpu": (12, 10, 5), "smoke": (5, 2, 1)}
 FUNCTIONS_PER_LAYER = 3  # before_attention, after_attention, mlp_residual: each reads the switch twice
 
 
@@ -128,7 +133,8 @@ def host_profile(plain_step, captured_step, steps: int, device: str, top: int = 
 
 def main():
     p = parser(__doc__)
-    p.add_argument("--smoke", action="store_true", help="a small model on the CPU, one run each")
+    p.set_defaults(warmup=1, repeat=8)  # whole runs (RUNS), per kind of run
+    p.add_argument("--smoke", action="store_true", help="a small model on the CPU, one short run each")
     p.add_argument("--batch", type=int, help="sequences per step (default: the model's, 4 on a GPU)")
     p.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                    help="also profile the host time of STEPS plain and captured steps (cProfile) and print where they differ")
@@ -139,76 +145,79 @@ def main():
         if args.batch < 1:
             p.error(f"--batch must be a positive number of sequences, got {args.batch}")
         shape = (*shape[:-1], args.batch)
+    steps, every, first = RUNS["smoke" if args.smoke else device]
+    captured = range(first, steps - 1, every)  # each has a next step, after which "after the next step" reads it
     if args.smoke:
         args.warmup, args.repeat = 1, 1
     model, optimizer, tokens = build(shape, device)
     samplings = {"64": 64, "all": None}
     reports = {rows: coat.report.QuantizationReport(model, optimizer, sample_rows=value) for rows, value in samplings.items()}
 
-    def captured_step(report):
-        with report.capture():
-            training_step(model, optimizer, tokens, device)
-        report.stats()
-
     def plain_step():
         training_step(model, optimizer, tokens, device)
 
-    def plain_loop():
-        for _ in range(LOOP):
-            plain_step()
-
-    def loop_with_capture():
-        report = reports["64"]
+    def captured_step(report, read_at_once: bool):
         with report.capture():
             training_step(model, optimizer, tokens, device)
-        for step in range(1, LOOP):
-            plain_step()
-            if step == 1:
-                report.stats()
+        if read_at_once:
+            report.stats()
 
-    steps = {"off": plain_step, **{rows: (lambda r=report: captured_step(r)) for rows, report in reports.items()},
-             "loop off": plain_loop, "loop capture": loop_with_capture}
+    def read_after_step(report):
+        plain_step()
+        report.stats()
+
+    def run(capture=None, after_capture=plain_step):
+        return [capture if capture and i in captured else after_capture if capture and i - 1 in captured
+                else plain_step for i in range(steps)]
+
+    runs = {
+        ("off", "64"): run(),
+        ("at once", "64"): run(lambda: captured_step(reports["64"], True)),
+        ("at once", "all"): run(lambda: captured_step(reports["all"], True)),
+        ("after the next step", "64"): run(lambda: captured_step(reports["64"], False),
+                                           lambda: read_after_step(reports["64"])),
+    }
     for _ in range(args.warmup):
-        for step in steps.values():
-            step()
-    # Alternated, so that a machine whose speed drifts (other processes, clocks) slows all alike.
-    times = {name: [] for name in steps}
-    for _ in range(args.repeat):
-        for name, step in steps.items():
-            times[name].append(time_ms(step, 0, 1, device))
-    off_ms = statistics.median(times["off"])
+        for steps_of_run in runs.values():
+            loop_ms(steps_of_run, device)
+    times = {key: [] for key in runs}
+    for _ in range(args.repeat):  # alternated, so that a machine whose speed drifts slows all alike
+        for key, steps_of_run in runs.items():
+            times[key].append(loop_ms(steps_of_run, device))
+    totals = {key: statistics.median(sum(run_ms) for run_ms in key_times) for key, key_times in times.items()}
+    off_ms = totals[("off", "64")] / steps
     layers = shape[2]
     switch_ms = switch_seconds() * 1e3 * 2 * FUNCTIONS_PER_LAYER * layers
     hidden, intermediate, _, heads, seq, batch = shape
     rows = []
-    for name, report in reports.items():
-        on_ms = statistics.median(times[name])
-        rows.append({"hidden": hidden, "layers": layers, "batch x seq": f"{batch}x{seq}", "rows measured": name,
-                     "read": "at once", "off ms": off_ms, "capture ms": on_ms, "capture / off": on_ms / off_ms,
-                     **{f"every {n}": (on_ms - off_ms) / (n * off_ms) for n in EVERY},
-                     "switch us": switch_ms * 1e3, "switch / off": switch_ms / off_ms, "tensors": len(report.rows())})
-    loop_off_ms, loop_capture_ms = statistics.median(times["loop off"]), statistics.median(times["loop capture"])
-    loop_step_ms = loop_off_ms / LOOP
-    loop_on_ms = loop_step_ms + loop_capture_ms - loop_off_ms
-    rows.append({**rows[0], "read": "after the next step", "off ms": loop_step_ms, "capture ms": loop_on_ms,
-                 "capture / off": loop_on_ms / loop_step_ms,
-                 **{f"every {n}": (loop_on_ms - loop_step_ms) / (n * loop_step_ms) for n in EVERY},
-                 "switch / off": switch_ms / loop_step_ms})
+    for (read, sampled), total in totals.items():
+        if read == "off":
+            continue
+        cost_ms = (total - totals[("off", "64")]) / len(captured)
+        rows.append({"hidden": hidden, "layers": layers, "batch x seq": f"{batch}x{seq}", "rows measured": sampled,
+                     "read": read, "off ms": off_ms, "capture ms": off_ms + cost_ms,
+                     "capture / off": 1 + cost_ms / off_ms, **{f"every {n}": cost_ms / (n * off_ms) for n in EVERY},
+                     "switch us": switch_ms * 1e3, "switch / off": switch_ms / off_ms,
+                     "tensors": len(reports[sampled].rows())})
     print_table(rows, list(rows[0]))
-    for row, (off, on) in zip(rows, (("off", "64"), ("off", "all"), ("loop off", "loop capture"))):
-        row["off runs ms"], row["capture runs ms"] = times[off], times[on]
-    default, in_loop = rows[0], rows[2]
-    summary = {"smoke": args.smoke, "device": device, "capture_over_off": default["capture / off"],
-               "capture_over_off_every_row": rows[1]["capture / off"],
-               "capture_over_off_in_loop": in_loop["capture / off"], "loop_steps": LOOP,
-               "target_capture_over_off": 1.05,
+    for row, key in zip(rows, [key for key in runs if key[0] != "off"]):
+        row["run ms"], row["off run ms"] = totals[key], totals[("off", "64")]
+        row["runs ms"] = [sum(run_ms) for run_ms in times[key]]
+        row["off runs ms"] = [sum(run_ms) for run_ms in times[("off", "64")]]
+        row["step medians ms"] = [statistics.median(run_ms[i] for run_ms in times[key]) for i in range(steps)]
+        row["off step medians ms"] = [statistics.median(run_ms[i] for run_ms in times[("off", "64")]) for i in range(steps)]
+    default, every_row, in_loop = rows
+    summary = {"smoke": args.smoke, "device": device, "steps_per_run": steps, "captured_steps": list(captured),
+               "runs": args.repeat, "capture_over_off": default["capture / off"],
+               "capture_over_off_every_row": every_row["capture / off"],
+               "capture_over_off_in_loop": in_loop["capture / off"], "target_capture_over_off": 1.05,
                **{f"overhead_every_{n}": default[f"every {n}"] for n in EVERY},
                **{f"overhead_every_{n}_in_loop": in_loop[f"every {n}"] for n in EVERY}, "switch_over_off": default["switch / off"]}
     name = "report-smoke" if args.smoke else "report" if args.batch is None else f"report-batch{args.batch}"
     path = write_results(args.results_dir, name, rows, summary)
     print(f"wrote {path}")
     if args.host_profile:
-        host_profile(plain_step, steps["64"], args.host_profile, device)
+        host_profile(plain_step, lambda: captured_step(reports["64"], True), args.host_profile, device)
 
 
 if __name__ == "__main__":
