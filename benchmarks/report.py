@@ -170,42 +170,41 @@ def main():
         return [capture if capture and i in captured else after_capture if capture and i - 1 in captured
                 else plain_step for i in range(steps)]
 
-    runs = {
-        ("off", "64"): run(),
+    captured_runs = {  # (read, rows measured) -> the run's steps
         ("at once", "64"): run(lambda: captured_step(reports["64"], True)),
         ("at once", "all"): run(lambda: captured_step(reports["all"], True)),
         ("after the next step", "64"): run(lambda: captured_step(reports["64"], False),
                                            lambda: read_after_step(reports["64"])),
     }
+    runs = {"off": run(), **captured_runs}
     for _ in range(args.warmup):
         for steps_of_run in runs.values():
             loop_ms(steps_of_run, device)
-    times = {key: [] for key in runs}
+    times = {kind: [] for kind in runs}
     for _ in range(args.repeat):  # alternated, so that a machine whose speed drifts slows all alike
-        for key, steps_of_run in runs.items():
-            times[key].append(loop_ms(steps_of_run, device))
-    totals = {key: statistics.median(sum(run_ms) for run_ms in key_times) for key, key_times in times.items()}
-    off_ms = totals[("off", "64")] / steps
+        for kind, steps_of_run in runs.items():
+            times[kind].append(loop_ms(steps_of_run, device))
+    totals = {kind: statistics.median(sum(run_ms) for run_ms in kind_times) for kind, kind_times in times.items()}
+    step_medians = {kind: [statistics.median(run_ms[i] for run_ms in kind_times) for i in range(steps)]
+                    for kind, kind_times in times.items()}
+    off_ms = totals["off"] / steps
     layers = shape[2]
     switch_ms = switch_seconds() * 1e3 * 2 * FUNCTIONS_PER_LAYER * layers
     hidden, intermediate, _, heads, seq, batch = shape
     rows = []
-    for (read, sampled), total in totals.items():
-        if read == "off":
-            continue
-        cost_ms = (total - totals[("off", "64")]) / len(captured)
+    for (read, sampled) in captured_runs:
+        cost_ms = (totals[(read, sampled)] - totals["off"]) / len(captured)
         rows.append({"hidden": hidden, "layers": layers, "batch x seq": f"{batch}x{seq}", "rows measured": sampled,
                      "read": read, "off ms": off_ms, "capture ms": off_ms + cost_ms,
                      "capture / off": 1 + cost_ms / off_ms, **{f"every {n}": cost_ms / (n * off_ms) for n in EVERY},
                      "switch us": switch_ms * 1e3, "switch / off": switch_ms / off_ms,
                      "tensors": len(reports[sampled].rows())})
     print_table(rows, list(rows[0]))
-    for row, key in zip(rows, [key for key in runs if key[0] != "off"]):
-        row["run ms"], row["off run ms"] = totals[key], totals[("off", "64")]
-        row["runs ms"] = [sum(run_ms) for run_ms in times[key]]
-        row["off runs ms"] = [sum(run_ms) for run_ms in times[("off", "64")]]
-        row["step medians ms"] = [statistics.median(run_ms[i] for run_ms in times[key]) for i in range(steps)]
-        row["off step medians ms"] = [statistics.median(run_ms[i] for run_ms in times[("off", "64")]) for i in range(steps)]
+    for row, kind in zip(rows, captured_runs):
+        row.update({"run ms": totals[kind], "off run ms": totals["off"],
+                    "runs ms": [sum(run_ms) for run_ms in times[kind]],
+                    "off runs ms": [sum(run_ms) for run_ms in times["off"]],
+                    "step medians ms": step_medians[kind], "off step medians ms": step_medians["off"]})
     default, every_row, in_loop = rows
     summary = {"smoke": args.smoke, "device": device, "steps_per_run": steps, "captured_steps": list(captured),
                "runs": args.repeat, "capture_over_off": default["capture / off"],
