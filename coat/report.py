@@ -69,9 +69,10 @@ optimizer moment (coat.ops.moment_stats) and one device-to-host copy, which the 
 not wait for: the first read of the results (stats(), rows(), worst(), to_csv(), heatmap(), or the next
 capture) waits for it, once. Read them after the next step is enqueued (as examples/train_llama.py does) and
 a GPU-bound loop never drains for the report. On one H200 (4 layers at
-hidden 2048, runs of 40 steps timed whole) a capture costs 1.03x a plain step at 16 x 2048 tokens, read in such
-a loop or at once (every row: 2.1x), and 1.06x (at once: 1.13x) at 4 x 2048, where the plain step's host time
-is about its GPU time, so capturing every 100 steps costs 0.03-0.13% of a run; outside a capture each coat autograd Function reads one
+hidden 2048, runs of 40 steps timed whole) a capture costs 1.03x a plain step at 16 x 2048 tokens read in such
+a loop, 1.03-1.04x read at once (every row: 2.1-2.2x), on two machines; at 4 x 2048, where the plain step's host
+time is about its GPU time, 1.06x on one and 1.43x on another with a noisier host (at once: 1.13x and 1.71x),
+so capturing every 100 steps costs 0.03-0.7% of a run; outside a capture each coat autograd Function reads one
 module global in forward and in backward (``benchmarks/report.py`` measures both).
 
 Captures run in eager mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs
