@@ -17,14 +17,18 @@ attention). Every run times, in one process on the same inputs:
     coat fp6 eager      coat.convert(saved_format="fp6"): the same inputs kept as FP6 E2M3 in 1 x 16 blocks, the
                         middle step of the report's per-layer choice
 
-Times are CUDA-event medians after warm-up (backward = total - forward); each step starts on an idle GPU, so
-they include the host's time to enqueue the step's first kernels. "GPU ms" is forward + backward with the GPU
-kept busy while the host enqueues (_common.time_cuda_gpu_ms): the step's GPU work alone, what a layer costs
-inside a model whose host runs ahead of the GPU (for every variant here the host's time to enqueue a step is
-below the GPU's). "saved" is what the forward leaves
-allocated for backward: the memory allocated across the forward minus its output, in MB and in units
-U = 2 bytes x tokens x hidden (one BF16 copy of the layer's input). On the CPU (--smoke) it is the distinct
-storages autograd saves, parameters excluded (torch.autograd.graph.saved_tensors_hooks), for the eager rows.
+Times are CUDA-event medians after warm-up (backward = total - forward), taken in rounds (--rounds, 5), the
+variants in turn in each round, and the median over the rounds reported: an H200 at its power cap drifts by a
+few percent over a run, which timing one variant after another would hand to whichever ran later. Each step
+starts on an idle GPU, so they include the host's time to enqueue the step's first kernels. "GPU ms" is
+forward + backward with the GPU kept busy while the host enqueues (_common.time_cuda_gpu_ms): the step's GPU
+work alone, what a layer costs inside a model whose host runs ahead of the GPU (for every variant here the
+host's time to enqueue a step is below the GPU's). "saved" is what the forward leaves allocated for backward:
+the memory allocated across the forward minus its output, in MB and in units U = 2 bytes x tokens x hidden
+(one BF16 copy of the layer's input); it includes the caching allocator's slack (a cached block up to 1 MB
+larger than the request is handed out whole). "tensors U" is the bytes of the distinct storages autograd saves
+(torch.autograd.graph.saved_tensors_hooks), parameters and the layer's inputs (RoPE's cos and sin, shared by a
+model's layers) excluded, for the eager rows; on the CPU (--smoke) "saved" is that too.
 
 Targets (H100/H200, issues 10 and 12): coat eager >= 1.8x BF16 eager and >= 1.1x torchao compiled, coat
 compiled no slower than coat eager, saved activations <= 10.4 U (issue 10) and <= 9 U (issue 12); coat fp4
@@ -35,6 +39,7 @@ eager <= 6 U and no slower than coat eager.
     python benchmarks/layer.py --smoke                  (a tiny layer on the CPU: checks that the script runs)
 """
 import copy
+import statistics
 import sys
 
 import torch
@@ -93,13 +98,13 @@ def build_variant(stock: nn.Module, name: str):
     return compile_for_fixed_shapes(converted) if name == "coat compiled" else converted
 
 
-def saved_by_hooks_mb(forward, parameters) -> float:
-    """Distinct storages autograd saves during forward(), parameters excluded."""
+def saved_by_hooks_mb(forward, excluded) -> float:
+    """Distinct storages autograd saves during forward(), those whose data pointers are in ``excluded`` left out."""
     storages = {}
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in parameters:
+        if storage.data_ptr() not in excluded:
             storages[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -119,8 +124,15 @@ def saved_by_allocator_mb(forward) -> float:
     return saved / 2**20
 
 
-def measure(layer, hidden_states, position_embeddings, grad, warmup, repeat, device) -> dict:
+def prepare(layer, hidden_states, position_embeddings, grad, device, compiled: bool) -> dict:
+    """The layer's forward and forward + backward as callables, and what its forward saves for backward:
+    "saved MB" (the allocator's measure on a GPU, the saved storages on the CPU; see the docstring) and
+    "tensors MB" (the distinct storages autograd saves, on every device; None for a compiled layer, not
+    measured there)."""
     parameters = list(layer.parameters())
+    # Parameters, and the inputs that the forward made none of: RoPE's cos and sin, which a model computes once
+    # for all its layers, like the allocator's measure, which counts what the forward allocates.
+    not_activations = {t.untyped_storage().data_ptr() for t in (*parameters, hidden_states, *position_embeddings)}
 
     def forward():
         return layer(hidden_states, attention_mask=None, position_embeddings=position_embeddings)
@@ -131,18 +143,22 @@ def measure(layer, hidden_states, position_embeddings, grad, warmup, repeat, dev
             p.grad = None
         forward().backward(grad)
 
-    total_ms = time_ms(forward_backward, warmup, repeat, device)  # first: compiled variants compile here
-    forward_ms = time_ms(forward, warmup, repeat, device)
-    timings = {"fwd ms": forward_ms, "bwd ms": total_ms - forward_ms, "total ms": total_ms}
-    if torch.device(device).type == "cuda":
-        timings["GPU ms"] = time_cuda_gpu_ms(forward_backward, warmup, repeat)
+    forward_backward()  # compiled variants compile here, before anything is measured
     for p in parameters:
         p.grad = None
+    tensors = None if compiled else saved_by_hooks_mb(forward, not_activations)
+    saved = saved_by_allocator_mb(forward) if torch.device(device).type == "cuda" else tensors
+    return {"forward": forward, "forward_backward": forward_backward, "saved MB": saved, "tensors MB": tensors}
+
+
+def time_round(prepared: dict, warmup: int, repeat: int, device) -> dict:
+    """One round of the layer's timings (medians of ``repeat`` after ``warmup``)."""
+    total_ms = time_ms(prepared["forward_backward"], warmup, repeat, device)
+    forward_ms = time_ms(prepared["forward"], warmup, repeat, device)
+    timings = {"fwd ms": forward_ms, "bwd ms": total_ms - forward_ms, "total ms": total_ms}
     if torch.device(device).type == "cuda":
-        saved = saved_by_allocator_mb(forward)
-    else:
-        saved = saved_by_hooks_mb(forward, {p.untyped_storage().data_ptr() for p in parameters})
-    return {**timings, "saved MB": saved, "profile": forward_backward}
+        timings["GPU ms"] = time_cuda_gpu_ms(prepared["forward_backward"], warmup, repeat)
+    return timings
 
 
 def main():
@@ -152,10 +168,16 @@ def main():
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS, metavar="NAME",
                    help=f"layer variants to time, of: {', '.join(VARIANTS)}")
     p.add_argument("--profile", action="store_true", help="print each variant's kernels (torch.profiler, 5 steps)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of timing, the variants in turn in each (warm-up and repeat are per round); "
+                        "each time is the median over the rounds")
+    p.set_defaults(warmup=3, repeat=10)
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     variants = list(dict.fromkeys([BASELINE, *args.variants]))
     if args.smoke:
-        device, batch, settings, args.warmup, args.repeat = "cpu", SMOKE_BATCH, SMOKE_SETTINGS, 1, 1
+        device, batch, settings, args.warmup, args.repeat, args.rounds = "cpu", SMOKE_BATCH, SMOKE_SETTINGS, 1, 1, 1
         variants = [v for v in variants if "compiled" not in v]
     else:
         if not torch.cuda.is_available() or not coat.built_with_cuda():
@@ -174,25 +196,33 @@ def main():
         position_embeddings = LlamaRotaryEmbedding(config).to(device)(hidden_states, positions)
         grad = torch.randn_like(hidden_states)
         unit_mb = 2 * batch * length * hidden / 2**20
-        results = {}
+        results, prepared = {}, {}
         for name in variants:
             layer = build_variant(stock, name)
             if isinstance(layer, str):
                 results[name] = {"missing": layer}
                 print(f"{name}: {layer}")
                 continue
-            results[name] = measure(layer, hidden_states, position_embeddings, grad, args.warmup, args.repeat, device)
+            prepared[name] = prepare(layer, hidden_states, position_embeddings, grad, device, "compiled" in name)
+        rounds = {name: [] for name in prepared}
+        for _ in range(args.rounds):  # the variants in turn, so that a GPU whose clock drifts slows all alike
+            for name, layer_calls in prepared.items():
+                rounds[name].append(time_round(layer_calls, args.warmup, args.repeat, device))
+        for name, layer_rounds in rounds.items():
+            results[name] = {key: statistics.median(r[key] for r in layer_rounds) for key in layer_rounds[0]}
+            results[name].update({key: prepared[name][key] for key in ("saved MB", "tensors MB")})
             if args.profile:
-                profiles[f"{hidden}x{length} {name}"] = kernel_profile(results[name]["profile"], steps=5)
+                profiles[f"{hidden}x{length} {name}"] = kernel_profile(prepared[name]["forward_backward"], steps=5)
         baseline, peer = results[BASELINE], results.get(PEER, {})
         for name, result in results.items():
             row = {"hidden": hidden, "seq": length, "batch": batch, "layer": name}
             if "missing" in result:
                 rows.append({**row, "missing": result["missing"]})
                 continue
-            result.pop("profile")
             row.update(result)
             row["saved U"] = result["saved MB"] / unit_mb
+            if result["tensors MB"] is not None:
+                row["tensors U"] = result["tensors MB"] / unit_mb
             row["vs BF16 eager"] = baseline["total ms"] / result["total ms"]
             if "total ms" in peer:
                 row["vs torchao"] = peer["total ms"] / result["total ms"]
@@ -201,10 +231,10 @@ def main():
                 if "GPU ms" in peer:
                     row["GPU vs torchao"] = peer["GPU ms"] / result["GPU ms"]
             rows.append(row)
-        del stock, hidden_states, grad
+        del stock, hidden_states, grad, prepared
 
     columns = ["hidden", "seq", "batch", "layer", "fwd ms", "bwd ms", "total ms", "vs BF16 eager", "vs torchao",
-               "GPU ms", "GPU vs BF16", "GPU vs torchao", "saved MB", "saved U"]
+               "GPU ms", "GPU vs BF16", "GPU vs torchao", "saved MB", "saved U", "tensors U"]
     for name, profile in profiles.items():
         print(f"\n== kernels of {name}, per fwd+bwd step ==")
         print_table(profile["kernels"][:30], ["kernel", "class", "calls", "us"])
@@ -225,9 +255,12 @@ def main():
         low_bit = {(r["hidden"], r["seq"]): r for r in rows if r["layer"] == low_bit_name and "total ms" in r}
         if low_bit:
             summary[f"max_{key}_saved_U"] = max(row["saved U"] for row in low_bit.values())
-            summary[f"min_{key}_vs_coat_eager"] = min(
-                row["total ms"] / low_bit[(row["hidden"], row["seq"])]["total ms"] for row in coat_eager
-            )
+            summary[f"max_{key}_tensors_U"] = max(row["tensors U"] for row in low_bit.values())
+            for measure, name in (("total ms", "vs_coat_eager"), ("GPU ms", "gpu_vs_coat_eager")):
+                if all(measure in row for row in coat_eager):
+                    summary[f"min_{key}_{name}"] = min(
+                        row[measure] / low_bit[(row["hidden"], row["seq"])][measure] for row in coat_eager
+                    )
     if all("vs torchao" in row for row in coat_eager):
         summary["min_vs_torchao"] = min(row["vs torchao"] for row in coat_eager)
     if all("GPU vs BF16" in row for row in coat_eager):

@@ -13,15 +13,16 @@ Each timed run is a loop of training steps back to back, with no wait between, a
     after the next step   each capture (64 rows) read once the next step is enqueued, as
                     examples/train_llama.py reads it: the GPU stays busy through the capture's end
 
-Runs alternate; a run's time is the sum of its steps' intervals between CUDA events recorded after each step
-(host time on the CPU). What a capture costs is (median run - median plain run) / captures per run: the
-captured step's own time and whatever lands after it (a drained GPU, a host that fell behind, slower steps
-after it: on the H200s measured here, which run at their power cap under this load, the steps after a capture
-were at times a few ms slower, which timing the captured step alone would miss). Target: a captured step at
-most 5% slower than a plain one: "capture / off" is (off + that cost) / off, "off" the plain runs' mean step;
-"every N" is the overhead of capturing every N-th step, cost / (N * off). Outside a capture each coat autograd
-Function reads one module global (coat.nn._capture.active) in forward and in backward: "switch" times that
-read and multiplies it by the reads per step, the whole cost of the report when off, as a share of the step.
+Runs alternate, in an order rotated every round; a run's time is the sum of its steps' intervals between CUDA
+events recorded after each step (host time on the CPU). What a capture costs is (median run - median plain
+run) / captures per run: the captured step's own time and whatever lands after it (a drained GPU, a host that
+fell behind, slower steps after it: on the H200s measured here, which run at their power cap under this load,
+the steps after a capture were at times a few ms slower, which timing the captured step alone would miss).
+Target: a captured step at most 5% slower than a plain one: "capture / off" is (off + that cost) / off, "off"
+the plain runs' mean step; "every N" is the overhead of capturing every N-th step, cost / (N * off). Outside a
+capture each coat autograd Function reads one module global (coat.nn._capture.active) in forward and in
+backward: "switch" times that read and multiplies it by the reads per step, the whole cost of the report when
+off, as a share of the step.
 
     python benchmarks/report.py            (a CUDA GPU if there is one, else the CPU, train_llama.py's tiny model)
     python benchmarks/report.py --batch 16 (more tokens per step: at batch 4 the plain step's host time is about
@@ -181,9 +182,12 @@ def main():
         for steps_of_run in runs.values():
             loop_ms(steps_of_run, device)
     times = {kind: [] for kind in runs}
-    for _ in range(args.repeat):  # alternated, so that a machine whose speed drifts slows all alike
-        for kind, steps_of_run in runs.items():
-            times[kind].append(loop_ms(steps_of_run, device))
+    kinds = list(runs)
+    for repeat in range(args.repeat):
+        # Alternated, so that a machine whose speed drifts slows all alike, and in an order rotated every round, so
+        # that what one kind of run leaves behind (a GPU hotter after measuring every row) lands on each kind alike.
+        for kind in kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]:
+            times[kind].append(loop_ms(runs[kind], device))
     totals = {kind: statistics.median(sum(run_ms) for run_ms in kind_times) for kind, kind_times in times.items()}
     step_medians = {kind: [statistics.median(run_ms[i] for run_ms in kind_times) for i in range(steps)]
                     for kind, kind_times in times.items()}

@@ -68,12 +68,12 @@ the device; the RMSNorm and SiLU*mul outputs recomputed for those rows only), at
 optimizer moment (coat.ops.moment_stats) and one device-to-host copy, which the capture's end starts and does
 not wait for: the first read of the results (stats(), rows(), worst(), to_csv(), heatmap(), or the next
 capture) waits for it, once. Read them after the next step is enqueued (as examples/train_llama.py does) and
-a GPU-bound loop never drains for the report. On one H200 (4 layers at
-hidden 2048, runs of 40 steps timed whole) a capture costs 1.03x a plain step at 16 x 2048 tokens read in such
-a loop, 1.03-1.04x read at once (every row: 2.1-2.2x), on two machines; at 4 x 2048, where the plain step's host
-time is about its GPU time, 1.06x on one and 1.43x on another with a noisier host (at once: 1.13x and 1.71x),
-so capturing every 100 steps costs 0.03-0.7% of a run; outside a capture each coat autograd Function reads one
-module global in forward and in backward (``benchmarks/report.py`` measures both).
+a GPU-bound loop never drains for the report. On H200s (4 layers at hidden 2048,
+runs of 40 steps timed whole) a capture costs 1.01-1.03x a plain step at 16 x 2048 tokens read in such a loop,
+1.02-1.04x read at once (every row: 2.1-2.2x), on three machines; at 4 x 2048, where the plain step's host time
+is about its GPU time and a capture adds 3-5 ms of it, the estimates range from 0.93x to 1.43x with the host's
+noise, so capturing every 100 steps costs 0.01-0.7% of a run; outside a capture each coat autograd Function reads
+one module global in forward and in backward (``benchmarks/report.py`` measures both).
 
 Captures run in eager mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs
 again after it (no recompilation); without a capture a converted model compiles as before, with no graph
@@ -153,9 +153,10 @@ def _measure_args(sums: torch.Tensor, x, q: torch.Tensor, scale: torch.Tensor, g
 
 def _measure(measures: list[tuple]) -> None:
     """coat.ops.quantization_sums_ of measured tensors (_measure_args), one call per device."""
-    for device in dict.fromkeys(m[2].device for m in measures):
-        columns = list(zip(*(m for m in measures if m[2].device == device)))
-        sums, x, q, scale, group_size, rows, held, amax_per_scale = columns
+    devices = dict.fromkeys(m[2].device for m in measures)
+    for device in devices:
+        on_device = measures if len(devices) == 1 else [m for m in measures if m[2].device == device]
+        sums, x, q, scale, group_size, rows, held, amax_per_scale = zip(*on_device)
         ops.quantization_sums_(sums, x, q, scale, group_size, rows, x_holds_measured_rows=held,
                                amax_per_scale=amax_per_scale)
 
@@ -351,6 +352,9 @@ class QuantizationReport:
         self._pending: list[tuple] = []
         self._captures = 0
         self._rows: list[dict] | Callable[[], list[dict]] | None = None  # a function until the first read
+        # The last capture's row layout: its (layer, tensor, format) in recording order, the order that sorts
+        # them into model order, and the rows without their metrics; a capture that records the same reuses it.
+        self._layout: tuple[tuple, list[int], list[dict]] | None = None
 
     def _name_moments(self, model: nn.Module, optimizer: AdamW) -> dict[int, tuple[str, str]]:
         """id(parameter) -> (layer, parameter name within it): the report module holding the parameter, or
@@ -455,12 +459,15 @@ class QuantizationReport:
         fmt, (_, _, sums) = recorded
         self._pending.append((sums, x, q, scale, group_size, fmt))
 
-    @torch.no_grad()
     def _flush(self) -> None:
         """Measures the tensors recorded since the last flush, in one native call per device: called when a
-        coat Function's forward or backward returns (coat.nn._capture.measures_records), and at the end."""
+        coat Function's forward or backward returns (coat.nn._capture.measures_records), where autograd has
+        turned gradients off already, and at the end."""
         if not self._pending:
             return
+        if torch.is_grad_enabled():  # the end of a capture, or a backward with create_graph=True
+            with torch.no_grad():
+                return self._flush()
         measures = []
         for sums, x, q, scale, group_size, fmt in self._pending:
             rows = self._measured_rows(q.shape[0], q.device) if q.dim() == 2 else None
@@ -468,7 +475,6 @@ class QuantizationReport:
         self._pending.clear()
         _measure(measures)
 
-    @torch.no_grad()
     def _finish(self, step: int) -> Callable[[], list[dict]]:
         """Starts the capture's rows: one per (layer, tensor), in model order, tensors in the order first recorded.
         The values are copied to the host without waiting and the rows laid out while the GPU still runs the step;
@@ -488,15 +494,19 @@ class QuantizationReport:
             for (layer, tensor, fmt), (block, row) in zip(named, _moments_values(moments)):
                 entries.append((layer, tensor, fmt, block, row, _moment_metrics))
         wait_for_host = _copy_to_host([entry[3] for entry in entries])
-        tensor_order = {}
-        for entry in entries:
-            tensor_order.setdefault(entry[1], len(tensor_order))
-        entries.sort(key=lambda entry: (self._layer_order.get(entry[0], -1), tensor_order[entry[1]]))
-        rows = []
-        for layer, tensor, fmt, *_ in entries:
-            row = dict.fromkeys(CSV_COLUMNS)
-            row.update(step=step, layer=layer, tensor=tensor, format=fmt)
-            rows.append(row)
+        names = tuple(entry[:3] for entry in entries)
+        if self._layout is None or self._layout[0] != names:
+            tensor_order = {}
+            for _, tensor, _ in names:
+                tensor_order.setdefault(tensor, len(tensor_order))
+            order = sorted(range(len(names)),
+                           key=lambda i: (self._layer_order.get(names[i][0], -1), tensor_order[names[i][1]]))
+            empty = dict.fromkeys(CSV_COLUMNS)
+            self._layout = (names, order, [{**empty, "layer": names[i][0], "tensor": names[i][1], "format": names[i][2]}
+                                           for i in order])
+        _, order, unfilled = self._layout
+        entries = [entries[i] for i in order]
+        rows = [{**row, "step": step} for row in unfilled]
 
         def filled_rows() -> list[dict]:
             row_of = wait_for_host()

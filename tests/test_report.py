@@ -179,7 +179,8 @@ def test_capture_names_every_quantized_tensor_of_each_layer(model):
 
 def test_each_capture_reports_its_own_step(model):
     """The sums a capture adds into are kept for the next one and zeroed when it starts: a second capture of the
-    same step gives the same rows, and a capture that records fewer tensors (forward only) reports only those."""
+    same step gives the same rows, and a capture that records fewer tensors (forward only) reports only those, in
+the order of that capture's own layout."""
     report = coat.report.QuantizationReport(model)
     with report.capture():
         train_step(model, None, tokens())
@@ -195,6 +196,24 @@ def test_each_capture_reports_its_own_step(model):
     with report.capture():
         train_step(model, None, tokens())
     assert report.rows() == [{**row, "step": 3} for row in first]
+    with report.capture():  # the same tensors again: the layout of the last capture, rows of their own
+        train_step(model, None, tokens())
+    assert report.rows() == [{**row, "step": 4} for row in first]
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_backward_that_creates_a_graph_is_measured_alike(model):
+    """With create_graph=True gradients stay on inside backward; the measuring turns them off itself and records
+    what a plain backward records."""
+    report = coat.report.QuantizationReport(model)
+
+    def captured_rows(create_graph: bool) -> list[dict]:
+        with report.capture(step=1):
+            model(tokens(), labels=tokens()).loss.backward(create_graph=create_graph)
+        model.zero_grad(set_to_none=True)
+        return report.rows()
+
+    assert captured_rows(create_graph=True) == captured_rows(create_graph=False)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])

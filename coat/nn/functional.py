@@ -274,10 +274,10 @@ def _record_joint(site, name: str, matrices, q, scale, q_t, dim: int) -> None:
     transpose against its block of those."""
     widths = [matrix.shape[dim] for matrix in matrices]
     if q.numel() > 0:
-        for matrix, block in zip(matrices, q.split(widths, dim)):
+        for matrix, block in zip(matrices, q.split_with_sizes(widths, dim)):
             site.record(name, matrix, block, scale)
     elif q_t is not None and q_t.numel() > 0:
-        for matrix, block in zip(matrices, q_t.split(widths, 1 - dim)):
+        for matrix, block in zip(matrices, q_t.split_with_sizes(widths, 1 - dim)):
             site.record(name, matrix.t(), block, scale)
 
 
