@@ -24,6 +24,14 @@ capture each coat autograd Function reads one module global (coat.nn._capture.ac
 backward: "switch" times that read and multiplies it by the reads per step, the whole cost of the report when
 off, as a share of the step.
 
+Whole runs carry the host's noise: at 4 x 2048 tokens, plain runs of the same 40 steps differed by up to 25% on
+some H200s, more than the 5% measured. On a GPU the capture's two parts are therefore also measured apart
+(cost_apart): the GPU time it adds to a step, with the host kept out of the way by a GPU sleep, and the host CPU
+time it adds (time.thread_time, the read of its results included), beside a plain step's host time. Where the
+plain step's host time plus the capture's stays under the step's time ("host_keeps_ahead" in the summary), the
+host stays ahead of the GPU through a capture, and the capture costs the step its GPU time: "GPU-bound capture /
+off" = 1 + GPU ms added / off.
+
     python benchmarks/report.py            (a CUDA GPU if there is one, else the CPU, train_llama.py's tiny model)
     python benchmarks/report.py --batch 16 (more tokens per step: at batch 4 the plain step's host time is about
                                             its GPU time on an H200, so whatever a capture adds on the host adds
@@ -38,6 +46,7 @@ import cProfile
 import os
 import pstats
 import statistics
+import time
 import timeit
 
 import torch
@@ -46,7 +55,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import coat
 from coat.nn import _capture
 
-from _common import _sleep_cycles, loop_ms, parser, print_table, write_results
+from _common import _sleep_cycles, loop_ms, parser, print_table, time_cuda_gpu_ms, write_results
 
 # (hidden, intermediate, layers, heads, seq, batch)
 MODELS = {
@@ -88,6 +97,49 @@ def switch_seconds() -> float:
     forward = min(timeit.repeat(_capture.forward_site, number=reads, repeat=5)) / reads
     backward = min(timeit.repeat(lambda: _capture.backward_site(ctx), number=reads, repeat=5)) / reads
     return (forward + backward) / 2
+
+
+def host_thread_ms(step, repeat: int, after=lambda: None) -> float:
+    """Median CPU time of the host thread over step(), each call enqueued behind a GPU sleep longer than its
+    host time, so that it never waits for the GPU (a wait that spins would count); after() runs untimed once the
+    GPU is done."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    after()
+    sleep_cycles = _sleep_cycles(2e3 * (time.perf_counter() - start) + 5.0)
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles)
+        start = time.thread_time()
+        step()
+        times.append((time.thread_time() - start) * 1e3)
+        torch.cuda.synchronize()
+        after()
+    return statistics.median(times)
+
+
+def cost_apart(plain_step, capture, read, repeat: int) -> dict:
+    """What a capture adds to a step on a GPU, its two parts measured apart, with less noise than whole runs give:
+    "GPU ms added", a captured step's GPU time less a plain one's, each enqueued behind a GPU sleep so that the
+    host never holds the GPU back (_common.time_cuda_gpu_ms); "host ms added", a captured step's host CPU time
+    less a plain one's (host_thread_ms), plus reading the capture's results; "host ms", a plain step's. Where a
+    plain step's host time plus what a capture adds stays below the step's time, the host keeps ahead of the GPU
+    through a capture, which then costs the step its GPU time alone."""
+    read_ms = []
+
+    def timed_read():
+        start = time.thread_time()
+        read()
+        read_ms.append((time.thread_time() - start) * 1e3)
+
+    plain_host = host_thread_ms(plain_step, repeat)
+    captured_host = host_thread_ms(capture, repeat, timed_read)
+    gpu_added = time_cuda_gpu_ms(capture, 1, repeat) - time_cuda_gpu_ms(plain_step, 1, repeat)
+    return {"GPU ms added": gpu_added, "host ms added": captured_host - plain_host + statistics.median(read_ms),
+            "host ms": plain_host}
 
 
 def _function_label(key: tuple) -> str:
@@ -203,7 +255,13 @@ def main():
                      "capture / off": 1 + cost_ms / off_ms, **{f"every {n}": cost_ms / (n * off_ms) for n in EVERY},
                      "switch us": switch_ms * 1e3, "switch / off": switch_ms / off_ms,
                      "tensors": len(reports[sampled].rows())})
-    print_table(rows, list(rows[0]))
+    if device == "cuda":
+        apart = cost_apart(plain_step, lambda: captured_step(reports["64"], False), reports["64"].stats, args.repeat)
+        for row in rows:
+            if row["rows measured"] == "64":
+                row.update(apart)
+                row["GPU-bound capture / off"] = 1 + apart["GPU ms added"] / off_ms
+    print_table(rows, list(dict.fromkeys(key for row in rows for key in row)))
     for row, kind in zip(rows, captured_runs):
         row.update({"run ms": totals[kind], "off run ms": totals["off"],
                     "runs ms": [sum(run_ms) for run_ms in times[kind]],
@@ -216,6 +274,11 @@ def main():
                "capture_over_off_in_loop": in_loop["capture / off"], "target_capture_over_off": 1.05,
                **{f"overhead_every_{n}": default[f"every {n}"] for n in EVERY},
                **{f"overhead_every_{n}_in_loop": in_loop[f"every {n}"] for n in EVERY}, "switch_over_off": default["switch / off"]}
+    if "GPU-bound capture / off" in default:
+        summary.update({"capture_gpu_ms_added": default["GPU ms added"], "capture_host_ms_added": default["host ms added"],
+                        "plain_step_host_ms": default["host ms"],
+                        "capture_over_off_gpu_bound": default["GPU-bound capture / off"],
+                        "host_keeps_ahead": default["host ms"] + default["host ms added"] < off_ms})
     name = "report-smoke" if args.smoke else "report" if args.batch is None else f"report-batch{args.batch}"
     path = write_results(args.results_dir, name, rows, summary)
     print(f"wrote {path}")

@@ -68,12 +68,13 @@ the device; the RMSNorm and SiLU*mul outputs recomputed for those rows only), at
 optimizer moment (coat.ops.moment_stats) and one device-to-host copy, which the capture's end starts and does
 not wait for: the first read of the results (stats(), rows(), worst(), to_csv(), heatmap(), or the next
 capture) waits for it, once. Read them after the next step is enqueued (as examples/train_llama.py does) and
-a GPU-bound loop never drains for the report. On H200s (4 layers at hidden 2048,
-runs of 40 steps timed whole) a capture costs 1.01-1.03x a plain step at 16 x 2048 tokens read in such a loop,
-1.02-1.04x read at once (every row: 2.1-2.2x), on three machines; at 4 x 2048, where the plain step's host time
-is about its GPU time and a capture adds 3-5 ms of it, the estimates range from 0.93x to 1.43x with the host's
-noise, so capturing every 100 steps costs 0.01-0.7% of a run; outside a capture each coat autograd Function reads
-one module global in forward and in backward (``benchmarks/report.py`` measures both).
+a GPU-bound loop never drains for the report. On H200s and an H100 (4 layers at hidden
+2048, runs of 40 steps timed whole) a capture costs 1.01-1.03x a plain step at 16 x 2048 tokens read in such a
+loop, 1.02-1.04x read at once (every row: 2.1-2.2x); at 4 x 2048 it adds 1.15 ms of GPU time to a 21.9 ms step
+(1.053x, H100; whole runs there 1.042x, on noisier hosts 0.93-1.43x) and 3-5 ms of host time, which the
+host absorbs while it runs ahead of the GPU. Capturing every 100 steps costs about 0.05% of a run; outside a
+capture each coat autograd Function reads one module global in forward and in backward (``benchmarks/report.py``
+measures all of these).
 
 Captures run in eager mode: torch.compile'd code runs uncompiled inside a capture and uses its compiled graphs
 again after it (no recompilation); without a capture a converted model compiles as before, with no graph
