@@ -70,9 +70,9 @@ not wait for: the first read of the results (stats(), rows(), worst(), to_csv(),
 capture) waits for it, once. Read them after the next step is enqueued (as examples/train_llama.py does) and
 a GPU-bound loop never drains for the report. On H200s and an H100 (4 layers at hidden
 2048, runs of 40 steps timed whole) a capture costs 1.01-1.03x a plain step at 16 x 2048 tokens read in such a
-loop, 1.02-1.04x read at once (every row: 2.1-2.2x); at 4 x 2048 it adds 1.15 ms of GPU time to a 21.9 ms step
-(1.053x, H100; whole runs there 1.042x, on noisier hosts 0.93-1.43x) and 3-5 ms of host time, which the
-host absorbs while it runs ahead of the GPU. Capturing every 100 steps costs about 0.05% of a run; outside a
+loop, 1.02-1.04x read at once (every row: 2.0-2.2x); at 4 x 2048 it adds 0.8-0.9 ms of GPU time to a 21-22 ms
+step (1.040x H100, 1.038x H200; whole runs 1.08x on the H100, noisier elsewhere) and 3-7 ms of host time, which
+the host absorbs while it runs ahead of the GPU. Capturing every 100 steps costs about 0.05% of a run; outside a
 capture each coat autograd Function reads one module global in forward and in backward (``benchmarks/report.py``
 measures all of these).
 

@@ -397,6 +397,9 @@ def test_moment_stats_equal_the_reference(rng, run):
     # 40 states: CUDA counts them in two launches of at most 32, the keys of all sorted together
     many = run(coat.ops.moment_stats, codes * 10, metas * 10, 32, rows * 10)
     assert_same_bits(many, stats.repeat(10, 1), "40 states vs 4")
+    # 300 states: CUDA finds the states' runs of sorted keys 256 states at a time
+    many = run(coat.ops.moment_stats, codes * 75, metas * 75, 32, rows * 75)
+    assert_same_bits(many, stats.repeat(75, 1), "300 states vs 4")
 
 
 def test_moment_stats_nan_k_and_rows_outside_the_state(rng, run):

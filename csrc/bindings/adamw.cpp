@@ -148,6 +148,24 @@ at::Tensor dequantize_expanded(const at::Tensor& codes, const at::Tensor& meta, 
 }
 
 
+// coat_moment_counts' keys of n states, ascending: on CUDA the core's radix sort of the bits a key can have set.
+at::Tensor sort_moment_keys(const at::Tensor& keys, int64_t n) {
+#ifdef COAT_WITH_CUDA
+  if (keys.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(keys.device());
+    at::Tensor sorted_keys = at::empty_like(keys);
+    const size_t bytes = coat_moment_keys_sort_workspace(keys.numel(), n);
+    at::Tensor workspace = at::empty({static_cast<int64_t>(bytes)}, keys.options().dtype(at::kByte));
+    const auto stream = reinterpret_cast<coat_cuda_stream>(at::cuda::getCurrentCUDAStream().stream());
+    check_status(coat_moment_keys_sort_cuda(keys.data_ptr<int32_t>(), sorted_keys.data_ptr<int32_t>(), keys.numel(),
+                                            n, workspace.data_ptr(), bytes, stream),
+                 "coat_moment_keys_sort_cuda");
+    return sorted_keys;
+  }
+#endif
+  return std::get<0>(at::sort(keys));
+}
+
 at::Tensor moment_stats(at::TensorList codes, at::TensorList metas, int64_t group_size,
                         const c10::List<std::optional<at::Tensor>>& rows) {
   constexpr const char* op = "coat.moment_stats";
@@ -200,7 +218,7 @@ at::Tensor moment_stats(at::TensorList codes, at::TensorList metas, int64_t grou
     offset += state_rows * ((cols + group_size - 1) / group_size);
   }
   COAT_CALL_CORE(first, coat_moment_counts, states.data(), n, group_size);
-  const at::Tensor sorted_keys = std::get<0>(at::sort(k_keys));
+  const at::Tensor sorted_keys = sort_moment_keys(k_keys, n);
   at::Tensor stats = at::empty({n, COAT_MOMENT_STATS}, first.options().dtype(at::kDouble));
   COAT_CALL_CORE(first, coat_moment_stats, reinterpret_cast<const uint64_t*>(counts.data_ptr<int64_t>()),
                  sorted_keys.data_ptr<int32_t>(), n, stats.data_ptr<double>());

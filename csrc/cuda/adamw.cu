@@ -1008,13 +1008,33 @@ __global__ void __launch_bounds__(kThreadsPerBlock) moment_counts_kernel(const M
   }
 }
 
-// One thread: the states' runs of sorted keys start where the previous ones end (a few hundred states at most).
-__global__ void moment_stats_kernel(const uint64_t* counts, const int32_t* sorted_keys, int64_t n, double* stats) {
-  uint64_t first = 0;
-  for (int64_t i = 0; i < n; ++i) {
+constexpr int kMomentStatsThreads = 256;
+
+// One block. State i's run of sorted keys starts after the runs of states 0 .. i-1: a scan of their group counts
+// in shared memory, kMomentStatsThreads states at a time, so that the states' loads are in flight together.
+__global__ void __launch_bounds__(kMomentStatsThreads)
+    moment_stats_kernel(const uint64_t* counts, const int32_t* sorted_keys, int64_t n, double* stats) {
+  __shared__ uint64_t runs_end[kMomentStatsThreads];  // the chunk's inclusive sums of group counts
+  const int t = threadIdx.x;
+  uint64_t chunk_first = 0;  // the first key of the chunk's first state
+  for (int64_t chunk = 0; chunk < n; chunk += kMomentStatsThreads) {
+    const int64_t i = chunk + t;
     const uint64_t* state = counts + i * COAT_MOMENT_COUNTS;
-    coat_moment_stats_row(state, sorted_keys[first + (state[4] - 1) / 2], stats + i * COAT_MOMENT_STATS);
-    first += state[4];
+    const uint64_t groups = i < n ? state[4] : 0;
+    runs_end[t] = groups;
+    __syncthreads();
+    for (int offset = 1; offset < kMomentStatsThreads; offset <<= 1) {
+      const uint64_t before = t >= offset ? runs_end[t - offset] : 0;
+      __syncthreads();
+      runs_end[t] += before;
+      __syncthreads();
+    }
+    if (i < n) {
+      const uint64_t first = chunk_first + runs_end[t] - groups;
+      coat_moment_stats_row(state, sorted_keys[first + (groups - 1) / 2], stats + i * COAT_MOMENT_STATS);
+    }
+    chunk_first += runs_end[kMomentStatsThreads - 1];
+    __syncthreads();  // runs_end is rewritten by the next chunk
   }
 }
 
@@ -1125,6 +1145,6 @@ extern "C" coat_status coat_moment_stats_cuda(const uint64_t* counts, const int3
   if (n < 0 || (n > 0 && (counts == nullptr || sorted_keys == nullptr || stats == nullptr)))
     return COAT_ERROR_INVALID_ARGUMENT;
   if (n == 0) return COAT_SUCCESS;
-  moment_stats_kernel<<<1, 1, 0, stream>>>(counts, sorted_keys, n, stats);
+  moment_stats_kernel<<<1, kMomentStatsThreads, 0, stream>>>(counts, sorted_keys, n, stats);
   return launch_status();
 }

@@ -6,8 +6,9 @@
  * and right + left are the same float64), then the eight warps' totals in order; the tile's sums go to the
  * workspace. The block that completes a measure's last tile (it draws the last ticket of the measure's counter)
  * sums the measure's tiles by the same tree; the block that completes the launch's last measure adds the
- * measures' totals into their sums one after the other, in list order. No atomics on the sums, so every run gives
- * the same bits as the C core, whatever the order in which blocks run, and the measures finish in parallel.
+ * measures' totals into their sums in list order (a thread per sums row: measures may share one). No atomics on
+ * the sums, so every run gives the same bits as the C core, whatever the order in which blocks run, and the
+ * measures finish in parallel.
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -33,6 +34,7 @@ constexpr int kRunLevels = 63 - 10 - 8;
 static_assert(COAT_STATS_TILE == 1 << 10 && kThreads == 1 << 8, "kRunLevels counts 2^10 leaves and 2^8 threads");
 
 constexpr int kMeasuresPerLaunch = 24;
+static_assert(kMeasuresPerLaunch <= kThreads, "add_totals gives each measure of a launch a thread");
 
 /** The measures of one launch. They travel by value in the kernel's parameter space (__grid_constant__: read in
  *  place), so a launch needs no copy of them to the device. The launch's tiles are numbered across its measures:
@@ -49,27 +51,65 @@ struct SumsLaunch {
 };
 static_assert(sizeof(SumsLaunch) <= 4096, "launch parameters exceed 4 KiB");
 
+/** Element i of x as raw bits: dtype's 2 or 4 bytes (a load is issued before the value is needed). */
+__device__ uint32_t load_bits(const void* x, coat_dtype dtype, int64_t i) {
+  return dtype == COAT_FLOAT32 ? static_cast<const uint32_t*>(x)[i] : static_cast<const uint16_t*>(x)[i];
+}
+
+__device__ float bits_to_f32(uint32_t bits, coat_dtype dtype) {
+  switch (dtype) {
+    case COAT_BFLOAT16: return coat_bf16_to_f32(static_cast<uint16_t>(bits));
+    case COAT_FLOAT16: return coat_f16_to_f32(static_cast<uint16_t>(bits));
+    default: return coat_f32_from_bits(bits);
+  }
+}
+
 /** Leaves first .. first + kLeavesPerThread - 1 of measure m (consecutive elements in row-major order; zeros past
- *  the end). One division finds the first element's row; the others step along it. */
+ *  the end). One division finds the first element's row; the others step along it. Every load of the four leaves
+ *  is issued before any value is used: a tile then waits for one chain of dependent loads (row index, then x, code
+ *  and scale) instead of four in a row, which is what bounds this latency-bound kernel. */
 __device__ void measured_leaves(const coat_quantization_measure& m, int64_t first,
                                 double (*leaves)[COAT_STATS_LEAF], float* amax) {
   const int64_t numel = m.rows * m.cols;
   const int group_log2 = m.group_size == 0 ? 0 : __ffsll(m.group_size) - 1;  // G is a power of two
   const int64_t ngroups = m.group_size == 0 ? 0 : coat_ceil_div(m.cols, m.group_size);
+  int64_t measured_row[kLeavesPerThread], col[kLeavesPerThread];
   int64_t r = first / m.cols, c = first - r * m.cols;
+#pragma unroll
   for (int j = 0; j < kLeavesPerThread; ++j, ++c) {
+    if (c == m.cols) {  // a step of one element crosses at most one row's end
+      c = 0;
+      ++r;
+    }
+    measured_row[j] = r;
+    col[j] = c;
+  }
+  int64_t row[kLeavesPerThread];
+#pragma unroll
+  for (int j = 0; j < kLeavesPerThread; ++j)
+    row[j] = first + j >= numel ? 0 : m.row_index != nullptr ? m.row_index[measured_row[j]] : measured_row[j];
+  bool readable[kLeavesPerThread];
+  uint32_t x_bits[kLeavesPerThread];
+  uint8_t code[kLeavesPerThread];
+  float scale[kLeavesPerThread];
+#pragma unroll
+  for (int j = 0; j < kLeavesPerThread; ++j) {
+    readable[j] = row[j] >= 0 && row[j] < m.q_rows;
+    if (first + j >= numel || !readable[j]) continue;
+    const int64_t x_row = m.x_indexed ? row[j] : measured_row[j];
+    x_bits[j] = load_bits(m.x, m.dtype, x_row * m.x_row_stride + col[j] * m.x_col_stride);
+    code[j] = m.q[row[j] * m.q_row_stride + col[j] * m.q_col_stride];
+    scale[j] = m.group_size == 0 ? m.scales[0] : m.scales[row[j] * ngroups + (col[j] >> group_log2)];
+  }
+#pragma unroll
+  for (int j = 0; j < kLeavesPerThread; ++j) {
     double* leaf = leaves[j];
     for (int k = 0; k < COAT_STATS_LEAF; ++k) leaf[k] = 0.0;
     if (first + j >= numel) continue;
-    for (; c >= m.cols; c -= m.cols) ++r;
-    const int64_t row = m.row_index != nullptr ? m.row_index[r] : r;
-    if (row < 0 || row >= m.q_rows) {
+    if (!readable[j])
       coat_unreadable_leaf(leaf, amax);
-      continue;
-    }
-    const float x = coat_load_f32(m.x, m.dtype, (m.x_indexed ? row : r) * m.x_row_stride + c * m.x_col_stride);
-    const float scale = m.group_size == 0 ? m.scales[0] : m.scales[row * ngroups + (c >> group_log2)];
-    coat_quantization_leaf(x, m.q[row * m.q_row_stride + c * m.q_col_stride], scale, m.format, leaf, amax);
+    else
+      coat_quantization_leaf(bits_to_f32(x_bits[j], m.dtype), code[j], scale[j], m.format, leaf, amax);
   }
 }
 
@@ -171,17 +211,29 @@ __device__ void finish_measure(const coat_quantization_measure& m, const double*
   }
 }
 
-/** The launch's totals added into the measures' sums, by one thread in list order: measures may share their sums. */
+/** The launch's totals added into the measures' sums in list order, since measures may share their sums: thread i
+ *  takes measure i's sums unless an earlier measure has them, and adds every measure of those sums in turn. */
 __device__ void add_totals(const SumsLaunch& launch) {
-  if (threadIdx.x != 0) return;
-  for (int i = 0; i < launch.count; ++i) {
-    const coat_quantization_measure& m = launch.measures[i];
-    const double* totals = launch.totals + i * kTileValues;
-    m.sums[0] += static_cast<double>(m.rows * m.cols);
-    for (int k = 0; k < COAT_STATS_LEAF; ++k) m.sums[1 + k] += __ldcg(totals + k);
-    m.sums[6] = coat_max_nan(static_cast<float>(m.sums[6]), static_cast<float>(__ldcg(totals + COAT_STATS_LEAF)));
+  const int i = threadIdx.x;
+  if (i < launch.count) {
+    double* const sums = launch.measures[i].sums;
+    bool first_of_sums = true;
+    for (int e = 0; e < i; ++e) first_of_sums = first_of_sums && launch.measures[e].sums != sums;
+    if (first_of_sums) {
+      double s[COAT_STATS_SUMS];
+      for (int k = 0; k < COAT_STATS_SUMS; ++k) s[k] = __ldcg(sums + k);
+      for (int j = i; j < launch.count; ++j) {
+        const coat_quantization_measure& m = launch.measures[j];
+        if (m.sums != sums) continue;
+        const double* totals = launch.totals + j * kTileValues;
+        s[0] += static_cast<double>(m.rows * m.cols);
+        for (int k = 0; k < COAT_STATS_LEAF; ++k) s[1 + k] += __ldcg(totals + k);
+        s[6] = coat_max_nan(static_cast<float>(s[6]), static_cast<float>(__ldcg(totals + COAT_STATS_LEAF)));
+      }
+      for (int k = 0; k < COAT_STATS_SUMS; ++k) sums[k] = s[k];
+    }
   }
-  *launch.measures_done = 0;  // the call's next launch counts from zero
+  if (i == 0) *launch.measures_done = 0;  // the call's next launch counts from zero
 }
 
 __global__ void __launch_bounds__(kThreads) quantization_sums_kernel(const __grid_constant__ SumsLaunch launch) {

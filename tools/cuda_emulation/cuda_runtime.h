@@ -52,6 +52,8 @@ inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
+inline long min(long a, long b) { return a < b ? a : b; }
+inline long max(long a, long b) { return a > b ? a : b; }
 
 struct EmuBlock {
   std::unique_ptr<std::barrier<>> block;
@@ -109,6 +111,12 @@ inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) { assert(mask == 0xFFFFFFFFu); return __uint_as_float(emu_shfl(__float_as_uint(v), lane_mask)); }
 inline int __shfl_xor_sync(unsigned mask, int v, int lane_mask) { assert(mask == 0xFFFFFFFFu); return (int)emu_shfl((uint32_t)v, lane_mask); }
+inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int lane_mask) { assert(mask == 0xFFFFFFFFu); return emu_shfl(v, lane_mask); }
+inline unsigned long long __shfl_xor_sync(unsigned mask, unsigned long long v, int lane_mask) {
+  assert(mask == 0xFFFFFFFFu);
+  const uint64_t low = emu_shfl((uint32_t)v, lane_mask), high = emu_shfl((uint32_t)(v >> 32), lane_mask);
+  return high << 32 | low;
+}
 inline float __shfl_sync(unsigned mask, float v, int src) { assert(mask == 0xFFFFFFFFu); return __uint_as_float(emu_shfl_idx(__float_as_uint(v), src)); }
 inline int __shfl_sync(unsigned mask, int v, int src) { assert(mask == 0xFFFFFFFFu); return (int)emu_shfl_idx((uint32_t)v, src); }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned sel) {
@@ -128,6 +136,15 @@ inline unsigned atomicMax(unsigned* address, unsigned value) {
   unsigned old = target.load();
   while (old < value && !target.compare_exchange_weak(old, value)) {}
   return old;
+}
+inline unsigned long long atomicMax(unsigned long long* address, unsigned long long value) {
+  std::atomic_ref<unsigned long long> target(*address);
+  unsigned long long old = target.load();
+  while (old < value && !target.compare_exchange_weak(old, value)) {}
+  return old;
+}
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+  return std::atomic_ref<unsigned long long>(*address).fetch_add(value);
 }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) { memset(p, value, bytes); return cudaSuccess; }
 template <class K> cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int) { return cudaSuccess; }

@@ -93,6 +93,8 @@
 #ifndef COAT_ADAMW_H
 #define COAT_ADAMW_H
 
+#include <stddef.h>
+
 #include "coat/common.h"
 
 #ifdef __cplusplus
@@ -238,6 +240,13 @@ typedef struct {
 coat_status coat_moment_counts_cpu(const coat_moment_state* states, int64_t count, int64_t group_size);
 coat_status coat_moment_counts_cuda(const coat_moment_state* states, int64_t count, int64_t group_size,
                                     coat_cuda_stream stream);
+/** The `count` k_keys of n states (key prefixes 0 .. n-1, 1 <= n <= 0x8000) sorted ascending into sorted_keys, for
+ *  coat_moment_stats (a radix sort of the low 16 + ceil(log2 n) bits, the only ones a key can have set). workspace:
+ *  device memory of coat_moment_keys_sort_workspace(count, n) bytes (both CUDA builds only; on the CPU any sort of
+ *  int32 serves, as the binding's at::sort). */
+size_t coat_moment_keys_sort_workspace(int64_t count, int64_t n);
+coat_status coat_moment_keys_sort_cuda(const int32_t* keys, int32_t* sorted_keys, int64_t count, int64_t n,
+                                       void* workspace, size_t workspace_bytes, coat_cuda_stream stream);
 coat_status coat_moment_stats_cpu(const uint64_t* counts, const int32_t* sorted_keys, int64_t n, double* stats);
 coat_status coat_moment_stats_cuda(const uint64_t* counts, const int32_t* sorted_keys, int64_t n, double* stats,
                                    coat_cuda_stream stream);
