@@ -1,4 +1,4 @@
-// CPU emulation of the CUDA features csrc/cuda/adamw.cu, norm_act.cu, rope.cu and quantize.cu use, for
+// CPU emulation of the CUDA features csrc/cuda/adamw.cu, norm_act.cu, rope.cu, quantize.cu and stats.cu use, for
 // tools/cuda_emulation/run.sh: one std::thread per CUDA thread, blocks one after another (2-D grids too), barriers for
 // __syncthreads, __syncwarp, warp shuffles and votes (which abort when the warp has diverged), __shared__ as a
 // static shared by the block's threads, dynamic shared memory as a per-block buffer filled with 0xFF bytes (NaN
@@ -119,6 +119,18 @@ inline unsigned long long __shfl_xor_sync(unsigned mask, unsigned long long v, i
 }
 inline float __shfl_sync(unsigned mask, float v, int src) { assert(mask == 0xFFFFFFFFu); return __uint_as_float(emu_shfl_idx(__float_as_uint(v), src)); }
 inline int __shfl_sync(unsigned mask, int v, int src) { assert(mask == 0xFFFFFFFFu); return (int)emu_shfl_idx((uint32_t)v, src); }
+inline double __shfl_xor_sync(unsigned mask, double v, int lane_mask) {
+  uint64_t bits;
+  memcpy(&bits, &v, 8);
+  bits = __shfl_xor_sync(mask, (unsigned long long)bits, lane_mask);
+  memcpy(&v, &bits, 8);
+  return v;
+}
+// Loads through the read-only or L2-only paths are plain loads here; __threadfence orders this thread's memory
+// operations (blocks run one after another, so a later block sees every write of an earlier one anyway).
+template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned sel) {
   const uint64_t v = (uint64_t)y << 32 | x;
   unsigned r = 0;

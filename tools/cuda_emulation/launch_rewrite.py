@@ -22,13 +22,25 @@ def matching_parenthesis(source: str, open_index: int) -> int:
     raise ValueError(f"unbalanced parentheses after offset {open_index}")
 
 
+def top_level_parts(text: str) -> list[str]:
+    """text split at the commas outside parentheses (a launch's grid may be a call with arguments), stripped."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:index].strip())
+            start = index + 1
+    parts.append(text[start:].strip())
+    return parts
+
+
 def rewrite_launches(source: str) -> str:
     pieces, position = [], 0
     while (chevrons := source.find("<<<", position)) >= 0:
         # The kernel name starts after the statement boundary before the launch.
         statement_start = max(source.rfind(c, 0, chevrons) for c in ";{}") + 1
         config_end = source.index(">>>", chevrons)
-        config = [part.strip() for part in source[chevrons + 3 : config_end].split(",")]
+        config = top_level_parts(source[chevrons + 3 : config_end])
         grid, block = config[:2]
         shared_bytes = config[2] if len(config) > 2 else "0"
         arguments_open = config_end + 3

@@ -16,9 +16,10 @@
 #   quantize: the FP8 quantizers (group, tensor, amax, transpose, dequantize) and the FP4 codec of csrc/cuda/quantize.cu
 #     bit for bit (test_emulated_quantize.cpp). Without __CUDA_ARCH__ coat_divide_by_scale divides; the fast
 #     quotient of fp8_chunk.cuh runs as on the GPU.
+#   stats: quantization_sums' kernel, every measure's sums bit for bit (test_emulated_stats.cpp).
 # It checks the kernels' logic (tiles, lanes, shuffles, votes, fast and general paths, prefetching), not the
 # GPU's own arithmetic.
-#   tools/cuda_emulation/run.sh [quick|full] [adamw|norm_act|rope|quantize]
+#   tools/cuda_emulation/run.sh [quick|full] [adamw|norm_act|rope|quantize|stats]
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -60,4 +61,13 @@ if [ -z "$only" ] || [ "$only" = quantize ]; then
   g++ -std=c++20 -O2 -ffp-contract=off -I"$here" -I"$root/csrc/include" -c "$here/test_emulated_quantize.cpp" -o "$out/quantize_test.o"
   g++ "$out/quantize_emulated.o" "$out/quantize_test.o" "$out/cpu_quantize.o" "$out/common.o" -o "$out/test_emulated_quantize" -lpthread
   "$out/test_emulated_quantize" "$mode"
+fi
+if [ -z "$only" ] || [ "$only" = stats ]; then
+  python3 "$here/launch_rewrite.py" "$root/csrc/cuda/stats.cu" "$out/stats_emulated.cpp"
+  gcc $cflags -c "$root/csrc/cpu/stats.c" -o "$out/cpu_stats.o"
+  g++ $cxxflags -c "$out/stats_emulated.cpp" -o "$out/stats_emulated.o"
+  g++ -std=c++20 -O2 -ffp-contract=off -I"$root/csrc/include" -c "$here/test_emulated_stats.cpp" -o "$out/stats_test.o"
+  g++ "$out/stats_emulated.o" "$out/stats_test.o" "$out/cpu_stats.o" "$out/cpu_quantize.o" "$out/common.o" \
+      -o "$out/test_emulated_stats" -lpthread
+  "$out/test_emulated_stats" "$mode"
 fi

@@ -2,6 +2,7 @@
 // checks them. Built and run by run.sh.
 //
 // quantize_expanded and dequantize_expanded: equal to the C core bit for bit.
+// moment_counts and moment_stats (coat.report's statistics of the moments): equal to the C core bit for bit.
 // fp8_adamw_step, teacher-forced (every step starts both from the C core's previous state): against the C core and
 // a float64 oracle (the exact dequantization of the old state, AdamW in double), with the tolerance of
 // tests/test_adamw_ops.py:
@@ -406,6 +407,59 @@ static void quantize_case(int64_t rows, int64_t cols, int64_t stride, int64_t G,
   CHECK(same, "dequantize differs %lld x %lld G%lld f%d e%d", (long long)rows, (long long)cols, (long long)G, (int)f, expand);
 }
 
+// The moments' statistics of `count` states (coat_moment_counts, then coat_moment_stats on the keys sorted by
+// std::sort): counts, keys and stats equal to the C core's bit for bit. Some states sampled (a row outside the state
+// among them), a NaN k in one; more than 32 states take several counting launches, more than 256 several chunks of
+// the stats kernel's scan.
+static void moment_stats_case(int count, int64_t G) {
+  struct Moment { int64_t rows, cols; std::vector<uint8_t> codes; std::vector<uint16_t> meta; std::vector<int64_t> index; };
+  std::vector<Moment> moments(count);
+  int64_t groups = 0;
+  for (int i = 0; i < count; ++i) {
+    Moment& m = moments[i];
+    m.rows = 1 + (int64_t)(rng() % 5);
+    m.cols = 1 + (int64_t)(rng() % (3 * G));
+    std::vector<float> x(m.rows * m.cols);
+    for (float& v : x) v = value(i % 5 == 0, ldexp(1.0, -(int)(rng() % 21)));
+    m.codes.resize(x.size());
+    m.meta.resize(m.rows * ((m.cols + G - 1) / G) * 3);
+    coat_quantize_expanded_cpu(x.data(), m.rows, m.cols, m.cols, G, i % 2 ? COAT_E5M2 : COAT_E4M3, i % 3 != 0,
+                               m.codes.data(), m.meta.data());
+    if (i == 7) m.meta[1] = 0x7FC0;  // a NaN k
+    if (i % 4 == 1) m.index = {m.rows - 1, 0, i % 8 == 1 ? m.rows : 0};
+    groups += m.rows * ((m.cols + G - 1) / G);
+  }
+  std::vector<uint64_t> counts[2];
+  std::vector<int32_t> keys[2];
+  std::vector<double> stats[2];
+  for (int side = 0; side < 2; ++side) {
+    counts[side].assign(count * COAT_MOMENT_COUNTS, 0);
+    keys[side].assign(groups, -1);
+    std::vector<coat_moment_state> states(count);
+    int64_t offset = 0;
+    for (int i = 0; i < count; ++i) {
+      const Moment& m = moments[i];
+      states[i] = {m.codes.data(), i % 2 ? COAT_E5M2 : COAT_E4M3, m.meta.data(), m.rows, m.cols,
+                   m.index.empty() ? nullptr : m.index.data(), m.index.empty() ? m.rows : (int64_t)m.index.size(), i,
+                   counts[side].data() + i * COAT_MOMENT_COUNTS, keys[side].data() + offset};
+      offset += m.rows * ((m.cols + G - 1) / G);
+    }
+    const coat_status counted = side == 0 ? coat_moment_counts_cpu(states.data(), count, G)
+                                          : coat_moment_counts_cuda(states.data(), count, G, nullptr);
+    CHECK(counted == COAT_SUCCESS, "moment counts status %d (side %d)", (int)counted, side);
+    std::sort(keys[side].begin(), keys[side].end());
+    stats[side].assign(count * COAT_MOMENT_STATS, 0.0);
+    const coat_status summed = side == 0 ? coat_moment_stats_cpu(counts[side].data(), keys[side].data(), count, stats[side].data())
+                                         : coat_moment_stats_cuda(counts[side].data(), keys[side].data(), count,
+                                                                  stats[side].data(), nullptr);
+    CHECK(summed == COAT_SUCCESS, "moment stats status %d (side %d)", (int)summed, side);
+  }
+  CHECK(counts[0] == counts[1], "moment counts differ, %d states G%lld", count, (long long)G);
+  CHECK(keys[0] == keys[1], "moment keys differ, %d states G%lld", count, (long long)G);
+  CHECK(memcmp(stats[0].data(), stats[1].data(), stats[0].size() * sizeof(double)) == 0,
+        "moment stats differ, %d states G%lld", count, (long long)G);
+}
+
 // Many tensors in one call (launches of up to 32): each tensor's CUDA result equals its CUDA result when stepped
 // alone, bit for bit, and the C core's within the tolerance.
 static void many_case(int count, int64_t G) {
@@ -480,6 +534,8 @@ int main(int argc, char** argv) {
     c.eps_zero = 1;
     run_case(c, 3);
   }
+  moment_stats_case(5, 32);
+  moment_stats_case(300, 16);
   many_case(45, 128);
   many_case(40, 16);
   emu_sms = 1;
