@@ -5,11 +5,12 @@ each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its ma
 tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks,
 finite values, gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its
 transpose (the requantize ops: vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each),
-inputs saved in E4M3, and, for the *_fp4 rows, the kernels instantiated for FP4-saved inputs. Counts are dynamic for that path (each
+inputs saved in E4M3; the *_fp4 and *_fp6 rows: the forward kernels saving in FP4 (the fast encoder's path), the
+backward and requantize kernels instantiated for FP4- or FP6-saved inputs. Counts are dynamic for that path (each
 executed SASS instruction once, branches and barriers included), divided by the elements a lane handles
 per iteration. Also prints each kernel's registers, and the blocks per SM they allow.
 
-  python tools/sass_norm_act.py [--by-line KERNEL] [--arch sm_90]
+  python tools/sass_norm_act.py [--by-line KERNEL] [--arch sm_90] [--cubin FILE]
 
 Needs nvcc, nvdisasm and cuobjdump (on the PATH, or in site-packages/nvidia/cu*/bin).
 """
@@ -57,6 +58,10 @@ KERNELS = {
     "rmsnorm_stats": Loop(["rmsnorm_stats_kernelILi256E", BF16], "rmsnorm_stats_kernel(",
                           "for (int64_t group = blockIdx.x; group < a.row_groups;",
                           "if (group + gridDim.x < a.row_groups) next = load_row(group + gridDim.x);", 32),
+    # the same kernel saving x in FP4
+    "rmsnorm_stats_fp4": Loop(["rmsnorm_stats_kernelILi256E", BF16], "rmsnorm_stats_kernel(",
+                              "for (int64_t group = blockIdx.x; group < a.row_groups;",
+                              "if (group + gridDim.x < a.row_groups) next = load_row(group + gridDim.x);", 32),
     "rmsnorm_apply": Loop(["apply_quantize_kernelINS_12RmsnormApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
     # without a residual (ResidualIo = void), and with a bf16 one (S3_: the same VectorIo again)
     "rmsnorm_backward": Loop(["rmsnorm_backward_kernelILi256E", BF16 + "EEvE"], "rmsnorm_backward_kernel(",
@@ -64,6 +69,8 @@ KERNELS = {
     "rmsnorm_backward_residual": Loop(["rmsnorm_backward_kernelILi256E", BF16 + "EES3_E"], "rmsnorm_backward_kernel(",
                                       *BACKWARD_LOOP),
     "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16], "silu_mul_stats_kernel(", *SILU_LOOP),
+    # the same kernel saving gate and up in FP4
+    "silu_mul_stats_fp4": Loop(["silu_mul_stats_kernel", BF16], "silu_mul_stats_kernel(", *SILU_LOOP),
     "silu_mul_apply": Loop(["apply_quantize_kernelINS_12SiluMulApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
     "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format0E"], "silu_mul_backward_kernel(",
                               *SILU_LOOP),
@@ -144,16 +151,24 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         return [n for n, text in enumerate(cu.lines, 1) if snippet in text]
 
     rules: dict[str, str] = {}
-    e4m3_save = cu.find("if (fp4) return save_chunks_fp4(")
+    # the E4M3 save of save_chunks, after its calls of the FP4 and FP6 saves
+    e4m3_save = cu.find("return save_chunks_e2m<3>(v, col, valid_cols,")
+    e2m_save = cu.find("__device__ __forceinline__ void save_chunks_e2m(")
+    fp4_save = kernel in ("rmsnorm_stats_fp4", "silu_mul_stats_fp4")
     # L = 128: four whole chunks per lane and row in every loop over them; whole chunks of a row inside the
     # matrix everywhere
     for snippet in ("for (int k = 0; k < kChunksPerLane; ++k) {", "if (k * a.lanes >= chunks) break;",
-                    "if (count == 0) continue;", "if (count > 0) {", "if (count > 0)"):
+                    "if (count == 0) continue;", "if (count == 0) return {0u, 0u};", "if (count > 0) {",
+                    "if (count > 0)"):
         rules.update({key(line): into(line) for line in every(snippet)})
     group_amax = Source(os.path.join(ROOT, "csrc", "cuda", "group_amax.cuh"))
     requantize = "requantize" in kernel
-    if kernel.endswith("requantize_fp4"):
-        load = to(cu, "if (vector) return {count == 0 ? 0u : *reinterpret_cast<const uint32_t*>(row_codes + col / 2)")
+    e2m = Source(os.path.join(ROOT, "csrc", "cuda", "e2m_chunk.cuh"))
+    reads_codes = requantize or "backward" in kernel
+    if reads_codes and kernel.endswith("_fp4"):
+        load = to(e2m, "return {count > 0 ? *reinterpret_cast<const uint32_t*>(src) : 0u, 0u};")
+    elif reads_codes and kernel.endswith("_fp6"):
+        load = to(e2m, "return {h0 | h1 << 16, h2};")
     elif requantize:
         load = to(cu, "const uint2 raw = *reinterpret_cast<const uint2*>(src);")
     else:
@@ -182,18 +197,40 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         # finite values: the fast encode
         chunk.key("if (finite) return codes_of_finite<kFormat>(q);"):
             to(chunk, "const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(q[4 * w + 2], q[4 * w + 3])"),
-        # the backward kernels read E4M3 codes (SavedCodes with the format known at run time)
-        cu.key("return fp4 ? load_as<true>(row, col, count, vector) : load_as<false>(row, col, count, vector);"):
-            to(cu, "return load_codes(row_codes + col, count, vector);"),
-        cu.key("return fp4 ? e4m3_as<true>(loaded) : e4m3_as<false>(loaded);"):
+        # the RMSNorm backward reads E4M3 codes (SavedCodes with the format known at run time)
+        cu.key("switch (format) {", cu.find("__device__ __forceinline__ Codes load(int64_t row,")): "text:LDG.E.64",
+        cu.key("switch (format) {", cu.find("__device__ __forceinline__ Codes e4m3(Codes loaded) const {")):
             "away:" + "|".join(key(n) for n in range(cu.find("__device__ __forceinline__ Codes e2m1x8_to_e4m3("),
-                                                      cu.find("__byte_perm(kMagnitudes0To3, kMagnitudes4To7, magnitudes >> 16)") + 1)),
-        # inputs saved in E4M3, a row inside the matrix; its save group's scale
-        cu.key("if (fp4) return save_chunks_fp4("): to(cu, "const float scale = scale_from_amax<COAT_E4M3>(amax);"),
+                                                      cu.find("return {e2m3x4_to_e4m3(packed.lo),") + 1)),
+        # inputs saved in E4M3 (silu_mul_stats_fp4: in FP4, fast-encoded), a row inside the matrix; its save group's
+        # scale, stored by every lane (G = 16: one lane per group)
+        # ptxas attributes both format tests to the first one's line: for E4M3 the first (FP4?) falls through,
+        # the second (not FP6?) is taken, at each call
+        cu.key("if (format == COAT_SAVED_FP4)", e2m_save):
+            "taken" if fp4_save else "seq:" + ",".join(["fallthrough", "taken"] * 16),
         cu.key("if (col >= valid_cols) return;", e4m3_save):
             to(cu, "const float scale = scale_from_amax<COAT_E4M3>(amax);"),
         cu.key("if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;", e4m3_save):
             to(cu, "if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;", e4m3_save),
+        # G = 16: two lanes a group in the RMSNorm kernels (one shuffle), one in the SiLU*mul kernels (none)
+        cu.key("for (int mask = lanes_per_group >> 1; mask > 0; mask >>= 1)", e2m_save):
+            "fallthrough" if kernel.startswith("rmsnorm") else "taken",
+        cu.key("if (col >= valid_cols) return;", e2m_save):
+            to(cu, "const float scale = e2m_scale_from_amax_bits<kMantissaBits>(amax_bits);"),
+        cu.key("if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;", e2m_save):
+            to(cu, "if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;", e2m_save),
+        # vector codes: one access per chunk (FP4), three 2-byte ones (FP6)
+        e2m.key("if (vector) {", e2m.find("__device__ __forceinline__ void store_e2m_chunk(")):
+            to(e2m, "*reinterpret_cast<uint32_t*>(dst) = packed.lo;"),
+        e2m.key("if (vector) {", e2m.find("__device__ __forceinline__ PackedCodes load_e2m_chunk(")):
+            load,
+        # a chunk inside the matrix: its codes are loaded (a select the compiler makes a branch)
+        e2m.key("return {count > 0 ? *reinterpret_cast<const uint32_t*>(src) : 0u, 0u};"): "text:LDG",
+        e2m.key("const uint32_t h0 = count > 0 ? halves[0] : 0u,"): "text:LDG",
+        e2m.key("if (amax_bits > 0x7F800000u) return __uint_as_float(0x7FC00000u);"):
+            to(e2m, "return scale_by_inverse(__uint_as_float(amax_bits), kMax, 1.0f / kMax);"),
+        e2m.key("if (scale >= COAT_MIN_FAST_DIVISION_SCALE && scale <= FLT_MAX) {"):
+            to(e2m, "for (int e = 0; e < kE2mCodeChunk; ++e) word += e2m_magnitude_code_biased<1>(q[e]) << (4 * e);"),
         # L = 128: the row spans four warps
         cu.key("if (lanes == kWarpSize) return partial;"): to(cu, "if (lane == 0) warp_sums[warp] = partial;"),
         cu.key("if (lane == 0) warp_sums[warp] = partial;"): to(cu, "if (lane == 0) warp_sums[warp] = partial;"),

@@ -6,11 +6,12 @@
 // coat_quantize_e2m_scaled (coat/detail/quantize_math.h) compiled as written costs about 25 instructions per
 // element on sm_90: a per-element branch around the division's slow path, the clamp and NaN tests of the general
 // encoder, and constants rematerialized per element. In a block-scaled quantizer the quotients |x| / scale lie in
-// [0, E_MAX] (scale = amax / E_MAX), so the forms below encode them without those tests, behind one test per chunk
-// that sends every other chunk (a NaN or Inf value, an Inf or NaN scale, a scale below 2^-80, a quotient past the
-// fast form's range) through coat_quantize_e2m_scaled itself. tools/cuda_emulation checks each against the C core.
+// [0, E_MAX] (scale = amax / E_MAX), so the forms below encode them without those tests, behind one test of the
+// scale per chunk that sends every other chunk (a NaN or Inf value, whose block's scale is NaN or Inf; a scale below
+// 2^-80) through coat_quantize_e2m_scaled itself. tools/cuda_emulation checks each against the C core.
 #pragma once
 
+#include <float.h>
 #include <stdint.h>
 
 #include "coat/detail/quantize_math.h"
@@ -72,6 +73,20 @@ __device__ __forceinline__ uint32_t e2m_magnitude_code_biased(float q) {
   return min(min(fine, unit), coarse);
 }
 
+/** The sign bits of a chunk's 8 values at bit 4e + 3, FP4's nibbles: prmt gathers byte 3 of each value (the sign
+ *  in its bit 7), the even elements' in one word and the odd ones' in another, so that byte j of the two holds the
+ *  signs of nibbles 2j (moved to bit 3) and 2j + 1 (in bit 7). 9 instructions for the 8, where a shift and a mask
+ *  per value took 16. */
+__device__ __forceinline__ uint32_t e2m1_sign_bits(const float v[kE2mCodeChunk]) {
+  uint32_t b[kE2mCodeChunk];
+#pragma unroll
+  for (int e = 0; e < kE2mCodeChunk; ++e) b[e] = __float_as_uint(v[e]);
+  // byte 3 of x and of y (selectors 3 and 7) into bytes 0 and 1; then the two low halves side by side
+  const uint32_t even = __byte_perm(__byte_perm(b[0], b[2], 0x73u), __byte_perm(b[4], b[6], 0x73u), 0x5410u);
+  const uint32_t odd = __byte_perm(__byte_perm(b[1], b[3], 0x73u), __byte_perm(b[5], b[7], 0x73u), 0x5410u);
+  return (((even >> 4) & 0x0F0F0F0Fu) | (odd & 0xF0F0F0F0u)) & 0x88888888u;
+}
+
 /** A chunk's packed codes: element e at bit e * (M + 3), in `lo` (FP4, and FP6's elements 0..4 and the low two
  *  bits of element 5) and `hi` (FP6's bits 32..47). */
 struct PackedCodes {
@@ -79,28 +94,26 @@ struct PackedCodes {
   uint32_t hi;
 };
 
-/** The packed codes of coat_quantize_e2m_scaled(v[e], scale, 1 / scale, M) for the chunk's 8 values; reciprocal
- *  = 1 / scale rounded to nearest (garbage is fine when scale is not finite). A chunk whose quotients |v| / scale
- *  are all below the fast limit with scale >= 2^-80 takes quotient() and e2m_magnitude_code_biased(), the value's
- *  sign bit on top; any other chunk is encoded by coat_quantize_e2m_scaled. */
+/** The packed codes of coat_quantize_e2m_scaled(v[e], scale, 1 / scale, M) for the chunk's 8 values, where scale is
+ *  e2m_scale_from_amax_bits of an amax at least every |v[e]| (the block's, as the block quantizers take it) and
+ *  reciprocal = 1 / scale rounded to nearest (garbage is fine when scale is not finite). A finite scale >= 2^-80
+ *  then means every v[e] is finite and every quotient |v| / scale at most E_MAX (1 + 2^-23), below the fast limit:
+ *  such a chunk takes quotient() and e2m_magnitude_code_biased(), the signs on top, with one test of the scale
+ *  where a test of each quotient's size took as many instructions as the quotient; any other chunk (a NaN or Inf
+ *  value, hence scale; a scale below 2^-80) is encoded by coat_quantize_e2m_scaled. */
 template <int kMantissaBits>
 __device__ __forceinline__ PackedCodes encode_e2m_chunk(const float v[kE2mCodeChunk], float scale, float reciprocal) {
   constexpr int kCodeBits = kMantissaBits + 3;
-  float q[kE2mCodeChunk];
-  uint32_t largest = 0;  // the quotients' largest bit pattern: a NaN's (or a -0's) is above the limit's
-#pragma unroll
-  for (int e = 0; e < kE2mCodeChunk; ++e) {
-    q[e] = quotient(fabsf(v[e]), scale, reciprocal);
-    largest = max(largest, __float_as_uint(q[e]));
-  }
   uint32_t codes[kE2mCodeChunk];
-  if (scale >= COAT_MIN_FAST_DIVISION_SCALE && largest < E2m<kMantissaBits>::kFastLimitBits) {
+  if (scale >= COAT_MIN_FAST_DIVISION_SCALE && scale <= FLT_MAX) {
+    float q[kE2mCodeChunk];
+#pragma unroll
+    for (int e = 0; e < kE2mCodeChunk; ++e) q[e] = quotient(fabsf(v[e]), scale, reciprocal);
     if constexpr (kMantissaBits == 1) {  // eight nibbles: the biases cancel mod 2^32 in one subtraction
       uint32_t word = 0;
 #pragma unroll
-      for (int e = 0; e < kE2mCodeChunk; ++e)
-        word += (e2m_magnitude_code_biased<1>(q[e]) + ((__float_as_uint(v[e]) >> 28) & 0x8u)) << (4 * e);
-      return {word - kE2mCodeBias * 0x11111111u, 0u};  // each nibble's 2^23 bits, shifted out or cancelled
+      for (int e = 0; e < kE2mCodeChunk; ++e) word += e2m_magnitude_code_biased<1>(q[e]) << (4 * e);
+      return {(word - kE2mCodeBias * 0x11111111u) | e2m1_sign_bits(v), 0u};  // the 2^23 bits shifted out or cancelled
     } else {
 #pragma unroll
       for (int e = 0; e < kE2mCodeChunk; ++e)
@@ -156,16 +169,19 @@ __device__ __forceinline__ void store_e2m_chunk(uint8_t* dst, PackedCodes packed
     if (i < bytes) dst[i] = static_cast<uint8_t>((i < 4 ? packed.lo >> (8 * i) : packed.hi >> (8 * (i - 4))) & 0xFFu);
 }
 
-/** Loads the packed codes of the chunk's first `count` elements from src; the layout and `vector` as in
- *  store_e2m_chunk. A row's bits past its last code are 0, so a short chunk reads 0 codes past count. */
+/** Loads the packed codes of the chunk's first `count` elements from src; the layout as in store_e2m_chunk. A row's
+ *  bits past its last code are 0, so a short chunk reads 0 codes past count. `vector`: count is 0 (zero codes, src not
+ *  read: a select rather than a branch, so that a caller's address arithmetic is not repeated under each chunk's
+ *  test) or 8, src aligned as in store_e2m_chunk. */
 template <int kMantissaBits>
 __device__ __forceinline__ PackedCodes load_e2m_chunk(const uint8_t* src, int count, bool vector) {
   if (vector) {
     if constexpr (kMantissaBits == 1) {
-      return {*reinterpret_cast<const uint32_t*>(src), 0u};
+      return {count > 0 ? *reinterpret_cast<const uint32_t*>(src) : 0u, 0u};
     } else {
       const uint16_t* halves = reinterpret_cast<const uint16_t*>(src);
-      return {uint32_t{halves[0]} | uint32_t{halves[1]} << 16, uint32_t{halves[2]}};
+      const uint32_t h0 = count > 0 ? halves[0] : 0u, h1 = count > 0 ? halves[1] : 0u, h2 = count > 0 ? halves[2] : 0u;
+      return {h0 | h1 << 16, h2};
     }
   }
   const int bytes = (count * (kMantissaBits + 3) + 7) / 8;

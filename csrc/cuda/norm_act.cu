@@ -201,7 +201,6 @@ struct SavedCodes {
       return load_codes(row_codes + col, count, vector);
     } else {
       constexpr int kMantissaBits = kFormat == COAT_SAVED_FP4 ? 1 : 3;
-      if (count == 0) return {0u, 0u};
       const PackedCodes packed = load_e2m_chunk<kMantissaBits>(
           row_codes + col / kChunk * coat::device::E2m<kMantissaBits>::kChunkBytes, count, vector);
       return {packed.lo, packed.hi};
@@ -456,6 +455,12 @@ struct ElementIo {
 constexpr uint32_t kSiluTableFirst = 0x3380;  // the bf16 bits of 2^-24
 constexpr int kSiluTablePlane = 4096;
 
+// The gate of table entry i.
+__device__ __forceinline__ float silu_table_gate(int i) {
+  const uint32_t sign = static_cast<uint32_t>(i / kSiluTablePlane) << 15;
+  return coat_bf16_to_f32(static_cast<uint16_t>(sign | (kSiluTableFirst + i % kSiluTablePlane)));
+}
+
 // silu[e] = coat_silu(g[e], coat_sigmoid(g[e])), computed.
 __device__ __forceinline__ void silu_chunk(const float g[kChunk], float silu[kChunk]) {
   float s[kChunk];
@@ -488,11 +493,7 @@ struct SiluOfGates<VectorIo<COAT_BFLOAT16>> {
     for (int first = threadIdx.x * kChunk; first < 2 * kSiluTablePlane; first += blockDim.x * kChunk) {
       float g[kChunk], silu[kChunk];
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) {
-        const int i = first + e;
-        const uint32_t sign = static_cast<uint32_t>(i / kSiluTablePlane) << 15;
-        g[e] = coat_bf16_to_f32(static_cast<uint16_t>(sign | (kSiluTableFirst + i % kSiluTablePlane)));
-      }
+      for (int e = 0; e < kChunk; ++e) g[e] = silu_table_gate(first + e);
       silu_chunk(g, silu);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) table.silu[first + e] = silu[e];
@@ -756,23 +757,21 @@ struct HighPrecisionRows {
   __device__ __forceinline__ void values(const Chunk& chunk, float v[kChunk]) const { io.unpack(chunk, v); }
 };
 
-// g rounded to the nearest bf16, ties to even, as a float: coat_bf16_to_f32(coat_f32_to_bf16(g)) for every
-// g but NaN, which gives a NaN (of another payload; silu keeps it NaN and the encoder makes it canonical). On
-// the GPU one cvt.rn.bf16.f32 (sm_80+): no flush of subnormals, overflow to +-Inf, NaN to 0x7FFF.
-__device__ __forceinline__ float round_to_bf16(float g) {
+// The bits of g rounded to the nearest bf16, ties to even: coat_f32_to_bf16(g) for every g but NaN, which gives a
+// NaN (of another payload; silu keeps it NaN and the encoder makes it canonical). On the GPU one cvt.rn.bf16.f32
+// (sm_80+): no flush of subnormals, overflow to +-Inf, NaN to 0x7FFF.
+__device__ __forceinline__ uint32_t round_to_bf16_bits(float g) {
 #ifdef __CUDA_ARCH__
   unsigned short h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(g));
-  return __uint_as_float(static_cast<uint32_t>(h) << 16);
+  return h;
 #else
-  return coat_bf16_to_f32(coat_f32_to_bf16(g));
+  return coat_f32_to_bf16(g);
 #endif
 }
 
-// The gates of the SiLU*mul requantize op: silu of the decoded gate rounded to bf16 (coat_requantize_gate),
-// so from the bf16 table (and its computed fallback) of the forward. kZeroGates, for FP4 and FP6 copies, which
-// flush the values below their block's amax / 12 (FP4) or / 120 (FP6) to code 0: a zero gate, below the table's range, is looked up as 1 and its silu put back (silu(+-0) = +-0 * 0.5
-// = +-0), since a chunk holding one would otherwise compute every silu of the chunk. E4M3 copies hold hardly any.
+// The gates of the SiLU*mul requantize op: silu of the decoded gate rounded to bf16 (coat_requantize_gate).
+// E4M3 copies: from the forward's bf16 table (and its computed fallback).
 template <bool kZeroGates>
 struct SiluOfDecodedGates {
   using Bf16 = SiluOfGates<VectorIo<COAT_BFLOAT16>>;
@@ -781,16 +780,39 @@ struct SiluOfDecodedGates {
   __device__ __forceinline__ static void chunk(const Table& table, const float g[kChunk], float silu[kChunk]) {
     float rounded[kChunk];
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) rounded[e] = round_to_bf16(g[e]);
-    if constexpr (!kZeroGates) {
-      Bf16::chunk(table, rounded, silu);
-    } else {
-      float looked_up[kChunk];
+    for (int e = 0; e < kChunk; ++e) rounded[e] = __uint_as_float(round_to_bf16_bits(g[e]) << 16);
+    Bf16::chunk(table, rounded, silu);
+  }
+};
+
+// FP4 and FP6 copies flush the values below their block's amax / 12 (FP4) or / 120 (FP6) to code 0, and a zero
+// gate lies below the silu table's range (a chunk holding one would compute every silu of the chunk). They read a
+// table of sigmoid instead, over the same bf16 gates, and take silu = g * sigmoid(g) as coat_silu does: every gate
+// outside the range is looked up at the nearer end of its sign's plane, which holds its sigmoid too (0.5 below
+// 2^-24, zeros included; 1 or 0 from |g| = 256 on, Inf and NaN included; tools/cuda_emulation checks every bf16
+// gate), so no gate needs a test.
+template <>
+struct SiluOfDecodedGates<true> {
+  struct Table {
+    float sigmoid[2 * kSiluTablePlane];
+  };
+  __device__ __forceinline__ static void fill(Table& table) {
+    for (int first = threadIdx.x * kChunk; first < 2 * kSiluTablePlane; first += blockDim.x * kChunk) {
+      float g[kChunk];
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) looked_up[e] = rounded[e] == 0.0f ? 1.0f : rounded[e];
-      Bf16::chunk(table, looked_up, silu);
+      for (int e = 0; e < kChunk; ++e) g[e] = silu_table_gate(first + e);
+      sigmoid_chunk(g, &table.sigmoid[first]);
+    }
+    __syncthreads();
+  }
+  __device__ __forceinline__ static void chunk(const Table& table, const float g[kChunk], float silu[kChunk]) {
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) silu[e] = rounded[e] == 0.0f ? rounded[e] : silu[e];
+    for (int e = 0; e < kChunk; ++e) {
+      const uint32_t bits = round_to_bf16_bits(g[e]);
+      const int offset = min(max(static_cast<int>(bits & 0x7FFFu) - static_cast<int>(kSiluTableFirst), 0),
+                             kSiluTablePlane - 1);
+      const uint32_t index = static_cast<uint32_t>(offset) | ((bits >> 3) & 0x1000u);  // the sign picks the plane
+      silu[e] = coat_silu(__uint_as_float(bits << 16), table.sigmoid[index]);
     }
   }
 };

@@ -402,6 +402,37 @@ void check_sigmoid_near(uint32_t step) {
   printf("sigmoid_near checked on every %u-th float >= -80: %ld mismatches\n", step, total);
 }
 
+// The silu the FP4 and FP6 requantize ops take of every bf16 gate (SiluOfDecodedGates<true>: its sigmoid table filled
+// by a block, every gate looked up with the range clamped) == coat_silu(g, coat_sigmoid(g)), NaN as NaN.
+void check_decoded_gate_silu() {
+  using Gates = SiluOfDecodedGates<true>;
+  static Gates::Table table;
+  constexpr unsigned kThreads = 256;
+  std::vector<long> mismatches(kThreads, 0);
+  std::vector<uint32_t> first_mismatch(kThreads, 0);
+  emu_launch(dim3(1), dim3(kThreads), 0, [&] {
+    Gates::fill(table);
+    const unsigned t = threadIdx.x;
+    for (uint32_t first = t * kChunk; first < 0x10000u; first += kThreads * kChunk) {
+      float g[kChunk], silu[kChunk];
+      for (int e = 0; e < kChunk; ++e) g[e] = coat_bf16_to_f32(static_cast<uint16_t>(first + e));
+      Gates::chunk(table, g, silu);
+      for (int e = 0; e < kChunk; ++e) {
+        const float want = coat_silu(g[e], coat_sigmoid(g[e]));
+        if (f2u(silu[e]) != f2u(want) && !(silu[e] != silu[e] && want != want) && mismatches[t]++ == 0)
+          first_mismatch[t] = first + e;
+      }
+    }
+  });
+  long total = 0;
+  for (unsigned t = 0; t < kThreads; ++t) {
+    total += mismatches[t];
+    if (mismatches[t]) printf("  decoded-gate silu differs at bf16 0x%04x\n", first_mismatch[t]);
+  }
+  CHECK(total == 0, "SiluOfDecodedGates<true> != coat_silu on %ld bf16 gates", total);
+  printf("decoded-gate silu checked on every bf16 gate: %ld mismatches\n", total);
+}
+
 // scale_from_amax<format>(amax) == coat_scale_from_amax(amax, format) for every float amax in [0, Inf] (every
 // `step`-th), in both formats.
 void check_scale_from_amax(uint32_t step) {
@@ -549,6 +580,7 @@ int main(int argc, char** argv) {
   const bool full = argc > 1 && strcmp(argv[1], "full") == 0;
   const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
   check_sigmoid_near(full ? 1u : 4099u);
+  check_decoded_gate_silu();
   check_quotient(full ? 100000000L : 2000000L);
   check_scale_from_amax(full ? 1u : 997u);
   check_e2m_scale_from_amax<1>(full ? 1u : 997u);
