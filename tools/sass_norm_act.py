@@ -52,25 +52,21 @@ APPLY_LOOP = ("for (int parity = 0; row_tile < row_tiles;",
               "if (row_tile + row_strands < row_tiles) next = load_tile(row_tile + row_strands);", 16)
 BACKWARD_LOOP = ("for (int64_t i = 0; i < a.rows_per_slice; ++i)",
                  "if (i + 1 < a.rows_per_slice) next = load_row(i + 1);", 32)
+STATS_LOOP = ("for (int64_t group = blockIdx.x; group < a.row_groups;",
+              "if (group + gridDim.x < a.row_groups) next = load_row(group + gridDim.x);", 32)
 SILU_LOOP = ("for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {",
              "if (row + at.row_step < a.rows) next = load_row(row + at.row_step);", 16)
 KERNELS = {
-    "rmsnorm_stats": Loop(["rmsnorm_stats_kernelILi256E", BF16], "rmsnorm_stats_kernel(",
-                          "for (int64_t group = blockIdx.x; group < a.row_groups;",
-                          "if (group + gridDim.x < a.row_groups) next = load_row(group + gridDim.x);", 32),
-    # the same kernel saving x in FP4
-    "rmsnorm_stats_fp4": Loop(["rmsnorm_stats_kernelILi256E", BF16], "rmsnorm_stats_kernel(",
-                              "for (int64_t group = blockIdx.x; group < a.row_groups;",
-                              "if (group + gridDim.x < a.row_groups) next = load_row(group + gridDim.x);", 32),
+    "rmsnorm_stats": Loop(["rmsnorm_stats_kernelILi256E", BF16 + "EEL17coat_saved_format0E"], "rmsnorm_stats_kernel(",
+                          *STATS_LOOP),
     "rmsnorm_apply": Loop(["apply_quantize_kernelINS_12RmsnormApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
     # without a residual (ResidualIo = void), and with a bf16 one (S3_: the same VectorIo again)
     "rmsnorm_backward": Loop(["rmsnorm_backward_kernelILi256E", BF16 + "EEvE"], "rmsnorm_backward_kernel(",
                              *BACKWARD_LOOP),
     "rmsnorm_backward_residual": Loop(["rmsnorm_backward_kernelILi256E", BF16 + "EES3_E"], "rmsnorm_backward_kernel(",
                                       *BACKWARD_LOOP),
-    "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16], "silu_mul_stats_kernel(", *SILU_LOOP),
-    # the same kernel saving gate and up in FP4
-    "silu_mul_stats_fp4": Loop(["silu_mul_stats_kernel", BF16], "silu_mul_stats_kernel(", *SILU_LOOP),
+    "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16 + "EEL17coat_saved_format0E"], "silu_mul_stats_kernel(",
+                           *SILU_LOOP),
     "silu_mul_apply": Loop(["apply_quantize_kernelINS_12SiluMulApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
     "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format0E"], "silu_mul_backward_kernel(",
                               *SILU_LOOP),
@@ -80,7 +76,12 @@ KERNELS = {
     "silu_mul_requantize": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1EL17coat_saved_format0E"],
                                 "apply_quantize_kernel(", *APPLY_LOOP),
 }
-# the kernels instantiated for FP4- and FP6-saved inputs (coat_saved_format 1 and 2)
+# the kernels instantiated for inputs saved in FP4 and FP6 (coat_saved_format 1 and 2); the forward's first
+# passes in FP4 only
+KERNELS["rmsnorm_stats_fp4"] = Loop(["rmsnorm_stats_kernelILi256E", BF16 + "EEL17coat_saved_format1E"],
+                                    "rmsnorm_stats_kernel(", *STATS_LOOP)
+KERNELS["silu_mul_stats_fp4"] = Loop(["silu_mul_stats_kernel", BF16 + "EEL17coat_saved_format1E"],
+                                     "silu_mul_stats_kernel(", *SILU_LOOP)
 for _name, _format in (("fp4", 1), ("fp6", 2)):
     KERNELS[f"silu_mul_backward_{_name}"] = Loop(["silu_mul_backward_kernel", BF16 + f"EEL17coat_saved_format{_format}E"],
                                                  "silu_mul_backward_kernel(", *SILU_LOOP)
@@ -151,10 +152,8 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         return [n for n, text in enumerate(cu.lines, 1) if snippet in text]
 
     rules: dict[str, str] = {}
-    # the E4M3 save of save_chunks, after its calls of the FP4 and FP6 saves
-    e4m3_save = cu.find("return save_chunks_e2m<3>(v, col, valid_cols,")
+    e4m3_save = cu.find("__device__ __forceinline__ void save_chunks_e4m3(")
     e2m_save = cu.find("__device__ __forceinline__ void save_chunks_e2m(")
-    fp4_save = kernel in ("rmsnorm_stats_fp4", "silu_mul_stats_fp4")
     # L = 128: four whole chunks per lane and row in every loop over them; whole chunks of a row inside the
     # matrix everywhere
     for snippet in ("for (int k = 0; k < kChunksPerLane; ++k) {", "if (k * a.lanes >= chunks) break;",
@@ -202,12 +201,7 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         cu.key("switch (format) {", cu.find("__device__ __forceinline__ Codes e4m3(Codes loaded) const {")):
             "away:" + "|".join(key(n) for n in range(cu.find("__device__ __forceinline__ Codes e2m1x8_to_e4m3("),
                                                       cu.find("return {e2m3x4_to_e4m3(packed.lo),") + 1)),
-        # inputs saved in E4M3 (silu_mul_stats_fp4: in FP4, fast-encoded), a row inside the matrix; its save group's
-        # scale, stored by every lane (G = 16: one lane per group)
-        # ptxas attributes both format tests to the first one's line: for E4M3 the first (FP4?) falls through,
-        # the second (not FP6?) is taken, at each call
-        cu.key("if (format == COAT_SAVED_FP4)", e2m_save):
-            "taken" if fp4_save else "seq:" + ",".join(["fallthrough", "taken"] * 16),
+        # a row inside the matrix; its save group's scale, stored by every lane (G = 16: one lane per group)
         cu.key("if (col >= valid_cols) return;", e4m3_save):
             to(cu, "const float scale = scale_from_amax<COAT_E4M3>(amax);"),
         cu.key("if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;", e4m3_save):

@@ -581,18 +581,11 @@ __device__ __forceinline__ void save_chunks_e2m(const float (&v)[kChunks][kChunk
   if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;
 }
 
-// Saves kChunks consecutive chunks of an input (columns [col, col + 8 kChunks) of the row) in the forward's
-// save format with 1 x G groups, G = 2^group_shift, held by lanes_per_group consecutive lanes: the codes, and
-// from the group's first lane the scale. valid_cols is the row's width, or 0 for a row past the matrix (nothing
-// is stored). All lanes of the warp must call it.
+// save_chunks in COAT_SAVED_E4M3: coat_quantize_group's 1 x G groups.
 template <int kChunks>
-__device__ __forceinline__ void save_chunks(const float (&v)[kChunks][kChunk], int col, int valid_cols,
-                                            int lanes_per_group, int group_shift, bool vector,
-                                            coat_saved_format format, uint8_t* saved_row, float* scales_row) {
-  if (format == COAT_SAVED_FP4)
-    return save_chunks_e2m<1>(v, col, valid_cols, lanes_per_group, group_shift, vector, saved_row, scales_row);
-  if (format == COAT_SAVED_FP6)
-    return save_chunks_e2m<3>(v, col, valid_cols, lanes_per_group, group_shift, vector, saved_row, scales_row);
+__device__ __forceinline__ void save_chunks_e4m3(const float (&v)[kChunks][kChunk], int col, int valid_cols,
+                                                 int lanes_per_group, int group_shift, bool vector, uint8_t* saved_row,
+                                                 float* scales_row) {
   float amax = 0.0f;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c)
@@ -612,6 +605,24 @@ __device__ __forceinline__ void save_chunks(const float (&v)[kChunks][kChunk], i
   if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;
 }
 
+// Saves kChunks consecutive chunks of an input (columns [col, col + 8 kChunks) of the row) in kFormat with 1 x G
+// groups, G = 2^group_shift, held by lanes_per_group consecutive lanes: the codes, and from the group's first lane
+// the scale. valid_cols is the row's width, or 0 for a row past the matrix (nothing is stored). All lanes of the
+// warp must call it. The format is a compile-time constant so that each kernel holds one encoder: with the three
+// in one kernel, bf16 silu_mul_stats took 108 registers (98 for E4M3 alone, 99 for FP4) and rmsnorm_stats at 80
+// spilled 56 bytes (4 for E4M3 alone), which cost the E4M3 forward 7-20% (benchmarks/NOTES.md).
+template <coat_saved_format kFormat, int kChunks>
+__device__ __forceinline__ void save_chunks(const float (&v)[kChunks][kChunk], int col, int valid_cols,
+                                            int lanes_per_group, int group_shift, bool vector, uint8_t* saved_row,
+                                            float* scales_row) {
+  if constexpr (kFormat == COAT_SAVED_FP4)
+    save_chunks_e2m<1>(v, col, valid_cols, lanes_per_group, group_shift, vector, saved_row, scales_row);
+  else if constexpr (kFormat == COAT_SAVED_FP6)
+    save_chunks_e2m<3>(v, col, valid_cols, lanes_per_group, group_shift, vector, saved_row, scales_row);
+  else
+    save_chunks_e4m3(v, col, valid_cols, lanes_per_group, group_shift, vector, saved_row, scales_row);
+}
+
 // ---------------------------------------------------------------------------------------------------
 // RMSNorm forward, first pass
 
@@ -627,7 +638,6 @@ struct RmsnormStatsArgs {
   int group_shift;  // log2 of the save group size
   int lanes;
   int64_t row_groups;  // groups of kMaxThreads / lanes rows, one per block and iteration
-  coat_saved_format save_format;
   int saved_row_bytes;
   uint8_t* x_saved;
   float* x_saved_scales;
@@ -653,14 +663,14 @@ __device__ __forceinline__ LaneChunks<Io> load_lane_chunks(const Io& io, const v
   return chunks;
 }
 
-// Blocks of rmsnorm_stats_kernel per SM to hold registers for: 256-thread blocks of bf16 fit 3 without
-// spilling (80 registers; ptxas's own choice would spill 8 bytes).
+// Blocks of rmsnorm_stats_kernel per SM to hold registers for: 256-thread blocks of bf16 fit 3 at 80 registers,
+// spilling 4 bytes (E4M3), 16 (FP4) or 20 (FP6): one reload per row group.
 template <int kMaxThreads, class Io>
 constexpr int kStatsMinBlocks = kMaxThreads == 256 && std::is_same<Io, VectorIo<COAT_BFLOAT16>>::value ? 3 : 1;
 
 // Block b reduces row groups b, b + gridDim.x, ... (kMaxThreads / L rows each, L lanes per row); with
-// kPrefetch the next group's x is in flight while this group is reduced.
-template <int kMaxThreads, class Io>
+// kPrefetch the next group's x is in flight while this group is reduced. x is saved in kFormat.
+template <int kMaxThreads, class Io, coat_saved_format kFormat>
 __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>))
     rmsnorm_stats_kernel(RmsnormStatsArgs a) {
   // 1024-thread blocks have 64 registers per thread: no room for a second row.
@@ -711,8 +721,8 @@ __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>
       io.unpack(x_row.chunk[k], x[0]);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) partial = partial + x[0][e] * x[0][e];
-      save_chunks<1>(x, (lane + k * a.lanes) * kChunk, valid_cols, (1 << a.group_shift) / kChunk, a.group_shift,
-                     Io::kVector, a.save_format, saved_row, scales_row);
+      save_chunks<kFormat>(x, (lane + k * a.lanes) * kChunk, valid_cols, (1 << a.group_shift) / kChunk,
+                           a.group_shift, Io::kVector, saved_row, scales_row);
     }
     const float rstd = coat_rmsnorm_rstd(row_sum(partial, a.lanes, warp_sums[parity]), a.cols, a.eps);
     if (active && lane == 0) a.rstd[row] = coat_canonical_nan(rstd);
@@ -1074,7 +1084,6 @@ struct SiluMulStatsArgs {
   int group_shift;  // log2 of the save group size
   int segments;     // ceil(cols / 512)
   int strands;  // blocks per segment
-  coat_saved_format save_format;
   int saved_row_bytes;
   uint8_t* gate_saved;
   float* gate_scales;
@@ -1088,10 +1097,19 @@ struct SiluMulStatsInputs {
   typename Io::Raw gate[kUnitChunks], up[kUnitChunks];
 };
 
+// Blocks of silu_mul_stats_kernel per SM to hold registers for. Saving FP4 from bf16, 3 fit at 80 registers
+// without spilling, and the arithmetic-bound kernel ran 2-4% faster for it (H200); E4M3 spilled 80 bytes at 80 and
+// ran 1-8% slower, so it keeps ptxas's choice (98 registers, 2 blocks), as does fp16 (which spills 108 bytes at 80).
+// FP6, also spill-free at 80, was not measured.
+template <class Io, coat_saved_format kFormat>
+constexpr int kSiluStatsMinBlocks =
+    kFormat == COAT_SAVED_FP4 && std::is_same<Io, VectorIo<COAT_BFLOAT16>>::value ? 3 : 1;
+
 // Each warp walks its rows with the next row's gate and up in flight; a quantization group (G <= 128
-// columns, 16 per lane) never spans two warps.
-template <class Io>
-__global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(SiluMulStatsArgs a) {
+// columns, 16 per lane) never spans two warps. gate and up are saved in kFormat.
+template <class Io, coat_saved_format kFormat>
+__global__ void __launch_bounds__(kElementwiseThreads, (kSiluStatsMinBlocks<Io, kFormat>))
+    silu_mul_stats_kernel(SiluMulStatsArgs a) {
   __shared__ typename SiluOfGates<Io>::Table silu_table;
   const Io io{a.dtype};
   const SegmentLane at = segment_lane(a.segments, a.strands);
@@ -1125,10 +1143,10 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_stats_kernel(Sil
       io.unpack(current.gate[c], gate[c]);
       io.unpack(current.up[c], up[c]);
     }
-    save_chunks(gate, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_format,
-                a.gate_saved + row * a.saved_row_bytes, a.gate_scales + row * ngroups);
-    save_chunks(up, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector, a.save_format,
-                a.up_saved + row * a.saved_row_bytes, a.up_scales + row * ngroups);
+    save_chunks<kFormat>(gate, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector,
+                         a.gate_saved + row * a.saved_row_bytes, a.gate_scales + row * ngroups);
+    save_chunks<kFormat>(up, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector,
+                         a.up_saved + row * a.saved_row_bytes, a.up_scales + row * ngroups);
     // Past the row gate and up are 0, and so is y.
 #pragma unroll
     for (int c = 0; c < kUnitChunks; ++c) {
@@ -1571,14 +1589,15 @@ coat_status launch_apply_quantize(const Op& op, int64_t rows, int cols, OutputSc
   return launch_status();
 }
 
-template <int kMaxThreads, class Io>
+template <int kMaxThreads, class Io, coat_saved_format kFormat>
 coat_status launch_rmsnorm_stats(RmsnormStatsArgs args, cudaStream_t stream) {
+  constexpr auto kKernel = rmsnorm_stats_kernel<kMaxThreads, Io, kFormat>;
   const size_t shared_bytes = WeightPlanes::bytes(args.cols);
-  const int64_t resident = resident_blocks<rmsnorm_stats_kernel<kMaxThreads, Io>>(kMaxThreads, shared_bytes);
+  const int64_t resident = resident_blocks<kKernel>(kMaxThreads, shared_bytes);
   if (resident <= 0) return COAT_ERROR_CUDA;
   args.row_groups = coat_ceil_div(args.rows, kMaxThreads / args.lanes);
   const unsigned blocks = static_cast<unsigned>(args.row_groups < resident ? args.row_groups : resident);
-  rmsnorm_stats_kernel<kMaxThreads, Io><<<blocks, kMaxThreads, shared_bytes, stream>>>(args);
+  kKernel<<<blocks, kMaxThreads, shared_bytes, stream>>>(args);
   return launch_status();
 }
 
@@ -1639,7 +1658,6 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
   args.group_shift = coat::device::ceil_log2(save_group_size);
   args.lanes = static_cast<int>(coat_rmsnorm_lanes(cols));
   args.row_groups = 0;
-  args.save_format = save_format;
   args.saved_row_bytes = static_cast<int>(saved_row_bytes(cols, save_format));
   args.x_saved = x_saved;
   args.x_saved_scales = x_saved_scales;
@@ -1650,9 +1668,13 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
   with_io(x_dtype, vector, [&](auto io) {
     using Io = decltype(io);
     if (rows > 0) {
-      if (args.lanes <= kRowBlockThreads) status = launch_rmsnorm_stats<kRowBlockThreads, Io>(args, cuda_stream);
-      else if (args.lanes == 512) status = launch_rmsnorm_stats<512, Io>(args, cuda_stream);
-      else status = launch_rmsnorm_stats<1024, Io>(args, cuda_stream);
+      status = with_saved_format(save_format, [&](auto format) {
+        constexpr coat_saved_format kFormat = decltype(format)::value;
+        if (args.lanes <= kRowBlockThreads)
+          return launch_rmsnorm_stats<kRowBlockThreads, Io, kFormat>(args, cuda_stream);
+        if (args.lanes == 512) return launch_rmsnorm_stats<512, Io, kFormat>(args, cuda_stream);
+        return launch_rmsnorm_stats<1024, Io, kFormat>(args, cuda_stream);
+      });
     }
     if (status != COAT_SUCCESS) return;
     const RmsnormApply<HighPrecisionRows<Io>> op{{io, x, row_stride}, rstd, weight, weight_dtype};
@@ -1743,7 +1765,6 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
   args.up_row_stride = up_row_stride;
   args.smooth_scale = smooth_scale;
   args.group_shift = coat::device::ceil_log2(save_group_size);
-  args.save_format = save_format;
   args.saved_row_bytes = static_cast<int>(saved_row_bytes(cols, save_format));
   args.gate_saved = gate_saved;
   args.gate_scales = gate_scales;
@@ -1760,12 +1781,14 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
   with_io(dtype, vector, [&](auto io) {
     using Io = decltype(io);
     if (rows > 0 && cols > 0) {
-      unsigned blocks = 0;
-      if (!silu_mul_grid<silu_mul_stats_kernel<Io>>(rows, args.cols, &args.segments, &args.strands, &blocks)) {
-        status = COAT_ERROR_CUDA;
-        return;
-      }
-      silu_mul_stats_kernel<Io><<<blocks, kElementwiseThreads, 0, cuda_stream>>>(args);
+      status = with_saved_format(save_format, [&](auto format) {
+        constexpr auto kKernel = silu_mul_stats_kernel<Io, decltype(format)::value>;
+        unsigned blocks = 0;
+        if (!silu_mul_grid<kKernel>(rows, args.cols, &args.segments, &args.strands, &blocks)) return COAT_ERROR_CUDA;
+        kKernel<<<blocks, kElementwiseThreads, 0, cuda_stream>>>(args);
+        return COAT_SUCCESS;
+      });
+      if (status != COAT_SUCCESS) return;
     }
     const SiluMulApply<HighPrecisionRows<Io>> op{{io, gate, gate_row_stride}, {io, up, up_row_stride}, smooth_scale};
     status = launch_apply_quantize(op, rows, args.cols, OutputScale::from_amax(y_amax, y_scale), y_format, y, y_t,
