@@ -7,11 +7,12 @@
 // element by element: odd widths, misaligned views), which changes the speed but not a single result bit.
 //
 // Kernels:
-//   rmsnorm_stats_kernel     persistent; L threads per row (L = coat_rmsnorm_lanes(cols)): rstd, the FP8-saved
-//                            x, the amax of y (one guarded atomicMax per warp); the next rows' x is loaded
-//                            while these are reduced
+//   rmsnorm_stats_kernel     persistent; L threads per row (L = coat_rmsnorm_lanes(cols)): rstd, the saved x
+//                            (E4M3, FP4 or FP6, an instantiation each), the amax of y (one guarded atomicMax per
+//                            warp); the next rows' x is loaded while these are reduced
 //   silu_mul_stats_kernel    persistent; 16 consecutive elements per lane, a warp per 512 columns of a row:
-//                            the FP8-saved gate and up, the amax of y; the warp's next row in flight
+//                            the saved gate and up (an instantiation per format), the amax of y; the warp's next
+//                            row in flight
 //   apply_quantize_kernel    persistent over 64 x 64 tiles, the next tile in flight: recomputes y from the
 //                            inputs, writes it in FP8 and, through a shared-memory tile, its transpose; the
 //                            requantize ops run it on the saved inputs (E4M3, FP4 or FP6, an instantiation each)
@@ -610,7 +611,7 @@ __device__ __forceinline__ void save_chunks_e4m3(const float (&v)[kChunks][kChun
 // the scale. valid_cols is the row's width, or 0 for a row past the matrix (nothing is stored). All lanes of the
 // warp must call it. The format is a compile-time constant so that each kernel holds one encoder: with the three
 // in one kernel, bf16 silu_mul_stats took 108 registers (98 for E4M3 alone, 99 for FP4) and rmsnorm_stats at 80
-// spilled 56 bytes (4 for E4M3 alone), which cost the E4M3 forward 7-20% (benchmarks/NOTES.md).
+// spilled 56 bytes (4 for E4M3 alone), which cost the E4M3 forward 1-19% (benchmarks/NOTES.md).
 template <coat_saved_format kFormat, int kChunks>
 __device__ __forceinline__ void save_chunks(const float (&v)[kChunks][kChunk], int col, int valid_cols,
                                             int lanes_per_group, int group_shift, bool vector, uint8_t* saved_row,
