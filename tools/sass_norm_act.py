@@ -5,10 +5,10 @@ each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its ma
 tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks,
 finite values, gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its
 transpose (the requantize ops: vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each),
-inputs saved in E4M3; the *_fp4 and *_fp6 rows: the forward kernels saving in FP4 (the fast encoder's path), the
-backward and requantize kernels instantiated for FP4- or FP6-saved inputs. Counts are dynamic for that path (each
-executed SASS instruction once, branches and barriers included), divided by the elements a lane handles
-per iteration. Also prints each kernel's registers, and the blocks per SM they allow.
+inputs saved in E4M3; the *_fp4 and *_fp6 rows: the kernels instantiated for inputs saved in FP4 or FP6 (the
+forward ones on the fast encoder's path). Counts are dynamic for that path (each executed SASS instruction once,
+branches and barriers included), divided by the elements a lane handles per iteration. Also prints each kernel's
+registers, and the blocks per SM they allow.
 
   python tools/sass_norm_act.py [--by-line KERNEL] [--arch sm_90] [--cubin FILE]
 
@@ -76,13 +76,12 @@ KERNELS = {
     "silu_mul_requantize": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1EL17coat_saved_format0E"],
                                 "apply_quantize_kernel(", *APPLY_LOOP),
 }
-# the kernels instantiated for inputs saved in FP4 and FP6 (coat_saved_format 1 and 2); the forward's first
-# passes in FP4 only
-KERNELS["rmsnorm_stats_fp4"] = Loop(["rmsnorm_stats_kernelILi256E", BF16 + "EEL17coat_saved_format1E"],
-                                    "rmsnorm_stats_kernel(", *STATS_LOOP)
-KERNELS["silu_mul_stats_fp4"] = Loop(["silu_mul_stats_kernel", BF16 + "EEL17coat_saved_format1E"],
-                                     "silu_mul_stats_kernel(", *SILU_LOOP)
+# the kernels instantiated for inputs saved in FP4 and FP6 (coat_saved_format 1 and 2)
 for _name, _format in (("fp4", 1), ("fp6", 2)):
+    KERNELS[f"rmsnorm_stats_{_name}"] = Loop(["rmsnorm_stats_kernelILi256E", BF16 + f"EEL17coat_saved_format{_format}E"],
+                                             "rmsnorm_stats_kernel(", *STATS_LOOP)
+    KERNELS[f"silu_mul_stats_{_name}"] = Loop(["silu_mul_stats_kernel", BF16 + f"EEL17coat_saved_format{_format}E"],
+                                              "silu_mul_stats_kernel(", *SILU_LOOP)
     KERNELS[f"silu_mul_backward_{_name}"] = Loop(["silu_mul_backward_kernel", BF16 + f"EEL17coat_saved_format{_format}E"],
                                                  "silu_mul_backward_kernel(", *SILU_LOOP)
     KERNELS[f"rmsnorm_requantize_{_name}"] = Loop(
@@ -152,6 +151,7 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         return [n for n, text in enumerate(cu.lines, 1) if snippet in text]
 
     rules: dict[str, str] = {}
+    fp6 = kernel.endswith("_fp6")
     e4m3_save = cu.find("__device__ __forceinline__ void save_chunks_e4m3(")
     e2m_save = cu.find("__device__ __forceinline__ void save_chunks_e2m(")
     # L = 128: four whole chunks per lane and row in every loop over them; whole chunks of a row inside the
@@ -215,16 +215,19 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
             to(cu, "if ((col & ((1 << group_shift) - 1)) == 0) scales_row[col >> group_shift] = scale;", e2m_save),
         # vector codes: one access per chunk (FP4), three 2-byte ones (FP6)
         e2m.key("if (vector) {", e2m.find("__device__ __forceinline__ void store_e2m_chunk(")):
-            to(e2m, "*reinterpret_cast<uint32_t*>(dst) = packed.lo;"),
+            to(e2m, "halves[0] = static_cast<uint16_t>(packed.lo);" if fp6 else
+               "*reinterpret_cast<uint32_t*>(dst) = packed.lo;"),
         e2m.key("if (vector) {", e2m.find("__device__ __forceinline__ PackedCodes load_e2m_chunk(")):
             load,
         # a chunk inside the matrix: its codes are loaded (a select the compiler makes a branch)
         e2m.key("return {count > 0 ? *reinterpret_cast<const uint32_t*>(src) : 0u, 0u};"): "text:LDG",
         e2m.key("const uint32_t h0 = count > 0 ? halves[0] : 0u,"): "text:LDG",
         e2m.key("if (amax_bits > 0x7F800000u) return __uint_as_float(0x7FC00000u);"):
-            to(e2m, "return scale_by_inverse(__uint_as_float(amax_bits), kMax, 1.0f / kMax);"),
+            to(e2m, "return fmaxf(__fdiv_rn(__uint_as_float(amax_bits), kMax), COAT_MIN_SCALE);" if fp6 else
+               "return scale_by_inverse(__uint_as_float(amax_bits), kMax, 1.0f / kMax);"),
         e2m.key("if (scale >= COAT_MIN_FAST_DIVISION_SCALE && scale <= FLT_MAX) {"):
-            to(e2m, "for (int e = 0; e < kE2mCodeChunk; ++e) word += e2m_magnitude_code_biased<1>(q[e]) << (4 * e);"),
+            to(e2m, "codes[e] = e2m_magnitude_code_biased<kMantissaBits>(q[e]) - kE2mCodeBias +" if fp6 else
+               "for (int e = 0; e < kE2mCodeChunk; ++e) word += e2m_magnitude_code_biased<1>(q[e]) << (4 * e);"),
         # L = 128: the row spans four warps
         cu.key("if (lanes == kWarpSize) return partial;"): to(cu, "if (lane == 0) warp_sums[warp] = partial;"),
         cu.key("if (lane == 0) warp_sums[warp] = partial;"): to(cu, "if (lane == 0) warp_sums[warp] = partial;"),
