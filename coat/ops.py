@@ -151,7 +151,8 @@ def dequantize(
 # fp4.h and fp6.h state every rule). One float32 scale per 1 x block_size block of the last dimension:
 #
 #     scale = max(amax / E_MAX, 2**-126)   NaN if the block holds a NaN, Inf if it holds +-Inf
-#     code  = encode(x / scale)            round to nearest even, saturating to +-E_MAX
+#     code  = encode(x * r)                r = fp32(1 / scale), the product exact: rounded once, to nearest even,
+#                                          saturating to +-E_MAX
 #     x'    = value(code) * scale
 #
 # FP4 E2M1: values +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, E_MAX = 6; codes packed two per byte, element 2i of a row in

@@ -12,12 +12,12 @@ Both grids are listed here as values (the spec tables), not built from exponent 
 magnitude bits are its index in the ascending grid. The encoder picks the grid point nearest to |y| by measuring
 the distance to every grid point (exact in float64 once |y| is clamped to the largest value, which is also the
 saturation rule), ties going to the even code; the C core instead computes the code arithmetically. Scales and
-quotients are fp32 values computed in float64 and rounded once, which is the fp32 operation itself (see
-reference.py's docstring).
+reciprocals are fp32 values computed in float64 and rounded once, which is the fp32 operation itself (see
+reference.py's docstring); the product of x and the reciprocal is exact in float64 (two 24-bit significands).
 
 Rules the oracle encodes: scale = max(fp32(amax / E_MAX), 2^-126) per 1 x B block, NaN for a block holding a NaN;
-code = encode(fp32(x / scale)) with a NaN quotient (NaN scale, or Inf / Inf) encoding a zero of x's sign;
-value = fp32(decode(code) * scale).
+code = encode(x * fp32(1 / scale)), the product exact, not rounded to fp32, with a NaN product (NaN scale, or Inf
+times the 0 reciprocal of an Inf scale) encoding a zero of x's sign; value = fp32(decode(code) * scale).
 """
 from __future__ import annotations
 
@@ -72,9 +72,9 @@ def block_format(fmt: str | BlockFormat) -> BlockFormat:
 
 
 def encode(y: torch.Tensor, fmt) -> torch.Tensor:
-    """uint8 codes (one per element, unpacked) of float32 values."""
+    """uint8 codes (one per element, unpacked) of float32 values, or of exact float64 products."""
     fmt = block_format(fmt)
-    assert y.dtype == torch.float32
+    assert y.dtype in (torch.float32, torch.float64)
     magnitude = y.to(torch.float64).abs().clamp(max=fmt.max)  # saturation; Inf too
     distance = (magnitude.unsqueeze(-1) - fmt.values).abs()
     nearest = distance == distance.min(dim=-1, keepdim=True).values
@@ -138,11 +138,11 @@ def quantize(x: torch.Tensor, fmt, block_size: int) -> tuple[torch.Tensor, torch
     """(packed uint8 codes [..., row_bytes(cols)], float32 scales [..., ceil(cols / B)])."""
     fmt = block_format(fmt)
     scales = block_scales(x, fmt, block_size)
-    per_element = expand_blocks(scales, x.shape[-1], block_size).to(torch.float64)
-    quotient = (x.to(torch.float64) / per_element).to(torch.float32)
-    codes = encode(quotient, fmt)
-    # a NaN quotient takes x's sign (its own sign is the platform's choice)
-    codes = torch.where(torch.isnan(quotient), torch.where(sign_bit(x), fmt.sign, 0).to(torch.uint8), codes)
+    reciprocals = (1.0 / expand_blocks(scales, x.shape[-1], block_size).to(torch.float64)).to(torch.float32)
+    product = x.to(torch.float64) * reciprocals.to(torch.float64)
+    codes = encode(product, fmt)
+    # a NaN product takes x's sign (its own sign is the platform's choice)
+    codes = torch.where(torch.isnan(product), torch.where(sign_bit(x), fmt.sign, 0).to(torch.uint8), codes)
     return pack(codes, fmt), scales
 
 

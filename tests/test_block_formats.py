@@ -328,8 +328,8 @@ def test_zeros(run, fmt):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=DTYPE_NAMES.get)
 def test_constant_blocks_encode_to_e_max(run, fmt, dtype):
-    """A constant block has amax / scale = E_MAX (6 or 7.5) up to an fp32 rounding: every element encodes to the
-    largest code of its sign and comes back within 2^-23."""
+    """A constant block has amax * fp32(1 / scale) = E_MAX (6 or 7.5) up to two fp32 roundings: every element
+    encodes to the largest code of its sign and comes back within 2^-23."""
     f = ref.FORMATS[fmt]
     constants = [1.0, -3.0, 1e-30, 1e30, 3.0e38, -3.3e38]  # up to near the fp32 (and bf16) max
     x = blocks(*[[c] for c in constants]).to(dtype)
@@ -341,11 +341,12 @@ def test_constant_blocks_encode_to_e_max(run, fmt, dtype):
 
 
 def test_amax_over_e_max_rounding_down_saturates(run, rng, fmt):
-    """fp32(amax / E_MAX) may round down, making amax / scale a hair above E_MAX: it saturates to the code of
-    E_MAX."""
+    """fp32(amax / E_MAX) and its fp32 reciprocal may round so that amax times the reciprocal is a hair above
+    E_MAX: it saturates to the code of E_MAX."""
     f = ref.FORMATS[fmt]
     amax = (torch.rand(4096, generator=rng, dtype=torch.float64) * 100 + 1).float()
-    above = (amax.double() / (amax.double() / f.max).float().double()) > f.max
+    reciprocal = (1.0 / (amax.double() / f.max).float().double()).float()
+    above = (amax.double() * reciprocal.double()) > f.max
     assert int(above.sum()) > 100
     x = torch.cat([amax[:, None], torch.zeros(4096, 15)], dim=1)
     codes, _ = check_blocks(run, x, fmt, 16)

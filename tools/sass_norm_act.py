@@ -225,9 +225,9 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         e2m.key("if (amax_bits > 0x7F800000u) return __uint_as_float(0x7FC00000u);"):
             to(e2m, "return fmaxf(__fdiv_rn(__uint_as_float(amax_bits), kMax), COAT_MIN_SCALE);" if fp6 else
                "return scale_by_inverse(__uint_as_float(amax_bits), kMax, 1.0f / kMax);"),
-        e2m.key("if (scale >= COAT_MIN_FAST_DIVISION_SCALE && scale <= FLT_MAX) {"):
-            to(e2m, "codes[e] = e2m_magnitude_code_biased<kMantissaBits>(q[e]) - kE2mCodeBias +" if fp6 else
-               "for (int e = 0; e < kE2mCodeChunk; ++e) word += e2m_magnitude_code_biased<1>(q[e]) << (4 * e);"),
+        e2m.key("if (scale >= kE2mFastScaleMin && scale <= kE2mFastScaleMax) {"):
+            to(e2m, "codes[e] = e2m_magnitude_code_biased<kMantissaBits>(fabsf(v[e]), steps) - kE2mCodeBias +" if fp6 else
+               "word += e2m_magnitude_code_biased<1>(fabsf(v[e]), steps) * kNibbleWeights[e];"),
         # L = 128: the row spans four warps
         cu.key("if (lanes == kWarpSize) return partial;"): to(cu, "if (lane == 0) warp_sums[warp] = partial;"),
         cu.key("if (lane == 0) warp_sums[warp] = partial;"): to(cu, "if (lane == 0) warp_sums[warp] = partial;"),

@@ -160,7 +160,7 @@ static coat_status coat_quantize_e2m_cpu(const void* x, coat_dtype dtype, int64_
       const float reciprocal = 1.0f / scale;
       scales[r * nblocks + b] = scale;
       for (int64_t c = begin; c < end; ++c) {
-        const uint8_t code = coat_quantize_e2m_scaled(coat_load_f32(row, dtype, c), scale, reciprocal, mantissa_bits);
+        const uint8_t code = coat_quantize_e2m_scaled(coat_load_f32(row, dtype, c), reciprocal, mantissa_bits);
         if (mantissa_bits == 1u) {
           row_codes[c >> 1] |= (uint8_t)(code << (4 * (c & 1)));
         } else {

@@ -3,15 +3,14 @@
 // (norm_act.cu). The formats are E2M<M> with M = 1 (FP4) or 3 (FP6) mantissa bits (coat/minifloat.h); a chunk's
 // codes pack into 4 bytes (FP4) or 6 (FP6), element e at bit e * (M + 3).
 //
-// coat_quantize_e2m_scaled (coat/detail/quantize_math.h) compiled as written costs about 25 instructions per
-// element on sm_90: a per-element branch around the division's slow path, the clamp and NaN tests of the general
-// encoder, and constants rematerialized per element. In a block-scaled quantizer the quotients |x| / scale lie in
-// [0, E_MAX] (scale = amax / E_MAX), so the forms below encode them without those tests, behind one test of the
-// scale per chunk that sends every other chunk (a NaN or Inf value, whose block's scale is NaN or Inf; a scale below
-// 2^-80) through coat_quantize_e2m_scaled itself. tools/cuda_emulation checks each against the C core.
+// coat_quantize_e2m_scaled (coat/detail/quantize_math.h) encodes the exact product |x| * reciprocal in double; the
+// forms below do the same in float: each of its three rounded terms is one FMA of |x| and a power-of-two multiple of
+// the reciprocal into 2^23, exact where those multiples are (a scale in [2^-124, 2^124]) and the product below the
+// fast limit (always so in a block, whose scale is amax / E_MAX). One test of the scale per chunk sends every other
+// chunk (a NaN or Inf value, whose block's scale is NaN or Inf; a scale outside that range) through
+// coat_quantize_e2m_scaled itself. tools/cuda_emulation checks each against the C core.
 #pragma once
 
-#include <float.h>
 #include <stdint.h>
 
 #include "coat/detail/quantize_math.h"
@@ -57,21 +56,34 @@ __device__ __forceinline__ float e2m_scale_from_amax_bits(uint32_t amax_bits) {
   }
 }
 
-/** coat_e2m_magnitude_code of a quotient q in [0, kFastLimit), plus 2^23, as a float: min(rint(q 2^M),
- *  rint(q 2^(M-1)) + 2^M, rint(q 2^(M-2)) + 2^(M+1)), rint rounding to nearest even. Each term is the code where
- *  the grid's step is 2^-M (q < 2), 2^(1-M) ([2, 4)) or 2^(2-M) (from 4 on), an even integer being an even code,
- *  and the other two terms are never below it there. Each term is one FMA into 2^23 (+ 2^M, + 2^(M+1)), which
- *  rounds to an integer; the terms are positive, so their minimum is that of their bit patterns. Floating-point
- *  work, where an integer form kept the ALU pipe busy. */
+/** The magnitude code of coat_quantize_e2m_scaled plus 2^23, as a float's bits, for a product |x| * reciprocal below
+ *  kFastLimit, given steps = reciprocal * (2^M, 2^(M-1), 2^(M-2)), each exact: the least of the three terms, each
+ *  one FMA into 2^23 (+ 2^M, + 2^(M+1)), which rounds the exact product to an integer; the terms are positive, so
+ *  their minimum is that of their bit patterns. Floating-point work, where an integer form kept the ALU pipe busy. */
 constexpr uint32_t kE2mCodeBias = 0x4B000000u;  // the bits of 2^23
+struct E2mSteps {
+  float fine, unit, coarse;
+};
+
 template <int kMantissaBits>
-__device__ __forceinline__ uint32_t e2m_magnitude_code_biased(float q) {
+__device__ __forceinline__ E2mSteps e2m_steps(float reciprocal) {
   constexpr float kStep = static_cast<float>(1 << kMantissaBits);
-  const uint32_t fine = __float_as_uint(__fmaf_rn(q, kStep, 8388608.0f));
-  const uint32_t unit = __float_as_uint(__fmaf_rn(q, kStep / 2.0f, 8388608.0f + kStep));
-  const uint32_t coarse = __float_as_uint(__fmaf_rn(q, kStep / 4.0f, 8388608.0f + 2.0f * kStep));
+  return {reciprocal * kStep, reciprocal * (kStep / 2.0f), reciprocal * (kStep / 4.0f)};
+}
+
+template <int kMantissaBits>
+__device__ __forceinline__ uint32_t e2m_magnitude_code_biased(float magnitude, E2mSteps steps) {
+  constexpr float kStep = static_cast<float>(1 << kMantissaBits);
+  const uint32_t fine = __float_as_uint(__fmaf_rn(magnitude, steps.fine, 8388608.0f));
+  const uint32_t unit = __float_as_uint(__fmaf_rn(magnitude, steps.unit, 8388608.0f + kStep));
+  const uint32_t coarse = __float_as_uint(__fmaf_rn(magnitude, steps.coarse, 8388608.0f + 2.0f * kStep));
   return min(min(fine, unit), coarse);
 }
+
+/** 16^e, the weight of nibble e. Read from the constant bank, where ptxas cannot see the value, so that the packing
+ *  of FP4 codes is an IMAD (FMA pipe) with a constant operand rather than a LEA (ALU pipe, the FP4 forward's limit). */
+static __constant__ uint32_t kNibbleWeights[kE2mCodeChunk] = {1u, 1u << 4, 1u << 8, 1u << 12,
+                                                              1u << 16, 1u << 20, 1u << 24, 1u << 28};
 
 /** The sign bits of a chunk's 8 values at bit 4e + 3, FP4's nibbles: prmt gathers byte 3 of each value (the sign
  *  in its bit 7), the even elements' in one word and the odd ones' in another, so that byte j of the two holds the
@@ -94,36 +106,37 @@ struct PackedCodes {
   uint32_t hi;
 };
 
-/** The packed codes of coat_quantize_e2m_scaled(v[e], scale, 1 / scale, M) for the chunk's 8 values, where scale is
+/** Scales from which the fast encoder's steps are exact: reciprocal / 2 stays normal, reciprocal * 8 finite. */
+constexpr float kE2mFastScaleMin = 0x1p-124f, kE2mFastScaleMax = 0x1p124f;
+
+/** The packed codes of coat_quantize_e2m_scaled(v[e], reciprocal, M) for the chunk's 8 values, where scale is
  *  e2m_scale_from_amax_bits of an amax at least every |v[e]| (the block's, as the block quantizers take it) and
- *  reciprocal = 1 / scale rounded to nearest (garbage is fine when scale is not finite). A finite scale >= 2^-80
- *  then means every v[e] is finite and every quotient |v| / scale at most E_MAX (1 + 2^-23), below the fast limit:
- *  such a chunk takes quotient() and e2m_magnitude_code_biased(), the signs on top, with one test of the scale
- *  where a test of each quotient's size took as many instructions as the quotient; any other chunk (a NaN or Inf
- *  value, hence scale; a scale below 2^-80) is encoded by coat_quantize_e2m_scaled. */
+ *  reciprocal = 1 / scale rounded to nearest (garbage is fine when scale is not finite). A scale in the fast range
+ *  then means every v[e] is finite and every product |v| * reciprocal at most E_MAX (1 + 2^-22), below the fast
+ *  limit: such a chunk takes e2m_magnitude_code_biased(), the signs on top, with one test of the scale; any other
+ *  chunk (a NaN or Inf value, hence scale; a scale outside the range) is encoded by coat_quantize_e2m_scaled. */
 template <int kMantissaBits>
 __device__ __forceinline__ PackedCodes encode_e2m_chunk(const float v[kE2mCodeChunk], float scale, float reciprocal) {
   constexpr int kCodeBits = kMantissaBits + 3;
   uint32_t codes[kE2mCodeChunk];
-  if (scale >= COAT_MIN_FAST_DIVISION_SCALE && scale <= FLT_MAX) {
-    float q[kE2mCodeChunk];
-#pragma unroll
-    for (int e = 0; e < kE2mCodeChunk; ++e) q[e] = quotient(fabsf(v[e]), scale, reciprocal);
+  if (scale >= kE2mFastScaleMin && scale <= kE2mFastScaleMax) {
+    const E2mSteps steps = e2m_steps<kMantissaBits>(reciprocal);
     if constexpr (kMantissaBits == 1) {  // eight nibbles: the biases cancel mod 2^32 in one subtraction
       uint32_t word = 0;
 #pragma unroll
-      for (int e = 0; e < kE2mCodeChunk; ++e) word += e2m_magnitude_code_biased<1>(q[e]) << (4 * e);
+      for (int e = 0; e < kE2mCodeChunk; ++e)
+        word += e2m_magnitude_code_biased<1>(fabsf(v[e]), steps) * kNibbleWeights[e];
       return {(word - kE2mCodeBias * 0x11111111u) | e2m1_sign_bits(v), 0u};  // the 2^23 bits shifted out or cancelled
     } else {
 #pragma unroll
       for (int e = 0; e < kE2mCodeChunk; ++e)
-        codes[e] = e2m_magnitude_code_biased<kMantissaBits>(q[e]) - kE2mCodeBias +
+        codes[e] = e2m_magnitude_code_biased<kMantissaBits>(fabsf(v[e]), steps) - kE2mCodeBias +
                    ((__float_as_uint(v[e]) >> (31 - kMantissaBits - 2)) & (1u << (kMantissaBits + 2)));
     }
   } else {
     const float exact_reciprocal = 1.0f / scale;
 #pragma unroll
-    for (int e = 0; e < kE2mCodeChunk; ++e) codes[e] = coat_quantize_e2m_scaled(v[e], scale, exact_reciprocal, kMantissaBits);
+    for (int e = 0; e < kE2mCodeChunk; ++e) codes[e] = coat_quantize_e2m_scaled(v[e], exact_reciprocal, kMantissaBits);
   }
   PackedCodes packed{0u, 0u};
 #pragma unroll

@@ -483,25 +483,36 @@ void check_e2m_scale_from_amax(uint32_t step) {
          mismatches);
 }
 
-// e2m_magnitude_code_biased(q) - its bias == coat_e2m_magnitude_code(q) for every float q below the fast limit
-// (every `step`-th).
+// e2m_magnitude_code_biased(m, e2m_steps(r)) - its bias == the magnitude code of coat_quantize_e2m_scaled(m, r) for
+// every `step`-th float m whose product m * r is below the fast limit, r being the reciprocal of scales at both ends
+// of the fast range, of 1, 6 and 7.5, and of random scales in between.
 template <int kMantissaBits>
 void check_e2m_fast_code(uint32_t step) {
-  long mismatches = 0;
-  for (uint64_t bits = 0; bits < coat::device::E2m<kMantissaBits>::kFastLimitBits; bits += step)
-    if (coat::device::e2m_magnitude_code_biased<kMantissaBits>(u2f(static_cast<uint32_t>(bits))) -
-            coat::device::kE2mCodeBias !=
-        coat_e2m_magnitude_code(static_cast<uint32_t>(bits), kMantissaBits))
-      ++mismatches;
-  CHECK(mismatches == 0, "e2m_magnitude_code_biased<%d> != coat_e2m_magnitude_code on %ld floats", kMantissaBits,
-        mismatches);
-  printf("e2m_magnitude_code_biased<%d> checked on every %u-th float below its limit: %ld mismatches\n", kMantissaBits,
-         step, mismatches);
+  std::vector<float> scales = {0x1p-124f, 0x1p124f, 1.0f, 6.0f, 7.5f, 0x1.fffffep-3f, 0x1.000002p+40f};
+  for (int i = 0; i < 4; ++i) scales.push_back(ldexpf(static_cast<float>(1.0 + uniform()), static_cast<int>(rng() % 240) - 120));
+  const float limit = u2f(coat::device::E2m<kMantissaBits>::kFastLimitBits);
+  long mismatches = 0, checked = 0;
+  for (const float scale : scales) {
+    const float r = 1.0f / scale;
+    const coat::device::E2mSteps steps = coat::device::e2m_steps<kMantissaBits>(r);
+    for (uint64_t bits = 0; bits < 0x7F800000u; bits += step) {
+      const float m = u2f(static_cast<uint32_t>(bits));
+      if (static_cast<double>(m) * r >= limit) break;
+      ++checked;
+      if (coat::device::e2m_magnitude_code_biased<kMantissaBits>(m, steps) - coat::device::kE2mCodeBias !=
+          coat_quantize_e2m_scaled(m, r, kMantissaBits))
+        ++mismatches;
+    }
+  }
+  CHECK(mismatches == 0, "e2m_magnitude_code_biased<%d> != coat_quantize_e2m_scaled on %ld of %ld products", kMantissaBits,
+        mismatches, checked);
+  printf("e2m_magnitude_code_biased<%d> checked on every %u-th magnitude below the limit, %zu reciprocals (%ld "
+         "products): %ld mismatches\n", kMantissaBits, step, scales.size(), checked, mismatches);
 }
 
 // encode_e2m_chunk against coat_quantize_e2m_scaled on random blocks: scales from amax over the whole range (down
-// to 2^-126, below the fast path's 2^-80), values of either sign whose quotients cover [0, E_MAX] and below, grid
-// midpoints and their neighbours, and chunks holding a NaN, an Inf or a -0. The packed codes also go through
+// to 2^-126, below the fast path's 2^-124), values of either sign whose products with the reciprocal cover [0, E_MAX]
+// and below, grid midpoints and their neighbours, and chunks holding a NaN, an Inf or a -0. The packed codes also go through
 // store_e2m_chunk and load_e2m_chunk (vector and element by element) and back.
 template <int kMantissaBits>
 void check_e2m_chunk(long samples) {
@@ -524,7 +535,7 @@ void check_e2m_chunk(long samples) {
       switch ((r >> 1) % 4) {
         case 0: x = static_cast<float>(amax * uniform()); break;
         case 1: x = static_cast<float>(amax * ldexp(uniform(), -static_cast<int>((r >> 8) % 40))); break;
-        default: {  // a midpoint's quotient, moved by up to 2 ulps
+        default: {  // a midpoint's value, moved by up to 2 ulps
           const float q = nextafterf(midpoints[(r >> 8) % midpoints.size()], (r >> 16) & 1 ? INFINITY : 0.0f);
           x = fminf(q * scale, amax);
           if ((r >> 17) & 1) x = nextafterf(x, 0.0f);
@@ -539,7 +550,7 @@ void check_e2m_chunk(long samples) {
     const float s = coat_e2m_scale_from_amax_bits(amax_bits, kMantissaBits);
     const coat::device::PackedCodes packed = coat::device::encode_e2m_chunk<kMantissaBits>(v, s, 1.0f / s);
     for (int e = 0; e < 8; ++e)
-      if (coat::device::e2m_code_at<kMantissaBits>(packed, e) != coat_quantize_e2m_scaled(v[e], s, 1.0f / s, kMantissaBits))
+      if (coat::device::e2m_code_at<kMantissaBits>(packed, e) != coat_quantize_e2m_scaled(v[e], 1.0f / s, kMantissaBits))
         ++mismatches;
     // a chunk of `count` codes stores its bytes and loads its codes back, vector-wise when whole
     const int count = 1 + static_cast<int>(rng() % 8);

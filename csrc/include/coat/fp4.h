@@ -7,7 +7,7 @@
  * so the magnitudes of codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6. There is no Inf and no NaN.
  *
  * Encode: round to nearest, ties to the even code; magnitudes past 6, +-Inf included, saturate to +-6;
- * a NaN encodes to a zero of the NaN's sign (the quantizers of quantize.h meet a NaN quotient only in
+ * a NaN encodes to a zero of the NaN's sign (the quantizers of quantize.h meet a NaN product only in
  * blocks whose scale is NaN or Inf, which decode to NaN whatever the code). The sign of zero is kept.
  * Decode is exact. Every E2M1 value is an E4M3 value too; coat_e2m1_to_e4m3 gives its code.
  *

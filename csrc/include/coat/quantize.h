@@ -104,20 +104,21 @@ coat_status coat_dequantize_cuda(const uint8_t* q, coat_fp8_format format, int64
  * codes of a byte (or of a three-byte word) always share a block. codes is rows x row_bytes bytes, scales rows x
  * nblocks fp32, both contiguous.
  *
- * Scales are fp32 and quantization divides by exactly the stored scale, as for FP8:
+ * Scales are fp32; quantization multiplies by the scale's fp32 reciprocal and rounds the exact product once:
  *     amax  = max |x| over the block
  *     scale = NaN                            if the block holds a NaN
  *             max(amax / E_MAX, 2^-126)      otherwise (Inf when the block holds +-Inf)
- *     code  = encode(x / scale)              (fp32 division, then coat_f32_to_e2m1 / coat_f32_to_e2m3)
+ *     code  = encode(x * r), r = 1 / scale   (r in fp32; x * r exact, rounded once to the grid:
+ *                                            coat_quantize_e2m_scaled, the rules of coat_f32_to_e2m1 / _e2m3)
  *     x'    = decode(code) * scale           (fp32 product, then rounded to the output dtype)
  * All-zero and tiny blocks: the 2^-126 floor keeps them finite; they quantize to (signed) zeros, or to the
  * values nearest x * 2^126, and dequantize without NaN.
  * NaN: neither format has a NaN, so a NaN makes its whole block's scale NaN and every element of that block
  * dequantizes to NaN; a NaN is never silently lost (the FP8 rule keeps the rest of the group, these cannot).
- * Inf: the block's scale is Inf, as in the FP8 rule. Its finite elements encode +-0 (x / Inf) and its
- * infinities +-0 too (Inf / Inf is NaN, which encodes to zero), so every element dequantizes to
+ * Inf: the block's scale is Inf, as in the FP8 rule, and r = 0. Its finite elements encode +-0 (x * 0) and its
+ * infinities +-0 too (Inf * 0 is NaN, which encodes to zero), so every element dequantizes to
  * 0 * Inf = NaN: the whole block reads NaN instead of silently clipping the overflow.
- * The code of a NaN quotient takes the sign of x, so that CPU and CUDA agree (see coat_quantize_scaled).
+ * The code of a NaN product takes the sign of x, so that CPU and CUDA agree.
  *
  * Expansion to E4M3 for the FP8 backward kernels: every E2M1 and E2M3 value is exactly an E4M3 value, so
  *     q[r*cols + c] = e4m3_encode(decode(code[r, c])) = coat_e2m1_to_e4m3 / coat_e2m3_to_e4m3 (code[r, c])

@@ -108,14 +108,25 @@ COAT_INLINE float coat_e2m_scale_from_amax_bits(uint32_t amax_bits, uint32_t man
   return scale < COAT_MIN_SCALE ? COAT_MIN_SCALE : scale;
 }
 
-/* The E2M<M> code of x / scale, the quotient signed as in coat_quantize_scaled: x's sign bit (bit M + 2), and the
- * code of |x| / scale (the division is symmetric in the sign; a NaN quotient encodes to 0). coat_divide_by_scale's
- * CUDA fast path is exact here too: the quotients it may round differently are below 2^-20, which both formats
- * encode as zero (everything up to 2^-(M+1) is). */
-COAT_INLINE uint8_t coat_quantize_e2m_scaled(float x, float scale, float reciprocal, uint32_t mantissa_bits) {
-  const uint32_t quotient = coat_f32_to_bits(coat_divide_by_scale(fabsf(x), scale, reciprocal));
+/* The E2M<M> code of x * reciprocal, reciprocal = 1 / scale rounded to nearest (once per block): x's sign bit (bit
+ * M + 2) and the code of the exact product |x| * reciprocal (two 24-bit significands, exact in double), rounded to
+ * nearest even on the format's grid. The grid's step is 2^-M below 2, 2^(1-M) in [2, 4) and 2^(2-M) from 4 on, so
+ * the code is the least of rint(p 2^M), rint(p 2^(M-1)) + 2^M and rint(p 2^(M-2)) + 2^(M+1) (each term is the code
+ * where its step is the grid's, an even integer an even code, and the other two are never below it there),
+ * saturating at the largest code from p = 8 on. A NaN product (a NaN x or scale; Inf x * 0, the reciprocal of an
+ * Inf scale) encodes to 0. A product rather than the rounded quotient x / scale: one rounding instead of two, and
+ * the GPU's encoder is then three FMAs a value (csrc/cuda/e2m_chunk.cuh). */
+COAT_INLINE uint8_t coat_quantize_e2m_scaled(float x, float reciprocal, uint32_t mantissa_bits) {
+  const double product = (double)fabsf(x) * (double)reciprocal;
   const uint32_t sign = (coat_f32_to_bits(x) >> 31) << (mantissa_bits + 2u);
-  return (uint8_t)(sign | coat_e2m_magnitude_code(quotient, mantissa_bits));
+  if (product != product) return (uint8_t)sign;
+  const double p = product < 8.0 ? product : 8.0;
+  const double step = (double)(1u << mantissa_bits);
+  const double fine = rint(p * step), unit = rint(p * (step / 2.0)) + step, coarse = rint(p * (step / 4.0)) + 2.0 * step;
+  const double least = fine < unit ? (fine < coarse ? fine : coarse) : (unit < coarse ? unit : coarse);
+  const uint32_t largest = (4u << mantissa_bits) - 1u;
+  const uint32_t code = (uint32_t)least;
+  return (uint8_t)(sign | (code < largest ? code : largest));
 }
 
 COAT_INLINE int coat_is_valid_group_size(int64_t group_size) {
