@@ -158,7 +158,7 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
     # matrix everywhere
     for snippet in ("for (int k = 0; k < kChunksPerLane; ++k) {", "if (k * a.lanes >= chunks) break;",
                     "if (count == 0) continue;", "if (count == 0) return {0u, 0u};", "if (count > 0) {",
-                    "if (count > 0)"):
+                    "if (count > 0)", "if (unit_col < a.cols) {"):
         rules.update({key(line): into(line) for line in every(snippet)})
     group_amax = Source(os.path.join(ROOT, "csrc", "cuda", "group_amax.cuh"))
     requantize = "requantize" in kernel
@@ -178,7 +178,11 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         group_amax.key("for (int mask = lanes >> 1; mask > 0; mask >>= 1)"):
             "fallthrough" if kernel.startswith("rmsnorm") else "taken",
         # bf16 gates in the silu table's range
-        cu.key("if (in_range) {"): into(cu.find("if (in_range) {")),
+        cu.key("if (((d[0] | d[1] | d[2] | d[3]) & 0x70007000u) == 0) {"):
+            into(cu.find("if (((d[0] | d[1] | d[2] | d[3]) & 0x70007000u) == 0) {")),
+        # no Smooth-SwiGLU scales (silu_mul_stats tests for them per chunk)
+        cu.key("if (a.smooth_scale == nullptr) {"):
+            to(cu, "for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, silu[e] * up[c][e]);"),
         # E4M3 y
         cu.key("codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"):
             to(cu, "codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"),
@@ -293,6 +297,14 @@ def main():
     functions = parse(listing)
     cu = Source(KERNEL)
     headers = {name: Source(path) for name, path in HEADERS.items()}
+    # nvcc's line table names a header for some lines of norm_act.cu (seen: e2m_chunk.cuh at lines past its end,
+    # where the compiler moved the silu table's range test into the code of save_chunks): such a line is the .cu's.
+    lengths = {name: len(open(os.path.join(folder, name)).read().split("\n"))
+               for folder, _, names in os.walk(os.path.join(ROOT, "csrc")) for name in names}
+    for function in functions.values():
+        for instruction in function:
+            instruction["chain"] = [(cu.name, line) if file != cu.name and line > lengths.get(file, line) else
+                                    (file, line) for file, line in instruction["chain"]]
     for name, loop in KERNELS.items():
         mangled = next(k for k in functions if all(f in k for f in loop.fragments))
         cold, rules = rules_for(cu, headers, name)

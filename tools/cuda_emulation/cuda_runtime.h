@@ -138,6 +138,27 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned sel) {
   return r;
 }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
+// max(min(a + b, c), 0) of each 16-bit half, signed, the sum wrapping (VIADDMNMX.S16x2 on sm_90)
+inline unsigned __viaddmin_s16x2_relu(unsigned a, unsigned b, unsigned c) {
+  unsigned r = 0;
+  for (int half = 0; half < 2; ++half) {
+    const unsigned shift = 16 * half;
+    const int16_t sum = (int16_t)(uint16_t)(((a >> shift) + (b >> shift)) & 0xFFFFu);
+    const int16_t bound = (int16_t)(uint16_t)(c >> shift);
+    const int16_t v = sum < bound ? sum : bound;
+    r |= (unsigned)(uint16_t)(v > 0 ? v : 0) << shift;
+  }
+  return r;
+}
+// max(a, b, c) of each 16-bit half, unsigned (VIMNMX3.U16x2 on sm_90)
+inline unsigned __vimax3_u16x2(unsigned a, unsigned b, unsigned c) {
+  unsigned r = 0;
+  for (int half = 0; half < 2; ++half) {
+    const unsigned shift = 16 * half, x = (a >> shift) & 0xFFFFu, y = (b >> shift) & 0xFFFFu, z = (c >> shift) & 0xFFFFu;
+    r |= (x > y ? (x > z ? x : z) : (y > z ? y : z)) << shift;
+  }
+  return r;
+}
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }

@@ -433,6 +433,50 @@ void check_decoded_gate_silu() {
   printf("decoded-gate silu checked on every bf16 gate: %ld mismatches\n", total);
 }
 
+// The silu of bf16 gates read from the forward's table (SiluOfGates<VectorIo<bf16>>, offsets taken two gates a word)
+// == coat_silu(g, coat_sigmoid(g)), NaN as NaN, for every bf16 gate: in chunks of 8 alike, and beside a gate in the
+// table's range and one below it in either half of a word (a low half below the range borrows from the high one).
+void check_bf16_gate_silu() {
+  using Gates = SiluOfGates<VectorIo<COAT_BFLOAT16>>;
+  static Gates::Table table;
+  constexpr unsigned kThreads = 256;
+  constexpr uint16_t kPartners[] = {0x3F80u, 0xC0A0u, 0x0001u, 0x3380u, 0x437Fu};  // 1, -5, below, the two ends
+  std::vector<long> mismatches(kThreads, 0);
+  std::vector<uint32_t> first_mismatch(kThreads, 0);
+  emu_launch(dim3(1), dim3(kThreads), 0, [&] {
+    Gates::fill(table);
+    const unsigned t = threadIdx.x;
+    for (uint32_t v = t; v < 0x10000u; v += kThreads) {
+      for (int layout = 0; layout < 1 + 2 * static_cast<int>(sizeof(kPartners) / sizeof(kPartners[0])); ++layout) {
+        uint16_t bits[kChunk];
+        for (int e = 0; e < kChunk; ++e) {
+          const uint16_t partner = layout == 0 ? static_cast<uint16_t>(v) : kPartners[(layout - 1) / 2];
+          bits[e] = e % 2 == (layout + 1) % 2 ? static_cast<uint16_t>(v) : partner;
+        }
+        VectorIo<COAT_BFLOAT16>::Raw raw{};
+        float g[kChunk], silu[kChunk];
+        uint32_t words[kChunk / 2];
+        for (int i = 0; i < kChunk / 2; ++i) words[i] = bits[2 * i] | static_cast<uint32_t>(bits[2 * i + 1]) << 16;
+        raw.words[0] = make_uint4(words[0], words[1], words[2], words[3]);
+        for (int e = 0; e < kChunk; ++e) g[e] = coat_bf16_to_f32(bits[e]);
+        Gates::chunk(table, raw, g, silu);
+        for (int e = 0; e < kChunk; ++e) {
+          const float want = coat_silu(g[e], coat_sigmoid(g[e]));
+          if (f2u(silu[e]) != f2u(want) && !(silu[e] != silu[e] && want != want) && mismatches[t]++ == 0)
+            first_mismatch[t] = bits[e];
+        }
+      }
+    }
+  });
+  long total = 0;
+  for (unsigned t = 0; t < kThreads; ++t) {
+    total += mismatches[t];
+    if (mismatches[t]) printf("  bf16-gate silu differs at bf16 0x%04x\n", first_mismatch[t]);
+  }
+  CHECK(total == 0, "SiluOfGates<VectorIo<bf16>> != coat_silu on %ld gates", total);
+  printf("bf16-gate silu (table by words) checked on every bf16 gate: %ld mismatches\n", total);
+}
+
 // scale_from_amax<format>(amax) == coat_scale_from_amax(amax, format) for every float amax in [0, Inf] (every
 // `step`-th), in both formats.
 void check_scale_from_amax(uint32_t step) {
@@ -592,6 +636,7 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
   check_sigmoid_near(full ? 1u : 4099u);
   check_decoded_gate_silu();
+  check_bf16_gate_silu();
   check_quotient(full ? 100000000L : 2000000L);
   check_scale_from_amax(full ? 1u : 997u);
   check_e2m_scale_from_amax<1>(full ? 1u : 997u);
