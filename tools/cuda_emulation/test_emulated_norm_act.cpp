@@ -402,6 +402,16 @@ void check_sigmoid_near(uint32_t step) {
   printf("sigmoid_near checked on every %u-th float >= -80: %ld mismatches\n", step, total);
 }
 
+// The sum of a check's per-thread mismatch counts over bf16 gates; prints each thread's first mismatching gate.
+long gate_mismatches(const std::vector<long>& mismatches, const std::vector<uint32_t>& first_mismatch, const char* what) {
+  long total = 0;
+  for (size_t t = 0; t < mismatches.size(); ++t) {
+    total += mismatches[t];
+    if (mismatches[t]) printf("  %s differs at bf16 0x%04x\n", what, first_mismatch[t]);
+  }
+  return total;
+}
+
 // The silu the FP4 and FP6 requantize ops take of every bf16 gate (SiluOfDecodedGates<true>: its sigmoid table filled
 // by a block, every gate looked up with the range clamped) == coat_silu(g, coat_sigmoid(g)), NaN as NaN.
 void check_decoded_gate_silu() {
@@ -424,11 +434,7 @@ void check_decoded_gate_silu() {
       }
     }
   });
-  long total = 0;
-  for (unsigned t = 0; t < kThreads; ++t) {
-    total += mismatches[t];
-    if (mismatches[t]) printf("  decoded-gate silu differs at bf16 0x%04x\n", first_mismatch[t]);
-  }
+  const long total = gate_mismatches(mismatches, first_mismatch, "decoded-gate silu");
   CHECK(total == 0, "SiluOfDecodedGates<true> != coat_silu on %ld bf16 gates", total);
   printf("decoded-gate silu checked on every bf16 gate: %ld mismatches\n", total);
 }
@@ -468,11 +474,7 @@ void check_bf16_gate_silu() {
       }
     }
   });
-  long total = 0;
-  for (unsigned t = 0; t < kThreads; ++t) {
-    total += mismatches[t];
-    if (mismatches[t]) printf("  bf16-gate silu differs at bf16 0x%04x\n", first_mismatch[t]);
-  }
+  const long total = gate_mismatches(mismatches, first_mismatch, "bf16-gate silu");
   CHECK(total == 0, "SiluOfGates<VectorIo<bf16>> != coat_silu on %ld gates", total);
   printf("bf16-gate silu (table by words) checked on every bf16 gate: %ld mismatches\n", total);
 }
