@@ -229,8 +229,9 @@ def test_rmsnorm_forward_without_transpose(device):
 # Widths with whole chunks, a short chunk (1000 % 16 == 8), rows that end inside a packed byte (FP4: the odd widths 7
 # and 13) or inside a packed three-byte word (FP6: 13, 50 and 7 leave 1, 2 and 3 codes in the last word), one
 # narrower than a chunk; group sizes 16 to 128.
+# G = 64 and 128 with rows cut inside a group: SiLU*mul's backward shares FP4 gates' factors across those groups
 BLOCK_SAVE_CASES = [((97, 2048), 16), ((33, 1000), 128), ((5, 100), 16), ((3, 7), 16), ((4097, 176), 32),
-                    ((9, 50), 32), ((4, 13), 16)]
+                    ((9, 50), 32), ((4, 13), 16), ((9, 300), 128), ((6, 1100), 64)]
 
 
 @pytest.mark.parametrize("shape, group_size", BLOCK_SAVE_CASES, ids=str)

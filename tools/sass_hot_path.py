@@ -170,9 +170,11 @@ def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str,
     return cold, rules
 
 
-def walk(ins: list[dict], cold: set[str], rules: dict[str, str], loop_line: str, header_line: str):
+def walk(ins: list[dict], cold: set[str], rules: dict[str, str], loop_line: str, header_line: str,
+         within: str | None = None):
     """The hot path of one iteration of the loop whose back-edge comes from source line loop_line and whose
-    body holds header_line (both "file:line"): every instruction from the loop's head to its back-edge,
+    body holds header_line (both "file:line"), in the copy of it inlined at `within` when the code holds several:
+    every instruction from the loop's head to its back-edge,
     conditional branches decided by `rules` (source line -> "taken", "fallthrough", "to:LINE|LINE" toward
     the nearer of those lines, "into:LINE|LINE" toward more instructions from those lines (of the next 60, up to the
     branch's own line),
@@ -265,7 +267,8 @@ def walk(ins: list[dict], cold: set[str], rules: dict[str, str], loop_line: str,
     # (the widest such loop)
     backedge = header = None
     for k, i in enumerate(ins):
-        if opcode(i["text"]) == "BRA" and i["text"].startswith("@") and loop_line in chain(i):
+        if opcode(i["text"]) == "BRA" and i["text"].startswith("@") and loop_line in chain(i) and (
+                within is None or within in chain(i)):
             target = label_at[TARGET.search(i["text"]).group(1)]
             if target < k and (header is None or target < header) and any(
                     header_line in chain(ins[q]) for q in range(target, k)):

@@ -5,8 +5,9 @@ each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its ma
 tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks,
 finite values, gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its
 transpose (the requantize ops: vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each),
-inputs saved in E4M3; the *_fp4 and *_fp6 rows: the kernels instantiated for inputs saved in FP4 or FP6 (the
-forward ones on the fast encoder's path). Counts are dynamic for that path (each executed SASS instruction once,
+inputs saved in E4M3, no Smooth-SwiGLU scales; the *_fp4 and *_fp6 rows: the kernels instantiated for inputs
+saved in FP4 or FP6 (the forward ones on the fast encoder's path); silu_mul_backward_smooth: with Smooth-SwiGLU
+scales; silu_mul_backward_fp4_g128: FP4 in groups of 128, the gates' factors shared by shuffle. Counts are dynamic for that path (each executed SASS instruction once,
 branches and barriers included), divided by the elements a lane handles per iteration. Also prints each kernel's
 registers, and the blocks per SM they allow.
 
@@ -46,6 +47,7 @@ class Loop(typing.NamedTuple):
     statement: str  # the loop statement
     body: str  # a statement of its body (the prefetch)
     elements: int  # per lane and iteration
+    copy: str | None = None  # the statement where the copy walked is inlined, when the kernel holds several
 
 
 APPLY_LOOP = ("for (int parity = 0; row_tile < row_tiles;",
@@ -56,6 +58,8 @@ STATS_LOOP = ("for (int64_t group = blockIdx.x; group < a.row_groups;",
               "if (group + gridDim.x < a.row_groups) next = load_row(group + gridDim.x);", 32)
 SILU_LOOP = ("for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {",
              "if (row + at.row_step < a.rows) next = load_row(row + at.row_step);", 16)
+# silu_mul_backward_kernel's copies of its loop over rows: without Smooth-SwiGLU scales, and with them
+NO_SMOOTH, SMOOTH = "if (a.smooth_scale == nullptr) all_rows(std::false_type{});", "else all_rows(std::true_type{});"
 KERNELS = {
     "rmsnorm_stats": Loop(["rmsnorm_stats_kernelILi256E", BF16 + "EEL17coat_saved_format0E"], "rmsnorm_stats_kernel(",
                           *STATS_LOOP),
@@ -68,8 +72,13 @@ KERNELS = {
     "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16 + "EEL17coat_saved_format0E"], "silu_mul_stats_kernel(",
                            *SILU_LOOP),
     "silu_mul_apply": Loop(["apply_quantize_kernelINS_12SiluMulApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
-    "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format0E"], "silu_mul_backward_kernel(",
-                              *SILU_LOOP),
+    "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format0ELi0E"],
+                              "silu_mul_backward_kernel(", *SILU_LOOP, NO_SMOOTH),
+    "silu_mul_backward_smooth": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format0ELi0E"],
+                                     "silu_mul_backward_kernel(", *SILU_LOOP, SMOOTH),
+    # FP4 gates in groups of 128: their factors computed once per code and shuffled (GateFactorsOfCodes)
+    "silu_mul_backward_fp4_g128": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format1ELi16E"],
+                                       "silu_mul_backward_kernel(", *SILU_LOOP, NO_SMOOTH),
     # the requantize ops: the second pass on the FP8-saved inputs (vector codes), y_t only
     "rmsnorm_requantize": Loop(["apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1EL17coat_saved_format0E"],
                                "apply_quantize_kernel(", *APPLY_LOOP),
@@ -82,8 +91,9 @@ for _name, _format in (("fp4", 1), ("fp6", 2)):
                                              "rmsnorm_stats_kernel(", *STATS_LOOP)
     KERNELS[f"silu_mul_stats_{_name}"] = Loop(["silu_mul_stats_kernel", BF16 + f"EEL17coat_saved_format{_format}E"],
                                               "silu_mul_stats_kernel(", *SILU_LOOP)
-    KERNELS[f"silu_mul_backward_{_name}"] = Loop(["silu_mul_backward_kernel", BF16 + f"EEL17coat_saved_format{_format}E"],
-                                                 "silu_mul_backward_kernel(", *SILU_LOOP)
+    KERNELS[f"silu_mul_backward_{_name}"] = Loop(
+        ["silu_mul_backward_kernel", BF16 + f"EEL17coat_saved_format{_format}ELi0E"], "silu_mul_backward_kernel(",
+        *SILU_LOOP, NO_SMOOTH)
     KERNELS[f"rmsnorm_requantize_{_name}"] = Loop(
         [f"apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1EL17coat_saved_format{_format}E"],
         "apply_quantize_kernel(", *APPLY_LOOP)
@@ -158,7 +168,7 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
     # matrix everywhere
     for snippet in ("for (int k = 0; k < kChunksPerLane; ++k) {", "if (k * a.lanes >= chunks) break;",
                     "if (count == 0) continue;", "if (count == 0) return {0u, 0u};", "if (count > 0) {",
-                    "if (count > 0)", "if (unit_col < a.cols) {"):
+                    "if (count > 0)", "if (unit_col < a.cols) {", "if (at.warp_chunk_col(c) >= a.cols) continue;"):
         rules.update({key(line): into(line) for line in every(snippet)})
     group_amax = Source(os.path.join(ROOT, "csrc", "cuda", "group_amax.cuh"))
     requantize = "requantize" in kernel
@@ -183,6 +193,9 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
         # no Smooth-SwiGLU scales (silu_mul_stats tests for them per chunk)
         cu.key("if (a.smooth_scale == nullptr) {"):
             to(cu, "for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, silu[e] * up[c][e]);"),
+        # a code's gate >= -80
+        cu.key("const float s = gate >= -80.0f ? sigmoid_near(gate) : coat_sigmoid(gate);"):
+            to(cu, "const float p = coat_exp_reduced(fmaxf(-g, -80.0f), &n);"),
         # E4M3 y
         cu.key("codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"):
             to(cu, "codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"),
@@ -309,14 +322,18 @@ def main():
         mangled = next(k for k in functions if all(f in k for f in loop.fragments))
         cold, rules = rules_for(cu, headers, name)
         definition = cu.find(loop.definition)
-        path = walk(functions[mangled], cold, rules, cu.key(loop.statement, definition), cu.key(loop.body, definition))
+        within = cu.key(loop.copy, definition) if loop.copy else None
+        path = walk(functions[mangled], cold, rules, cu.key(loop.statement, definition), cu.key(loop.body, definition),
+                    within)
         ops = collections.Counter(opcode(i["text"]).split(".")[0] for i in path)
         print(f"{name:18s} {len(path) / loop.elements:6.1f} instructions per element ({len(path)} per lane and "
               f"iteration of {loop.elements}), {regs[mangled]} registers: {blocks_per_sm(regs[mangled])} blocks of "
               f"{BLOCK_THREADS} per SM")
         print("    " + " ".join(f"{o}:{n}" for o, n in ops.most_common()))
         if args.by_line == name:
-            by_line = collections.Counter(next((l for f, l in reversed(i["chain"]) if f == cu.name), 0) for i in path)
+            # an instruction's statement of the kernel: its outermost line of the .cu, the copy's call aside
+            by_line = collections.Counter(next((l for f, l in reversed(i["chain"]) if f == cu.name and
+                                                f"{f}:{l}" != within), 0) for i in path)
             for line, n in sorted(by_line.items()):
                 print(f"{n:6d}  {line:4d}  {cu.lines[line - 1].strip()[:90] if line else ''}")
 

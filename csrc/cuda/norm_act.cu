@@ -21,7 +21,8 @@
 //                            gradient when there is one), and one partial dweight row per slice
 //   dweight_finish_kernel    the slices' partial dweight rows summed in the documented order
 //   silu_mul_backward_kernel persistent, on silu_mul_stats_kernel's segments with each lane's two chunks 256
-//                            columns apart: dgate, dup and their joint amax
+//                            columns apart: dgate, dup and their joint amax; with FP4 gates in groups of 64 or
+//                            128, each gate's sigmoid is computed once per code of its group and shuffled
 // The kernels that read saved inputs take them in any saved format (SavedCodes): FP4 and FP6 codes are loaded
 // packed and expanded to their E4M3 codes where they are decoded, so that the next row or tile stays in flight.
 //
@@ -1145,7 +1146,8 @@ struct SegmentLane {
   // silu_mul_backward_kernel: the first of chunk c's 8 columns. A warp's chunk c covers 256 contiguous columns,
   // so that each store of dgate or dup (16 bytes a lane in bf16) writes 512 contiguous bytes, whole sectors;
   // with 16 consecutive columns a lane, each store instruction wrote alternate 16-byte runs.
-  __device__ int chunk_col(int c) const { return segment_col + c * (kSegmentCols / kUnitChunks) + lane * kChunk; }
+  __device__ int chunk_col(int c) const { return warp_chunk_col(c) + lane * kChunk; }
+  __device__ int warp_chunk_col(int c) const { return segment_col + c * (kSegmentCols / kUnitChunks); }
 };
 
 __device__ __forceinline__ SegmentLane segment_lane(int segments, int strands) {
@@ -1512,9 +1514,61 @@ struct SiluMulBackwardInputs {
   float gate_scale[kUnitChunks], up_scale[kUnitChunks];
 };
 
+// silu and dsilu (coat_silu_grad_factors) of a chunk's saved gates, each gate decoded and its sigmoid computed
+// (about 28 instructions, the larger part of the kernel's work).
+template <coat_saved_format kFormat>
+struct GateFactorsOfElements {
+  __device__ __forceinline__ static void chunk(Codes codes, float scale, float silu[kChunk], float dsilu[kChunk]) {
+    float gate[kChunk], s[kChunk];
+    decode_saved(SavedCodes::e4m3_as<kFormat>(codes), scale, gate);
+    sigmoid_chunk(gate, s);
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) coat_silu_grad_factors(gate[e], s[e], &silu[e], &dsilu[e]);
+  }
+};
+
+// The same for FP4 gates saved in groups of G >= 64 columns, which kGroupLanes = G / 8 consecutive lanes of a warp's
+// chunk share: a group's gates take only its 16 codes' values, so each lane computes the factors of
+// 16 / kGroupLanes of them (code (lane % kGroupLanes) + kGroupLanes * i as entry i) and every element reads its
+// code's from the lane holding them, by shuffle: one sigmoid a lane where there were eight. The same arithmetic
+// on the same gate values, so the same bits. Every lane of the warp takes part, those past the row too.
+template <int kGroupLanes>
+struct GateFactorsOfCodes {
+  static_assert(kGroupLanes == 8 || kGroupLanes == 16, "a group of 64 or 128 columns");
+  static constexpr int kCodesPerLane = 16 / kGroupLanes;
+
+  // codes: the chunk's FP4 codes as loaded (element e in nibble e); scale: the lane's group's.
+  __device__ __forceinline__ static void chunk(uint32_t codes, float scale, float silu[kChunk], float dsilu[kChunk]) {
+    const int lane = threadIdx.x % kWarpSize;
+    float own_silu[kCodesPerLane], own_dsilu[kCodesPerLane];
+#pragma unroll
+    for (int i = 0; i < kCodesPerLane; ++i) {
+      const float gate = coat_e2m1_to_f32(static_cast<uint8_t>(lane % kGroupLanes + kGroupLanes * i)) * scale;
+      const float s = gate >= -80.0f ? sigmoid_near(gate) : coat_sigmoid(gate);
+      coat_silu_grad_factors(gate, s, &own_silu[i], &own_dsilu[i]);
+    }
+#pragma unroll
+    for (int e = 0; e < kChunk; ++e) {
+      // The shuffle reads the lane within the group from the low log2(kGroupLanes) bits of its source operand.
+      const int code = static_cast<int>(codes >> (4 * e));
+      float from_silu[kCodesPerLane], from_dsilu[kCodesPerLane];
+#pragma unroll
+      for (int i = 0; i < kCodesPerLane; ++i) {
+        from_silu[i] = __shfl_sync(kFullMask, own_silu[i], code, kGroupLanes);
+        from_dsilu[i] = __shfl_sync(kFullMask, own_dsilu[i], code, kGroupLanes);
+      }
+      const bool second_entry = kCodesPerLane == 2 && (code & 0x8) != 0;  // G = 64: the negative codes
+      silu[e] = second_entry ? from_silu[kCodesPerLane - 1] : from_silu[0];
+      dsilu[e] = second_entry ? from_dsilu[kCodesPerLane - 1] : from_dsilu[0];
+    }
+  }
+};
+
 // kFormat: the saved format, a compile-time constant so that each format's kernel holds only its own decoding.
-template <class Io, coat_saved_format kFormat>
+// kGroupLanes: 0, or the lanes of a save group when the gate's factors come from GateFactorsOfCodes.
+template <class Io, coat_saved_format kFormat, int kGroupLanes>
 __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(SiluMulBackwardArgs a) {
+  static_assert(kGroupLanes == 0 || kFormat == COAT_SAVED_FP4, "the codes' factors are shared in FP4 only");
   const Io io{a.dy_dtype};
   const SegmentLane at = segment_lane(a.segments, a.strands);
   const int ngroups = ((a.cols - 1) >> a.group_shift) + 1;
@@ -1524,40 +1578,55 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
 #pragma unroll
     for (int c = 0; c < kUnitChunks; ++c) {
       const int col = at.chunk_col(c), count = chunk_count(col, a.cols);
+      const int group = col >> a.group_shift;  // a lane past the row may share a group with lanes in it
       in.dy[c] = io.load(dy_row, col, count);
       in.gate[c] = a.gate_saved.load_as<kFormat>(row, col, count, Io::kVector);
       in.up[c] = a.up_saved.load_as<kFormat>(row, col, count, Io::kVector);
-      in.gate_scale[c] = count > 0 ? a.gate_scales[row * ngroups + (col >> a.group_shift)] : 0.0f;
-      in.up_scale[c] = count > 0 ? a.up_scales[row * ngroups + (col >> a.group_shift)] : 0.0f;
+      in.gate_scale[c] = group < ngroups ? a.gate_scales[row * ngroups + group] : 0.0f;
+      in.up_scale[c] = count > 0 ? a.up_scales[row * ngroups + group] : 0.0f;
     }
     return in;
   };
 
   float amax = 0.0f;  // of the unrounded gradients: rounded once, after the warp's reduction
-  SiluMulBackwardInputs<Io> next;
-  if (at.first_row < a.rows) next = load_row(at.first_row);
-  for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {
-    const SiluMulBackwardInputs<Io> current = next;
-    if (row + at.row_step < a.rows) next = load_row(row + at.row_step);
+  // The loop over rows with and without Smooth-SwiGLU scales (without them smooth = 1, and the exact product by it
+  // is left out): a test inside the loop was predication, which issues both sides. Both in one kernel: as kernels
+  // of their own (fewer registers without the scales), the default one measured up to 10% slower on an H200.
+  const auto all_rows = [&](auto smooth_scales) {
+    constexpr bool kSmooth = decltype(smooth_scales)::value;
+    SiluMulBackwardInputs<Io> next;
+    if (at.first_row < a.rows) next = load_row(at.first_row);
+    for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {
+      const SiluMulBackwardInputs<Io> current = next;
+      if (row + at.row_step < a.rows) next = load_row(row + at.row_step);
 #pragma unroll
-    for (int c = 0; c < kUnitChunks; ++c) {
-      const int col = at.chunk_col(c), count = chunk_count(col, a.cols);
-      if (count == 0) continue;
-      float dy[kChunk], gate[kChunk], up[kChunk], s[kChunk], smooth[kChunk], dgate[kChunk], dup[kChunk];
-      io.unpack(current.dy[c], dy);
-      decode_saved(SavedCodes::e4m3_as<kFormat>(current.gate[c]), current.gate_scale[c], gate);
-      decode_saved(SavedCodes::e4m3_as<kFormat>(current.up[c]), current.up_scale[c], up);
-      sigmoid_chunk(gate, s);
-      load_smooth(a.smooth_scale, col, count, Io::kVector, smooth);
+      for (int c = 0; c < kUnitChunks; ++c) {
+        if (at.warp_chunk_col(c) >= a.cols) continue;  // the whole warp's chunk is past the row
+        const int col = at.chunk_col(c), count = chunk_count(col, a.cols);
+        float silu[kChunk], dsilu[kChunk];
+        if constexpr (kGroupLanes > 0)
+          GateFactorsOfCodes<kGroupLanes>::chunk(current.gate[c].lo, current.gate_scale[c], silu, dsilu);
+        if (count == 0) continue;
+        if constexpr (kGroupLanes == 0)
+          GateFactorsOfElements<kFormat>::chunk(current.gate[c], current.gate_scale[c], silu, dsilu);
+        float dy[kChunk], up[kChunk], smooth[kChunk], dgate[kChunk], dup[kChunk];
+        io.unpack(current.dy[c], dy);
+        decode_saved(SavedCodes::e4m3_as<kFormat>(current.up[c]), current.up_scale[c], up);
+        if constexpr (kSmooth) load_chunk(a.smooth_scale, COAT_FLOAT32, col, count, Io::kVector, smooth);
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) coat_silu_mul_grads(dy[e], gate[e], s[e], up[e], smooth[e], &dgate[e], &dup[e]);
-      io.store(row_at(a.dgate, io.element_size(), row, a.cols), col, count, dgate);
-      io.store(row_at(a.dup, io.element_size(), row, a.cols), col, count, dup);
+        for (int e = 0; e < kChunk; ++e)
+          coat_silu_mul_grads_of_factors(dy[e], up[e], kSmooth ? smooth[e] : 1.0f, silu[e], dsilu[e], &dgate[e],
+                                         &dup[e]);
+        io.store(row_at(a.dgate, io.element_size(), row, a.cols), col, count, dgate);
+        io.store(row_at(a.dup, io.element_size(), row, a.cols), col, count, dup);
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e)
-        if (e < count) amax = amax_step(amax_step(amax, dgate[e]), dup[e]);
+        for (int e = 0; e < kChunk; ++e)
+          if (e < count) amax = amax_step(amax_step(amax, dgate[e]), dup[e]);
+      }
     }
-  }
+  };
+  if (a.smooth_scale == nullptr) all_rows(std::false_type{});
+  else all_rows(std::true_type{});
   if (a.d_amax == nullptr) return;
   amax = warp_max(amax);
   if (threadIdx.x % kWarpSize == 0) atomic_max_nonnegative(a.d_amax, coat_round_as(a.dy_dtype, amax));
@@ -1720,6 +1789,14 @@ bool silu_mul_grid(int64_t rows, int cols, int* segments, int* strands, unsigned
   *strands = static_cast<int>(strands_for(resident, *segments, coat_ceil_div(rows, kElementwiseWarps)));
   *blocks = static_cast<unsigned>(*segments * *strands);
   return true;
+}
+
+template <auto kKernel>
+coat_status launch_silu_mul_backward(SiluMulBackwardArgs args, cudaStream_t stream) {
+  unsigned blocks = 0;
+  if (!silu_mul_grid<kKernel>(args.rows, args.cols, &args.segments, &args.strands, &blocks)) return COAT_ERROR_CUDA;
+  kKernel<<<blocks, kElementwiseThreads, 0, stream>>>(args);
+  return launch_status();
 }
 
 }  // namespace
@@ -1971,14 +2048,20 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
   coat_status status = COAT_SUCCESS;
   with_io(dy_dtype, vector, [&](auto io) {
     with_saved_format(saved_format, [&](auto format) {
-      constexpr auto kernel = silu_mul_backward_kernel<decltype(io), decltype(format)::value>;
-      unsigned blocks = 0;
-      if (!silu_mul_grid<kernel>(rows, args.cols, &args.segments, &args.strands, &blocks)) {
-        status = COAT_ERROR_CUDA;
-        return;
+      using Io = decltype(io);
+      constexpr coat_saved_format kFormat = decltype(format)::value;
+      const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+      if constexpr (kFormat == COAT_SAVED_FP4) {
+        if (save_group_size == 128) {
+          status = launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 16>>(args, cuda_stream);
+          return;
+        }
+        if (save_group_size == 64) {
+          status = launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 8>>(args, cuda_stream);
+          return;
+        }
       }
-      kernel<<<blocks, kElementwiseThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(args);
-      status = launch_status();
+      status = launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 0>>(args, cuda_stream);
     });
   });
   return status;

@@ -118,6 +118,12 @@ inline unsigned long long __shfl_xor_sync(unsigned mask, unsigned long long v, i
   return high << 32 | low;
 }
 inline float __shfl_sync(unsigned mask, float v, int src) { assert(mask == 0xFFFFFFFFu); return __uint_as_float(emu_shfl_idx(__float_as_uint(v), src)); }
+// With width (a power of two), lanes read within their own `width` lanes: src's low bits pick the lane there.
+inline float __shfl_sync(unsigned mask, float v, int src, int width) {
+  assert(mask == 0xFFFFFFFFu && width > 0 && width <= 32 && (width & (width - 1)) == 0);
+  const int lane = threadIdx.x & 31;
+  return __uint_as_float(emu_shfl_idx(__float_as_uint(v), (lane & ~(width - 1)) | (src & (width - 1))));
+}
 inline int __shfl_sync(unsigned mask, int v, int src) { assert(mask == 0xFFFFFFFFu); return (int)emu_shfl_idx((uint32_t)v, src); }
 inline double __shfl_xor_sync(unsigned mask, double v, int lane_mask) {
   uint64_t bits;

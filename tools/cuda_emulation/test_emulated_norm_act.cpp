@@ -353,27 +353,31 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
            saved_name);
     }
 
-    std::vector<uint8_t> dgate[2], dup[2];
-    for (int k = 0; k < 2; ++k) dgate[k].assign(n * bytes_of(dtype), 0xAB), dup[k].assign(n * bytes_of(dtype), 0xAB);
-    // a nonzero start: the amax accumulates into what the buffer holds
-    float d_amax[2] = {0.125f, 0.125f};
-    const coat_status cpu_b = coat_silu_mul_backward_cpu(
-        dy.data, dtype, rows, cols, stride, saved.gate->data(), saved.gate_scales->data(), saved.up->data(),
-        saved.up_scales->data(), smooth_ptr, group, saved.format, dgate[0].data(), dup[0].data(), &d_amax[0]);
-    const coat_status gpu_b = coat_silu_mul_backward_cuda(
-        dy.data, dtype, rows, cols, stride, saved.gate->data(), saved.gate_scales->data(), saved.up->data(),
-        saved.up_scales->data(), smooth_ptr, group, saved.format, dgate[1].data(), dup[1].data(), &d_amax[1],
-        nullptr);
-    CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s backward: status %d %d", saved_name, cpu_b, gpu_b);
-    same(dgate[0], dgate[1], "dgate", saved_name);
-    same(dup[0], dup[1], "dup", saved_name);
-    float stored_amax = 0.125f;
-    for (int64_t i = 0; i < n; ++i)
-      stored_amax = coat_amax_step(coat_amax_step(stored_amax, coat_load_f32(dgate[0].data(), dtype, i)),
-                                   coat_load_f32(dup[0].data(), dtype, i));
-    CHECK(f2u(d_amax[0]) == f2u(stored_amax) && f2u(d_amax[1]) == f2u(stored_amax),
-          "%s backward: d_amax %a (CPU) %a (CUDA), stored values' amax %a", saved_name, d_amax[0], d_amax[1],
-          stored_amax);
+    for (const std::vector<float>* gate_scales : gate_scale_choices) {
+      const char* what = gate_scales == &far_gate_scales ? ", far gate scales" : "";
+      std::vector<uint8_t> dgate[2], dup[2];
+      for (int k = 0; k < 2; ++k) dgate[k].assign(n * bytes_of(dtype), 0xAB), dup[k].assign(n * bytes_of(dtype), 0xAB);
+      // a nonzero start: the amax accumulates into what the buffer holds
+      float d_amax[2] = {0.125f, 0.125f};
+      const coat_status cpu_b = coat_silu_mul_backward_cpu(
+          dy.data, dtype, rows, cols, stride, saved.gate->data(), gate_scales->data(), saved.up->data(),
+          saved.up_scales->data(), smooth_ptr, group, saved.format, dgate[0].data(), dup[0].data(), &d_amax[0]);
+      const coat_status gpu_b = coat_silu_mul_backward_cuda(
+          dy.data, dtype, rows, cols, stride, saved.gate->data(), gate_scales->data(), saved.up->data(),
+          saved.up_scales->data(), smooth_ptr, group, saved.format, dgate[1].data(), dup[1].data(), &d_amax[1],
+          nullptr);
+      CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s backward%s: status %d %d", saved_name, what, cpu_b,
+            gpu_b);
+      same(dgate[0], dgate[1], gate_scales == &far_gate_scales ? "dgate, far gate scales" : "dgate", saved_name);
+      same(dup[0], dup[1], gate_scales == &far_gate_scales ? "dup, far gate scales" : "dup", saved_name);
+      float stored_amax = 0.125f;
+      for (int64_t i = 0; i < n; ++i)
+        stored_amax = coat_amax_step(coat_amax_step(stored_amax, coat_load_f32(dgate[0].data(), dtype, i)),
+                                     coat_load_f32(dup[0].data(), dtype, i));
+      CHECK(f2u(d_amax[0]) == f2u(stored_amax) && f2u(d_amax[1]) == f2u(stored_amax),
+            "%s backward%s: d_amax %a (CPU) %a (CUDA), stored values' amax %a", saved_name, what, d_amax[0],
+            d_amax[1], stored_amax);
+    }
   }
 }
 
@@ -699,6 +703,18 @@ int main(int argc, char** argv) {
       silu_case(shape[0], shape[1], variant == 2 ? 8 : 0, variant == 3 ? 1 : 0, dtypes[(i + variant) % 3],
                 variant != 1, variant % 2 == 1, groups[(i + variant) % 4], (i + variant) % 2 ? COAT_E5M2 : COAT_E4M3,
                 variant != 2, variant == 0 ? kSpecial : kPlain);
+    }
+  }
+  // Groups of 64 and 128, where the backward shares FP4 gates' factors by shuffle: groups cut by a row's end,
+  // lanes past the end in a group with lanes inside it, a group wholly past it in the warp's chunk.
+  const int64_t wide_group_shapes[][2] = {{37, 176}, {9, 1000}, {4, 100}, {3, 300}};
+  i = 0;
+  for (const auto& shape : wide_group_shapes) {
+    for (const int64_t group : {64, 128}) {
+      emu_sms = 1 + i % 2;
+      silu_case(shape[0], shape[1], 0, 0, dtypes[i % 3], true, i % 2 == 1, group, COAT_E4M3, true,
+                i % 2 == 0 ? kSpecial : kPlain);
+      ++i;
     }
   }
   printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);

@@ -193,13 +193,29 @@ COAT_INLINE float coat_requantize_gate(uint8_t code, float scale) {
   return coat_bf16_to_f32(coat_f32_to_bf16(coat_saved_value(code, scale)));
 }
 
+/** The factors of coat_silu_mul_grads that depend on the gate alone: silu = coat_silu(gate, s) and its
+ *  derivative dsilu = s * (1 + gate * (1 - s)), s = coat_sigmoid(gate). */
+COAT_INLINE void coat_silu_grad_factors(float gate, float s, float* silu, float* dsilu) {
+  *silu = coat_silu(gate, s);
+  *dsilu = s * (1.0f + gate * (1.0f - s));
+}
+
+/** coat_silu_mul_grads given the gate's factors (coat_silu_grad_factors):
+ *  dup = (dy * smooth) * silu, dgate = ((dy * smooth) * up) * dsilu. */
+COAT_INLINE void coat_silu_mul_grads_of_factors(float dy, float up, float smooth, float silu, float dsilu,
+                                                float* dgate, float* dup) {
+  const float dy_s = dy * smooth;
+  *dup = dy_s * silu;
+  *dgate = (dy_s * up) * dsilu;
+}
+
 /** Gradients of coat_silu_mul at (gate, up) for the output gradient dy (see coat_silu_mul_backward_cpu);
  *  s = coat_sigmoid(gate). */
 COAT_INLINE void coat_silu_mul_grads(float dy, float gate, float s, float up, float smooth, float* dgate,
                                      float* dup) {
-  const float dy_s = dy * smooth;
-  *dup = dy_s * (gate * s);
-  *dgate = (dy_s * up) * (s * (1.0f + gate * (1.0f - s)));
+  float silu, dsilu;
+  coat_silu_grad_factors(gate, s, &silu, &dsilu);
+  coat_silu_mul_grads_of_factors(dy, up, smooth, silu, dsilu, dgate, dup);
 }
 
 #endif /* COAT_DETAIL_NORM_ACT_MATH_H */
