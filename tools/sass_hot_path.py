@@ -174,13 +174,12 @@ def walk(ins: list[dict], cold: set[str], rules: dict[str, str], loop_line: str,
          within: str | None = None):
     """The hot path of one iteration of the loop whose back-edge comes from source line loop_line and whose
     body holds header_line (both "file:line"), in the copy of it inlined at `within` when the code holds several:
-    every instruction from the loop's head to its back-edge,
-    conditional branches decided by `rules` (source line -> "taken", "fallthrough", "to:LINE|LINE" toward
-    the nearer of those lines, "into:LINE|LINE" toward more instructions from those lines (of the next 60, up to the
-    branch's own line),
-    "away:LINE|LINE" toward fewer, "text:TEXT" toward the nearer instruction holding TEXT, or
-    "seq:DIR,DIR,..." one per visit) after two defaults: away from a block that calls a slow path, away
-    from a block whose instructions mostly come from `cold` lines."""
+    every instruction from the loop's head to its back-edge, conditional branches decided by `rules` (source
+    line -> "taken", "fallthrough", "to:LINE|LINE" toward the nearer of those lines, "into:LINE|LINE" toward
+    more instructions from those lines (of the next 60, up to the branch's own line), "away:LINE|LINE" toward
+    fewer, "text:TEXT" toward the nearer instruction holding TEXT, or "seq:DIR,DIR,..." one per visit) after
+    two defaults: away from a block that calls a slow path, away from a block whose instructions mostly come
+    from `cold` lines."""
     label_at = {label: k for k, i in enumerate(ins) for label in i["labels"]}
 
     def chain(i):
