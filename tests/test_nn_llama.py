@@ -197,7 +197,6 @@ def test_saved_activation_bytes_match_table_2(device, saved_format, group_size):
     assert stock / converted >= 2.5
 
 
-
 # U per decoder layer of the Llama-2-7B shape (README, Results: "Saved activations"), RoPE's tables left out as
 # benchmarks/layer.py's "tensors U" leaves them out: (saved_format, group_size) -> converted layer; BF16 22.77.
 LLAMA_2_7B_SAVED_U = {("e4m3", 16): 8.63, ("fp4", 16): 6.78, ("fp4", 64): 6.09, ("fp4", 128): 5.98,
