@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import coat
 import reference
+from conftest import requires_cuda
 from reference import MIN_SCALE, assert_same_bits
 
 GROUP_SIZES = (16, 32, 64, 128)
@@ -425,6 +426,45 @@ def test_tiny_group_scales(run):
         x[row, 0], x[row, 1] = float.fromhex(amax), float.fromhex(value)
     check_quantize_group(run, x, 16, "e4m3")
 
+
+
+def bf16_amaxes_whose_reciprocal_product_is_not_the_quotient(fmt) -> torch.Tensor:
+    """Positive finite bf16 values a with fp32(a * fp32(1 / FP8_MAX)) != fp32(a / FP8_MAX): about half of them for
+    E4M3. torch on CUDA computes `amax / 448` (a Python number) as that product, so a reference written that way on
+    a GPU gets other scales, and then other codes, than the correctly rounded division the scale is defined by."""
+    a = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    fp8_max = reference.fp8_format(fmt).max
+    product = a * torch.tensor(1 / fp8_max, dtype=torch.float32)
+    return a[product != reference.scale_from_amax(a, fmt)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scales_are_the_correctly_rounded_quotient_not_the_reciprocal_product(run, rng, fmt):
+    """Groups whose amax is one where amax * fp32(1 / FP8_MAX) rounds differently from amax / FP8_MAX: the scale is
+    the quotient (as the oracle computes it in float64), and the codes follow from it."""
+    amaxes = bf16_amaxes_whose_reciprocal_product_is_not_the_quotient(fmt)
+    picked = amaxes[torch.randint(0, amaxes.numel(), (512,), generator=rng)]
+    x = torch.rand(512, 16, generator=rng) * 2 - 1
+    x = (x * picked[:, None]).to(torch.bfloat16)
+    x[:, 0] = picked.to(torch.bfloat16)  # the amax of each row, exactly
+    _, scales = check_quantize_group(run, x, 16, fmt)
+    reciprocal_product = picked * torch.tensor(1 / reference.fp8_format(fmt).max, dtype=torch.float32)
+    assert bool((scales[:, 0] != reciprocal_product).all())
+
+
+@requires_cuda
+def test_a_gpu_drawn_randn_tensor_matches_the_oracle():
+    """The case a user reported: torch.randn(8192, 8192, bf16) drawn on a GPU with seed 0. coat's codes disagreed in
+    41,993 places with `(x / scale).to(float8_e4m3fn)` where `scale = amax / 448` was computed on the GPU, which
+    torch does as amax * fp32(1 / 448). With scales from the correctly rounded division, every code matches,
+    on CUDA and on the CPU."""
+    torch.manual_seed(0)
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    q, scales, _ = coat.ops.quantize_group(x, group_size=16, format="e4m3")
+    expected_q, expected_scales = reference.quantize_group(x.cpu(), 16, "e4m3")
+    assert_same_bits(scales.cpu(), expected_scales, "scales")
+    assert_same_bits(q.cpu(), expected_q, "codes")
+    assert_same_bits(coat.ops.quantize_group(x.cpu(), group_size=16, format="e4m3")[:2], (q.cpu(), scales.cpu()))
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", EDGE_DTYPES)
