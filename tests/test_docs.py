@@ -146,3 +146,11 @@ def test_a_failing_block_fails_its_page(tmp_path, monkeypatch):
     page.write_text("```python\nx = 1\n```\n\n```python\nundefined_name + x\n```\n")
     with pytest.raises(AssertionError, match="page.md:5 fails"):
         test_python_blocks_run(page, tmp_path, monkeypatch)
+
+
+def test_the_readmes_relative_links_name_existing_files():
+    """mkdocs --strict checks the links inside docs/; the README is read on GitHub, outside the site."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    relative = [link for link in links if "://" not in link]
+    assert relative, "the README links into the docs"
+    assert [link for link in relative if not (ROOT / link).exists()] == []
