@@ -14,7 +14,8 @@ Ratios (against BF16, torchao, copy bandwidth) are the ones the benchmark comput
 
 --check compares the Markdown and the README table byte for byte. PNG bytes depend on the matplotlib and
 FreeType versions, so a plot is checked by the digest of the data it draws, which the PNG carries in its
-metadata ("coat-data-sha256"): a plot is stale when its data changed, whatever drew it.
+metadata ("coat-data-sha256", with the drawing code's source in the digest): a plot is stale when its data or
+the code that draws it changed, whichever matplotlib drew it.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import dataclasses
 import datetime
 import glob
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -95,7 +97,8 @@ FAMILIES = (
            ("off ms", "capture ms", "capture / off", "GPU ms added", "host ms added", "GPU-bound capture / off"),
            "`benchmarks/report.py`: four decoder layers at hidden 2048 with `coat.optim.AdamW`, a plain step "
            "(`off ms`) against a step inside `QuantizationReport.capture` (`capture ms`). `GPU-bound capture / off` "
-           "charges a capture the GPU time it adds, which is its cost wherever the host keeps ahead of the GPU."),
+           "charges a capture the GPU time it adds, which is its cost wherever the host keeps ahead of the GPU. Rows "
+           "without `read` come from the benchmark's earlier form, which timed a capture without reading its results."),
     Family("convergence", "Convergence", ("train_llama",), ("preset", "seed", "name"),
            ("final_val_loss", "vs BF16", "final_train_loss_last_10pct", "peak_memory_gib"),
            "`examples/train_llama.py`: a Llama pretrained on the Python standard library's sources; `final_val_loss` "
@@ -279,17 +282,31 @@ def readme_table(results: list[Result]) -> str:
     add("the same at each one's largest batch: tokens/s against BF16 and against torchao float8 (compiled)",
         f"{big[0][1]['tokens/s/GPU'] / base['tokens/s/GPU']:.2f}x BF16, "
         f"{big[0][1]['tokens/s/GPU'] / ao[0][1]['tokens/s/GPU']:.2f}x torchao", big + ao, "e2e")
-    for name, label in (("100m-coat", "FP8 defaults"), ("100m-coat-fp4", "FP4-kept activations")):
-        runs = sorted((item for item in _latest(results, "convergence", "vs BF16", one_device=False, preset="100m")
-                       if re.fullmatch(re.escape(name) + r"(-seed\d+)?", item[1]["name"])), key=lambda item: item[1]["seed"])
-        add(f"100M Llama, 2000 steps: held-out loss against BF16, {label} (seeds "
-            f"{', '.join(str(row['seed']) for _, row in runs)})", ", ".join(row["vs BF16"] for _, row in runs),
-            runs, "convergence")
+    for label, saved_format, group_size in (("FP8 defaults", "e4m3", 16), ("FP4-kept activations", "fp4", 16),
+                                            ("FP4-kept activations, G = 128", "fp4", 128)):
+        runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_llama"
+                       and _configuration(r.rows[0]) == ("100m", saved_format, group_size) and "vs BF16" in r.rows[0]),
+                      key=lambda item: (item[1]["seed"], item[0].date))
+        by_seed = {}
+        for _, row in runs:
+            by_seed.setdefault(row["seed"], []).append(row["vs BF16"])
+        add(f"100M Llama, 2000 steps: held-out loss against BF16, {label}, every run",
+            "; ".join(f"seed {seed}: {', '.join(v)}" for seed, v in by_seed.items()), runs, "convergence")
     report = _latest(results, "report", "GPU-bound capture / off", read="after the next step", **{"rows measured": "64"})
     add(f"a `coat.report` capture: step time against a plain step (GPU time it adds, "
         f"{_span([row['batch x seq'] for _, row in report], '{}')} tokens)",
         _span([row["GPU-bound capture / off"] for _, row in report], "{:.3f}x"), report, "report")
     return "\n".join([TABLE_BEGIN, ""] + _table(["what", "coat", "device", "source"], rows) + ["", TABLE_END])
+
+
+def _configuration(run: dict) -> tuple | None:
+    """(preset, saved_format, group_size) of a coat run with the default options otherwise, else None. Runs
+    from before ``saved_format`` existed carry no such field and match nothing: their tree is superseded."""
+    defaults = (not run.get("bf16_weights") and run.get("fp8_grads") is None and not run.get("fast_accum")
+                and not run.get("uniform_fp4"))
+    if not run.get("coat") or not defaults or run.get("saved_format") is None:
+        return None
+    return run["preset"], run["saved_format"], run.get("group_size") or 16
 
 
 def _sibling(result: Result, like: dict, variant: str, same: tuple[str, ...]) -> dict:
@@ -319,9 +336,9 @@ def _plot_specs(results: list[Result]) -> dict[str, dict]:
         for (d, (shape, world, variant, measured, batch), field), (_, row) in sorted(e2e.items(), key=lambda kv: str(kv[0])):
             if (d == device and shape == "7b" and world == 1 and field in ("peak GiB", "tokens/s/GPU")
                     and (measured == "largest batch" or (measured, batch) == ("equal batch", 1))):
-                bars.setdefault(variant, {}).setdefault(f"{measured} ({batch})" if measured == "largest batch" else "batch 1",
-                                                        [None, None])[field == "tokens/s/GPU"] = row[field]
-        bars = {v: {g: pair for g, pair in groups.items() if None not in pair} for v, groups in bars.items()}
+                group = "largest batch" if measured == "largest batch" else "batch 1"
+                bars.setdefault(variant, {}).setdefault(group, [None, None, batch])[field == "tokens/s/GPU"] = row[field]
+        bars = {v: {g: values for g, values in groups.items() if None not in values[:2]} for v, groups in bars.items()}
         if len(bars) > 1:
             specs[f"e2e-{device.replace(' ', '_')}.png"] = {"kind": "e2e", "device": device, "bars": bars}
     curves = {}
@@ -340,7 +357,8 @@ PLOTTED_RUNS = ("100m-bf16", "100m-coat", "100m-coat-fp4", "100m-coat-fp6")
 
 
 def _digest(spec: dict) -> str:
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    """Of the data a plot draws and of the code that draws it: either changing makes the PNG stale."""
+    return hashlib.sha256((json.dumps(spec, sort_keys=True) + inspect.getsource(_draw)).encode()).hexdigest()
 
 
 def _draw(spec: dict, path: str) -> None:
@@ -354,6 +372,7 @@ def _draw(spec: dict, path: str) -> None:
             ax.plot([s for s, _ in points], [v for _, v in points], label=name)
         ax.set(xlabel="step", ylabel="held-out loss (nats per byte)", yscale="log", title="100M Llama, seed 0")
         ax.legend()
+        fig.tight_layout()
     else:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         variants = list(spec["bars"])
@@ -364,14 +383,16 @@ def _draw(spec: dict, path: str) -> None:
         for i, variant in enumerate(variants):
             for j, ax in enumerate(axes):
                 xs = [g_i + i * width for g_i, g in enumerate(groups) if g in spec["bars"][variant]]
-                ys = [spec["bars"][variant][g][j] for g in groups if g in spec["bars"][variant]]
-                ax.bar(xs, ys, width, label=variant)
+                present = [g for g in groups if g in spec["bars"][variant]]
+                drawn = ax.bar(xs, [spec["bars"][variant][g][j] for g in present], width, label=variant if j == 0 else None)
+                if spec["kind"] == "e2e":  # the batch each bar ran at
+                    ax.bar_label(drawn, [str(spec["bars"][variant][g][2]) for g in present], fontsize=7)
         for ax, label in zip(axes, labels):
             ax.set_xticks([g_i + 0.4 - width / 2 for g_i in range(len(groups))], groups)
             ax.set_ylabel(label)
-        axes[0].legend(fontsize=8)
-        fig.suptitle(spec["device"])
-    fig.tight_layout()
+        fig.legend(loc="lower center", ncol=len(variants), fontsize=8)
+        fig.suptitle(spec["device"] + (": bars labelled with their batch" if spec["kind"] == "e2e" else ""))
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, metadata={"Software": None, DIGEST_KEY: _digest(spec)})
     plt.close(fig)
 
