@@ -294,7 +294,7 @@ def readme_table(results: list[Result]) -> str:
             "; ".join(f"seed {seed}: {', '.join(v)}" for seed, v in by_seed.items()), runs, "convergence")
     report = _latest(results, "report", "GPU-bound capture / off", read="after the next step", **{"rows measured": "64"})
     add(f"a `coat.report` capture: step time against a plain step (GPU time it adds, "
-        f"{_span([row['batch x seq'] for _, row in report], '{}')} tokens)",
+        f"{' and '.join(sorted({row['batch x seq'] for _, row in report}, key=lambda b: int(b.split('x')[0])))} tokens)",
         _span([row["GPU-bound capture / off"] for _, row in report], "{:.3f}x"), report, "report")
     return "\n".join([TABLE_BEGIN, ""] + _table(["what", "coat", "device", "source"], rows) + ["", TABLE_END])
 
