@@ -1,0 +1,86 @@
+"""benchmarks/results_pages.py: the results pages and the README table are what benchmarks/results/*.json give,
+and each figure shown is the latest one by the date inside the files."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def pages(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import results_pages
+
+    return results_pages
+
+
+def _write(directory, name, date, rows, command="benchmarks/optimizer.py", **extra):
+    meta = {"device": "GPU X", "torch": "2.13.0", "cuda": "13.0", "python": "3.11", "date": date,
+            "command": command, "summary": extra.pop("summary", {}), "rows": rows, **extra}
+    (directory / name).write_text(json.dumps(meta))
+
+
+ROW = {"optimizer": "coat.optim.AdamW", "params": "float32", "rounding": "-", "grads": "float32"}
+
+
+def test_the_committed_pages_and_readme_table_are_up_to_date():
+    completed = subprocess.run([sys.executable, "benchmarks/results_pages.py", "--check"], cwd=ROOT,
+                               capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr
+
+
+def test_the_latest_figure_is_chosen_by_the_date_inside_the_file_not_its_name(pages, tmp_path):
+    _write(tmp_path, "optimizer-z-old.json", "2026-01-01T00:00:00+00:00", [{**ROW, "GPU vs torch": 0.9}])
+    _write(tmp_path, "optimizer-a-new.json", "2026-02-01T00:00:00+00:00", [{**ROW, "GPU vs torch": 0.5}])
+    family = next(f for f in pages.FAMILIES if f.page == "optimizer")
+    chosen = pages.latest_figures(pages.load_results(str(tmp_path)), family)
+    result, row = chosen[("GPU X", pages.row_key(family, ROW), "GPU vs torch")]
+    assert (result.path, row["GPU vs torch"]) == ("optimizer-a-new.json", 0.5)
+
+
+def test_a_figure_missing_from_the_latest_file_comes_from_the_latest_file_that_has_it(pages, tmp_path):
+    _write(tmp_path, "old.json", "2026-01-01T00:00:00+00:00", [{**ROW, "GPU vs torch": 0.9, "host ms": 2.0}])
+    _write(tmp_path, "new.json", "2026-02-01T00:00:00+00:00", [{**ROW, "GPU vs torch": 0.5}])
+    family = next(f for f in pages.FAMILIES if f.page == "optimizer")
+    chosen = pages.latest_figures(pages.load_results(str(tmp_path)), family)
+    assert chosen[("GPU X", pages.row_key(family, ROW), "host ms")][0].path == "old.json"
+    text, _ = pages.family_page(pages.load_results(str(tmp_path)), family)
+    assert "### `new.json`" in text and "### `old.json`" in text
+
+
+def test_smoke_runs_and_the_baseline_arms_of_an_ab_are_left_out(pages, tmp_path):
+    _write(tmp_path, "kept.json", "2026-01-01T00:00:00+00:00", [{**ROW, "GPU vs torch": 0.5}])
+    _write(tmp_path, "smoke.json", "2026-03-01T00:00:00+00:00", [{**ROW, "GPU vs torch": 9.0}], summary={"smoke": True})
+    _write(tmp_path, "old-tree.json", "2026-03-02T00:00:00+00:00", [{**ROW, "GPU vs torch": 8.0}],
+           note="A/B baseline: the tree before the change")
+    assert [r.path for r in pages.load_results(str(tmp_path))] == ["kept.json"]
+
+
+def test_convergence_runs_are_compared_with_the_mean_of_the_bf16_runs_of_their_seed(pages, tmp_path):
+    def run(name, coat, loss, seed):
+        command = f"examples/train_llama.py --preset 100m --name {name}" + (" --coat" if coat else "") + (
+            f" --seed {seed}" if seed else "")
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "name": name, "device": "GPU X", "torch": "2.13.0", "date": "2026-01-01T00:00:00+00:00",
+            "command": command, "coat": coat, "preset": "100m", "final_val_loss": loss}))
+
+    run("100m-bf16", False, 1.0, 0)
+    run("100m-bf16-rerun", False, 1.2, 0)
+    run("100m-bf16-seed1", False, 2.0, 1)
+    run("100m-coat", True, 1.1, 0)
+    run("100m-coat-seed1", True, 1.9, 1)
+    rows = {r.rows[0]["name"]: r.rows[0] for r in pages.load_results(str(tmp_path))}
+    assert rows["100m-coat"]["vs BF16"] == "+0.00%" and rows["100m-coat-seed1"]["vs BF16"] == "-5.00%"
+    assert "vs BF16" not in rows["100m-bf16"]
+
+
+def test_a_readme_without_the_table_markers_is_refused(pages, tmp_path, monkeypatch):
+    readme = tmp_path / "README.md"
+    readme.write_text("# no table here\n")
+    monkeypatch.setattr(pages, "README", str(readme))
+    with pytest.raises(SystemExit, match="no results table markers"):
+        pages._readme_with("table")
