@@ -18,7 +18,8 @@ decoder layer, as in benchmarks/e2e.py): the question is whether a compiled coat
     liger             bf16 with Liger-Kernel's fused linear cross-entropy (apply_liger_kernel_to_llama / _qwen2
                       with fused_linear_cross_entropy=True on the model): the logits never materialized. Its other
                       kernels (RoPE, RMSNorm, SwiGLU) stay off: they patch transformers' modules for every model
-                      of the process, the other rows' included. Skipped without Liger-Kernel or a GPU
+                      of the process, the other rows' included. Skipped without a GPU or Liger-Kernel
+                      (pip install -e ".[bench]")
     coat              coat.convert (FP8 decoder layers, activations saved in FP8) with its fused LM head +
                       cross-entropy where coat.convert has the fused_loss option; coat.optim.AdamW (FP8 moments)
     coat-unfused      coat.convert(fused_loss=False): transformers' loss, so that the fused loss's gain shows
@@ -47,14 +48,15 @@ steps (CUDA events) and tokens/s, and the peak's parts:
 A row that runs out of memory is recorded as OOM; one that fails otherwise (a compile failure included) records
 its error, and the script exits 1 once everything is written.
 
-Time on one H200, from estimates (1B step ~0.3 s, 8B at sequence 8192 ~2-3 s, ~1-2 min per whole-model compile,
-~20 s per 8B build): the default, llama3.2-1b with every variant at 2 warm-up and 3 timed steps, ~6 min; an 8B
-shape with bf16 liger coat coat-unfused coat-lowmem coat-compiled ~6 min. Take one shape per run (each run
-writes its own JSON, e2e-shapes-SHAPE-DEVICE.json).
+Time on one H200, from estimates (a 1B step ~0.4 s and its build ~5 s, an 8B step at sequence 8192 ~2-3 s and
+its build ~20 s, ~1 min per whole-model compile, ~2 for an 8B): the default, llama3.2-1b with every variant at
+2 warm-up and 3 timed steps, ~6 min (5 eager rows ~1 min, 4 compiled ones ~4-5); an 8B shape with the rows
+bf16 liger coat coat-unfused coat-lowmem coat-compiled ~5 min. Take one shape per run: each writes its own
+e2e-shapes-SHAPE-DEVICE.json and .png, after every row, so that a run cut short keeps the rows it finished.
 
     python benchmarks/e2e_shapes.py                                     (llama3.2-1b, every variant)
-    python benchmarks/e2e_shapes.py --shapes llama3.1-8b --variants bf16 liger coat coat-unfused coat-lowmem coat-compiled
-    python benchmarks/e2e_shapes.py --shapes qwen2.5-7b --batch 2 --seq 2048 --variants ...
+    python benchmarks/e2e_shapes.py --shapes llama3.1-8b --variants NAME...     (the 8B rows above)
+    python benchmarks/e2e_shapes.py --shapes qwen2.5-7b --batch 2 --seq 2048 --variants NAME...
     python benchmarks/e2e_shapes.py --smoke                             (CPU, tiny shapes: checks that it runs)
     python benchmarks/e2e_shapes.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
 """
@@ -130,7 +132,7 @@ def liger_missing(device: torch.device) -> str | None:
     try:
         import liger_kernel.transformers  # noqa: F401
     except ImportError as error:
-        return f"Liger-Kernel is not importable ({error}): pip install liger-kernel"
+        return f"Liger-Kernel is not importable ({error}): pip install -e '.[bench]'"
     if device.type != "cuda":
         return "Liger-Kernel's Triton kernels need a CUDA GPU"
     return None
@@ -189,6 +191,11 @@ class ShapeTraining(Training):
         self.free()
         self.model, self.optimizer = build(self.variant, self.shape, self.config, self.device)
 
+    def free(self) -> None:
+        if self.variant.endswith("compiled"):
+            torch._dynamo.reset()  # the compile caches refer to the model
+        super().free()
+
     def forward(self, ids: torch.Tensor):
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
@@ -246,6 +253,8 @@ def measure(variant: str, shape_name: str, batch: int, seq: int, args, device: t
     training = ShapeTraining(variant, shape, shape.make_config(args.smoke), device)
     row = {"shape": shape_name, "variant": variant, "batch": batch, "seq": seq, "loss": loss_kind(variant),
            "compiled": variant.endswith("compiled")}
+    if device.type == "cuda":  # what the rows before left allocated, in every peak below: 0 unless they leaked
+        row["allocated before GiB"] = torch.cuda.memory_allocated(device) / GIB
     result = error = None
     try:
         training.build()
@@ -370,7 +379,8 @@ def main():
     p = parser(__doc__)
     p.set_defaults(warmup=2, repeat=3)
     p.add_argument("--steps", dest="repeat", type=int, help="timed steps per row (same as --repeat)")
-    p.add_argument("--smoke", action="store_true", help="tiny models of every shape on the CPU, 2 warm-up steps and 1 timed")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny models of every shape on the CPU, 2 warm-up steps and 1 timed")
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), metavar="NAME",
                    help=f"model shapes, of: {', '.join(SHAPES)} (default: llama3.2-1b; --smoke: all)")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, metavar="NAME",
@@ -423,23 +433,22 @@ def main():
             if variant not in missing:
                 rows.append(measure(variant, shape_name, batch, seq, args, device))
                 # after every row, so that a run cut short keeps what it measured
-                write_results(args.results_dir, name, rows, summarize(rows, args, missing))
+                path = write_results(args.results_dir, name, rows, summarize(rows, args, missing))
+                png = args.plot_file or path.removesuffix(".json") + ".png"
+                plot([path], png)
+    if not rows:
+        sys.exit("no variant could run here: " + "; ".join(f"{v}: {why}" for v, why in missing.items()))
 
     columns = ["shape", "variant", "batch", "seq", "loss", "logits returned", "peak GiB", "reserved GiB", "step ms",
                "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "fwd kept GiB", "body kept GiB",
                "head+loss kept GiB", "peak activations GiB", "peak temporaries GiB", "peak in"]
     print_table(rows, columns)
     summary = summarize(rows, args, missing)
-    path = write_results(args.results_dir, name, rows, summary)
     for line in summary["notes"] + [f"{where}: {error}" for where, error in summary["errors"].items()]:
         print(line)
-    print(f"wrote {path}")
-    png = args.plot_file or path.removesuffix(".json") + ".png"
-    plot([path], png)
-    print(f"wrote {png}")
+    print(f"wrote {path} and {png}")
     if summary["errors"]:
         sys.exit(f"{len(summary['errors'])} row(s) failed: see their errors above and in {path}")
-
 
 if __name__ == "__main__":
     main()
