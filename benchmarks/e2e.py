@@ -146,25 +146,47 @@ def torchao_missing() -> str | None:
     return None
 
 
+def instantiate(model_class, config, dtype: torch.dtype, device: torch.device | str):
+    """model_class(config) with its parameters in dtype, made on device (on "meta" they get no memory)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return model_class(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def torchao_float8(model: torch.nn.Module) -> None:
+    """torchao's float8 training linears (tensorwise scaling) in place of the model's, the LM head left BF16
+    as coat leaves it."""
+    from torchao.float8 import convert_to_float8_training
+
+    convert_to_float8_training(model, module_filter_fn=lambda module, name: name != "lm_head")
+
+
+def make_optimizer(params: list, device: torch.device, *, coat_state: bool, bf16_weights: bool = False,
+                   fp8_grads: str | None = None) -> torch.optim.Optimizer:
+    """torch.optim.AdamW (fused on a GPU), or coat.optim.AdamW (FP8 moments); for bfloat16 weights without a
+    float32 master copy, coat's with each update rounded stochastically and the gradients optionally in FP8."""
+    if bf16_weights:
+        return coat.optim.AdamW(params, lr=LR, param_rounding="stochastic", fp8_grads=fp8_grads)
+    if coat_state:
+        return coat.optim.AdamW(params, lr=LR)
+    return torch.optim.AdamW(params, lr=LR, fused=device.type == "cuda")
+
+
 def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tuple:
     """The model and its optimizer. Under FSDP2 the model is built on the meta device and sharded before it
     gets memory, so that the whole model never sits on one GPU."""
     # The bf16-weight variants are built in bfloat16, so that no float32 copy of the model ever exists.
     dtype = torch.bfloat16 if variant in BF16_WEIGHT_VARIANTS else torch.float32
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta" if mesh is not None else device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = instantiate(LlamaForCausalLM, config, dtype, "meta" if mesh is not None else device)
     if variant.startswith("coat"):
         # before fully_shard, which then shards the converted modules' parameters
         coat.convert(model, saved_format="fp4" if variant.endswith("-fp4") else "e4m3")
     if variant.startswith("torchao"):
-        from torchao.float8 import convert_to_float8_training
-
-        convert_to_float8_training(model, module_filter_fn=lambda module, name: name != "lm_head")
+        torchao_float8(model)
     if variant.endswith("compiled"):
         # Each build compiles afresh. Only the batch dimension changes within a build (the largest-batch search),
         # so torch.compile's automatic dynamic shapes cost little here, unlike across layer.py's settings.
@@ -182,14 +204,9 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
         initialise(model, config)
         if variant == "coat-fp8-comm":
             coat.distributed.fp8_reduce_scatter(model)
-    params = list(model.parameters())
-    if variant in BF16_WEIGHT_VARIANTS:
-        fp8_grads = "e5m2" if variant == "coat-fp8-grads" else None
-        optimizer = coat.optim.AdamW(params, lr=LR, param_rounding="stochastic", fp8_grads=fp8_grads)
-    elif variant.startswith("coat"):
-        optimizer = coat.optim.AdamW(params, lr=LR)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=LR, fused=device.type == "cuda")
+    optimizer = make_optimizer(list(model.parameters()), device, coat_state=variant.startswith("coat"),
+                               bf16_weights=variant in BF16_WEIGHT_VARIANTS,
+                               fp8_grads="e5m2" if variant == "coat-fp8-grads" else None)
     return model.train(), optimizer
 
 
@@ -238,6 +255,12 @@ class CollectiveBytes:
         self._originals.clear()
 
 
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor, of this rank's shard for a DTensor."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
 class Training:
     """One variant's model and optimizer on this rank, and its training step."""
 
@@ -250,29 +273,35 @@ class Training:
     def tokens(self, batch: int, seq: int) -> torch.Tensor:
         return torch.randint(self.config.vocab_size, (batch, seq), generator=self.generator).to(self.device)
 
+    def forward(self, ids: torch.Tensor):
+        """The model's output, its loss over the batch's own tokens included."""
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            return self.model(input_ids=ids, labels=ids)
+
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
-            loss = self.model(input_ids=ids, labels=ids).loss
+        loss = self.forward(ids).loss
         loss.backward()
         self.optimizer.step()
         return loss.detach()
 
-    def state_bytes_per_param(self) -> float:
-        """Bytes of weights, gradients (param.grad or coat's FP8 gradients) and optimizer state per parameter,
-        of this rank's shards."""
-        def size(t: torch.Tensor) -> int:
-            t = t.to_local() if isinstance(t, DTensor) else t
-            return t.numel() * t.element_size()
-
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's shards of the weights, the gradients (param.grad or coat's FP8 gradients) and the
+        optimizer state, counted from the tensors."""
         params = list(self.model.parameters())
-        total = sum(size(p) for p in params)
-        total += sum(size(p.grad) for p in params if p.grad is not None)
         fp8_grads = getattr(self.optimizer, "_fp8_grads", {})
-        total += sum(size(codes) + size(scale) for codes, scale in fp8_grads.values())
-        total += sum(size(t) for state in self.optimizer.state.values() for t in state.values()
-                     if isinstance(t, torch.Tensor))
-        return total / max(sum(size(p) // p.element_size() for p in params), 1)
+        return {
+            "weights": sum(_local_bytes(p) for p in params),
+            "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+                     + sum(_local_bytes(codes) + _local_bytes(scale) for codes, scale in fp8_grads.values()),
+            "optimizer": sum(_local_bytes(t) for state in self.optimizer.state.values() for t in state.values()
+                             if isinstance(t, torch.Tensor)),
+        }
+
+    def state_bytes_per_param(self) -> float:
+        """Bytes of weights, gradients and optimizer state per parameter, of this rank's shards."""
+        params = list(self.model.parameters())
+        return sum(self.state_bytes().values()) / max(sum(_local_bytes(p) // p.element_size() for p in params), 1)
 
     def free(self) -> None:
         self.model = self.optimizer = None

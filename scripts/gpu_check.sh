@@ -28,8 +28,9 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 # system compiler links it dynamically, like torch.
 if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
 status=0
-# The GPU machine has no network: optional packages (torchao for the benchmarks' anchors) travel as wheels in
-# .wheels/ (pip download torchao==0.18.0 --no-deps --only-binary=:all: --python-version 3.12 -d .wheels).
+# The GPU machine has no network: optional packages (torchao and Liger-Kernel for the benchmarks' anchors) travel
+# as wheels in .wheels/ (pip download torchao==0.18.0 --no-deps --only-binary=:all: --python-version 3.12 -d .wheels,
+# the same for liger-kernel==0.8.5, which needs only torch and triton).
 if compgen -G ".wheels/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/coat-wheels .wheels/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/coat-wheels"

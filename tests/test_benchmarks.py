@@ -1,4 +1,5 @@
 """The GPU benchmarks' CPU smoke modes: the scripts run end to end and write their JSON."""
+import inspect
 import json
 import math
 import os
@@ -8,6 +9,8 @@ import sys
 
 import pytest
 import torch
+
+import coat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
@@ -23,7 +26,7 @@ def run_smoke(launcher: list[str], script: str, results_dir, *args: str) -> dict
         timeout=600,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    (result_file,) = results_dir.iterdir()
+    (result_file,) = results_dir.glob("*.json")
     return json.loads(result_file.read_text())
 
 
@@ -216,3 +219,94 @@ def test_e2e_plots_the_committed_gpu_results(tmp_path):
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_e2e_shapes_smoke_mode(tmp_path):
+    """benchmarks/e2e_shapes.py at tiny sizes of each shape on the CPU: every row trains, and its memory parts
+    add up: model state from the tensors, and what the body and what the LM head and loss keep for backward."""
+    result = run_smoke([sys.executable], "e2e_shapes", tmp_path)
+    summary = result["summary"]
+    assert {"device", "torch", "date", "command"} <= result.keys()
+    assert summary["smoke"] and summary["shapes"] == ["llama3.2-1b", "llama3.1-8b", "qwen2.5-7b"]
+    assert set(summary["versions"]) == {"transformers", "torchao", "liger-kernel", "triton"}
+    fused = "fused_loss" in inspect.signature(coat.convert).parameters
+    assert summary["coat_convert_has_fused_loss"] == fused
+    expected = ["bf16", "coat", "coat-unfused", "coat-lowmem"] if fused else ["bf16", "coat", "coat-lowmem"]
+    assert any(note.startswith("liger skipped: ") for note in summary["notes"])  # no GPU for its Triton kernels
+    assert summary["errors"] == {}
+    tokens, vocab = 2 * 32, 1024
+    for shape in summary["shapes"]:
+        rows = {row["variant"]: row for row in result["rows"] if row["shape"] == shape}
+        assert list(rows) == expected
+        for variant, row in rows.items():
+            assert len(row["losses"]) == 1 and math.isfinite(row["losses"][0]) and "accounting" not in row
+            assert row["peak in"] in ("forward", "backward", "optimizer step")
+            assert row["body kept GiB"] > 0 and row["tracked peak GiB"] > 0
+            assert row["loss"] == ("coat fused" if fused and variant in ("coat", "coat-lowmem") else "transformers")
+            if row["loss"] == "transformers":
+                # transformers' loss: the bf16 logits it returns and the float32 log-softmax cross-entropy saves
+                assert row["logits returned"]
+                assert 6 * tokens * vocab <= row["head+loss kept GiB"] * 2**30 <= 12 * tokens * vocab
+        bf16, coat_row, lowmem = rows["bf16"], rows["coat"], rows["coat-lowmem"]
+        # float32 weights, gradients and two Adam moments; coat's FP8 moments; bf16 weights with FP8 gradients
+        assert bf16["state B/param"] == pytest.approx(16.0, abs=0.01)
+        assert bf16["grads GiB"] == bf16["weights GiB"]
+        assert bf16["optimizer GiB"] == pytest.approx(2 * bf16["weights GiB"], rel=1e-3)  # + the step counters
+        assert 10.09 <= coat_row["state B/param"] <= 10.2
+        assert 5.09 <= lowmem["state B/param"] <= 5.2
+        assert lowmem["weights GiB"] == pytest.approx(bf16["weights GiB"] / 2)
+        assert coat_row["body kept GiB"] * 1.8 <= bf16["body kept GiB"]  # activations saved in FP8
+    assert (tmp_path / "e2e-shapes-smoke-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_e2e_shapes_passes_fused_loss_where_coat_convert_has_it(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e_shapes
+
+    def convert_with_fused_loss(model, *, group_size=16, saved_format="e4m3", fused_loss=True):
+        return model
+
+    def convert_without(model, *, group_size=16, saved_format="e4m3"):
+        return model
+
+    monkeypatch.setattr(e2e_shapes.coat, "convert", convert_with_fused_loss)
+    assert e2e_shapes.coat_options("coat") == {"fused_loss": True}
+    assert e2e_shapes.coat_options("coat-unfused") == {"fused_loss": False}
+    assert e2e_shapes.coat_options("coat-lowmem") == {"saved_format": "fp4", "group_size": 128, "fused_loss": True}
+    assert [e2e_shapes.loss_kind(v) for v in ("coat-compiled", "coat-unfused", "bf16", "liger")] == [
+        "coat fused", "transformers", "transformers", "liger fused"]
+    monkeypatch.setattr(e2e_shapes.coat, "convert", convert_without)
+    assert e2e_shapes.coat_options("coat") == {} and e2e_shapes.loss_kind("coat") == "transformers"
+    assert e2e_shapes.coat_options("coat-lowmem") == {"saved_format": "fp4", "group_size": 128}
+
+
+def test_e2e_shapes_records_out_of_memory_and_failures_as_rows(monkeypatch, tmp_path):
+    """A row that runs out of memory is OOM, one that fails (a compile failure, say) records its error; the
+    other rows are measured, everything is written, and the run exits with an error."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e_shapes
+
+    build = e2e_shapes.build
+
+    def failing_build(variant, shape, config, device):
+        if variant == "coat":
+            raise RuntimeError("simulated compile failure")
+        return build(variant, shape, config, device)
+
+    trial = e2e_shapes.trial
+
+    def out_of_memory_trial(training, *args):
+        return None if training.variant == "coat-lowmem" else trial(training, *args)
+
+    monkeypatch.setattr(e2e_shapes, "build", failing_build)
+    monkeypatch.setattr(e2e_shapes, "trial", out_of_memory_trial)
+    monkeypatch.setattr(sys, "argv", ["e2e_shapes.py", "--smoke", "--shapes", "llama3.2-1b", "--variants", "bf16",
+                                      "coat", "coat-lowmem", "--results-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="1 row\\(s\\) failed"):
+        e2e_shapes.main()
+    result = json.loads((tmp_path / "e2e-shapes-smoke-cpu.json").read_text())
+    rows = {row["variant"]: row for row in result["rows"]}
+    assert rows["coat"]["peak GiB"] == "error" and "simulated compile failure" in rows["coat"]["error"]
+    assert rows["coat-lowmem"]["peak GiB"] == "OOM" and "error" not in rows["coat-lowmem"]
+    assert math.isfinite(rows["bf16"]["losses"][0])
+    assert result["summary"]["errors"] == {"llama3.2-1b coat": rows["coat"]["error"]}

@@ -1,0 +1,454 @@
+"""Whole training steps of today's model shapes on one GPU, whose 128k-152k vocabularies make the logits and the
+loss a large share of the memory (benchmarks/e2e.py trains a Llama-2 shape with a 32k vocabulary). Random
+weights; transformers' LlamaForCausalLM / Qwen2ForCausalLM built from a config, nothing downloaded:
+
+    llama3.2-1b   hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192, vocabulary 128256, tied
+                  embeddings, rope theta 500000; batch 8 x sequence 2048
+    llama3.1-8b   hidden 4096, 32 layers, 32 / 8 heads, intermediate 14336, vocabulary 128256, untied, rope theta
+                  500000; batch 1 x 8192
+    qwen2.5-7b    hidden 3584, 28 layers, 28 / 4 heads, intermediate 18944, vocabulary 152064, q/k/v bias,
+                  untied, rope theta 1e6; batch 1 x 4096
+
+Variants (rows), each a whole training step: zero_grad, forward with labels (the loss over the batch's own
+tokens), backward, optimizer step; float32 master weights under torch.autocast(bfloat16) unless said otherwise,
+SDPA attention, no gradient checkpointing. "compiled" is one torch.compile of the whole model (not of each
+decoder layer, as in benchmarks/e2e.py): the question is whether a compiled coat model is as fast as eager.
+
+    bf16              torch.optim.AdamW(fused=True); transformers' loss (logits materialized, upcast to float32)
+    liger             bf16 with Liger-Kernel's fused linear cross-entropy (apply_liger_kernel_to_llama / _qwen2
+                      with fused_linear_cross_entropy=True on the model): the logits never materialized. Its other
+                      kernels (RoPE, RMSNorm, SwiGLU) stay off: they patch transformers' modules for every model
+                      of the process, the other rows' included. Skipped without a GPU or Liger-Kernel
+                      (pip install -e ".[bench]")
+    coat              coat.convert (FP8 decoder layers, activations saved in FP8) with its fused LM head +
+                      cross-entropy where coat.convert has the fused_loss option; coat.optim.AdamW (FP8 moments)
+    coat-unfused      coat.convert(fused_loss=False): transformers' loss, so that the fused loss's gain shows
+                      (skipped where coat.convert has no fused_loss: coat's rows use that loss already)
+    coat-lowmem       coat's lowest memory: bfloat16 weights, no float32 master copy (coat.optim.AdamW rounds each
+                      update stochastically), FP8 (E5M2) gradients, the inputs of RMSNorm and SiLU*mul saved as
+                      FP4 in 1 x 128 blocks (saved_format="fp4", group_size=128), the fused loss where available
+    coat-compiled     coat, compiled
+    bf16-compiled     bf16, compiled
+    torchao-compiled  torchao float8 training (tensorwise scaling, LM head BF16), compiled; the bf16 optimizer
+                      (skipped, with a note, without torchao: pip install -e ".[bench]")
+    liger-compiled    liger, compiled
+
+For each row, on a fresh model: peak GiB and reserved GiB (torch.cuda.max_memory_allocated / _reserved over
+--warmup + --steps steps, the first of which allocates the optimizer state), the median of the --steps timed
+steps (CUDA events) and tokens/s, and the peak's parts:
+  - weights, grads and optimizer GiB, counted from the tensors after a step;
+  - fwd kept GiB: what the forward leaves allocated for backward (torch.cuda.memory_allocated after the model
+    call minus before), logits and loss included; "logits returned" says whether the model returned logits;
+  - eager rows only, from one more step under torch.distributed._tools.mem_tracker.MemTracker, which accounts
+    every live tensor: body kept GiB (what the embedding and decoder layers keep for backward), head+loss kept GiB
+    (what the LM head and the loss keep: the logits' share), and the tensors live at that step's peak by kind,
+    activations (made in the forward) and temporaries (made in the backward: the logits' gradient among them),
+    with the phase the peak fell in. MemTracker does not see into compiled graphs: a compiled row's eager twin
+    shows its split.
+A row that runs out of memory is recorded as OOM; one that fails otherwise (a compile failure included) records
+its error, and the script exits 1 once everything is written.
+
+Time on one H200, from estimates (a 1B step ~0.4 s and its build ~5 s, an 8B step at sequence 8192 ~2-3 s and
+its build ~20 s, ~1 min per whole-model compile, ~2 for an 8B): the default, llama3.2-1b with every variant at
+2 warm-up and 3 timed steps, ~6 min (5 eager rows ~1 min, 4 compiled ones ~4-5); an 8B shape with the rows
+bf16 liger coat coat-unfused coat-lowmem coat-compiled ~5 min. Take one shape per run: each writes its own
+e2e-shapes-SHAPE-DEVICE.json and .png, after every row, so that a run cut short keeps the rows it finished.
+
+    python benchmarks/e2e_shapes.py                                     (llama3.2-1b, every variant)
+    python benchmarks/e2e_shapes.py --shapes llama3.1-8b --variants NAME...     (the 8B rows above)
+    python benchmarks/e2e_shapes.py --shapes qwen2.5-7b --batch 2 --seq 2048 --variants NAME...
+    python benchmarks/e2e_shapes.py --smoke                             (CPU, tiny shapes: checks that it runs)
+    python benchmarks/e2e_shapes.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
+"""
+import dataclasses
+import importlib.metadata
+import inspect
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import coat
+
+from _common import RESULTS_DIR, compile_for_fixed_shapes, parser, print_table, write_results
+from e2e import GIB, Training, instantiate, make_optimizer, timed_steps, torchao_float8, torchao_missing, trial
+
+# Eager rows first, so that a run cut short keeps them; coat-compiled next, the question the compiled rows answer.
+VARIANTS = ("bf16", "liger", "coat", "coat-unfused", "coat-lowmem", "coat-compiled", "bf16-compiled",
+            "torchao-compiled", "liger-compiled")
+SMOKE_VARIANTS = ("bf16", "liger", "coat", "coat-unfused", "coat-lowmem")  # compiling on the CPU takes minutes
+VARIANT_COLORS = {"bf16": "tab:blue", "bf16-compiled": "tab:cyan", "torchao-compiled": "tab:green",
+                  "liger": "tab:gray", "liger-compiled": "silver", "coat": "tab:orange", "coat-compiled": "tab:red",
+                  "coat-unfused": "tab:brown", "coat-lowmem": "tab:purple"}
+SMOKE_BATCH, SMOKE_SEQ = 2, 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    model_class: type
+    config_class: type
+    config: dict  # the model's configuration
+    batch: int
+    seq: int
+    smoke: dict  # the tiny configuration of --smoke: the same family, embedding tying and head grouping
+
+    def make_config(self, smoke: bool):
+        return self.config_class(**(self.smoke if smoke else self.config), attn_implementation="sdpa",
+                                 use_cache=False)  # training: no KV cache
+
+
+def _tiny(heads: int, kv_heads: int, tied: bool) -> dict:
+    # hidden and intermediate multiples of 128, for coat-lowmem's 1 x 128 blocks; a vocabulary 8x the hidden size
+    return dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                intermediate_size=256, vocab_size=1024, tie_word_embeddings=tied)
+
+
+SHAPES = {
+    "llama3.2-1b": Shape(LlamaForCausalLM, LlamaConfig, dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
+        vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=131072), batch=8, seq=2048, smoke=_tiny(4, 1, tied=True)),
+    "llama3.1-8b": Shape(LlamaForCausalLM, LlamaConfig, dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+        vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=131072), batch=1, seq=8192, smoke=_tiny(4, 1, tied=False)),
+    "qwen2.5-7b": Shape(Qwen2ForCausalLM, Qwen2Config, dict(  # Qwen2's q, k and v projections have a bias
+        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+        vocab_size=152064, tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768), batch=1, seq=4096, smoke=_tiny(4, 2, tied=False)),
+}
+
+
+def convert_has_fused_loss() -> bool:
+    """Whether coat.convert has the fused_loss option (its fused LM head + cross-entropy)."""
+    return "fused_loss" in inspect.signature(coat.convert).parameters
+
+
+def liger_missing(device: torch.device) -> str | None:
+    """Why the Liger-Kernel variants cannot run here, or None."""
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError as error:
+        return f"Liger-Kernel is not importable ({error}): pip install -e '.[bench]'"
+    if device.type != "cuda":
+        return "Liger-Kernel's Triton kernels need a CUDA GPU"
+    return None
+
+
+def coat_options(variant: str) -> dict:
+    """coat.convert's options of a coat variant; fused_loss set explicitly wherever coat.convert has it."""
+    options = {"saved_format": "fp4", "group_size": 128} if variant == "coat-lowmem" else {}
+    if convert_has_fused_loss():
+        options["fused_loss"] = variant != "coat-unfused"
+    return options
+
+
+def loss_kind(variant: str) -> str:
+    """Which code computes the row's loss."""
+    if variant.startswith("liger"):
+        return "liger fused"
+    if variant.startswith("coat") and coat_options(variant).get("fused_loss"):
+        return "coat fused"
+    return "transformers"
+
+
+def build(variant: str, shape: Shape, config, device: torch.device) -> tuple:
+    """The model and its optimizer."""
+    bf16_weights = variant == "coat-lowmem"  # built in bfloat16: no float32 copy of the model ever exists
+    model = instantiate(shape.model_class, config, torch.bfloat16 if bf16_weights else torch.float32, device)
+    if variant.startswith("coat"):
+        coat.convert(model, **coat_options(variant))
+    elif variant.startswith("torchao"):
+        torchao_float8(model)
+    elif variant.startswith("liger"):
+        from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
+
+        apply = apply_liger_kernel_to_qwen2 if shape.model_class is Qwen2ForCausalLM else apply_liger_kernel_to_llama
+        # model=: only this model's forward is patched; the other kernels would patch transformers' modules
+        apply(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True,
+              model=model)
+    optimizer = make_optimizer(list(model.parameters()), device, coat_state=variant.startswith("coat"),
+                               bf16_weights=bf16_weights, fp8_grads="e5m2" if bf16_weights else None)
+    model.train()
+    if variant.endswith("compiled"):
+        model = compile_for_fixed_shapes(model)  # the whole model, its parameters shared
+    return model, optimizer
+
+
+class ShapeTraining(Training):
+    """benchmarks/e2e.py's training step on one GPU, of a shape's model, that also notes what each forward
+    leaves allocated and whether it returned logits."""
+
+    def __init__(self, variant: str, shape: Shape, config, device: torch.device):
+        super().__init__(variant, config, device, mesh=None, rank=0)
+        self.shape = shape
+        self.forward_kept_bytes = self.logits_returned = None
+
+    def build(self) -> None:
+        self.free()
+        self.model, self.optimizer = build(self.variant, self.shape, self.config, self.device)
+
+    def free(self) -> None:
+        if self.variant.endswith("compiled"):
+            torch._dynamo.reset()  # the compile caches refer to the model
+        super().free()
+
+    def forward(self, ids: torch.Tensor):
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        output = super().forward(ids)
+        if cuda:
+            self.forward_kept_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.logits_returned = output.logits is not None
+        return output
+
+
+def tracked_step(training: ShapeTraining, batch: int, seq: int) -> dict:
+    """One more step under MemTracker (an eager model): what the body and what the LM head and loss keep for
+    backward, and the live tensors at the step's peak by kind, in GiB, and the phase the peak fell in."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+
+    ids = training.tokens(batch, seq)
+    tracker = MemTracker()
+    tracker.track_external(training.model, training.optimizer)
+    with tracker, warnings.catch_warnings():
+        # the tracker looks for each parameter's .grad, which coat's FP8 gradients leave None
+        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+        timed_steps(training, ids, 1)
+    device = training.device  # with its index on a GPU, as the tracker's keys have it
+    modules = tracker.memory_tracking
+
+    def total(module, state: _ModState) -> int:  # tracked bytes on the device at the module's last such state
+        return modules[module].snapshots[state][-1].get(device, {}).get("Total", 0)
+
+    root, body = training.model, training.model.base_model  # base_model: the LlamaModel / Qwen2Model inside
+    peak = tracker.get_tracker_snapshot("peak")[device]
+    if peak["Total"] == total(root, _ModState.PEAK_FW):
+        phase = "forward"
+    elif _ModState.PEAK_BW in modules[root].snapshots and peak["Total"] == total(root, _ModState.PEAK_BW):
+        phase = "backward"
+    else:
+        phase = "optimizer step"
+    return {
+        "body kept GiB": (total(body, _ModState.POST_FW) - total(root, _ModState.PRE_FW)) / GIB,
+        "head+loss kept GiB": (total(root, _ModState.POST_FW) - total(body, _ModState.POST_FW)) / GIB,
+        "tracked peak GiB": peak["Total"] / GIB,
+        "peak activations GiB": peak[_MemRefType.ACT] / GIB,
+        "peak temporaries GiB": (peak[_MemRefType.TEMP] + peak[_MemRefType.OTH]) / GIB,
+        "peak in": phase,
+    }
+
+
+def error_text(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 2000 else text[:1000] + " ... " + text[-1000:]
+
+
+def measure(variant: str, shape_name: str, batch: int, seq: int, args, device: torch.device) -> dict:
+    """One row: the variant's step at the shape, on a fresh model."""
+    shape = SHAPES[shape_name]
+    training = ShapeTraining(variant, shape, shape.make_config(args.smoke), device)
+    row = {"shape": shape_name, "variant": variant, "batch": batch, "seq": seq, "loss": loss_kind(variant),
+           "compiled": variant.endswith("compiled")}
+    if device.type == "cuda":  # what the rows before left allocated, in every peak below: 0 unless they leaked
+        row["allocated before GiB"] = torch.cuda.memory_allocated(device) / GIB
+    result = error = None
+    try:
+        training.build()
+        result = trial(training, batch, seq, args.warmup, args.steps)  # None: out of memory
+        if result is not None:
+            state = training.state_bytes()  # after a step: its gradients still held
+            result.update({f"{part} GiB": size / GIB for part, size in state.items()})
+            result["params"] = sum(p.numel() for p in training.model.parameters())
+            result["logits returned"] = training.logits_returned
+            if training.forward_kept_bytes is not None:
+                result["fwd kept GiB"] = training.forward_kept_bytes / GIB
+    except torch.OutOfMemoryError:  # while building
+        result = None
+    except Exception as exc:  # noqa: BLE001 - a failing row (a compile failure, say) is a result, not the run's end
+        traceback.print_exc()
+        error = error_text(exc)
+    if result is not None and not row["compiled"]:
+        try:
+            result.update(tracked_step(training, batch, seq))
+        except torch.OutOfMemoryError:
+            result["accounting"] = "OOM"
+        except Exception as exc:  # noqa: BLE001 - the row's measurements stand without the accounting
+            traceback.print_exc()
+            result["accounting"] = error_text(exc)
+    training.free()
+    if error is not None:
+        row.update({"peak GiB": "error", "error": error})
+    else:
+        row.update(result or {"peak GiB": "OOM"})
+    print(f"{shape_name} {variant}: {row}", flush=True)
+    return row
+
+
+def summarize(rows: list[dict], args, missing: dict[str, str]) -> dict:
+    def ratio(a, b):
+        return a / b if a is not None and b is not None else None
+
+    per_shape = {}
+    for shape_name in dict.fromkeys(r["shape"] for r in rows):
+        by_variant = {r["variant"]: r for r in rows if r["shape"] == shape_name}
+        peak = {v: r.get("peak GiB") for v, r in by_variant.items()}  # GiB, "OOM" or "error"; None on the CPU
+        speed = {v: r.get("tokens/s/GPU") for v, r in by_variant.items()}
+        gib = {v: p if isinstance(p, float) else None for v, p in peak.items()}
+        per_shape[shape_name] = {
+            "batch": next(iter(by_variant.values()))["batch"],
+            "seq": next(iter(by_variant.values()))["seq"],
+            "peak_gib": peak,
+            "tokens_per_s": speed,
+            "memory_ratio_bf16_over_variant": {v: ratio(gib.get("bf16"), g) for v, g in gib.items()},
+            "speed_ratio_over_bf16": {v: ratio(s, speed.get("bf16")) for v, s in speed.items()},
+            # coat's fused loss against transformers' loss on coat (coat-unfused)
+            "fused_loss_gib_saved": (gib["coat-unfused"] - gib["coat"]
+                                     if gib.get("coat") is not None and gib.get("coat-unfused") is not None else None),
+            "fused_loss_speed_ratio": ratio(speed.get("coat"), speed.get("coat-unfused")),
+            "compiled_over_eager_speed": {v: ratio(speed.get(f"{v}-compiled"), speed.get(v))
+                                          for v in ("bf16", "liger", "coat") if f"{v}-compiled" in by_variant},
+        }
+    return {
+        "smoke": args.smoke,
+        "shapes": list(per_shape),
+        "variants": list(dict.fromkeys(r["variant"] for r in rows)),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "compile": "whole model (torch.compile(model, dynamic=False))",
+        "coat_convert_has_fused_loss": convert_has_fused_loss(),
+        "versions": {package: _version(package) for package in ("transformers", "torchao", "liger-kernel", "triton")},
+        "per_shape": per_shape,
+        "errors": {f"{r['shape']} {r['variant']}": r["error"] for r in rows if "error" in r},
+        "notes": [f"{v} skipped: {why}" for v, why in missing.items()],
+    }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def plot(result_paths: list[str], png_path: str) -> None:
+    """Bars of the result files: peak GiB and tokens/s of each variant, one group per shape."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [json.load(open(path)) for path in result_paths]
+    rows = [row for result in results for row in result["rows"]]
+    shapes = list(dict.fromkeys(f"{r['shape']}\n{r['batch']} x {r['seq']}" for r in rows))
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+    width = 0.8 / len(variants)
+    figure, axes = plt.subplots(1, 2, figsize=(3 + 0.45 * len(variants) * len(shapes) * 2, 5))
+    for ax, key, unit in ((axes[0], "peak GiB", "peak GiB (lower is better)"),
+                          (axes[1], "tokens/s/GPU", "tokens/s (higher is better)")):
+        for i, variant in enumerate(variants):
+            for position, shape in enumerate(shapes):
+                row = next((r for r in rows if r["variant"] == variant
+                            and f"{r['shape']}\n{r['batch']} x {r['seq']}" == shape), None)
+                if row is None:
+                    continue
+                value = row.get(key)
+                ok = isinstance(value, float)
+                bar = ax.bar(position + (i - (len(variants) - 1) / 2) * width, value if ok else 0, width,
+                             color=VARIANT_COLORS[variant], label=variant)
+                label = f"{value:,.0f}" if ok and value >= 100 else f"{value:.1f}" if ok else row.get("peak GiB", "n/a")
+                ax.bar_label(bar, labels=[label], fontsize=7, rotation=90, padding=2)
+        ax.set_xticks(range(len(shapes)), shapes, fontsize=8)
+        ax.set_ylabel(unit)
+        ax.margins(y=0.2)
+    handles, labels = axes[0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles))  # each variant once
+    axes[0].legend(unique.values(), unique.keys(), fontsize=8)
+    figure.suptitle(f"whole training steps, {results[0]['device']}, torch {results[0]['torch']}")
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=120)
+    plt.close(figure)
+
+
+def main():
+    p = parser(__doc__)
+    p.set_defaults(warmup=2, repeat=3)
+    p.add_argument("--steps", dest="repeat", type=int, help="timed steps per row (same as --repeat)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny models of every shape on the CPU, 2 warm-up steps and 1 timed")
+    p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), metavar="NAME",
+                   help=f"model shapes, of: {', '.join(SHAPES)} (default: llama3.2-1b; --smoke: all)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, metavar="NAME",
+                   help=f"rows, of: {', '.join(VARIANTS)} (default: all; --smoke: {', '.join(SMOKE_VARIANTS)})")
+    p.add_argument("--batch", type=int, help="micro-batch of every shape (default: the shape's)")
+    p.add_argument("--seq", type=int, help="sequence length of every shape (default: the shape's)")
+    p.add_argument("--plot", nargs="+", metavar="JSON", help="only draw these result files into --plot-file")
+    p.add_argument("--plot-file", help="the PNG (default: the result file's name with .png)")
+    args = p.parse_args()
+    if args.plot:
+        png = args.plot_file or os.path.join(RESULTS_DIR, "e2e-shapes.png")
+        plot(args.plot, png)
+        print(f"wrote {png}")
+        return
+    args.steps = args.repeat
+    if args.warmup < 2:
+        p.error("--warmup must be at least 2: the second step is the first with optimizer state and gradients")
+    if args.steps < 1 or (args.batch is not None and args.batch < 1) or (args.seq is not None and args.seq < 2):
+        p.error("--steps and --batch must be at least 1, --seq at least 2")
+    if args.smoke:
+        device = torch.device("cpu")
+        args.warmup, args.steps = 2, 1
+    elif not torch.cuda.is_available() or not coat.built_with_cuda():
+        sys.exit("benchmarks/e2e_shapes.py needs a CUDA GPU and coat built with CUDA (or --smoke)")
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    shapes = args.shapes or (list(SHAPES) if args.smoke else ["llama3.2-1b"])
+    variants = args.variants or (SMOKE_VARIANTS if args.smoke else VARIANTS)
+
+    missing = {}
+    for variant in variants:
+        if variant.startswith("torchao"):
+            missing[variant] = torchao_missing()
+        elif variant.startswith("liger"):
+            missing[variant] = liger_missing(device)
+        elif variant == "coat-unfused" and not convert_has_fused_loss():
+            missing[variant] = "coat.convert has no fused_loss option: the coat rows use transformers' loss"
+    missing = {v: why for v, why in missing.items() if why}
+    for variant, why in missing.items():
+        print(f"{variant}: skipped, {why}", flush=True)
+
+    name = "e2e-shapes-smoke" if args.smoke else "e2e-shapes-" + "+".join(shapes)
+    rows = []
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        batch = SMOKE_BATCH if args.smoke else args.batch or shape.batch
+        seq = SMOKE_SEQ if args.smoke else args.seq or shape.seq
+        for variant in variants:
+            if variant not in missing:
+                rows.append(measure(variant, shape_name, batch, seq, args, device))
+                # after every row, so that a run cut short keeps what it measured
+                path = write_results(args.results_dir, name, rows, summarize(rows, args, missing))
+                png = args.plot_file or path.removesuffix(".json") + ".png"
+                plot([path], png)
+    if not rows:
+        sys.exit("no variant could run here: " + "; ".join(f"{v}: {why}" for v, why in missing.items()))
+
+    columns = ["shape", "variant", "batch", "seq", "loss", "logits returned", "peak GiB", "reserved GiB", "step ms",
+               "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "fwd kept GiB", "body kept GiB",
+               "head+loss kept GiB", "peak activations GiB", "peak temporaries GiB", "peak in"]
+    print_table(rows, columns)
+    summary = summarize(rows, args, missing)
+    for line in summary["notes"] + [f"{where}: {error}" for where, error in summary["errors"].items()]:
+        print(line)
+    print(f"wrote {path} and {png}")
+    if summary["errors"]:
+        sys.exit(f"{len(summary['errors'])} row(s) failed: see their errors above and in {path}")
+
+if __name__ == "__main__":
+    main()
