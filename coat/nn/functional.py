@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from coat import ops
 from coat.nn import _capture
 from coat.nn.config import AMAX_GROUP_SIZE, FP8Config
+from coat.nn.cross_entropy import linear_cross_entropy  # noqa: F401  (re-exported: the fused LM head + loss)
 from coat.nn.fp8_weight import FP8Weight, transposed_codes
 
 _GEMM_ALIGNMENT = 16
