@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from coat import ops
+from coat.nn.functional import _autocast_available
 
 REDUCTIONS = ("mean", "sum")
 STRATEGIES = ("forward", "recompute")
@@ -48,7 +49,7 @@ def default_chunk_size(tokens: int, vocab: int, hidden_size: int) -> int:
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype of the logits GEMM: the autocast dtype under autocast (as nn.Linear), else the operands'."""
     device_type = hidden.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     if hidden.dtype != weight.dtype:
         raise ValueError(f"linear_cross_entropy: hidden is {hidden.dtype} but weight is {weight.dtype}; cast one to "

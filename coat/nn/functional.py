@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from coat import ops
 from coat.nn import _capture
 from coat.nn.config import AMAX_GROUP_SIZE, FP8Config
-from coat.nn.cross_entropy import linear_cross_entropy  # noqa: F401  (re-exported: the fused LM head + loss)
 from coat.nn.fp8_weight import FP8Weight, transposed_codes
 
 _GEMM_ALIGNMENT = 16
@@ -911,3 +910,8 @@ def rotary_embedding(
     cos and sin get no gradient (None): they are the rotary tables, which transformers computes without
     autograd."""
     return _RotaryEmbeddingFunction.apply(q, k, cos, sin)
+
+
+# The fused LM head + loss, re-exported here with the other functional ops; imported last because it uses this
+# module's autocast query.
+from coat.nn.cross_entropy import linear_cross_entropy  # noqa: E402, F401

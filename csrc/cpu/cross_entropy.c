@@ -56,9 +56,12 @@ static void coat_ce_row(const coat_cross_entropy_args* a, int64_t r) {
   }
 }
 
+/* Below this many logits a call runs on one thread: starting the team would cost more than the work. */
+#define COAT_CE_PARALLEL_MIN_ELEMENTS 65536
+
 coat_status coat_cross_entropy_cpu(const coat_cross_entropy_args* args) {
   if (!coat_cross_entropy_valid_args(args)) return COAT_ERROR_INVALID_ARGUMENT;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (args->rows * args->vocab >= COAT_CE_PARALLEL_MIN_ELEMENTS)
   for (int64_t r = 0; r < args->rows; ++r) coat_ce_row(args, r);
   return COAT_SUCCESS;
 }
