@@ -25,6 +25,7 @@ def convert(
     fast_accum: bool = False,
     modules_to_convert: Sequence[str] | None = None,
     skip_modules: Sequence[str] = (),
+    fused_loss: bool = True,
 ) -> nn.Module:
     """Converts ``model`` in place to coat's FP8 precision flow and returns it.
 
@@ -40,6 +41,9 @@ def convert(
         :class:`coat.nn.Linear`. None (the default) converts every decoder layer and nothing else.
     skip_modules: patterns of modules to leave as they are (e.g. ``["model.layers.0", "model.layers.31"]``
         to keep the first and last layers in BF16).
+    fused_loss: for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM, compute the loss fused with the LM
+        head (:mod:`coat.nn.causal_lm`) when labels are given: the [batch, seq, vocab] logits are never held, and
+        the output's logits are None then. Without labels (generate(), evaluation) the logits come back as before.
 
     The LM head stays BF16 unless named in modules_to_convert: its logits feed the softmax over the
     vocabulary directly, where FP8 error shows up unfiltered in the loss (FP8 recipes, TransformerEngine's
@@ -91,4 +95,8 @@ def convert(
     for name, linear in linears:
         parent_name, _, child_name = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child_name, Linear.from_linear(linear, config))
+    if fused_loss:
+        from coat.nn.causal_lm import install_fused_loss
+
+        install_fused_loss(model)
     return model

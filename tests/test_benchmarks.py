@@ -63,7 +63,7 @@ def check_e2e(result: dict, world_size: int) -> None:
         assert ratios["all-gather"]["bf16"] == 1.0 and ratios["all-gather"]["coat-fp8-comm"] < 0.9
 
 
-@pytest.mark.parametrize("script", ["linear", "layer", "layer_host_time", "e2e", "rope", "report", "fp4"])
+@pytest.mark.parametrize("script", ["linear", "layer", "layer_host_time", "e2e", "rope", "report", "fp4", "cross_entropy"])
 def test_benchmark_smoke_mode(script, tmp_path):
     result = run_smoke([sys.executable], script, tmp_path)
     assert result["summary"]["smoke"] and result["rows"]

@@ -910,3 +910,8 @@ def rotary_embedding(
     cos and sin get no gradient (None): they are the rotary tables, which transformers computes without
     autograd."""
     return _RotaryEmbeddingFunction.apply(q, k, cos, sin)
+
+
+# The fused LM head + loss, re-exported here with the other functional ops; imported last because it uses this
+# module's autocast query.
+from coat.nn.cross_entropy import linear_cross_entropy  # noqa: E402, F401

@@ -47,6 +47,8 @@ TORCH_LIBRARY(coat, m) {
         " Tensor?[] rows, bool[] x_holds_measured_rows, float[] amax_per_scale) -> ()");
   m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse=False)"
         " -> (Tensor q_out, Tensor k_out)");
+  m.def("cross_entropy(Tensor(a!) logits, Tensor labels, Tensor? grad_scale, int ignore_index, float label_smoothing,"
+        " float softcap, float z_loss) -> (Tensor loss, Tensor lse)");
 }
 
 static PyObject* coat_built_with_cuda(PyObject*, PyObject*) {

@@ -1,0 +1,127 @@
+"""The fused LM head + loss for transformers' causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM).
+
+A model given the fused loss keeps its class's identity (it becomes an instance of a subclass, e.g.
+FusedLossLlamaForCausalLM of LlamaForCausalLM) and its modules, parameters and state dict. Its forward is the
+transformers forward, with one change when ``labels`` are given (as a keyword, as the Trainer passes them):
+the LM head computes the loss with :func:`coat.nn.functional.linear_cross_entropy` instead of the logits, so
+the [batch, seq, vocab] logits never exist, and the output's ``logits`` is None. Without labels (evaluation
+without labels, ``generate()``) nothing changes and the logits come back as before.
+
+The loss is transformers' ForCausalLMLoss: labels shifted by one (or ``shift_labels`` when given), ignore_index
+(-100 unless passed), the mean over the tokens not ignored, or the sum over ``num_items_in_batch`` when the
+Trainer passes it for gradient accumulation. One difference: a batch whose tokens are all ignored gives loss 0,
+not transformers' NaN (it gives 0 already when num_items_in_batch is passed).
+
+The model's own forward runs unchanged (its keywords, its cache, ``logits_to_keep``), only the LM head's result
+differs: the head is swapped for :class:`FusedLossLMHead`, the same nn.Linear (same Parameter, so tied
+embeddings stay tied) that, while the model's forward holds labels for it, returns the loss. The weight is read
+inside the head's own forward, where FSDP and other hooks on the head have made it whole.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaForCausalLM
+from transformers.models.mistral.modeling_mistral import MistralForCausalLM
+from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+
+from coat.nn.cross_entropy import linear_cross_entropy
+
+
+class FusedLossLMHead(nn.Linear):
+    """An LM head that returns the fused loss instead of the logits while ``pending_loss`` holds the loss's
+    arguments (set by the model's forward for one call), and the logits otherwise."""
+
+    pending_loss: dict | None = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.pending_loss is None:
+            return super().forward(hidden_states)
+        return causal_lm_loss(hidden_states, self.weight, bias=self.bias, **self.pending_loss)
+
+
+def causal_lm_loss(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss on ``hidden_states @ weight.T + bias``, fused: labels [batch, seq] shifted by
+    one (the last position predicts nothing), or ``shift_labels`` as given, against hidden_states [batch, seq, H]."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if shift_labels.numel() != hidden_states.shape[:-1].numel():
+        raise ValueError(
+            f"coat's fused loss: the labels ({tuple(shift_labels.shape)}) do not match the positions the LM head "
+            f"sees ({tuple(hidden_states.shape[:-1])}); with logits_to_keep, pass labels for the kept positions only"
+        )
+    return linear_cross_entropy(
+        hidden_states,
+        weight,
+        shift_labels.reshape(hidden_states.shape[:-1]).to(hidden_states.device),
+        bias=bias,
+        ignore_index=ignore_index,
+        num_items_in_batch=num_items_in_batch,
+    )
+
+
+def _fused_loss_forward(base_forward):
+    """The forward of a model with the fused loss, on top of its transformers class's ``base_forward``; wraps it
+    so that inspect.signature (which the Trainer reads to keep dataset columns) sees the base signature."""
+
+    @functools.wraps(base_forward)
+    def forward(self, *args, **kwargs):
+        labels = kwargs.pop("labels", None)
+        if labels is None:  # also when labels come positionally: then transformers' own loss runs
+            return base_forward(self, *args, **kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        self.lm_head.pending_loss = {
+            "labels": labels,
+            "ignore_index": kwargs.get("ignore_index", -100),
+            "shift_labels": kwargs.get("shift_labels"),
+            "num_items_in_batch": kwargs.get("num_items_in_batch"),
+        }
+        try:
+            outputs = base_forward(self, *args, return_dict=True, **kwargs)
+        finally:
+            self.lm_head.pending_loss = None
+        # A new output rather than assignments: ModelOutput's tuple view keeps the fields it was built with.
+        outputs = type(outputs)(**{**outputs, "loss": outputs.logits, "logits": None})
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return outputs if return_dict else outputs.to_tuple()
+
+    return forward
+
+
+def _fused_loss_class(base: type) -> type:
+    return type(
+        f"FusedLoss{base.__name__}",
+        (base,),
+        {
+            "forward": _fused_loss_forward(base.forward),
+            "__doc__": f"A {base.__name__} whose loss coat computes fused with the LM head (coat.nn.causal_lm).",
+            "__module__": __name__,
+        },
+    )
+
+
+FUSED_LOSS_CAUSAL_LMS = {base: _fused_loss_class(base) for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)}
+
+
+def install_fused_loss(model: nn.Module) -> bool:
+    """Gives ``model`` the fused loss when it is one of the supported causal LMs with a plain nn.Linear head (an
+    FP8 head from modules_to_convert keeps transformers' loss); returns whether it did."""
+    fused_class = FUSED_LOSS_CAUSAL_LMS.get(type(model))
+    head = getattr(model, "lm_head", None)
+    if fused_class is None or type(head) is not nn.Linear:
+        return False
+    head.__class__ = FusedLossLMHead
+    model.__class__ = fused_class
+    return True
