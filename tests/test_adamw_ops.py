@@ -5,7 +5,7 @@ their own log2 / exp2 (a few ulp), so against float64 they agree to rounding, no
 tolerance below says where it comes from.
 
 On CUDA, quantize_expanded and dequantize_expanded must equal the C core's results bit for bit. The CUDA step
-uses the GPU's fast arithmetic (hardware exp2, log2, square root and reciprocal; csrc/cuda/adamw.cu) and is
+uses the GPU's fast arithmetic (hardware exp2, log2, square root and reciprocal; csrc/cuda/adamw_step.cu) and is
 held to a stated tolerance instead: every step runs on the GPU twice (the same bits), and on the CPU, and both
 kernels are measured against the float64 oracle on the same inputs (StepErrors, compare_step):
   parameters  root mean square of |p - p*| / (|p decay| + step_size (|beta1 m_old| + |(1 - beta1) g|) / denom*),

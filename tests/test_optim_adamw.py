@@ -938,7 +938,7 @@ needs_cuda = pytest.mark.skipif(
 
 @needs_cuda
 def test_cuda_matches_cpu_within_tolerance():
-    """The CUDA step uses the GPU's fast arithmetic (csrc/cuda/adamw.cu; tests/test_adamw_ops.py checks each step
+    """The CUDA step uses the GPU's fast arithmetic (csrc/cuda/adamw_step.cu; tests/test_adamw_ops.py checks each step
     against the C core's within its stated tolerance). Over 5 free-running steps the two runs drift apart only
     where an FP8 code or a bf16 meta value landed on the other side of a rounding boundary, which moves that
     element's update by a few %: parameters within 0.1 lr per step of each other, the median within 1e-5 lr per

@@ -1,7 +1,7 @@
 """Instructions per element of fp8_adamw_step_kernel's hot path, counted in its SASS (no GPU needed).
 
 The kernel is a persistent loop over 512-column tiles, 16 elements per lane. This script compiles
-csrc/cuda/adamw.cu with the build's nvcc flags (or takes a cubin), disassembles it with line information
+csrc/cuda/adamw_step.cu with the build's nvcc flags (or takes a cubin), disassembles it with line information
 (nvdisasm -g -gi), and walks the tile loop's control flow from its header to its back-edge, choosing at each
 conditional branch the direction a typical tile takes: every group expanded (k != 1) with normal values, no
 zero / non-finite / subnormal element, a whole tile of an aligned tensor, the fast variants of decode, range and
@@ -29,7 +29,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNEL = os.path.join(ROOT, "csrc", "cuda", "adamw.cu")
+KERNEL = os.path.join(ROOT, "csrc", "cuda", "adamw_step.cu")
 MATH = os.path.join(ROOT, "csrc", "include", "coat", "detail", "adamw_math.h")
 NVCC_FLAGS = ["-O3", "-std=c++17", "-prec-div=true", "-prec-sqrt=true", "-ftz=false", "-fmad=false", "-lineinfo"]
 ELEMENTS_PER_TILE_LANE = 16
@@ -87,7 +87,10 @@ class Source:
         raise KeyError(f"{self.name}: no line containing {snippet!r} (update the rules of {__file__})")
 
     def key(self, snippet: str, after: int = 0) -> str:
-        return f"{self.name}:{self.find(snippet, after)}"
+        return self.key_of(self.find(snippet, after))
+
+    def key_of(self, number: int) -> str:
+        return f"{self.name}:{number}"
 
 
 def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str, first_in_batch: bool):
@@ -309,7 +312,7 @@ def tool(name: str) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cubin", help="an sm_90 cubin of csrc/cuda/adamw.cu (default: compile one)")
+    parser.add_argument("--cubin", help="an sm_90 cubin of csrc/cuda/adamw_step.cu (default: compile one)")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--dtypes", choices=["fp32", "bf16"], default="fp32",
                         help="param and grad dtype (fp32 / fp32 or bf16 / bf16)")
@@ -322,7 +325,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         cubin = args.cubin
         if cubin is None:
-            cubin = os.path.join(tmp, "adamw.cubin")
+            cubin = os.path.join(tmp, "adamw_step.cubin")
             subprocess.run([tool("nvcc"), "-cubin", f"-arch={args.arch}", *NVCC_FLAGS,
                             "-I" + os.path.join(ROOT, "csrc", "include"), KERNEL, "-o", cubin], check=True)
         listing = subprocess.run([tool("nvdisasm"), "-g", "-gi", "-c", cubin], check=True, capture_output=True,
@@ -330,7 +333,7 @@ def main():
     functions = parse(listing)
     ins = next(v for k, v in functions.items() if "fp8_adamw_step_kernel" in k)
     cu, h = Source(KERNEL), Source(MATH)
-    batch_tiles = max(args.group_size // 32, 1)  # tiles per decoder batch (csrc/cuda/adamw.cu, DecoderBatch)
+    batch_tiles = max(args.group_size // 32, 1)  # tiles per decoder batch (csrc/cuda/adamw_step.cu, DecoderBatch)
     loop_line = cu.key("for (int slot = 0; tile < plan.tiles; tile += warps")
     header_line = cu.key("const LaneSpan span = lane_span(tile, plan, t.cols);")
     paths = [walk(ins, *rules_for(cu, h, args.dtypes, args.group_size, args.formats, first), loop_line, header_line)

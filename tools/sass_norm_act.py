@@ -1,8 +1,8 @@
 """Instructions per element of the norm_act kernels' hot loops, counted in their SASS (no GPU needed).
 
-Compiles csrc/cuda/norm_act.cu with the build's nvcc flags, disassembles it with line information and, for
-each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its main loop with the walker of
-tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks,
+Compiles csrc/cuda/rmsnorm.cu and silu_mul.cu with the build's nvcc flags, disassembles them with line
+information and, for each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its main loop with
+the walker of tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks,
 finite values, gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its
 transpose (the requantize ops: vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each),
 inputs saved in E4M3, no Smooth-SwiGLU scales; the *_fp4 and *_fp6 rows: the kernels instantiated for inputs
@@ -11,7 +11,7 @@ scales; silu_mul_backward_fp4_g128: FP4 in groups of 128, the gates' factors sha
 dynamic for that path (each executed SASS instruction once, branches and barriers included), divided by the
 elements a lane handles per iteration. Also prints each kernel's registers, and the blocks per SM they allow.
 
-  python tools/sass_norm_act.py [--by-line KERNEL] [--arch sm_90] [--cubin FILE]
+  python tools/sass_norm_act.py [--by-line KERNEL] [--arch sm_90] [--cubins RMSNORM_CUBIN SILU_MUL_CUBIN]
 
 Needs nvcc, nvdisasm and cuobjdump (on the PATH, or in site-packages/nvidia/cu*/bin).
 """
@@ -27,7 +27,9 @@ import typing
 
 from sass_hot_path import NVCC_FLAGS, ROOT, Source, opcode, parse, tool, walk
 
-KERNEL = os.path.join(ROOT, "csrc", "cuda", "norm_act.cu")
+# The kernels' sources: the two translation units, and the header of what they share.
+UNITS = [os.path.join(ROOT, "csrc", "cuda", name) for name in ("rmsnorm.cu", "silu_mul.cu")]
+SOURCES = [os.path.join(ROOT, "csrc", "cuda", "norm_act.cuh")] + UNITS
 INCLUDE = os.path.join(ROOT, "csrc", "include", "coat")
 HEADERS = {name: os.path.join(INCLUDE, *path) for name, path in {
     "norm_act_math.h": ("detail", "norm_act_math.h"),
@@ -102,7 +104,24 @@ for _name, _format in (("fp4", 1), ("fp6", 2)):
         "apply_quantize_kernel(", *APPLY_LOOP)
 
 
-def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
+class Sources(Source):
+    """Source files read as one: their lines in a row, numbered from 1 across them, so that a rule finds a statement
+    in whichever file it lies. find() gives such a number, key() and key_of() the "file:line" of the file's own."""
+
+    def __init__(self, paths: list[str]):
+        files = [Source(path) for path in paths]
+        self.names = {source.name for source in files}
+        self.name = ", ".join(source.name for source in files)
+        self.lines, self.places = [], []
+        for source in files:
+            self.lines += source.lines
+            self.places += [source.key_of(n) for n in range(1, len(source.lines) + 1)]
+
+    def key_of(self, number: int) -> str:
+        return self.places[number - 1]
+
+
+def rules_for(cu: Sources, headers: dict[str, Source], kernel: str):
     """(cold source lines, branch rules) of the typical iteration of `kernel` described in the module
     docstring."""
     cold: set[str] = set()
@@ -110,7 +129,7 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
     def cold_lines(source: Source, first: str, last: str | None = None, after: int = 0):
         a = source.find(first, after)
         b = source.find(last, a - 1) if last else a
-        cold.update(f"{source.name}:{n}" for n in range(a, b + 1))
+        cold.update(source.key_of(n) for n in range(a, b + 1))
 
     # the slow paths behind each chunk's test, and the element-by-element I/O
     chunk = Source(os.path.join(ROOT, "csrc", "cuda", "fp8_chunk.cuh"))
@@ -142,7 +161,7 @@ def rules_for(cu: Source, headers: dict[str, Source], kernel: str):
 
 
     def key(line: int) -> str:
-        return f"{cu.name}:{line}"
+        return cu.key_of(line)
 
     def into(line: int) -> str:
         """The way into what the statement on `line` guards: toward the lines of its block (`{` ... `}`), or,
@@ -293,31 +312,36 @@ def blocks_per_sm(regs: int) -> int:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cubin", help="a cubin of csrc/cuda/norm_act.cu (default: compile one)")
+    parser.add_argument("--cubins", nargs=2, metavar=("RMSNORM_CUBIN", "SILU_MUL_CUBIN"),
+                        help="cubins of csrc/cuda/rmsnorm.cu and silu_mul.cu (default: compile them)")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--by-line", choices=sorted(KERNELS), help="instructions per source line of one kernel")
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = args.cubin
-        if cubin is None:
-            cubin = os.path.join(tmp, "norm_act.cubin")
-            subprocess.run([tool("nvcc"), "-cubin", f"-arch={args.arch}", *NVCC_FLAGS,
-                            "-I" + os.path.join(ROOT, "csrc", "include"), KERNEL, "-o", cubin], check=True)
-        listing = subprocess.run([tool("nvdisasm"), "-g", "-gi", "-c", cubin], check=True, capture_output=True,
-                                 text=True).stdout
-        regs = registers(cubin)
-    functions = parse(listing)
-    cu = Source(KERNEL)
-    headers = {name: Source(path) for name, path in HEADERS.items()}
-    # nvcc's line table names a header for some lines of norm_act.cu (seen: e2m_chunk.cuh at lines past its end,
-    # where the compiler moved the silu table's range test into the code of save_chunks): such a line is the .cu's.
+    # nvcc's line table names a header for some lines of a .cu (seen: e2m_chunk.cuh at lines past its end, where
+    # the compiler moved the silu table's range test into the code of save_chunks): such a line is the .cu's.
     lengths = {name: len(open(os.path.join(folder, name)).read().split("\n"))
                for folder, _, names in os.walk(os.path.join(ROOT, "csrc")) for name in names}
-    for function in functions.values():
-        for instruction in function:
-            instruction["chain"] = [(cu.name, line) if file != cu.name and line > lengths.get(file, line) else
-                                    (file, line) for file, line in instruction["chain"]]
+    functions, regs = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for index, unit in enumerate(UNITS):
+            if args.cubins:
+                cubin = args.cubins[index]
+            else:
+                cubin = os.path.join(tmp, os.path.basename(unit) + ".cubin")
+                subprocess.run([tool("nvcc"), "-cubin", f"-arch={args.arch}", *NVCC_FLAGS,
+                                "-I" + os.path.join(ROOT, "csrc", "include"), unit, "-o", cubin], check=True)
+            listing = subprocess.run([tool("nvdisasm"), "-g", "-gi", "-c", cubin], check=True, capture_output=True,
+                                     text=True).stdout
+            regs.update(registers(cubin))
+            name = os.path.basename(unit)
+            for mangled, function in parse(listing).items():
+                for instruction in function:
+                    instruction["chain"] = [(name, line) if file != name and line > lengths.get(file, line) else
+                                            (file, line) for file, line in instruction["chain"]]
+                functions[mangled] = function
+    cu = Sources(SOURCES)
+    headers = {name: Source(path) for name, path in HEADERS.items()}
     for name, loop in KERNELS.items():
         mangled = next(k for k in functions if all(f in k for f in loop.fragments))
         cold, rules = rules_for(cu, headers, name)
@@ -331,11 +355,12 @@ def main():
               f"{BLOCK_THREADS} per SM")
         print("    " + " ".join(f"{o}:{n}" for o, n in ops.most_common()))
         if args.by_line == name:
-            # an instruction's statement of the kernel: its outermost line of the .cu, the copy's call aside
-            by_line = collections.Counter(next((l for f, l in reversed(i["chain"]) if f == cu.name and
-                                                f"{f}:{l}" != within), 0) for i in path)
-            for line, n in sorted(by_line.items()):
-                print(f"{n:6d}  {line:4d}  {cu.lines[line - 1].strip()[:90] if line else ''}")
+            # an instruction's statement of the kernel: its outermost line of the sources, the copy's call aside
+            by_line = collections.Counter(next((f"{f}:{l}" for f, l in reversed(i["chain"]) if f in cu.names and
+                                                f"{f}:{l}" != within), "") for i in path)
+            text = dict(zip(cu.places, cu.lines))
+            for place, n in sorted(by_line.items(), key=lambda item: (cu.places.index(item[0]) if item[0] else -1)):
+                print(f"{n:6d}  {place:18s}  {text[place].strip()[:90] if place else ''}")
 
 
 if __name__ == "__main__":

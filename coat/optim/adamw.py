@@ -81,7 +81,7 @@ _PARAM_ROUNDINGS = ("nearest", "stochastic")
 # step never holds more than 128 MiB of them at once (one larger tensor is its own chunk).
 _DEQUANTIZED_GRAD_CHUNK = 1 << 26
 # Parameters of a group whose kernel call is enqueued before the host prepares the next ones: the CUDA kernel's
-# launch size (kTensorsPerLaunch in csrc/cuda/adamw.cu), so that the GPU runs one launch while the host builds
+# launch size (kTensorsPerLaunch in csrc/cuda/adamw_step.cu), so that the GPU runs one launch while the host builds
 # the next call's tensor lists and the binding checks them, instead of waiting for all of the group's. The first
 # call takes fewer, so that the GPU starts after a few parameters' preparation rather than 32 parameters'.
 _PARAMS_PER_CALL = 32

@@ -1,4 +1,4 @@
-/* C99 CPU implementation of coat/adamw.h: the same element-level steps as csrc/cuda/adamw.cu. */
+/* C99 CPU implementation of coat/adamw.h: the same element-level steps as csrc/cuda/adamw_*.cu. */
 #include "coat/adamw.h"
 
 #include "coat/detail/adamw_math.h"

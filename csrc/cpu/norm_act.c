@@ -1,5 +1,5 @@
 /* C99 CPU implementation of coat/norm_act.h. The element math and the reduction orders are those of
- * coat/detail/norm_act_math.h, replayed in the order csrc/cuda/norm_act.cu computes them. */
+ * coat/detail/norm_act_math.h, replayed in the order csrc/cuda/rmsnorm.cu and silu_mul.cu compute them. */
 #include "coat/norm_act.h"
 
 #include <stddef.h>

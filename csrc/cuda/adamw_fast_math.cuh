@@ -1,4 +1,4 @@
-// The hardware approximations and conversions of the FP8 AdamW step kernel (csrc/cuda/adamw.cu), in one
+// The hardware approximations and conversions of the FP8 AdamW step kernel (csrc/cuda/adamw_step.cu), in one
 // header so that tools/cuda_emulation can put a CPU model with the same error bounds in its place (it shadows
 // this file by name). Error bounds are the PTX ISA's; "ftz" variants flush subnormal inputs and results to
 // zero, the others handle them (at a few instructions more).

@@ -1,7 +1,7 @@
 // Device-side block quantization of chunks of 8 values to FP4 (E2M1) and FP6 (E2M3), shared by the block
 // quantizers (quantize.cu) and the fused RMSNorm / SiLU*mul kernels that save their inputs in either format
-// (norm_act.cu). The formats are E2M<M> with M = 1 (FP4) or 3 (FP6) mantissa bits (coat/minifloat.h); a chunk's
-// codes pack into 4 bytes (FP4) or 6 (FP6), element e at bit e * (M + 3).
+// (rmsnorm.cu, silu_mul.cu). The formats are E2M<M> with M = 1 (FP4) or 3 (FP6) mantissa bits (coat/minifloat.h);
+// a chunk's codes pack into 4 bytes (FP4) or 6 (FP6), element e at bit e * (M + 3).
 //
 // coat_quantize_e2m_scaled (coat/detail/quantize_math.h) encodes the exact product |x| * reciprocal in double; the
 // forms below do the same in float: each of its three rounded terms is one FMA of |x| and a power-of-two multiple of

@@ -1,5 +1,5 @@
 // Device-side FP8 quantization of chunks of 8 values, and the rounding of results to 16-bit pairs, shared by the
-// quantizers (quantize.cu) and the fused RMSNorm / SiLU*mul kernels (norm_act.cu).
+// quantizers (quantize.cu) and the fused RMSNorm / SiLU*mul kernels (rmsnorm.cu, silu_mul.cu).
 //
 // coat's quantization (coat/detail/quantize_math.h) divides by the scale with IEEE rounding and encodes with
 // coat's FP8 rules; compiled as written, that is an IEEE division (with its range check and slow-path branch)

@@ -1,12 +1,12 @@
-// CPU emulation of the CUDA features csrc/cuda/adamw.cu, norm_act.cu, rope.cu, quantize.cu and stats.cu use, for
-// tools/cuda_emulation/run.sh: one std::thread per CUDA thread, blocks one after another (2-D grids too), barriers for
-// __syncthreads, __syncwarp, warp shuffles and votes (which abort when the warp has diverged), __shared__ as a
-// static shared by the block's threads, dynamic shared memory as a per-block buffer filled with 0xFF bytes (NaN
-// as floats, so that a read before a write shows) and followed by a 64 KB guard of the same bytes (reads past
-// the end give NaN; writes there abort). adamw.cu's inline assembly lives in adamw_fast_math.cuh, which this
-// directory replaces by a CPU model; norm_act.cu guards its asm by __CUDA_ARCH__ or uses it only as an
-// optimisation barrier (a no-op here). emu_sms and emu_blocks_per_sm set what the occupancy queries answer,
-// and so the persistent grids' sizes.
+// CPU emulation of the CUDA features that csrc/cuda's kernels (adamw_*.cu, rmsnorm.cu, silu_mul.cu, rope.cu,
+// quantize.cu and stats.cu) use, for tools/cuda_emulation/run.sh: one std::thread per CUDA thread, blocks one after
+// another (2-D grids too), barriers for __syncthreads, __syncwarp, warp shuffles and votes (which abort when the warp
+// has diverged), __shared__ as a static shared by the block's threads, dynamic shared memory as a per-block buffer
+// filled with 0xFF bytes (NaN as floats, so that a read before a write shows) and followed by a 64 KB guard of the
+// same bytes (reads past the end give NaN; writes there abort). The AdamW kernels' inline assembly lives in
+// adamw_fast_math.cuh, which this directory replaces by a CPU model; the norm_act kernels (rmsnorm.cu, silu_mul.cu,
+// norm_act.cuh) guard their asm by __CUDA_ARCH__ or use it only as an optimisation barrier (a no-op here). emu_sms
+// and emu_blocks_per_sm set what the occupancy queries answer, and so the persistent grids' sizes.
 #pragma once
 #include <stdint.h>
 #include <math.h>

@@ -1,4 +1,4 @@
-// Runs csrc/cuda/adamw.cu's kernels under the CPU emulation (cuda_runtime.h and adamw_fast_math.cuh here) and
+// Runs csrc/cuda/adamw_*.cu's kernels under the CPU emulation (cuda_runtime.h and adamw_fast_math.cuh here) and
 // checks them. Built and run by run.sh.
 //
 // quantize_expanded and dequantize_expanded: equal to the C core bit for bit.

@@ -1,5 +1,5 @@
-// Runs csrc/cuda/norm_act.cu's kernels under the CPU emulation (cuda_runtime.h here) and compares every output
-// with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward (saving E4M3, FP4 and FP6),
+// Runs the kernels of csrc/cuda/rmsnorm.cu and silu_mul.cu under the CPU emulation (cuda_runtime.h here) and compares
+// every output with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward (saving E4M3, FP4 and FP6),
 // requantize (with the forward's y_scale and with one that saturates, from aligned and misaligned codes) and
 // backward (without a residual gradient, and with one of dy's dtype or another), both from every saved format, over
 // row widths of every lane count, odd widths
@@ -8,7 +8,7 @@
 // sigmoid's range, on 1 to 3 emulated SMs (so that the persistent kernels walk several rows or tiles per block
 // and their prefetch paths run). It also checks the fast sigmoid against coat_sigmoid and the save scale against
 // coat_scale_from_amax on every float they take (`full`) or on a sample, and the fast quotient's codes on random
-// values. Built and run by run.sh, which generates norm_act_emulated.cpp from the .cu file.
+// values. Built and run by run.sh, which generates norm_act_emulated.cpp from the .cu files.
 #include "norm_act_emulated.cpp"
 
 #include <math.h>

@@ -60,7 +60,7 @@
  * never libm's, so that its results do not depend on the platform's math library; CUDA's quantize_expanded and
  * dequantize_expanded use the same functions and equal the C core bit for bit. CUDA's fp8_adamw_step computes
  * the same formulas with the GPU's hardware exp2 / log2 (ex2.approx, lg2.approx: 2 ulp), square root and
- * reciprocal (csrc/cuda/adamw.cu) and agrees with the C core within a stated tolerance (tests/test_adamw_ops.py:
+ * reciprocal (csrc/cuda/adamw_step.cu) and agrees with the C core within a stated tolerance (tests/test_adamw_ops.py:
  * its errors against a float64 oracle at most twice the C core's; an FP8 code may differ where the value lies
  * within the arithmetic's error of a rounding boundary). With k != 1, per group, from the stored bf16 values:
  *   quantization:   z_i = k * log2(|x_i| / C) - log2(scale)       one log2 per element (log2 C and log2 scale

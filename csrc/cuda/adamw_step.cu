@@ -1,7 +1,7 @@
-// CUDA implementation of coat/adamw.h.
+// CUDA implementation of coat/adamw.h's fp8_adamw_step (adamw.cuh holds what it shares with adamw_expanded.cu, the
+// quantize_expanded and dequantize_expanded kernels, and adamw_moment_stats.cu).
 //
-// quantize_expanded and dequantize_expanded run the C core's element functions (coat/detail/adamw_math.h) and
-// agree with it bit for bit. fp8_adamw_step computes the same formulas with the GPU's fast arithmetic
+// fp8_adamw_step computes the C core's formulas (coat/detail/adamw_math.h) with the GPU's fast arithmetic
 // (adamw_fast_math.cuh: hardware exp2, log2, square root and reciprocal, FP8 and bf16 conversion instructions)
 // and agrees with the C core within the tolerance that tests/test_adamw_ops.py states and checks. Its results
 // are a function of each group's inputs only: the same on every run, whatever the launch's grid, the tensor's
@@ -42,24 +42,14 @@
 // The step kernel is persistent: a grid of as many blocks as fit on the GPU (5 per SM: 96 registers, 20 warps),
 // each warp walking every tensor of the launch by a stride of the grid's warps. Each block first builds its
 // tables in shared memory with the C core's arithmetic.
-#include "coat/adamw.h"
-
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cmath>
 
-#include "adamw_fast_math.cuh"
-#include "coat/detail/adamw_math.h"
+#include "adamw.cuh"
 
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr int kValuesPerLane = 16;
-constexpr int64_t kTileColumns = kWarpSize * kValuesPerLane;
 constexpr int kMaxLanesPerGroup = 128 / kValuesPerLane;
-constexpr int kWarpsPerBlock = 4;
-constexpr int kThreadsPerBlock = kWarpSize * kWarpsPerBlock;
 // Step kernel blocks per SM (__launch_bounds__): 5, at most 96 registers and 20 warps. GPUs without FP8 conversion
 // instructions (before sm_89) convert in software, which needs more registers: 4.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
@@ -68,12 +58,8 @@ constexpr int kStepBlocksPerSM = 4;
 constexpr int kStepBlocksPerSM = 5;
 #endif
 constexpr int kTensorsPerLaunch = 32;
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
 // A power of 2 that a decoder's or encoder's head carries: within it, beta * 2^n and |x| * 2^-n stay exact.
 constexpr int kHeadExponentLimit = 100;
-
-__constant__ coat_log2_entry kLog2Reduction[32] = COAT_LOG2_REDUCTION_TABLE;
-__constant__ float kLog2Bf16[128] = COAT_LOG2_BF16_TABLE;
 
 // The step kernel's decode tables (see LaneDecoder): table f is the log domain of format f, {log2 |decode(code)|,
 // factor} as the C core's coat_fp8_entry, table 2 + f the linear domain of k == 1 groups, {0, decode(code)}.
@@ -82,18 +68,6 @@ constexpr int kDecodeTables = 4;
 __shared__ __align__(2048) float2 step_decode_tables[kDecodeTables][256];
 // The C core's tables: log2 of bf16 values for the per-group quantities, the FP8 entries the decode tables copy.
 __shared__ coat_adamw_tables step_tables;
-
-// Where a tensor's tiles go: rows x tiles_per_row tiles, tile -> row by a multiply-high (the divisor is fixed
-// per tensor; Granlund-Montgomery with n < 2^31), and the first tile a warp takes.
-struct TensorPlan {
-  uint32_t tiles;
-  uint32_t tiles_per_row;
-  uint32_t magic;  // row = (umulhi(tile, magic) + tile) >> shift
-  uint32_t shift;
-  uint32_t phase;  // (tiles of the launch's earlier tensors) % (warps of the grid): tile t goes to warp (phase + t) % warps
-  uint32_t vector; // 16-byte aligned param, grad and codes, cols % 16 == 0: whole tiles load and store by vectors
-  int64_t groups_per_row;  // ceil(cols / G), for the step kernel
-};
 
 // How the groups lie on the lanes: lanes_per_group = G / 16 lanes each; with two or more, the even lane of each
 // pair does m's per-group work, the odd lane v's.
@@ -127,17 +101,6 @@ struct StepLaunch {
 // 4 KiB is the parameter limit of every CUDA version and architecture.
 static_assert(sizeof(StepLaunch) <= 4096, "step launch parameters exceed 4 KiB");
 
-__device__ __forceinline__ int lane_id() { return threadIdx.x % kWarpSize; }
-
-// Every block builds the C core's tables; the caller may read them after this returns.
-__device__ __forceinline__ void build_tables(coat_adamw_tables* t) {
-  if (threadIdx.x < 32) t->reduction[threadIdx.x] = kLog2Reduction[threadIdx.x];
-  if (threadIdx.x < 128) t->bf16_log2[threadIdx.x] = kLog2Bf16[threadIdx.x];
-  __syncthreads();
-  for (int i = threadIdx.x; i < 512; i += blockDim.x) coat_adamw_tables_fill_fp8(t, i);
-  __syncthreads();
-}
-
 __device__ __forceinline__ void build_step_tables() {
   build_tables(&step_tables);
   for (int i = threadIdx.x; i < kDecodeTables * 256; i += blockDim.x) {
@@ -149,7 +112,6 @@ __device__ __forceinline__ void build_step_tables() {
   __syncthreads();
 }
 
-__device__ __forceinline__ float shfl_xor(float v, int mask) { return __shfl_xor_sync(kFullMask, v, mask); }
 __device__ __forceinline__ float shfl(float v, int lane) { return __shfl_sync(kFullMask, v, lane); }
 
 // 2^n as a float, n in [-126, 127].
@@ -161,25 +123,6 @@ __device__ __forceinline__ int head_exponent(int n) { return min(max(n, -kHeadEx
 __device__ __forceinline__ int shift_exponent(int n) { return min(max(n - head_exponent(n), -126), 127); }
 
 // ------------------------------------------------------------------------------------------ lane data
-
-// A lane's 16 elements: row, first column, index of the first element, how many exist (0..16).
-struct LaneSpan {
-  int64_t row;
-  int64_t column;
-  int64_t first;  // row * cols + column
-  int count;
-};
-
-__device__ __forceinline__ LaneSpan lane_span(uint32_t tile, const TensorPlan& plan, int64_t cols) {
-  const uint32_t row = (__umulhi(tile, plan.magic) + tile) >> plan.shift;
-  LaneSpan span;
-  span.row = row;
-  span.column = static_cast<int64_t>(tile - row * plan.tiles_per_row) * kTileColumns + lane_id() * kValuesPerLane;
-  span.first = span.row * cols + span.column;
-  const int64_t left = cols - span.column;
-  span.count = left <= 0 ? 0 : (left < kValuesPerLane ? static_cast<int>(left) : kValuesPerLane);
-  return span;
-}
 
 // A 16-bit element (bf16 or fp16 bits) as fp32, exactly.
 __device__ __forceinline__ float widen(uint16_t bits, coat_dtype dtype) {
@@ -491,20 +434,6 @@ __device__ __forceinline__ LaneEncoder encoder_from_lane(const LaneEncoder& e, i
 
 // ------------------------------------------------------------------------------------------ group ranges
 
-// amax with a NaN kept (a NaN element then shows as a non-finite amax), amin.
-__device__ __forceinline__ coat_range merge(coat_range a, coat_range b) {
-  a.amax = max_keeping_nan(a.amax, b.amax);
-  a.amin = fminf(a.amin, b.amin);
-  return a;
-}
-
-__device__ __forceinline__ coat_range merge_from(coat_range r, int mask) {
-  coat_range other;
-  other.amax = shfl_xor(r.amax, mask);
-  other.amin = shfl_xor(r.amin, mask);
-  return merge(r, other);
-}
-
 // The ranges of a lane's m and v. Fast: amax = max |m| and max v with NaN kept, amin = min |m| and min v with
 // zeros (and a negative v) included, so that every element is finite, nonzero (and v positive) exactly where
 // amin > 0 and amax < Inf hold for the group, and then the ranges are coat/adamw.h's. Exact: coat_range_add
@@ -797,87 +726,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kStepBlocksPerSM)
   }
 }
 
-// ------------------------------------------------------------------------------ quantize, dequantize
-
-// One warp per 512-column tile, each lane deriving its own group's quantities (conversion kernels, not the
-// optimizer's hot path), with the C core's general element functions.
-__global__ void __launch_bounds__(kThreadsPerBlock)
-    quantize_expanded_kernel(const float* x, int64_t cols, int64_t row_stride, TensorPlan plan, int group_shift,
-                             coat_fp8_format format, int expand, uint8_t* codes, uint16_t* meta) {
-  __shared__ coat_adamw_tables tables;
-  build_tables(&tables);
-  const uint32_t tile = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  if (tile >= plan.tiles) return;
-  const LaneSpan span = lane_span(tile, plan, cols);
-  float values[kValuesPerLane];
-#pragma unroll
-  for (int i = 0; i < kValuesPerLane; ++i) values[i] = i < span.count ? x[span.row * row_stride + span.column + i] : 0.0f;
-  coat_range range = coat_range_empty();
-#pragma unroll
-  for (int i = 0; i < kValuesPerLane; ++i) range = coat_range_add(range, values[i]);
-#pragma unroll
-  for (int offset = 1; offset < 128 / kValuesPerLane; offset *= 2)
-    if (offset < (1 << group_shift) / kValuesPerLane) range = merge_from(range, offset);
-  if (span.count == 0) return;
-  coat_meta m;
-  const coat_encoder e = coat_encoder_of_range(range, format, expand, &tables, &m);
-  const int64_t groups_per_row = (cols + (int64_t{1} << group_shift) - 1) >> group_shift;
-  if ((lane_id() & ((1 << group_shift) / kValuesPerLane - 1)) == 0)
-    coat_meta_store(m, meta + (span.row * groups_per_row + (span.column >> group_shift)) * COAT_META_VALUES);
-  const coat_fp8_log_format f = coat_fp8_log_format_of(format);
-#pragma unroll
-  for (int i = 0; i < kValuesPerLane; ++i)
-    if (i < span.count) codes[span.first + i] = coat_encode(values[i], &e, &f, format, &tables);
-}
-
-__global__ void __launch_bounds__(kThreadsPerBlock)
-    dequantize_expanded_kernel(const uint8_t* codes, coat_fp8_format format, const uint16_t* meta, int64_t cols,
-                               TensorPlan plan, int group_shift, float* out) {
-  __shared__ coat_adamw_tables tables;
-  build_tables(&tables);
-  const uint32_t tile = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  if (tile >= plan.tiles) return;
-  const LaneSpan span = lane_span(tile, plan, cols);
-  if (span.count == 0) return;
-  const int64_t groups_per_row = (cols + (int64_t{1} << group_shift) - 1) >> group_shift;
-  const coat_decoder d = coat_decoder_make(
-      coat_meta_load(meta + (span.row * groups_per_row + (span.column >> group_shift)) * COAT_META_VALUES), format,
-      &tables);
-#pragma unroll
-  for (int i = 0; i < kValuesPerLane; ++i)
-    if (i < span.count) out[span.first + i] = coat_decode(codes[span.first + i], &d, format, &tables);
-}
-
 // ---------------------------------------------------------------------------------------------- host
 
-// The plan of a rows x cols tensor, or false when its tiles do not fit the 32-bit tile arithmetic (2^31
-// tiles of 512 columns, 1.1e12 elements: more than any GPU holds).
-bool make_plan(int64_t rows, int64_t cols, TensorPlan* plan) {
-  const int64_t tiles_per_row = coat_ceil_div(cols, kTileColumns);
-  const int64_t tiles = rows * tiles_per_row;
-  if (tiles >= (int64_t{1} << 31)) return false;
-  plan->tiles = static_cast<uint32_t>(tiles);
-  plan->tiles_per_row = static_cast<uint32_t>(tiles_per_row);
-  // row = floor(tile / d) = (umulhi(tile, magic) + tile) >> shift for tile < 2^31, with shift = ceil(log2 d)
-  // and magic = floor(2^32 * (2^shift - d) / d) + 1 (Granlund and Montgomery, 1994).
-  const uint64_t d = tiles_per_row > 0 ? static_cast<uint64_t>(tiles_per_row) : 1u;
-  uint32_t shift = 0;
-  while ((uint64_t{1} << shift) < d) ++shift;
-  plan->shift = shift;
-  plan->magic = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1);
-  plan->phase = 0;
-  plan->vector = 0;
-  plan->groups_per_row = 0;
-  return true;
-}
-
 bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0; }
-
-// Blocks for `tiles` warps, or 0 when the grid would exceed CUDA's limit.
-unsigned blocks_for(int64_t tiles) {
-  const int64_t blocks = coat_ceil_div(tiles, kWarpsPerBlock);
-  return blocks <= 0x7FFFFFFF ? static_cast<unsigned>(blocks) : 0u;
-}
 
 // The most step-kernel blocks resident at once on the current device (cached per device; host queries only,
 // no synchronisation), or 0 if the queries fail.
@@ -896,9 +747,6 @@ int resident_step_blocks() {
   return blocks;
 }
 
-// cudaPeekAtLastError leaves the error in place for the caller to report (coat/common.h).
-coat_status launch_status() { return cudaPeekAtLastError() == cudaSuccess ? COAT_SUCCESS : COAT_ERROR_CUDA; }
-
 coat_status launch_step(StepLaunch& launch, int64_t total_tiles, cudaStream_t stream) {
   const int resident = resident_step_blocks();
   if (resident <= 0) return COAT_ERROR_CUDA;
@@ -912,130 +760,6 @@ coat_status launch_step(StepLaunch& launch, int64_t total_tiles, cudaStream_t st
   }
   fp8_adamw_step_kernel<<<blocks, kThreadsPerBlock, 0, stream>>>(launch);
   return launch_status();
-}
-
-
-// ---------------------------------------------------------------------------------------------- state statistics
-
-// moment_counts_kernel: items per thread before another block is added, and blocks at most (grid-stride beyond).
-// An item is a run of kMomentRun measured elements of one row and group (one meta load and decoder, one 16-byte
-// load of codes where aligned) and one group's k. One element per item, with a 64-bit division and a decoder
-// each, counted 27 M sampled codes at about 50 GB/s on an H100 (0.56 ms for a capture's 78 moments).
-constexpr int kMomentItemsPerThread = 4;
-constexpr int kMomentStatsBlocks = 1024;
-constexpr int kMomentRun = 16;  // the smallest group size: a run never crosses a group
-static_assert(kMomentRun == sizeof(uint4), "a run of codes is one 16-byte load");
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
-  return v;
-}
-
-__device__ __forceinline__ uint32_t warp_max(uint32_t v) {
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-  return v;
-}
-
-constexpr int kMomentStatesPerLaunch = 32;
-
-struct MomentLaunch {
-  coat_moment_state states[kMomentStatesPerLaunch];
-  int group_shift;
-};
-
-// coat_moment_counts (coat/adamw.h): block (x, y) counts items of state y (grid-stride in x), each thread its
-// measured elements and groups, each warp adding its counts into the state's with one atomic each. Integer sums
-// and maxima: the same in any order.
-__global__ void __launch_bounds__(kThreadsPerBlock) moment_counts_kernel(const MomentLaunch launch) {
-  const coat_moment_state& s = launch.states[blockIdx.y];
-  const int group_shift = launch.group_shift;
-  const int64_t ngroups = (s.cols + (int64_t{1} << group_shift) - 1) >> group_shift;
-  const int64_t runs_per_row = (s.cols + kMomentRun - 1) / kMomentRun;
-  const int64_t measured = s.measured_rows * runs_per_row, groups = s.rows * ngroups;
-  const int64_t work = max(measured, groups);
-  if (int64_t{blockIdx.x} * blockDim.x >= work) return;  // uniform over the block, before it builds the tables
-  __shared__ coat_adamw_tables tables;
-  build_tables(&tables);
-  uint64_t nonfinite = 0, zero_codes = 0, not_one = 0, nan = 0;
-  uint32_t amax_bits = 0, min_key_inverse = 0, max_key = 0;
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < work; i += stride) {
-    if (i < measured) {
-      const int64_t r = i / runs_per_row, first = (i - r * runs_per_row) * kMomentRun;
-      const int count = static_cast<int>(min(int64_t{kMomentRun}, s.cols - first));
-      const int64_t row = s.row_index != nullptr ? s.row_index[r] : r;
-      if (row < 0 || row >= s.rows) {
-        nonfinite += count;
-      } else {
-        const uint8_t* run = s.codes + row * s.cols + first;
-        uint8_t codes[kMomentRun];
-        if (count == kMomentRun && (reinterpret_cast<uintptr_t>(run) & (sizeof(uint4) - 1)) == 0) {
-          *reinterpret_cast<uint4*>(codes) = *reinterpret_cast<const uint4*>(run);
-        } else {
-          for (int j = 0; j < count; ++j) codes[j] = run[j];
-        }
-        const int64_t g = row * ngroups + (first >> group_shift);
-        const coat_decoder d = coat_decoder_make(coat_meta_load(s.meta + g * COAT_META_VALUES), s.format, &tables);
-#pragma unroll
-        for (int j = 0; j < kMomentRun; ++j)
-          if (j < count)
-            coat_moment_count_element(codes[j], &d, s.format, &tables, &nonfinite, &zero_codes, &amax_bits);
-      }
-    }
-    if (i < groups) {
-      const uint32_t key =
-          coat_moment_count_group(s.meta[i * COAT_META_VALUES + 1], &not_one, &nan, &min_key_inverse, &max_key);
-      s.k_keys[i] = static_cast<int32_t>((static_cast<uint32_t>(s.key_prefix) << 16) | key);
-    }
-  }
-  const unsigned long long sums[4] = {warp_sum<unsigned long long>(nonfinite), warp_sum<unsigned long long>(zero_codes),
-                                      warp_sum<unsigned long long>(not_one), warp_sum<unsigned long long>(nan)};
-  const uint32_t maxima[3] = {warp_max(amax_bits), warp_max(min_key_inverse), warp_max(max_key)};
-  auto* counts = reinterpret_cast<unsigned long long*>(s.counts);
-  if (lane_id() == 0) {
-    atomicAdd(&counts[1], sums[0]);
-    atomicAdd(&counts[2], sums[1]);
-    atomicAdd(&counts[5], sums[2]);
-    atomicAdd(&counts[6], sums[3]);
-    atomicMax(&counts[3], static_cast<unsigned long long>(maxima[0]));
-    atomicMax(&counts[7], static_cast<unsigned long long>(maxima[1]));
-    atomicMax(&counts[8], static_cast<unsigned long long>(maxima[2]));
-  }
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    atomicAdd(&counts[0], static_cast<unsigned long long>(s.measured_rows * s.cols));
-    atomicAdd(&counts[4], static_cast<unsigned long long>(groups));
-  }
-}
-
-constexpr int kMomentStatsThreads = 256;
-
-// One block. State i's run of sorted keys starts after the runs of states 0 .. i-1: a scan of their group counts
-// in shared memory, kMomentStatsThreads states at a time, so that the states' loads are in flight together.
-__global__ void __launch_bounds__(kMomentStatsThreads)
-    moment_stats_kernel(const uint64_t* counts, const int32_t* sorted_keys, int64_t n, double* stats) {
-  __shared__ uint64_t runs_end[kMomentStatsThreads];  // the chunk's inclusive sums of group counts
-  const int t = threadIdx.x;
-  uint64_t chunk_first = 0;  // the first key of the chunk's first state
-  for (int64_t chunk = 0; chunk < n; chunk += kMomentStatsThreads) {
-    const int64_t i = chunk + t;
-    const uint64_t* state = counts + i * COAT_MOMENT_COUNTS;
-    const uint64_t groups = i < n ? state[4] : 0;
-    runs_end[t] = groups;
-    __syncthreads();
-    for (int offset = 1; offset < kMomentStatsThreads; offset <<= 1) {
-      const uint64_t before = t >= offset ? runs_end[t - offset] : 0;
-      __syncthreads();
-      runs_end[t] += before;
-      __syncthreads();
-    }
-    if (i < n) {
-      const uint64_t first = chunk_first + runs_end[t] - groups;
-      coat_moment_stats_row(state, sorted_keys[first + (groups - 1) / 2], stats + i * COAT_MOMENT_STATS);
-    }
-    chunk_first += runs_end[kMomentStatsThreads - 1];
-    __syncthreads();  // runs_end is rewritten by the next chunk
-  }
 }
 
 }  // namespace
@@ -1082,69 +806,4 @@ extern "C" coat_status coat_fp8_adamw_step_cuda(const coat_adamw_tensor* tensors
     }
   }
   return launch.count > 0 ? launch_step(launch, total_tiles, stream) : COAT_SUCCESS;
-}
-
-extern "C" coat_status coat_quantize_expanded_cuda(const float* x, int64_t rows, int64_t cols, int64_t row_stride,
-                                                   int64_t group_size, coat_fp8_format format, int expand,
-                                                   uint8_t* codes, uint16_t* meta, coat_cuda_stream stream) {
-  if (rows < 0 || cols < 0 || row_stride < cols || !coat_is_valid_group_size(group_size) ||
-      !coat_is_valid_format(format) || (rows * cols > 0 && (x == nullptr || codes == nullptr || meta == nullptr)))
-    return COAT_ERROR_INVALID_ARGUMENT;
-  TensorPlan plan;
-  if (!make_plan(rows, cols, &plan)) return COAT_ERROR_INVALID_ARGUMENT;
-  if (plan.tiles == 0) return COAT_SUCCESS;
-  const unsigned blocks = blocks_for(plan.tiles);
-  if (blocks == 0) return COAT_ERROR_INVALID_ARGUMENT;
-  quantize_expanded_kernel<<<blocks, kThreadsPerBlock, 0, stream>>>(x, cols, row_stride, plan, __builtin_ctzll(group_size),
-                                                                      format, expand, codes, meta);
-  return launch_status();
-}
-
-extern "C" coat_status coat_dequantize_expanded_cuda(const uint8_t* codes, coat_fp8_format format,
-                                                     const uint16_t* meta, int64_t rows, int64_t cols,
-                                                     int64_t group_size, float* out, coat_cuda_stream stream) {
-  if (rows < 0 || cols < 0 || !coat_is_valid_group_size(group_size) || !coat_is_valid_format(format) ||
-      (rows * cols > 0 && (codes == nullptr || meta == nullptr || out == nullptr)))
-    return COAT_ERROR_INVALID_ARGUMENT;
-  TensorPlan plan;
-  if (!make_plan(rows, cols, &plan)) return COAT_ERROR_INVALID_ARGUMENT;
-  if (plan.tiles == 0) return COAT_SUCCESS;
-  const unsigned blocks = blocks_for(plan.tiles);
-  if (blocks == 0) return COAT_ERROR_INVALID_ARGUMENT;
-  dequantize_expanded_kernel<<<blocks, kThreadsPerBlock, 0, stream>>>(codes, format, meta, cols, plan,
-                                                                        __builtin_ctzll(group_size), out);
-  return launch_status();
-}
-
-extern "C" coat_status coat_moment_counts_cuda(const coat_moment_state* states, int64_t count, int64_t group_size,
-                                               coat_cuda_stream stream) {
-  if (count < 0 || (count > 0 && states == nullptr) || !coat_is_valid_group_size(group_size))
-    return COAT_ERROR_INVALID_ARGUMENT;
-  for (int64_t i = 0; i < count; ++i)
-    if (!coat_moment_state_is_valid(&states[i])) return COAT_ERROR_INVALID_ARGUMENT;
-  for (int64_t first = 0; first < count; first += kMomentStatesPerLaunch) {
-    MomentLaunch launch{};
-    launch.group_shift = __builtin_ctzll(group_size);
-    const int n = static_cast<int>(std::min<int64_t>(count - first, kMomentStatesPerLaunch));
-    int64_t blocks = 1;
-    for (int i = 0; i < n; ++i) {
-      const coat_moment_state& s = states[first + i];
-      launch.states[i] = s;
-      const int64_t work = std::max(s.measured_rows * coat_ceil_div(s.cols, int64_t{kMomentRun}),
-                                    s.rows * coat_ceil_div(s.cols, group_size));
-      blocks = std::max(blocks, coat_ceil_div(work, int64_t{kThreadsPerBlock} * kMomentItemsPerThread));
-    }
-    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(blocks, kMomentStatsBlocks)), static_cast<unsigned>(n));
-    moment_counts_kernel<<<grid, kThreadsPerBlock, 0, stream>>>(launch);
-  }
-  return launch_status();
-}
-
-extern "C" coat_status coat_moment_stats_cuda(const uint64_t* counts, const int32_t* sorted_keys, int64_t n,
-                                              double* stats, coat_cuda_stream stream) {
-  if (n < 0 || (n > 0 && (counts == nullptr || sorted_keys == nullptr || stats == nullptr)))
-    return COAT_ERROR_INVALID_ARGUMENT;
-  if (n == 0) return COAT_SUCCESS;
-  moment_stats_kernel<<<1, kMomentStatsThreads, 0, stream>>>(counts, sorted_keys, n, stats);
-  return launch_status();
 }
