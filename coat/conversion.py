@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from coat.compat import check_transformers_version
 from coat.nn.config import FP8Config
 from coat.nn.modules import Linear
 
@@ -46,6 +47,7 @@ def convert(
     and COAT's included, keep the first and last layers in higher precision); it is often tied to the
     embedding; and it runs once per model, so FP8 would save little (one input of 1 unit of memory).
     """
+    check_transformers_version()  # before coat.nn.decoder imports transformers' decoder layers
     from coat.nn.decoder import FP8_DECODER_LAYERS, install_decoder_layer, plan_decoder_layer
 
     config = FP8Config(
