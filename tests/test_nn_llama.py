@@ -14,9 +14,14 @@ The loss averages over every token and class, so its FP8 noise averages out: bou
 import copy
 import inspect
 import math
+import pathlib
+import sys
+import tomllib
+import warnings
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 from transformers import (
     AutoModelForCausalLM,
     ContinuousBatchingConfig,
@@ -32,6 +37,7 @@ from transformers import (
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import coat
+from coat.compat import TRANSFORMERS_NEWEST, TRANSFORMERS_OLDEST, TRANSFORMERS_REQUIREMENT
 from coat.nn import functional as coat_functional
 from coat.nn.decoder import FP8LlamaDecoderLayer
 from conftest import requires_cuda
@@ -251,7 +257,7 @@ def test_eval_and_generate_after_convert():
 
 
 def cache_keyword(model) -> str:
-    """The keyword the installed transformers' forward takes the KV cache by: cache from 5.24, past_key_values before."""
+    """The keyword the installed transformers' forward takes the KV cache by: cache from 5.24, else past_key_values."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -446,6 +452,75 @@ def test_errors_for_unsupported_models_and_options():
     with pytest.raises(ValueError, match="SiLU"):
         coat.convert(gelu)
     assert all(type(layer) is LlamaDecoderLayer for layer in gelu.model.layers)  # left untouched
+
+
+def test_a_tied_lm_head_is_refused_with_how_to_untie_it():
+    model = tiny_model("llama", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match=r"lm_head.weight is the same parameter as model.embed_tokens.weight.*"
+                                         r"tie_word_embeddings = False; model.lm_head.weight = torch.nn.Parameter"):
+        coat.convert(model, modules_to_convert=["model.layers.*", "lm_head"])
+    assert all(type(layer) is LlamaDecoderLayer for layer in model.model.layers)  # left untouched
+    assert type(model.lm_head) is torch.nn.Linear
+
+    coat.convert(copy.deepcopy(model))  # the LM head stays BF16 by default, tied or not
+    # Untied as the message says, it converts, and the embedding keeps its own BF16 weight.
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    coat.convert(model, modules_to_convert=["model.layers.*", "lm_head"])
+    assert isinstance(model.lm_head, coat.nn.Linear) and model.lm_head.weight is not model.model.embed_tokens.weight
+    loss_and_grads(model, token_batch("cpu"))
+
+
+def test_pyproject_extras_require_the_supported_transformers_releases():
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    supported = Requirement(TRANSFORMERS_REQUIREMENT)
+    for extra in ("examples", "test", "bench"):
+        requirements = [Requirement(r) for r in pyproject["project"]["optional-dependencies"][extra]]
+        assert [r.specifier for r in requirements if r.name == "transformers"] == [supported.specifier], extra
+
+
+@pytest.fixture
+def installed_transformers(monkeypatch):
+    """installed_transformers(version) makes coat.convert see that transformers release. (Importing transformers'
+    model modules replaces the transformers module in sys.modules: one imported earlier may not be coat's.)"""
+    return lambda version: monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+
+
+def test_convert_refuses_an_older_transformers_and_warns_for_a_newer_one(installed_transformers):
+    for version in (TRANSFORMERS_OLDEST, "5.20.2", TRANSFORMERS_NEWEST):  # the supported ones, silently
+        installed_transformers(version)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            coat.convert(tiny_model("llama"))
+        assert not [w for w in caught if "coat" in str(w.message)], version
+
+    model = tiny_model("llama")
+    installed_transformers("5.16.1")
+    with pytest.raises(ImportError, match=r"needs transformers 5\.17\.0 or newer, and 5\.16\.1 is installed: "
+                                          r"pip install 'transformers>=5\.17\.0,<=5\.24\.0'"):
+        coat.convert(model)
+    assert all(type(layer) is LlamaDecoderLayer for layer in model.model.layers)
+    installed_transformers("5.25.0")
+    with pytest.warns(UserWarning, match=r"tested with transformers 5\.17\.0 to 5\.24\.0, and 5\.25\.0 is installed"):
+        coat.convert(model)
+    assert all(isinstance(layer, FP8LlamaDecoderLayer) for layer in model.model.layers)
+
+
+def test_a_decoder_layer_forward_coat_does_not_mirror_is_refused(monkeypatch):
+    """A release whose decoder layer forward takes a named argument coat's converted forward does not know (as
+    5.24 renamed past_key_values to cache) is refused at conversion, instead of the argument being dropped."""
+    stock_forward = LlamaDecoderLayer.forward
+
+    def forward_with_a_new_argument(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                                    use_cache=False, position_embeddings=None, cache_position=None, **kwargs):
+        return stock_forward(self, hidden_states, attention_mask, position_ids, cache, use_cache, position_embeddings)
+
+    monkeypatch.setattr(LlamaDecoderLayer, "forward", forward_with_a_new_argument)
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match=r"LlamaDecoderLayer.forward\(.*cache_position, kwargs\) is not the forward "
+                                        r"of transformers 5\.17\.0 to 5\.24\.0.*Install transformers>="):
+        coat.convert(model)
+    assert all(type(layer) is LlamaDecoderLayer for layer in model.model.layers)
 
 
 @requires_cuda
