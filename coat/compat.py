@@ -1,7 +1,7 @@
 """The transformers releases coat.convert supports, and the check it runs before it converts a model.
 
-This is the range's one source: pyproject.toml's extras state it too (tests/test_transformers_support.py checks
-that they agree), and .ci/run tests both ends of it.
+This is the range's one source: pyproject.toml's extras state it too (tests/test_nn_llama.py checks that they
+agree), and .ci/run tests both ends of it.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def check_transformers_version() -> None:
     if installed > Version(TRANSFORMERS_NEWEST):
         warnings.warn(
             f"coat.convert is tested with transformers {TRANSFORMERS_OLDEST} to {TRANSFORMERS_NEWEST}, and "
-            f"{installed} is installed: check that a converted model's logits through the KV cache match its full "
-            f"forward, or pip install '{TRANSFORMERS_REQUIREMENT}'",
+            f"{installed} is installed. Converted decoder layers mirror the stock forward of the tested releases, "
+            f"which a newer one may have changed (5.24 renamed the KV cache argument): check that a converted "
+            f"model's logits through the KV cache match its full forward, or pip install '{TRANSFORMERS_REQUIREMENT}'",
             stacklevel=3,
         )

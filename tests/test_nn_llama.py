@@ -43,6 +43,8 @@ from coat.nn.decoder import FP8LlamaDecoderLayer
 from conftest import requires_cuda
 from reference_nn import LowRankAdapter, relative_error
 
+pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=176,
