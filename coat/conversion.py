@@ -6,12 +6,29 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from coat.compat import check_transformers_version
 from coat.nn.config import FP8Config
 from coat.nn.modules import Linear
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def _refuse_tied_weights(model: nn.Module, linears: Sequence[tuple[str, nn.Linear]]) -> None:
+    """An FP8 linear layer whose weight is also another module's (an LM head tied to the input embedding) would
+    put that module's training through FP8 GEMMs too: refused, with how to untie it."""
+    for name, linear in linears:
+        weight_name = f"{name}.weight"
+        tied = [n for n, p in model.named_parameters(remove_duplicate=False) if p is linear.weight and n != weight_name]
+        if tied:
+            raise ValueError(
+                f"coat.convert: {name}.weight is the same parameter as {tied[0]} (the model ties them, e.g. "
+                f"tie_word_embeddings=True), so an FP8 {name} would train {tied[0]} with FP8 gradients too. Leave "
+                f"{name} out of modules_to_convert, or untie the weights before converting: "
+                f"model.config.tie_word_embeddings = False; "
+                f"model.{name}.weight = torch.nn.Parameter(model.{name}.weight.detach().clone())"
+            )
 
 
 def convert(
@@ -49,7 +66,12 @@ def convert(
     vocabulary directly, where FP8 error shows up unfiltered in the loss (FP8 recipes, TransformerEngine's
     and COAT's included, keep the first and last layers in higher precision); it is often tied to the
     embedding; and it runs once per model, so FP8 would save little (one input of 1 unit of memory).
+
+    Refused: a linear layer in modules_to_convert whose weight is tied to another module's (an LM head with
+    tie_word_embeddings=True), and a transformers release older than coat supports; one newer than tested
+    warns (see :mod:`coat.compat`).
     """
+    check_transformers_version()  # before coat.nn.decoder imports transformers' decoder layers
     from coat.nn.decoder import FP8_DECODER_LAYERS, install_decoder_layer, plan_decoder_layer
 
     config = FP8Config(
@@ -87,6 +109,7 @@ def convert(
             for name, module in named
             if isinstance(module, nn.Linear) and not name.startswith(inside_layers) and selected(name)
         ]
+        _refuse_tied_weights(model, linears)
 
     # Build every replacement first, so that a layer that does not fit leaves the model untouched.
     plans = [(layer, plan_decoder_layer(layer, name, config)) for name, layer in layers]

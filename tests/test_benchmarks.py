@@ -12,6 +12,8 @@ import torch
 
 import coat
 
+pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
 

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 # Small enough for a 2-core CPU; every option the scripts share goes through this path.

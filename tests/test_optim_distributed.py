@@ -43,6 +43,8 @@ from coat.optim import AdamW
 from coat.data import stdlib_tokens
 from optim_helpers import text_batches, tiny_llama
 
+pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
+
 WORLD_SIZE = 2
 TIMEOUT_S = 240  # a worker stuck in a collective fails the test instead of blocking CI
 LR, WEIGHT_DECAY = 1e-2, 0.1

@@ -10,6 +10,8 @@ from coat.data import stdlib_tokens
 from coat.optim import AdamW
 from optim_helpers import text_batches, tiny_llama
 
+pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
+
 STEPS = 30
 
 

@@ -14,6 +14,8 @@ from coat.nn import _capture
 from conftest import requires_cuda
 from optim_helpers import tiny_llama
 
+pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
+
 E4M3_CLIP, E5M2_CLIP = 464.0, 61440.0  # FP8_MAX + half the top step: rounding to nearest would go past FP8_MAX
 
 

@@ -163,6 +163,7 @@ def test_table_views(run, rng):
         check_bits(q, k, cos, sin, run(coat.ops.rotary_embedding, q, k, cos, sin))
 
 
+@pytest.mark.transformers
 def test_float32_equals_transformers_eager(run, rng):
     """On float32 inputs the op is transformers' apply_rotary_pos_emb, bit for bit."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

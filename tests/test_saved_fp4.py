@@ -84,6 +84,7 @@ def test_a_block_with_nan_or_inf_comes_back_as_nan(device):
     assert not torch.isnan(saved[0, 16:]).any() and not torch.isnan(saved[1, :16]).any()
 
 
+@pytest.mark.transformers
 def test_a_converted_llama_trains_through_it(device):
     """A coat-converted Llama with FP4-kept norm and MLP inputs, under bf16 autocast: saved_in_fp4 also keeps
     attention's q, k, v and probabilities in FP4, and every gradient stays finite and near, not equal to,

@@ -13,10 +13,11 @@ The layer keeps its class's identity (it becomes an instance of a subclass, e.g.
 LlamaDecoderLayer) and its children's names, with coat modules in place of the norms, projections and MLP,
 so the state dict, gradient checkpointing and transformers' hooks keep working.
 
-This module imports transformers (pinned to 5.17.0 in the test extra); coat.convert imports it on use.
+This module imports transformers (the releases of coat.compat); coat.convert imports it on use.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -26,6 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
+from coat.compat import TRANSFORMERS_NEWEST, TRANSFORMERS_OLDEST, TRANSFORMERS_REQUIREMENT
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
 from coat.nn.modules import Linear, RMSNorm, SwiGLUMLP, converted_child
@@ -36,10 +38,26 @@ def _projection(parent: nn.Module, name: str):
     return linear.weight, linear.bias
 
 
+# The named parameters of a stock decoder layer's forward that the converted forward takes over, besides the KV
+# cache. transformers up to 5.23 names the cache past_key_values; 5.24 renamed it cache (past_key_values stays a
+# deprecated alias until 5.40). Up to 5.23 a `cache` in **kwargs is continuous batching's paged cache, which goes
+# through to the attention function, and that updates it.
+_LAYER_PARAMETERS = {"hidden_states", "attention_mask", "position_ids", "use_cache", "position_embeddings"}
+CACHE_ARGUMENTS = ("past_key_values", "cache")
+
+
+def stock_cache_argument(stock_forward) -> str | None:
+    """The name a stock decoder layer's forward gives the KV cache it updates (one of CACHE_ARGUMENTS), or None
+    where its named parameters are not the ones coat's converted forward takes over."""
+    parameters = set(inspect.signature(stock_forward).parameters) - {"self", "kwargs"}
+    return next((name for name in CACHE_ARGUMENTS if parameters == _LAYER_PARAMETERS | {name}), None)
+
+
 class FP8DecoderLayerMixin:
     """forward() of a converted decoder layer; the rest is the transformers class it is mixed into."""
 
     fp8_config: FP8Config
+    cache_argument: str  # what the stock forward calls the KV cache (see stock_cache_argument)
 
     def forward(
         self,
@@ -51,6 +69,10 @@ class FP8DecoderLayerMixin:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
+        # From transformers 5.24 the cache comes as `cache` (or the deprecated past_key_values); before, a `cache`
+        # in kwargs is the paged one of continuous batching, which stays in kwargs for the attention function.
+        cache = kwargs.pop("cache", None) if self.cache_argument == "cache" else None
+        cache = past_key_values if cache is None else cache
         attn, mlp = self.self_attn, converted_child(self, "mlp", SwiGLUMLP)
         input_norm = converted_child(self, "input_layernorm", RMSNorm)
         post_attention_norm = converted_child(self, "post_attention_layernorm", RMSNorm)
@@ -71,15 +93,19 @@ class FP8DecoderLayerMixin:
         # families rotate the whole head (rotate_half), which is what it computes.
         query, key = coat_functional.rotary_embedding(query.view(heads_shape), key.view(heads_shape), cos, sin)
         query, key, value = (t.view(heads_shape).transpose(1, 2) for t in (query, key, value))
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, attn.layer_idx)
+        # What the stock decoder layer hands its attention module in **kwargs, and that module the attention function.
+        attention_kwargs = dict(position_ids=position_ids, use_cache=use_cache, **kwargs)
+        if cache is not None:
+            # From 5.24 the cache may fill in what the attention function reads (a paged cache's indices), in place.
+            update_kwargs = {"kwargs": attention_kwargs} if self.cache_argument == "cache" else {}
+            key, value = cache.update(key, value, attn.layer_idx, **update_kwargs)
 
         implementation = attn.config._attn_implementation
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, modeling.eager_attention_forward)
         # Qwen2 keeps a per-layer window, Mistral one in its config; Llama has none.
         sliding_window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
         if sliding_window is not None:
-            kwargs["sliding_window"] = sliding_window
+            attention_kwargs["sliding_window"] = sliding_window
         attn_output, _ = attention_interface(
             attn,
             query,
@@ -88,9 +114,7 @@ class FP8DecoderLayerMixin:
             attention_mask,
             dropout=0.0 if not attn.training else attn.attention_dropout,
             scaling=attn.scaling,
-            position_ids=position_ids,
-            use_cache=use_cache,
-            **kwargs,
+            **attention_kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
 
@@ -135,6 +159,13 @@ FP8_DECODER_LAYERS = {
 def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:
     """The coat modules that replace the layer's children, as (parent, child name, replacement), built
     without touching the layer; raises a ValueError or TypeError that names what does not fit."""
+    if stock_cache_argument(type(layer).forward) is None:
+        parameters = ", ".join(inspect.signature(type(layer).forward).parameters)
+        raise TypeError(
+            f"coat.convert: cannot convert {name}: {type(layer).__name__}.forward({parameters}) is not the forward "
+            f"of transformers {TRANSFORMERS_OLDEST} to {TRANSFORMERS_NEWEST}, which coat's converted layer mirrors; "
+            f"it would drop the arguments it does not know. Install {TRANSFORMERS_REQUIREMENT}"
+        )
     attn = getattr(layer, "self_attn", None)
     projections = ("q_proj", "k_proj", "v_proj", "o_proj")
     if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in projections):
@@ -156,4 +187,5 @@ def install_decoder_layer(layer: nn.Module, plan: list[tuple[nn.Module, str, nn.
     for parent, child_name, replacement in plan:
         setattr(parent, child_name, replacement)
     layer.fp8_config = config
+    layer.cache_argument = stock_cache_argument(type(layer).forward)
     layer.__class__ = FP8_DECODER_LAYERS[type(layer)]
