@@ -8,6 +8,10 @@ Switches (environment variables):
   COAT_FORCE_CPU=1          build without CUDA even when torch and nvcc support it
   TORCH_CUDA_ARCH_LIST      GPU architectures to compile for, e.g. "9.0" or "8.9;9.0". Defaults to the
                             visible GPUs' architectures, or "9.0" (H100/H200) when none is visible.
+
+The extension records the torch (and CUDA) version it is compiled against; `import coat` warns when the
+running torch differs. A wheel (build_backend.build_wheel) requires that torch release; editable installs
+require torch>=2.11 like the source tree.
 """
 import glob
 import os
@@ -17,6 +21,8 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# Set by build_backend.py while it prepares a wheel's metadata or builds the wheel.
+PIN_TORCH_ENV = "COAT_BUILDING_WHEEL"
 INCLUDE = os.path.join(ROOT, "csrc", "include")
 
 
@@ -67,7 +73,11 @@ def extension():
         include_dirs=[INCLUDE],
         extra_link_args=["-fopenmp"],
     )
-    cxx_flags = ["-O3"]  # the C++ standard is left to torch, whose headers set their minimum
+    # The C++ standard is left to torch, whose headers set their minimum. The torch version goes into the
+    # binary itself (csrc/bindings/library.cpp), so that it cannot drift from the build it describes.
+    cxx_flags = ["-O3", f'-DCOAT_TORCH_VERSION="{torch.__version__}"']
+    if torch.version.cuda is not None:
+        cxx_flags.append(f'-DCOAT_TORCH_CUDA_VERSION="{torch.version.cuda}"')
     if not with_cuda:
         return CppExtension(sources=sources("csrc/bindings/*.cpp"), extra_compile_args={"cxx": cxx_flags}, **common)
     return CUDAExtension(
@@ -81,4 +91,14 @@ def extension():
     )
 
 
-setup(ext_modules=[extension()], cmdclass={"build_ext": BuildCoat})
+def requirements():
+    """A wheel (also the one `pip install .` builds) holds an extension compiled against this torch: it
+    requires this torch release (the public version, 2.13.0 for 2.13.0+cu128, as torchvision pins torch), so
+    that pip installs the torch it runs with. An editable install requires torch>=2.11, as the source tree does."""
+    torch_requirement = "torch>=2.11"
+    if os.environ.get(PIN_TORCH_ENV) == "1":
+        torch_requirement = f"torch=={torch.__version__.split('+')[0]}"
+    return [torch_requirement, "tqdm"]
+
+
+setup(ext_modules=[extension()], cmdclass={"build_ext": BuildCoat}, install_requires=requirements())

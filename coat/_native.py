@@ -1,6 +1,7 @@
 """Loads coat's native extension (coat._C) and turns a missing or broken build into an error that says
-what to do."""
+what to do, and warns when the extension was compiled against another torch than the running one."""
 import importlib
+import warnings
 
 import torch
 
@@ -20,7 +21,28 @@ def _load():
         ) from error
 
 
+def check_built_against_this_torch(extension) -> None:
+    """Warns when ``extension`` was compiled against another torch (or CUDA) than the running one: a C++
+    extension is tied to the torch it was built with, and may crash or compute wrongly with another, even when
+    it loads."""
+    if not hasattr(extension, "built_against_torch"):
+        warnings.warn(f"coat's native extension coat._C was built from older coat sources that do not record "
+                      f"their torch version, so it cannot be checked against this torch ({torch.__version__}). "
+                      f"{_REBUILD}", stacklevel=2)
+        return
+    built = tuple(extension.built_against_torch())
+    running = (str(torch.__version__), torch.version.cuda)
+    if built != running:
+        warnings.warn(f"coat's native extension coat._C was built against {_torch_name(*built)}, but this is "
+                      f"{_torch_name(*running)}. {_REBUILD}", stacklevel=2)
+
+
+def _torch_name(version: str, cuda: str | None) -> str:
+    return f"torch {version} ({f'CUDA {cuda}' if cuda else 'no CUDA'})"
+
+
 native = _load()
+check_built_against_this_torch(native)
 # Read once: torch.compile cannot trace a call into the extension module.
 BUILT_WITH_CUDA = bool(native.built_with_cuda())
 

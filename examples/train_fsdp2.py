@@ -20,7 +20,9 @@ then shard, then build the optimizer on the sharded parameters:
 Each process trains on its own batches (--batch sequences each; the global batch is --batch x processes).
 A checkpoint (CHECKPOINT_DIR/step_N) holds the sharded model, the optimizer's FP8 states, the schedule and
 the step; data order is a function of (seed, step, rank), so --resume continues the loss curve exactly
-where an uninterrupted run would be. The options shared with train_llama.py are described there.
+where an uninterrupted run would be. A checkpoint is written as step_N.partial and renamed step_N once every
+rank has saved its part: --resume takes the newest step_N and skips a step_N.partial that a killed run left.
+The options shared with train_llama.py are described there.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import argparse
 import contextlib
 import os
 import re
+import shutil
 import sys
 
 import torch
@@ -117,17 +120,30 @@ def shard(model: torch.nn.Module, device: torch.device, fp8_all_gather: bool) ->
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
+# The suffix of a checkpoint directory while it is being written.
+PARTIAL = ".partial"
+
+
 def mean_over_ranks(value: torch.Tensor) -> float:
     dist.all_reduce(value)
     return value.item() / dist.get_world_size()
 
 
 def newest_checkpoint(directory: str) -> tuple[str, int]:
+    """The newest complete checkpoint: step_N directories are complete by construction (save_checkpoint);
+    a newer step_N.partial, left by a save that did not finish, is skipped with a message."""
     names = os.listdir(directory) if os.path.isdir(directory) else []
     steps = [int(m.group(1)) for name in names if (m := re.fullmatch(r"step_(\d+)", name))]
+    partial = sorted(int(m.group(1)) for name in names if (m := re.fullmatch(rf"step_(\d+){PARTIAL}", name)))
     if not steps:
-        raise SystemExit(f"--resume: no step_N checkpoint in {directory}")
-    return os.path.join(directory, f"step_{max(steps)}"), max(steps)
+        raise SystemExit(f"--resume: no complete step_N checkpoint in {directory}"
+                         + (f" (only unfinished saves: step_{partial[-1]}{PARTIAL})" if partial else ""))
+    newest = max(steps)
+    if dist.get_rank() == 0:
+        for step in (step for step in partial if step > newest):
+            print(f"--resume: skipping {os.path.join(directory, f'step_{step}{PARTIAL}')}, a save that did not "
+                  f"finish; resuming from step_{newest}")
+    return os.path.join(directory, f"step_{newest}"), newest
 
 
 def checkpoint_state(model, optimizer, scheduler, step: int) -> dict:
@@ -139,7 +155,20 @@ def checkpoint_state(model, optimizer, scheduler, step: int) -> dict:
 
 
 def save_checkpoint(directory: str, model, optimizer, scheduler, step: int) -> None:
-    dcp.save(checkpoint_state(model, optimizer, scheduler, step), checkpoint_id=os.path.join(directory, f"step_{step}"))
+    """Saves into step_N.partial and renames it step_N once every rank's save has finished: a process killed
+    during the save leaves only the .partial directory, which --resume skips."""
+    path = os.path.join(directory, f"step_{step}")
+    if dist.get_rank() == 0 and os.path.exists(path + PARTIAL):
+        print(f"removing {path + PARTIAL}, left by a save that did not finish")
+        shutil.rmtree(path + PARTIAL)
+    dist.barrier()
+    dcp.save(checkpoint_state(model, optimizer, scheduler, step), checkpoint_id=path + PARTIAL)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if os.path.exists(path):  # an earlier run's checkpoint of this step
+            shutil.rmtree(path)
+        os.rename(path + PARTIAL, path)
+    dist.barrier()
 
 
 def load_checkpoint(directory: str, model, optimizer, scheduler) -> int:

@@ -11,13 +11,17 @@ or let Trainer build the optimizer (it then applies its own weight-decay groups)
 
 ``bf16=True`` is Trainer's autocast, the same bf16 compute as train_llama.py; keep the model in float32 (the
 master weights). Trainer's checkpoints (``save_steps``) hold the FP8 optimizer state and resume it exactly
-(``trainer.train(resume_from_checkpoint=True)``). The text is the standard library's sources, as bytes.
+(``--resume`` takes the newest checkpoint Trainer finished writing; ``resume_from_checkpoint=True`` would take
+the newest by name, even one cut short). The text is the standard library's sources, as bytes.
 
     python examples/train_with_trainer.py [--steps 200] [--output-dir runs/trainer] [--resume]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
 
 import torch
 from transformers import (
@@ -27,6 +31,8 @@ from transformers import (
     TrainingArguments,
     get_cosine_schedule_with_warmup,
 )
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import coat
 from coat.data import stdlib_tokens
@@ -44,6 +50,22 @@ class TextWindows(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.windows[index], "labels": self.windows[index]}
+
+
+def newest_complete_checkpoint(output_dir: str) -> str:
+    """The newest checkpoint-N directory whose save finished: Trainer writes trainer_state.json last, so one
+    without a readable trainer_state.json was cut short, and is skipped with a message."""
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = sorted(int(m.group(1)) for name in names if (m := re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)))
+    for step in reversed(steps):
+        path = os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        try:
+            with open(os.path.join(path, TRAINER_STATE_NAME)) as state:
+                json.load(state)
+            return path
+        except (OSError, ValueError):
+            print(f"--resume: skipping {path}, a save that did not finish (no readable {TRAINER_STATE_NAME})")
+    raise SystemExit(f"--resume: no complete {PREFIX_CHECKPOINT_DIR}-N in {output_dir}")
 
 
 def main() -> None:
@@ -82,7 +104,7 @@ def main() -> None:
         dataloader_num_workers=0,
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, optimizers=(optimizer, scheduler))
-    trainer.train(resume_from_checkpoint=args.resume or None)
+    trainer.train(resume_from_checkpoint=newest_complete_checkpoint(args.output_dir) if args.resume else None)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"coat + Trainer: {trainer.state.global_step} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 

@@ -1,13 +1,13 @@
 """The training examples on CPU: train_llama.py (BF16 and coat, its CSV, summary and plot), train_fsdp2.py on
-two gloo processes (a resumed run continues the loss curve bit for bit) and train_with_trainer.py (Trainer's
-checkpoint of a converted model resumes exactly)."""
+two gloo processes (a resumed run continues the loss curve bit for bit, also from the last complete checkpoint
+after a rank died while saving) and train_with_trainer.py (Trainer's checkpoint of a converted model resumes
+exactly, skipping one cut short)."""
 from __future__ import annotations
 
 import csv
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
@@ -22,8 +22,8 @@ QUICK = ["--steps", "6", "--batch", "4", "--seq", "64", "--log-every", "1", "--e
          "--data-bytes", "300000"]
 
 
-def run(arguments: list[str], cwd, expect_success: bool = True) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+def run(arguments: list[str], cwd, expect_success: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {})}
     completed = subprocess.run([sys.executable, *arguments], cwd=cwd, env=environment, capture_output=True, text=True,
                                timeout=600)
     if expect_success:
@@ -31,8 +31,10 @@ def run(arguments: list[str], cwd, expect_success: bool = True) -> subprocess.Co
     return completed
 
 
-def torchrun(script: str, arguments: list[str], cwd) -> subprocess.CompletedProcess:
-    return run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", os.path.join(EXAMPLES, script), *arguments], cwd)
+def torchrun(script: str, arguments: list[str], cwd, launcher: list[str] = (), **options) -> subprocess.CompletedProcess:
+    """Two processes of an example script, started through ``launcher`` (a wrapper script's path) if given."""
+    return run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *launcher,
+                os.path.join(EXAMPLES, script), *arguments], cwd, **options)
 
 
 def read_csv(path) -> list[dict]:
@@ -149,6 +151,26 @@ def test_train_fsdp2_resume_continues_the_loss_curve_exactly(tmp_path, variant, 
     assert len(straight) == 6
 
 
+def test_train_fsdp2_resumes_from_the_last_complete_checkpoint_after_a_rank_dies_while_saving(tmp_path):
+    # Rank 1 exits in the middle of the save of step 6 (tests/crash_during_save.py): that checkpoint stays a
+    # .partial directory, which --resume skips for step_3, and the resumed run ends where an uninterrupted one does.
+    arguments = [*QUICK, "--coat", "--device", "cpu"]
+    torchrun("train_fsdp2.py", [*arguments, "--out", "straight"], tmp_path)
+    crashed = torchrun("train_fsdp2.py", [*arguments, "--out", "resumed", "--checkpoint-dir", "ckpt", "--save-every", "3"],
+                       tmp_path, launcher=[os.path.join(ROOT, "tests", "crash_during_save.py")], expect_success=False,
+                       env={"COAT_TEST_CRASH_SAVE": "6"})
+    assert crashed.returncode != 0
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_3", "step_6.partial"]
+    completed = torchrun("train_fsdp2.py", [*arguments, "--out", "resumed", "--checkpoint-dir", "ckpt", "--resume"],
+                         tmp_path)
+    assert f"--resume: skipping {os.path.join('ckpt', 'step_6.partial')}, a save that did not finish" in completed.stdout
+    assert "steps 3..6 of 6" in completed.stdout
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_3", "step_6"]
+    straight, resumed = read_csv(tmp_path / "straight" / "tiny-coat.csv"), read_csv(tmp_path / "resumed" / "tiny-coat.csv")
+    columns = ["step", "tokens", "train_loss", "val_loss", "lr"]
+    assert [[row[c] for c in columns] for row in resumed] == [[row[c] for c in columns] for row in straight]
+
+
 def test_trainer_example_resumes_its_checkpoint_exactly(tmp_path):
     script = os.path.join(EXAMPLES, "train_with_trainer.py")
     arguments = [script, "--steps", "20", "--save-steps", "10", "--batch", "8", "--output-dir", "out"]
@@ -156,8 +178,9 @@ def test_trainer_example_resumes_its_checkpoint_exactly(tmp_path):
     assert "coat + Trainer: 20 steps" in completed.stdout
     final_state = tmp_path / "out" / "checkpoint-20" / "trainer_state.json"
     straight = json.loads(final_state.read_text())["log_history"]
-    shutil.rmtree(tmp_path / "out" / "checkpoint-20")
-    run([*arguments, "--resume"], tmp_path)
+    final_state.unlink()  # a save of step 20 cut short before its last file: --resume takes checkpoint-10
+    completed = run([*arguments, "--resume"], tmp_path)
+    assert f"--resume: skipping {os.path.join('out', 'checkpoint-20')}, a save that did not finish" in completed.stdout
     resumed = json.loads(final_state.read_text())["log_history"]
     losses = [(entry["step"], entry["loss"]) for entry in straight if "loss" in entry]
     assert losses[-1][1] < losses[0][1]

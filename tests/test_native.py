@@ -1,6 +1,11 @@
 """coat._native: a missing or broken extension, and CUDA tensors on a CPU-only build, give errors that say
-how to fix them."""
+how to fix them; an extension built against another torch warns; a wheel requires the torch it was built
+against."""
 import importlib
+import os
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -10,6 +15,7 @@ import coat
 # Not `import coat._native as ...`: coat/__init__.py binds the name coat._native to the extension module
 # (`from coat._native import native as _native`), which shadows the submodule as an attribute of coat.
 native_module = importlib.import_module("coat._native")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize(
@@ -89,3 +95,57 @@ def test_every_op_checks_the_device_first(monkeypatch, name, call):
     with pytest.raises(RuntimeError, match=rf"^coat\.ops\.{name}: got a CUDA tensor, but coat was built without CUDA"):
         call(FakeCudaTensor())
 
+
+
+def test_the_extension_records_the_torch_it_was_built_against():
+    assert native_module.native.built_against_torch() == (torch.__version__, torch.version.cuda)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        native_module.check_built_against_this_torch(native_module.native)
+
+
+class OlderExtension:
+    """An extension built from sources that predate built_against_torch."""
+
+
+BUILT = native_module._torch_name(torch.__version__, torch.version.cuda)
+
+
+@pytest.mark.parametrize("running, extension, expected", [
+    (("2.14.1+cpu", None), native_module.native, f"built against {BUILT}, but this is torch 2.14.1+cpu (no CUDA)"),
+    ((torch.__version__, "12.8"), native_module.native, f"built against {BUILT}, but this is torch {torch.__version__} "
+                                                        "(CUDA 12.8)"),
+    ((torch.__version__, torch.version.cuda), OlderExtension(), "built from older coat sources"),
+], ids=["torch", "cuda", "unrecorded"])
+def test_an_extension_built_for_another_torch_warns_how_to_rebuild(monkeypatch, running, extension, expected):
+    monkeypatch.setattr(torch, "__version__", running[0])
+    monkeypatch.setattr(torch.version, "cuda", running[1])
+    with pytest.warns(UserWarning) as caught:
+        native_module.check_built_against_this_torch(extension)
+    message = str(caught[0].message)
+    assert expected in message and "pip install --no-build-isolation -v ." in message
+
+
+def test_import_coat_warns_when_torch_changed_since_the_build():
+    script = "import torch; torch.__version__ = '2.99.0'; import coat"
+    completed = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert f"built against {BUILT}, but this is torch 2.99.0" in completed.stderr
+
+
+def wheel_metadata(hook: str, directory) -> str:
+    """The METADATA the build backend prepares, as pip asks for it before building (nothing is compiled)."""
+    script = f"import build_backend, sys; print(build_backend.{hook}(sys.argv[1]))"
+    completed = subprocess.run([sys.executable, "-c", script, str(directory)], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return (directory / completed.stdout.split()[-1] / "METADATA").read_text()
+
+
+def test_a_wheel_requires_the_torch_it_was_built_against_and_an_editable_install_any_recent_one(tmp_path):
+    (tmp_path / "wheel").mkdir()
+    (tmp_path / "editable").mkdir()
+    public_version = torch.__version__.split("+")[0]
+    assert f"Requires-Dist: torch=={public_version}\n" in wheel_metadata("prepare_metadata_for_build_wheel",
+                                                                         tmp_path / "wheel")
+    assert "Requires-Dist: torch>=2.11\n" in wheel_metadata("prepare_metadata_for_build_editable", tmp_path / "editable")

@@ -857,12 +857,34 @@ def test_fp8_gradient_errors_and_non_finite_values():
     model[0].weight.grad = torch.ones_like(model[0].weight)
     with pytest.raises(RuntimeError, match="both an FP8 gradient"):
         opt.step()
-    model, opt, _, _ = fp8_grad_models()
-    (mlp_loss(model, 0) * float("inf")).backward()
-    with pytest.raises(RuntimeError, match="non-finite"):
-        opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
-    opt.step()
-    assert all(torch.isnan(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
+def test_fp8_gradients_keep_a_nan_element_and_turn_an_inf_tensor_nan(fmt):
+    # The quantizers' rule (the amax ignores NaN): a NaN element stays NaN alone, the rest quantizes as if it
+    # were 0, and, as in torch.optim.AdamW, only its parameter element turns NaN. An Inf makes the per-tensor
+    # scale Inf and the whole gradient, then the whole parameter, NaN. The norm reports both.
+    grad = make_grads(1, shapes={"matrix": (24, 40)})[0]["matrix"]
+    mask = torch.zeros(grad.shape, dtype=torch.bool)
+    mask[5, 17] = True
+    runs = {}
+    for value in (float("nan"), float("inf"), 0.0):
+        param = torch.nn.Parameter(torch.ones(grad.shape))
+        opt = AdamW([param], lr=1e-2, fp8_grads=fmt)
+        (param * grad.masked_fill(mask, value)).sum().backward()
+        runs[value] = (param, opt.grad(param))
+        if value != 0.0:
+            with pytest.raises(RuntimeError, match="non-finite"):
+                opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+        opt.step()
+    (nan_param, nan_grad), (inf_param, inf_grad), (clean_param, clean_grad) = runs.values()
+    assert torch.equal(nan_grad.isnan(), mask) and torch.equal(nan_grad[~mask], clean_grad[~mask])
+    assert torch.equal(nan_param.isnan(), mask) and torch.equal(nan_param[~mask], clean_param[~mask])
+    torch_param = torch.nn.Parameter(torch.ones(grad.shape))
+    torch_param.grad = grad.masked_fill(mask, float("nan"))
+    torch.optim.AdamW([torch_param], lr=1e-2).step()
+    assert torch.equal(torch_param.isnan(), mask)
+    assert inf_grad.isnan().all() and inf_param.isnan().all()
 
 
 def test_fp8_gradients_belong_to_one_live_optimizer():

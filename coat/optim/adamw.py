@@ -35,8 +35,11 @@ the 2- or 4-byte gradient: 1 byte per parameter stays until ``zero_grad()``. Gra
 micro-batches adds each new gradient to the dequantized stored one and quantizes the sum again (one FP8
 rounding per micro-batch). ``param.grad`` is None after backward, so clip with :meth:`clip_grad_norm_` of this
 optimizer (torch.nn.utils.clip_grad_norm_ sees no gradients there); :meth:`grad` returns a parameter's
-dequantized gradient. A NaN or Inf gradient element makes its whole tensor's FP8 gradient NaN (the per-tensor
-scale is not finite), and with it the parameter's update; the clipping norm is then NaN or Inf too, which
+dequantized gradient. Non-finite gradients follow the quantizers' rule (coat.ops): the per-tensor amax ignores
+NaN, so a NaN element stays NaN and the rest of its tensor quantizes as if it were absent; as in
+torch.optim.AdamW, only that element of the parameter turns NaN. An Inf element makes the scale Inf and the
+whole FP8 gradient NaN (FP8 cannot hold the overflow, and clipping it would hide it), so the whole parameter
+turns NaN. Either way :meth:`grad` shows the NaN and :meth:`clip_grad_norm_` returns NaN, which
 ``error_if_nonfinite`` reports. FP8 gradients need unsharded parameters (not FSDP2 DTensors).
 
 Distributed parameters (DTensor, from FSDP2's fully_shard). The step runs on the local shards; ``exp_avg`` and
@@ -58,6 +61,12 @@ checkpoint loaded on the layout that saved it continues bit for bit; a group tha
 saved groups (a shard boundary moved) is dequantized exactly, element by element, and quantized again, one
 more FP8 rounding of those elements. Parameters with two or more dimensions keep their row-wise groups under
 any dim-0 sharding, so their states load exactly on any number of ranks.
+
+Copies. ``copy.deepcopy`` and ``pickle`` of the optimizer (together with its model, as for torch's optimizers)
+give an optimizer that steps bit for bit as the original would, FP8 gradients pending from backward included.
+The state dict round-trips through torch.save / torch.load and torch.distributed.checkpoint, and deep-copies;
+plain ``pickle`` writes it but cannot load it back, as it cannot load any float8 tensor (torch 2.13): pickle
+``torch.save``'s bytes instead.
 """
 from __future__ import annotations
 
@@ -65,7 +74,7 @@ import math
 import weakref
 from collections import defaultdict
 from copy import deepcopy
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -107,6 +116,23 @@ _MOMENTS = (("exp_avg", "exp_avg_meta", "m_format", 0), ("exp_avg_sq", "exp_avg_
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FORMAT_NAMES = {dtype: name for name, dtype in ops.FP8_DTYPES.items()}
+
+
+class _FP8Bytes(NamedTuple):
+    """An FP8 tensor as its bytes, in the form :meth:`AdamW.__getstate__` hands pickle and deepcopy."""
+
+    data: torch.Tensor  # uint8 view
+    dtype: torch.dtype
+
+    @staticmethod
+    def wrap(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dtype in ops.FP8_MAX:
+            return _FP8Bytes(value.view(torch.uint8), value.dtype)
+        return value
+
+    @staticmethod
+    def unwrap(value: Any) -> Any:
+        return value.data.view(value.dtype) if isinstance(value, _FP8Bytes) else value
 
 
 class AdamW(torch.optim.Optimizer):
@@ -196,13 +222,42 @@ class AdamW(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         if self._fp8_grad_dtype is not None:
-            # The hook holds the optimizer weakly: once it is gone, its hooks do nothing and another optimizer
-            # may keep the gradients.
-            hook = _fp8_grad_hook(weakref.ref(self))
-            for param in group["params"]:
-                if param.requires_grad:
-                    _FP8_GRAD_OWNERS[param] = weakref.ref(self)
-                    param.register_post_accumulate_grad_hook(hook)
+            self._hook_fp8_grads(group["params"])
+
+    def _hook_fp8_grads(self, params: Iterable[torch.Tensor]) -> None:
+        """Makes backward hand this optimizer the gradients of ``params`` (fp8_grads). The hook holds the
+        optimizer weakly: once it is gone, its hooks do nothing and another optimizer may keep the gradients."""
+        hook = _fp8_grad_hook(weakref.ref(self))
+        for param in params:
+            if param.requires_grad:
+                _FP8_GRAD_OWNERS[param] = weakref.ref(self)
+                param.register_post_accumulate_grad_hook(hook)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's (defaults, state, param_groups) and the FP8 gradients with their format, so that
+        copy.deepcopy and pickle give a working optimizer. FP8 tensors travel as their bytes: pickle cannot load
+        a float8 tensor (torch 2.13 rebuilds the storage through the legacy torch.load, which has no float8)."""
+        state = super().__getstate__()
+        state["state"] = _map_state(self.state, _FP8Bytes.wrap)
+        state["_fp8_grad_dtype"] = self._fp8_grad_dtype
+        state["_fp8_grads"] = {param: tuple(map(_FP8Bytes.wrap, grad)) for param, grad in self._fp8_grads.items()}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restores a copy made through :meth:`__getstate__`, hooking its parameters' gradients under
+        fp8_grads; or, from load_state_dict, sets state and param_groups."""
+        if "_fp8_grads" not in state:  # load_state_dict's update: state and param_groups only
+            super().__setstate__(state)
+            return
+        state = dict(state)
+        state["state"] = _map_state(state["state"], _FP8Bytes.unwrap)
+        state["_fp8_grads"] = {param: tuple(map(_FP8Bytes.unwrap, grad)) for param, grad in state["_fp8_grads"].items()}
+        super().__setstate__(state)
+        if self._fp8_grad_dtype is not None:
+            params = [param for group in self.param_groups for param in group["params"]]
+            for param in params:  # a copy sharing the original's parameters would race it for their gradients
+                _check_fp8_grad_param(param)
+            self._hook_fp8_grads(params)
 
     @property
     def fp8_grads(self) -> torch.dtype | None:
@@ -526,6 +581,14 @@ class AdamW(torch.optim.Optimizer):
                 param_state[meta_key] = meta
             state[param] = param_state
         self.__setstate__({"state": state, "param_groups": param_groups})
+
+
+def _map_state(state: dict[Any, Any], convert: Callable[[Any], Any]) -> defaultdict[Any, Any]:
+    """optimizer.state with ``convert`` applied to each value of each parameter's state."""
+    return defaultdict(dict, {
+        key: {name: convert(value) for name, value in values.items()} if isinstance(values, dict) else values
+        for key, values in state.items()
+    })
 
 
 def _normalize_options(group: dict[str, Any]) -> None:

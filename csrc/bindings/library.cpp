@@ -59,8 +59,22 @@ static PyObject* coat_built_with_cuda(PyObject*, PyObject*) {
 #endif
 }
 
+// setup.py defines these from the torch it builds against; coat/_native.py compares them with the running one.
+#ifndef COAT_TORCH_VERSION
+#error "COAT_TORCH_VERSION is undefined: build coat with setup.py (pip install --no-build-isolation -v .)"
+#endif
+#ifndef COAT_TORCH_CUDA_VERSION
+#define COAT_TORCH_CUDA_VERSION nullptr  // a torch without CUDA (torch.version.cuda is None)
+#endif
+
+static PyObject* coat_built_against_torch(PyObject*, PyObject*) {
+  return Py_BuildValue("(sz)", COAT_TORCH_VERSION, COAT_TORCH_CUDA_VERSION);
+}
+
 static PyMethodDef coat_methods[] = {
     {"built_with_cuda", coat_built_with_cuda, METH_NOARGS, "Whether the CUDA kernels were compiled in."},
+    {"built_against_torch", coat_built_against_torch, METH_NOARGS,
+     "(torch.__version__, torch.version.cuda) of the torch the extension was compiled against."},
     {nullptr, nullptr, 0, nullptr},
 };
 
