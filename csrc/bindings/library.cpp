@@ -47,6 +47,9 @@ TORCH_LIBRARY(coat, m) {
         " Tensor?[] rows, bool[] x_holds_measured_rows, float[] amax_per_scale) -> ()");
   m.def("rotary_embedding(Tensor q, Tensor k, Tensor cos, Tensor sin, bool inverse=False)"
         " -> (Tensor q_out, Tensor k_out)");
+  m.def("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin,"
+        " int save_group_size) -> (Tensor q_out, Tensor k_out, Tensor q_saved, Tensor q_saved_scales, Tensor q_rstd,"
+        " Tensor k_saved, Tensor k_saved_scales, Tensor k_rstd)");
 }
 
 static PyObject* coat_built_with_cuda(PyObject*, PyObject*) {
