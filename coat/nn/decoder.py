@@ -141,10 +141,8 @@ FP8_DECODER_LAYERS = {
 }
 
 # Families whose layers differ from Llama's inside the attention keep their code in a module of their own,
-# imported here, after the mixin they subclass.
-from coat.nn.decoder_qwen3 import FP8Qwen3DecoderLayer, Qwen3DecoderLayer  # noqa: E402
-
-FP8_DECODER_LAYERS[Qwen3DecoderLayer] = FP8Qwen3DecoderLayer
+# which adds its layer to FP8_DECODER_LAYERS; imported here, after the mixin they subclass.
+import coat.nn.decoder_qwen3  # noqa: E402,F401
 
 
 def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:

@@ -16,7 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
-from coat.nn.decoder import FP8DecoderLayerMixin
+from coat.nn.decoder import FP8_DECODER_LAYERS, FP8DecoderLayerMixin
 from coat.nn.modules import RMSNorm, converted_child
 from coat.ops import QK_NORM_MAX_HEAD_DIM
 
@@ -41,3 +41,6 @@ class FP8Qwen3DecoderLayer(FP8DecoderLayerMixin, Qwen3DecoderLayer):
         if norms[0].eps != norms[1].eps:  # one kernel normalizes both
             raise ValueError(f"q_norm and k_norm must share one eps, got {norms[0].eps} and {norms[1].eps}")
         return [(attn, name, norm) for name, norm in zip(_HEAD_NORMS, norms)]
+
+
+FP8_DECODER_LAYERS[Qwen3DecoderLayer] = FP8Qwen3DecoderLayer
