@@ -37,6 +37,13 @@ eager <= 6 U and no slower than coat eager.
     python benchmarks/layer.py                          (a CUDA GPU with FP8 tensor cores: H100/H200)
     python benchmarks/layer.py --settings 4096x2048 --profile   (adds a kernel table per layer variant)
     python benchmarks/layer.py --smoke                  (a tiny layer on the CPU: checks that the script runs)
+
+--family qwen3 times a Qwen3 decoder layer instead (q/k norms over each head before RoPE, coat's fused
+qk_norm_rope): intermediate 3 x hidden, heads of 128, a quarter as many key/value heads, so hidden 4096 is the
+Qwen3-8B layer (32 heads, 8 key/value heads, intermediate 12288); default settings 4096x2048 and 4096x4096.
+Its rows carry "model": "qwen3" and go to layer-qwen3-*.json.
+
+    python benchmarks/layer.py --family qwen3
 """
 import copy
 import statistics
@@ -44,8 +51,9 @@ import sys
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 import coat
 
@@ -73,6 +81,23 @@ def llama_config(hidden: int) -> LlamaConfig:
         num_key_value_heads=max(hidden // 128, 1),
         attn_implementation="sdpa",
     )
+
+
+def qwen3_config(hidden: int) -> Qwen3Config:
+    heads = max(hidden // 128, 1)
+    return Qwen3Config(
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=hidden // heads,
+        attn_implementation="sdpa",
+    )
+
+
+# --family: (config of a hidden size, decoder layer, rotary embedding, default settings)
+FAMILIES = {"llama": (llama_config, LlamaDecoderLayer, LlamaRotaryEmbedding, SETTINGS),
+            "qwen3": (qwen3_config, Qwen3DecoderLayer, Qwen3RotaryEmbedding, [(4096, 2048), (4096, 4096)])}
 
 
 def torchao_float8(layer: nn.Module) -> nn.Module | str:
@@ -171,6 +196,7 @@ def main():
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of timing, the variants in turn in each (warm-up and repeat are per round); "
                         "each time is the median over the rounds")
+    p.add_argument("--family", choices=FAMILIES, default="llama", help="the decoder layer's model family")
     p.set_defaults(warmup=3, repeat=10)
     args = p.parse_args()
     if args.rounds < 1:
@@ -182,18 +208,19 @@ def main():
     else:
         if not torch.cuda.is_available() or not coat.built_with_cuda():
             sys.exit("benchmarks/layer.py needs a CUDA GPU and coat built with CUDA (or --smoke)")
-        device, batch, settings = "cuda", BATCH, SETTINGS
+        device, batch, settings = "cuda", BATCH, FAMILIES[args.family][3]
     if args.settings:
         settings = [tuple(int(v) for v in s.lower().split("x")) for s in args.settings]
     torch.manual_seed(0)
 
     rows, profiles = [], {}
     for hidden, length in settings:
-        config = llama_config(hidden)
-        stock = LlamaDecoderLayer(config, layer_idx=0).to(device=device, dtype=torch.bfloat16)
+        make_config, decoder_layer, rotary_embedding, _ = FAMILIES[args.family]
+        config = make_config(hidden)
+        stock = decoder_layer(config, layer_idx=0).to(device=device, dtype=torch.bfloat16)
         hidden_states = torch.randn(batch, length, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
         positions = torch.arange(length, device=device)[None]
-        position_embeddings = LlamaRotaryEmbedding(config).to(device)(hidden_states, positions)
+        position_embeddings = rotary_embedding(config).to(device)(hidden_states, positions)
         grad = torch.randn_like(hidden_states)
         unit_mb = 2 * batch * length * hidden / 2**20
         results, prepared = {}, {}
@@ -216,6 +243,8 @@ def main():
         baseline, peer = results[BASELINE], results.get(PEER, {})
         for name, result in results.items():
             row = {"hidden": hidden, "seq": length, "batch": batch, "layer": name}
+            if args.family != "llama":
+                row["model"] = args.family
             if "missing" in result:
                 rows.append({**row, "missing": result["missing"]})
                 continue
@@ -276,7 +305,8 @@ def main():
             row["total ms"] / coat_compiled[(row["hidden"], row["seq"])]["total ms"] for row in coat_eager
         )
     print(summary)
-    path = write_results(args.results_dir, "layer-smoke" if args.smoke else "layer", rows,
+    name = "layer" if args.family == "llama" else f"layer-{args.family}"
+    path = write_results(args.results_dir, f"{name}-smoke" if args.smoke else name, rows,
                          {**summary, "profiles": profiles})
     print(f"wrote {path}")
 

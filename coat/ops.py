@@ -966,3 +966,48 @@ def _cross_entropy_fake(logits, labels, grad_scale, ignore_index, label_smoothin
     if labels.dtype != torch.long:
         raise RuntimeError(f"{op}: labels must be int64 (torch.long), got {labels.dtype}; convert them with .long()")
     return labels.new_empty(labels.shape, dtype=torch.float32), labels.new_empty(labels.shape, dtype=torch.float32)
+
+
+# Per-head RMSNorm of q and k fused with RoPE (Qwen3's q_norm / k_norm; csrc/include/coat/rope.h).
+
+QK_NORM_MAX_HEAD_DIM = 256
+
+
+def qk_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+    cos: torch.Tensor, sin: torch.Tensor, save_group_size: int = 16,
+) -> tuple[torch.Tensor, ...]:
+    """RMSNorm of every head row of q and k over head_dim (weights ``q_weight`` / ``k_weight`` [D]), then RoPE as
+    :func:`rotary_embedding` computes it, in one kernel, with the norm's input saved for backward. Per row x::
+
+        rstd = 1 / sqrt(mean(x^2) + eps)     float32, the sum in coat's RMSNorm reduction order
+        n    = (x * rstd) * weight           float32
+        out  = RoPE(n)                       float32, rounded once to q's dtype
+
+    q, k, cos, sin: as for :func:`rotary_embedding` (any row strides, D even, at most 256). Returns
+    ``(q_out, k_out, q_saved, q_saved_scales, q_rstd, k_saved, k_saved_scales, k_rstd)``: the contiguous outputs
+    in q's dtype; the inputs as E4M3 codes of their shapes with one float32 scale per 1 x ``save_group_size``
+    group ([B, S, H, ceil(D / G)]), bit for bit :func:`quantize_group` of each; and rstd per (b, s, head) row
+    ([B * S * H] float32). The saved tensors are what :func:`rmsnorm_backward` reads for the gradient of the norm:
+    the backward is ``rotary_embedding(..., inverse=True)`` then ``rmsnorm_backward``."""
+    check_device_supported(q, "coat.ops.qk_norm_rope")
+    return torch.ops.coat.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, save_group_size)
+
+
+@torch.library.register_fake("coat::qk_norm_rope")
+def _qk_norm_rope_fake(q, k, q_weight, k_weight, eps, cos, sin, save_group_size):
+    op = "coat.qk_norm_rope"
+    _rotary_embedding_fake(q, k, cos, sin)
+    _check_named_group_size(save_group_size, "save_group_size", op)
+    if q.shape[3] > QK_NORM_MAX_HEAD_DIM:
+        raise RuntimeError(f"{op}: head_dim (the last dimension of q and k) must be even and between 2 and "
+                           f"{QK_NORM_MAX_HEAD_DIM}, got {q.shape[3]}")
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if weight.shape != (q.shape[3],):
+            raise RuntimeError(f"{op}: {name} must be a contiguous [{q.shape[3]}] tensor (head_dim), got shape "
+                               f"{tuple(weight.shape)}")
+    outputs = []
+    for x in (q, k):
+        outputs.append((x.new_empty(x.shape, dtype=torch.float8_e4m3fn), _grouped(x, save_group_size),
+                        x.new_empty((math.prod(x.shape[:3]),), dtype=torch.float32)))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), *outputs[0], *outputs[1])

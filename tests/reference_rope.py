@@ -38,3 +38,11 @@ def eager_rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     transformers' rotary embedding returns them), for x [B, S, H, D]: the computation PyTorch runs today."""
     cos, sin = cos.to(x.dtype).unsqueeze(2), sin.to(x.dtype).unsqueeze(2)
     return x * cos + rotate_half(x) * sin
+
+
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
+    """Qwen3's RoPE(q_norm(x)) in float64, x [B, S, H, D]: RMSNorm over D, rstd = 1 / sqrt(mean(x^2) + eps),
+    times the weight, then :func:`rotary_embedding`. Returns (out, rstd [B * S * H]); differentiable."""
+    x = x.double()
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return rotary_embedding(x * rstd * weight.double(), cos, sin), rstd.reshape(-1)

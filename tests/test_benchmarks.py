@@ -65,6 +65,14 @@ def check_e2e(result: dict, world_size: int) -> None:
         assert ratios["all-gather"]["bf16"] == 1.0 and ratios["all-gather"]["coat-fp8-comm"] < 0.9
 
 
+def test_layer_benchmark_qwen3_family(tmp_path):
+    """layer.py --family qwen3: a Qwen3 layer (q/k norms), BF16's saved tensors beside coat's in every row."""
+    result = run_smoke([sys.executable], "layer", tmp_path, "--family", "qwen3", "--variants", "coat eager")
+    saved = {row["layer"]: row["tensors U"] for row in result["rows"]}
+    assert set(saved) == {"BF16 eager", "coat eager"} and all(row["model"] == "qwen3" for row in result["rows"])
+    assert saved["coat eager"] * 1.8 <= saved["BF16 eager"]
+
+
 @pytest.mark.parametrize("script", ["linear", "layer", "layer_host_time", "e2e", "rope", "report", "fp4", "cross_entropy"])
 def test_benchmark_smoke_mode(script, tmp_path):
     result = run_smoke([sys.executable], script, tmp_path)

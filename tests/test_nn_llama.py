@@ -1,4 +1,4 @@
-"""coat.convert on tiny transformers models (Llama, Mistral, Qwen2): numerics against the BF16 model, the
+"""coat.convert on tiny transformers models (Llama, Mistral, Qwen2, Qwen3): numerics against the BF16 model, the
 bytes saved for backward against appendix D / Table 2, checkpoints, generation and errors.
 
 Gradient bounds: a parameter's gradient in a converted model passes through the FP8 roundings of the
@@ -10,8 +10,13 @@ With the inputs of RMSNorm and SiLU*mul kept in FP4 (saved_format="fp4", relativ
 Gaussian data at G = 16, tests/test_block_formats.py), two of the E4M3 terms become FP4 ones:
 sqrt(2 * 0.072^2 + 3 * 0.036^2 + 2 * 0.094^2) = 0.18, bound 0.3.
 The loss averages over every token and class, so its FP8 noise averages out: bound 1% relative.
+Qwen3's q_norm / k_norm weights get a gradient summed over every token and head of dq * xhat, downstream of
+attention's softmax, where the FP8 forward errors of q and k enter twice (forward and backward): 0.13-0.22
+measured here for the second layer against BF16 (0.20 with BF16 backward GEMMs too, so the FP8 forward
+dominates; BF16 itself is 0.017 off float32); their bounds are 1.5x the others.
 """
 import copy
+import functools
 import inspect
 import math
 import pathlib
@@ -33,6 +38,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     Qwen2Config,
+    Qwen3Config,
 )
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -55,9 +61,17 @@ TINY = dict(
     max_position_embeddings=128,
     attn_implementation="sdpa",
 )
-FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+# Qwen3's head_dim defaults to 128 whatever the hidden size: 32 here, two 16-element groups per head.
+FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+            "qwen3": functools.partial(Qwen3Config, head_dim=32)}
 GRADIENT_BOUND = {("e5m2", "e4m3"): 0.2, (None, "e4m3"): 0.12, ("e5m2", "fp4"): 0.3}
 LOSS_BOUND = 0.01
+HEAD_NORM_BOUND_FACTOR = 1.5
+
+
+def gradient_bound(name, gradient_format, saved_format):
+    factor = HEAD_NORM_BOUND_FACTOR if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0
+    return factor * GRADIENT_BOUND[gradient_format, saved_format]
 FORWARD_BOUND = 0.12  # a chain of E4M3 roundings, as in test_nn_modules.py
 
 
@@ -101,7 +115,7 @@ def test_loss_and_gradients_close_to_bf16(family, gradient_format, saved_format,
     for name, bf16_grad in bf16_grads.items():
         error = relative_error(fp8_grads[name], bf16_grad)
         print(f"  {name:48s} {error:.3f}")
-        assert error <= GRADIENT_BOUND[gradient_format, saved_format], name
+        assert error <= gradient_bound(name, gradient_format, saved_format), name
 
 
 @pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
@@ -152,6 +166,9 @@ def expected_saved_bytes(config, batch, length, group_size=16, saved_format="e4m
       gate/up input: 2H                             (nothing: recomputed from the norm's saved input)
       SiLU*mul: gate, silu(gate), up 3 x 2I         gate, up as E4M3 in 1x16 groups 2(I + 4I/16)
       down input: 2I                                (nothing: recomputed from the saved gate and up)
+    Qwen3 adds its per-head q/k norms, on nq + nkv rows of d per token:
+      q_norm, k_norm: fp32 input 4d, bf16           E4M3 input d + fp32 1x16 scales 4d/16 + rstd 4, E4M3
+                      normalized 2d, rstd 4             whatever saved_format (coat.ops.qk_norm_rope)
     plus RoPE's cos and sin, [length, d] bf16 each, shared by the batch, and a few fp32 scalars (ignored).
     With saved_format="fp4" the E4M3 copies of n columns (n bytes + 4n/16 of scales) become FP4 in 1 x G
     blocks: ceil(n/2) bytes + 4 ceil(n/G) of scales; with "fp6", FP6: ceil(3n/4) bytes + 4 ceil(n/G).
@@ -167,13 +184,18 @@ def expected_saved_bytes(config, batch, length, group_size=16, saved_format="e4m
         return codes + scales
 
     fp8 = 2 * (kept(hidden) + 4) + attention + 2 * kept(inter)
+    if config.model_type == "qwen3":
+        stock += (nq + nkv) * (4 * head + 2 * head + 4)
+        fp8 += (nq + nkv) * (head + 4 * -(-head // group_size) + 4)
     tokens = batch * length
     return stock * tokens + rope, fp8 * tokens + rope
 
 
-@pytest.mark.parametrize("saved_format, group_size",
-                         [("e4m3", 16), ("fp4", 16), ("fp4", 64), ("fp4", 128), ("fp6", 16), ("fp6", 128)])
-def test_saved_activation_bytes_match_table_2(device, saved_format, group_size):
+@pytest.mark.parametrize("family, saved_format, group_size",
+                         [("llama", *case) for case in [("e4m3", 16), ("fp4", 16), ("fp4", 64), ("fp4", 128),
+                                                        ("fp6", 16), ("fp6", 128)]]
+                         + [("qwen3", "e4m3", 16), ("qwen3", "fp4", 128)])
+def test_saved_activation_bytes_match_table_2(device, family, saved_format, group_size):
     """The converted layer saves what appendix D says, and about half of what the stock layer saves.
 
     For this configuration (I/H = 2.75, 4 query and 2 key/value heads) the accounting above gives 22.2 U /
@@ -183,10 +205,11 @@ def test_saved_activation_bytes_match_table_2(device, saved_format, group_size):
     also keeps the FP8 inputs of the linear layers that follow RMSNorm and SiLU*mul, which coat recomputes,
     and leaves out the group scales (fp32 in coat). With FP4-kept inputs (saved_format="fp4") a Llama-2-7B
     layer saves 6.8 U at G = 16, 6.1 U at G = 64 and 6.0 U at G = 128: attention's 4 U is the floor; with
-    FP6-kept inputs 7.7 U at G = 16 and 6.9 U at G = 128.
+    FP6-kept inputs 7.7 U at G = 16 and 6.9 U at G = 128. A Qwen3 layer saves no 16-bit tensor a Llama layer
+    does not: its q/k norms keep their inputs in E4M3 too.
     """
     batch, length = 2, 32
-    model = tiny_model("llama", device)
+    model = tiny_model(family, device)
     hidden = torch.randn(batch, length, TINY["hidden_size"], device=device, dtype=torch.bfloat16, requires_grad=True)
     positions = torch.arange(length, device=device)[None]
     rope = model.model.rotary_emb(hidden, positions)
@@ -208,6 +231,13 @@ def test_saved_activation_bytes_match_table_2(device, saved_format, group_size):
         expected_ratio = expected_stock / expected_converted  # 2.76 with RoPE's tables and E4M3 at G = 16
         assert abs(stock / converted - expected_ratio) <= 0.02 * expected_ratio
     assert stock / converted >= 2.5
+    if family == "qwen3":  # the q/k norms' inputs are kept in FP8: no bf16 [B, S, H, D] tensor beyond attention's
+        sixteen_bit = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: sixteen_bit.append(t) if t.dtype == torch.bfloat16 and t.dim() == 4 else None, lambda t: t):
+            model.model.layers[0](hidden, attention_mask=None, position_embeddings=rope)
+        heads_shaped = [t for t in sixteen_bit if t.shape[-1] == model.config.head_dim]
+        assert len(heads_shaped) == 4, [tuple(t.shape) for t in heads_shaped]  # SDPA's q, k, v and output
 
 
 # U per decoder layer of the Llama-2-7B shape (README, Results: "Saved activations"), RoPE's tables left out as
@@ -526,10 +556,11 @@ def test_a_decoder_layer_forward_coat_does_not_mirror_is_refused(monkeypatch):
 
 
 @requires_cuda
-def test_cuda_matches_cpu():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cuda_matches_cpu(family):
     results = []
     for device in ("cpu", "cuda"):
-        model = coat.convert(tiny_model("llama", device))
+        model = coat.convert(tiny_model(family, device))
         results.append(loss_and_grads(model, token_batch(device)))
     (cpu_loss, cpu_grads), (cuda_loss, cuda_grads) = results
     assert abs(cuda_loss.cpu() - cpu_loss) <= 1e-3 * abs(cpu_loss)
@@ -537,7 +568,7 @@ def test_cuda_matches_cpu():
     # intermediate activation or gradient (an E5M2 step is 12.5-25%), so the two FP8 pipelines differ by
     # FP8 noise (0.06 to 0.11 seen on an H200), bounded like FP8 against BF16. A wrong kernel gives ~1.
     for name, grad in cpu_grads.items():
-        assert relative_error(cuda_grads[name].cpu(), grad) <= GRADIENT_BOUND["e5m2", "e4m3"], name
+        assert relative_error(cuda_grads[name].cpu(), grad) <= gradient_bound(name, "e5m2", "e4m3"), name
 
 
 def layer_step(layer, hidden, position_embeddings, grad):

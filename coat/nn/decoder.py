@@ -1,4 +1,4 @@
-"""The FP8 forward of transformers' Llama-style decoder layers (Llama, Mistral, Qwen2).
+"""The FP8 forward of transformers' Llama-style decoder layers (Llama, Mistral, Qwen2; Qwen3 in decoder_qwen3).
 
 A converted layer runs the precision flow of the paper (appendix G.1) as three blocks from
 :mod:`coat.nn.functional`, with coat's fused RoPE kernel, around transformers' own KV cache and attention
@@ -89,9 +89,7 @@ class FP8DecoderLayerMixin:
             config,
         )
         cos, sin = position_embeddings
-        # One coat kernel each way, on the [B, S, heads, head_dim] layout the projections wrote; the three
-        # families rotate the whole head (rotate_half), which is what it computes.
-        query, key = coat_functional.rotary_embedding(query.view(heads_shape), key.view(heads_shape), cos, sin)
+        query, key = self._position_queries_keys(query.view(heads_shape), key.view(heads_shape), cos, sin)
         query, key, value = (t.view(heads_shape).transpose(1, 2) for t in (query, key, value))
         # What the stock decoder layer hands its attention module in **kwargs, and that module the attention function.
         attention_kwargs = dict(position_ids=position_ids, use_cache=use_cache, **kwargs)
@@ -137,6 +135,17 @@ class FP8DecoderLayerMixin:
         )
 
 
+    def _position_queries_keys(self, query, key, cos, sin):
+        """RoPE of q and k [B, S, heads, head_dim] as the projections wrote them: one coat kernel each way. The
+        families rotate the whole head (rotate_half), which is what it computes. Qwen3 normalizes them first."""
+        return coat_functional.rotary_embedding(query, key, cos, sin)
+
+    @classmethod
+    def plan_family_children(cls, layer: nn.Module, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:
+        """The replacements of the children only this family has, as plan_decoder_layer lists them."""
+        return []
+
+
 class FP8LlamaDecoderLayer(FP8DecoderLayerMixin, LlamaDecoderLayer):
     """A LlamaDecoderLayer converted by coat.convert."""
 
@@ -154,6 +163,10 @@ FP8_DECODER_LAYERS = {
     MistralDecoderLayer: FP8MistralDecoderLayer,
     Qwen2DecoderLayer: FP8Qwen2DecoderLayer,
 }
+
+# Families whose layers differ from Llama's inside the attention keep their code in a module of their own,
+# which adds its layer to FP8_DECODER_LAYERS; imported here, after the mixin they subclass.
+import coat.nn.decoder_qwen3  # noqa: E402,F401
 
 
 def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -176,6 +189,7 @@ def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[t
             (layer, "input_layernorm", RMSNorm.from_rmsnorm(layer.input_layernorm, config)),
             (layer, "post_attention_layernorm", RMSNorm.from_rmsnorm(layer.post_attention_layernorm, config)),
             (layer, "mlp", SwiGLUMLP.from_mlp(layer.mlp, config)),
+            *FP8_DECODER_LAYERS[type(layer)].plan_family_children(layer, config),
         ]
     except (TypeError, ValueError) as error:
         raise type(error)(f"coat.convert: cannot convert {name}: {error}") from error

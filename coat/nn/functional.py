@@ -912,6 +912,43 @@ def rotary_embedding(
     return _RotaryEmbeddingFunction.apply(q, k, cos, sin)
 
 
+class _QKNormRotaryFunction(torch.autograd.Function):
+    """Qwen3's per-head RMSNorm of q and k (q_norm, k_norm over head_dim) then RoPE, in one kernel forward
+    (:func:`coat.ops.qk_norm_rope`). Saves each norm's input, the q/k projection output, as E4M3 in 1 x G groups
+    with its scales and rstd (never the 16-bit projection output; ``config.saved_format`` FP4 / FP6 applies to
+    the layer's other norms and SiLU*mul, these stay E4M3), the norm weights, cos and sin. Backward is RoPE's
+    adjoint (:func:`coat.ops.rotary_embedding`, inverse) then the RMSNorm backward kernel over head_dim."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, eps: float, cos, sin, config: FP8Config):
+        q_out, k_out, *kept = ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, config.group_size)
+        names = ("q_saved", "q_saved_scales", "q_rstd", "k_saved", "k_saved_scales", "k_rstd")
+        _save(ctx, **dict(zip(names, kept)), q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin)
+        ctx.group_size = config.group_size
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, grad_q_out, grad_k_out):
+        saved = _saved(ctx)
+        grads = ops.rotary_embedding(_last_dim_contiguous(grad_q_out), _last_dim_contiguous(grad_k_out),
+                                     saved["cos"], saved["sin"], inverse=True)
+        results = []
+        for name, grad in zip("qk", grads):
+            weight = saved[f"{name}_weight"]
+            grad_x, grad_weight = ops.rmsnorm_backward(grad, saved[f"{name}_saved"], saved[f"{name}_saved_scales"],
+                                                       saved[f"{name}_rstd"], weight, ctx.group_size)
+            results.append((grad_x, grad_weight.to(weight.dtype)))
+        (grad_q, grad_q_weight), (grad_k, grad_k_weight) = results
+        return grad_q, grad_k, grad_q_weight, grad_k_weight, None, None, None, None
+
+
+def qk_norm_rotary_embedding(q, k, q_weight, k_weight, eps: float, cos, sin, config: FP8Config = FP8Config()):
+    """Qwen3's ``apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin)`` for q [B, S, Hq, D], k [B, S, Hk, D]
+    (heads before head_dim, not transposed), see :class:`_QKNormRotaryFunction`; differentiable in q, k and
+    the two norm weights."""
+    return _QKNormRotaryFunction.apply(q, k, q_weight, k_weight, eps, cos, sin, config)
+
+
 # The fused LM head + loss, re-exported here with the other functional ops; imported last because it uses this
 # module's autocast query.
 from coat.nn.cross_entropy import linear_cross_entropy  # noqa: E402, F401

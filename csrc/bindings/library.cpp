@@ -49,6 +49,9 @@ TORCH_LIBRARY(coat, m) {
         " -> (Tensor q_out, Tensor k_out)");
   m.def("cross_entropy(Tensor(a!) logits, Tensor labels, Tensor? grad_scale, int ignore_index, float label_smoothing,"
         " float softcap, float z_loss) -> (Tensor loss, Tensor lse)");
+  m.def("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin,"
+        " int save_group_size) -> (Tensor q_out, Tensor k_out, Tensor q_saved, Tensor q_saved_scales, Tensor q_rstd,"
+        " Tensor k_saved, Tensor k_saved_scales, Tensor k_rstd)");
 }
 
 static PyObject* coat_built_with_cuda(PyObject*, PyObject*) {

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "coat/detail/quantize_math.h"
 #include "coat/detail/rope_math.h"
 #include "coat/rope.h"
 #include "launch.cuh"
@@ -244,6 +245,83 @@ void launch_for_table_dtype(coat_dtype table_dtype, const RopeParams& p, const L
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// coat_qk_norm_rope: one warp per (token, head) row, lane l holding the row's chunk l (elements [8l, 8l + 8),
+// the chunk of lane l in coat/detail/rope_math.h's reduction order). The row's sum of squares is the xor
+// butterfly of coat_combine_lane_partials; each lane writes its normalized fp32 values to the warp's row of
+// shared memory, from which every lane reads its elements' RoPE partners (j + h or j - h, in any lane); the
+// saved group's amax is a max over the group's G / 8 lanes. Elements move one by one with the C core's
+// coat_load_f32 / coat_store_as: the kernel reads and writes each byte once, and its speed is the DRAM's
+// for the head_dim of 64-256 it serves.
+
+constexpr int kQkNormWarps = kThreads / 32;
+constexpr unsigned int kQkFullMask = 0xffffffffu;
+
+__global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const coat_qk_norm_rope_args a) {
+  __shared__ float normed[kQkNormWarps][COAT_QK_NORM_MAX_HEAD_DIM];
+  const coat_rope_args& r = a.rope;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t dim = r.head_dim, half = dim / 2, col = int64_t{lane} * COAT_NORM_ACT_CHUNK;
+  const int count = col >= dim ? 0 : (dim - col < COAT_NORM_ACT_CHUNK ? static_cast<int>(dim - col) : COAT_NORM_ACT_CHUNK);
+  const int64_t heads = r.q_heads + r.k_heads, rows = r.batch * r.seq * heads;
+  const int64_t ngroups = coat_ceil_div(dim, a.save_group_size);
+  const int group_lanes = static_cast<int>(a.save_group_size / COAT_NORM_ACT_CHUNK);
+  for (int64_t row = int64_t{blockIdx.x} * kQkNormWarps + warp; row < rows; row += int64_t{gridDim.x} * kQkNormWarps) {
+    const int64_t token = row / heads, head_index = row - token * heads;
+    const int64_t b = token / r.seq, s = token - b * r.seq;
+    const bool is_q = head_index < r.q_heads;
+    const int64_t head = is_q ? head_index : head_index - r.q_heads, local_heads = is_q ? r.q_heads : r.k_heads;
+    const int64_t* strides = is_q ? r.q_strides : r.k_strides;
+    const void* x = is_q ? r.q : r.k;
+    const void* weight = is_q ? a.q_weight : a.k_weight;
+    const int64_t out_row = token * local_heads + head;
+    const int64_t x_offset = b * strides[0] + s * strides[1] + head * strides[2] + col;
+
+    float values[COAT_NORM_ACT_CHUNK];
+    float partial = 0.0f, amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < COAT_NORM_ACT_CHUNK; ++i) {
+      values[i] = i < count ? coat_load_f32(x, r.dtype, x_offset + i) : 0.0f;
+      if (i < count) {
+        partial = partial + values[i] * values[i];
+        amax = coat_amax_step(amax, values[i]);
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) partial = partial + __shfl_xor_sync(kQkFullMask, partial, offset);
+    const float rstd = coat_canonical_nan(coat_rmsnorm_rstd(partial, dim, a.eps));
+    if (lane == 0) (is_q ? a.q_rstd : a.k_rstd)[out_row] = rstd;
+#pragma unroll
+    for (int i = 0; i < COAT_NORM_ACT_CHUNK; ++i)
+      if (i < count) normed[warp][col + i] = coat_rmsnorm_apply(values[i], rstd, coat_load_f32(weight, a.weight_dtype, col + i));
+    __syncwarp();
+
+    const int64_t cos_offset = b * r.cos_strides[0] + s * r.cos_strides[1];
+    const int64_t sin_offset = b * r.sin_strides[0] + s * r.sin_strides[1];
+    void* out = is_q ? r.q_out : r.k_out;
+#pragma unroll
+    for (int i = 0; i < COAT_NORM_ACT_CHUNK; ++i) {
+      if (i >= count) break;
+      const int64_t j = col + i, partner = j < half ? j + half : j - half;
+      const float y = coat_qk_norm_rope_element(
+          j, half, normed[warp][j], normed[warp][partner], coat_load_f32(r.cos, r.table_dtype, cos_offset + j),
+          coat_load_f32(r.cos, r.table_dtype, cos_offset + partner), coat_load_f32(r.sin, r.table_dtype, sin_offset + j),
+          coat_load_f32(r.sin, r.table_dtype, sin_offset + partner));
+      coat_store_as(out, r.dtype, out_row * dim + j, y);
+    }
+
+    for (int mask = group_lanes >> 1; mask > 0; mask >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kQkFullMask, amax, mask));
+    const float scale = coat_scale_from_amax(amax, COAT_E4M3);
+    uint8_t* saved = is_q ? a.q_saved : a.k_saved;
+#pragma unroll
+    for (int i = 0; i < COAT_NORM_ACT_CHUNK; ++i)
+      if (i < count) saved[out_row * dim + col + i] = coat_quantize_value(values[i], scale, COAT_E4M3);
+    if (count > 0 && col % a.save_group_size == 0)
+      (is_q ? a.q_saved_scales : a.k_saved_scales)[out_row * ngroups + col / a.save_group_size] = scale;
+    __syncwarp();  // the next row overwrites this warp's shared row
+  }
+}
+
 }  // namespace
 }  // namespace device
 }  // namespace coat
@@ -294,5 +372,16 @@ coat_status coat_rotary_embedding_cuda(const coat_rope_args* args, int inverse, 
     case COAT_FLOAT16: launch_for_table_dtype<COAT_FLOAT16>(a.table_dtype, p, shape, cuda_stream); break;
     default: launch_for_table_dtype<COAT_FLOAT32>(a.table_dtype, p, shape, cuda_stream); break;
   }
+  return launch_status();
+}
+
+coat_status coat_qk_norm_rope_cuda(const coat_qk_norm_rope_args* args, coat_cuda_stream stream) {
+  using namespace coat::device;
+  if (!coat_qk_norm_valid_args(args)) return COAT_ERROR_INVALID_ARGUMENT;
+  const coat_rope_args& r = args->rope;
+  const int64_t rows = r.batch * r.seq * (r.q_heads + r.k_heads);
+  if (rows == 0) return COAT_SUCCESS;
+  const dim3 grid(clamp_grid(ceil_div(rows, kQkNormWarps), kMaxGridX));
+  qk_norm_rope_kernel<<<grid, kThreads, 0, as_cuda_stream(stream)>>>(*args);
   return launch_status();
 }

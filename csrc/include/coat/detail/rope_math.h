@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 
+#include "coat/detail/norm_act_math.h"
 #include "coat/float_bits.h"
 #include "coat/rope.h"
 
@@ -49,6 +50,43 @@ COAT_INLINE int coat_rope_valid_args(const coat_rope_args* a) {
   if (tokens > 0 && a->q_heads > 0 && (a->q == NULL || a->q_out == NULL)) return 0;
   if (tokens > 0 && a->k_heads > 0 && (a->k == NULL || a->k_out == NULL)) return 0;
   if (tokens > 0 && a->q_heads + a->k_heads > 0 && (a->cos == NULL || a->sin == NULL)) return 0;
+  return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* coat_qk_norm_rope                                                                                 */
+
+/** Lanes of a coat_qk_norm_rope row: chunk k of the row (elements [8k, 8k + 8)) is lane k's, as in
+ *  coat_rmsnorm_lanes(head_dim) == 32 for every head_dim <= COAT_QK_NORM_MAX_HEAD_DIM. */
+#define COAT_QK_NORM_LANES 32
+
+/** Element j of the RoPE output of a normalized row n (n_j = n[j], n_partner = n[j + h] for j < h, n[j - h]
+ *  otherwise), with the tables at j and at its partner: coat_rope_rotate_pair's y1 or y2, the same bits. */
+COAT_INLINE float coat_qk_norm_rope_element(int64_t j, int64_t half, float n_j, float n_partner, float cos_j,
+                                            float cos_partner, float sin_j, float sin_partner) {
+  float s1, s2, y1, y2;
+  if (j < half) {
+    coat_rope_pair_sines(sin_j, sin_partner, 0, &s1, &s2);
+    coat_rope_rotate_pair(n_j, n_partner, cos_j, cos_partner, s1, s2, &y1, &y2);
+    return y1;
+  }
+  coat_rope_pair_sines(sin_partner, sin_j, 0, &s1, &s2);
+  coat_rope_rotate_pair(n_partner, n_j, cos_partner, cos_j, s1, s2, &y1, &y2);
+  return y2;
+}
+
+COAT_INLINE int coat_qk_norm_valid_args(const coat_qk_norm_rope_args* a) {
+  if (a == NULL || !coat_rope_valid_args(&a->rope) || a->rope.head_dim > COAT_QK_NORM_MAX_HEAD_DIM ||
+      !coat_rope_valid_dtype(a->weight_dtype) || !coat_is_valid_group_size(a->save_group_size) ||
+      !(a->eps >= 0.0f) || a->eps > 3.4028234663852886e38f)
+    return 0;
+  const int64_t tokens = a->rope.batch * a->rope.seq;
+  if (tokens > 0 && a->rope.q_heads > 0 &&
+      (a->q_weight == NULL || a->q_saved == NULL || a->q_saved_scales == NULL || a->q_rstd == NULL))
+    return 0;
+  if (tokens > 0 && a->rope.k_heads > 0 &&
+      (a->k_weight == NULL || a->k_saved == NULL || a->k_saved_scales == NULL || a->k_rstd == NULL))
+    return 0;
   return 1;
 }
 
