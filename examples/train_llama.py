@@ -27,6 +27,11 @@ measured outside coat.report's bound goes one format wider, FP4 to FP6 to E4M3
     python examples/train_llama.py --coat --saved-format auto        # 4, 6 or 8 bits per layer, as the report allows
     python examples/train_llama.py --preset 100m [--coat]            # ~100M parameters, 2000 steps, one GPU
 
+Outside coat's FP8 layers a run computes in bf16 under autocast, except on a CPU without native bf16 (a bf16
+matrix product measured more than 3 times as slow as a float32 one, e.g. AVX2-only x86): there torch
+emulates bf16 several times slower than float32, so both runs compute in float32 instead, and say so in
+their output, summary and plot. --compute-dtype bfloat16 or float32 chooses for itself.
+
 --uniform-fp4 (with --coat --saved-format fp4) also keeps attention's saved activations in FP4
 (coat.nn.saved_in_fp4): the uniform-4-bit arm of AGoQ's ablation, for comparison only.
 """
@@ -36,6 +41,7 @@ import argparse
 import contextlib
 import functools
 import os
+import time
 
 import torch
 from tqdm import tqdm
@@ -57,12 +63,20 @@ from training_common import (
 
 # --saved-format auto: captured steps that decide the formats; a layer moves at most FP4 -> FP6 -> E4M3.
 CHOOSING_STEPS = 2
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# bf16 / float32 time of one matrix product, on one thread, above which a CPU counts as emulating bf16. On a
+# Sapphire Rapids core, oneDNN limited by ONEDNN_MAX_CPU_ISA: AMX 0.2, AVX512-BF16 1.5-2, AVX512 5.7, AVX2 50-80.
+NATIVE_BF16_MAX_TIME_RATIO = 3.0
 
 
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_training_arguments(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compute-dtype", choices=["auto", *COMPUTE_DTYPES], default="auto",
+                        help="what the model computes in outside coat's FP8 layers: bfloat16 (float32 master weights, "
+                             "bf16 autocast) or float32 (no autocast); auto: bfloat16, except float32 on a CPU "
+                             "without native bf16, where torch's bf16 is many times slower")
     parser.add_argument("--report-every", type=int, metavar="N",
                         help="with --coat: capture every N-th step in a coat.report quantization report "
                              "(OUT/NAME-report.csv and .png); captured steps take longer")
@@ -76,15 +90,57 @@ def parse_arguments() -> argparse.Namespace:
     if args.report_every is not None and (not args.coat or args.report_every < 1):
         raise SystemExit("--report-every needs --coat (only coat's FP8 layers are reported on) and N >= 1, "
                          f"got N = {args.report_every}{'' if args.coat else ' without --coat'}")
+    if args.bf16_weights and args.compute_dtype == "float32":
+        raise SystemExit("--bf16-weights keeps no float32 weights to compute in float32: "
+                         "drop --compute-dtype float32 (bf16 weights compute in bf16)")
     if args.coat and torch.device(args.device).type == "cuda" and not coat.built_with_cuda():
         raise SystemExit("--coat on a GPU needs coat built with CUDA: pip install --no-build-isolation -e . "
                          "with nvcc on the PATH (coat.built_with_cuda() is False)")
     return args
 
 
+def bf16_matmul_time_ratio(repeats: int = 3) -> float:
+    """How many times as long a bf16 matrix product takes as a float32 one on this CPU: the fastest of
+    ``repeats`` after a warm-up (oneDNN builds its kernel on the first call), timed in this thread's CPU time
+    on one thread, so that other processes on a busy machine do not change the answer."""
+    a, b = torch.randn(512, 256), torch.randn(256, 256)
+
+    def fastest(x: torch.Tensor, y: torch.Tensor) -> float:
+        x @ y
+        times = []
+        for _ in range(repeats):
+            start = time.thread_time()
+            x @ y
+            times.append(time.thread_time() - start)
+        return max(min(times), 1e-9)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fastest(a.bfloat16(), b.bfloat16()) / fastest(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def choose_compute_dtype(args: argparse.Namespace, device: torch.device) -> tuple[torch.dtype, float | None, str | None]:
+    """The dtype the run computes in outside coat's FP8 layers; the measured bf16_matmul_time_ratio where auto
+    measured it (None elsewhere); and where auto chose float32, a note that says so and why (else None).
+    bf16 on GPUs and with --bf16-weights (the weights are bf16)."""
+    if args.compute_dtype != "auto":
+        return COMPUTE_DTYPES[args.compute_dtype], None, None
+    if device.type != "cpu" or args.bf16_weights:
+        return torch.bfloat16, None, None
+    ratio = bf16_matmul_time_ratio()
+    if ratio <= NATIVE_BF16_MAX_TIME_RATIO:
+        return torch.bfloat16, ratio, None
+    what = "coat computes in float32 outside its FP8 layers" if args.coat else "baseline computes in float32"
+    return torch.float32, ratio, f"{what} on this CPU: no native bf16"
+
+
 def main() -> None:
     args = parse_arguments()
     device = torch.device(args.device)
+    compute_dtype, bf16_time_ratio, compute_note = choose_compute_dtype(args, device)
     model, tokenizer = build_model(args, device)
     if args.bf16_weights:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 weights themselves
@@ -95,11 +151,17 @@ def main() -> None:
     scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
     data = load_text(args, tokenizer)
     validation = data.validation_batches(args.eval_batches, args.batch)
-    print(f"{args.name}: {parameter_count(model) / 1e6:.1f}M parameters, {'coat FP8' if args.coat else 'BF16'}, "
+    bf16 = compute_dtype == torch.bfloat16
+    print(f"{args.name}: {parameter_count(model) / 1e6:.1f}M parameters, "
+          f"{'coat FP8' if args.coat else 'baseline'} with {'bf16 autocast' if bf16 else 'float32 compute'}, "
           f"{data.train.numel() / 1e6:.1f}M training tokens, {args.steps} steps of {args.batch} x {args.seq} "
           f"tokens on {device}")
+    if compute_note:
+        print(f"{args.name}: {compute_note} (a bf16 matrix product took {bf16_time_ratio:.0f}x as long as a "
+              "float32 one); --compute-dtype bfloat16 runs bf16 autocast anyway")
 
-    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    # float32: no autocast, the float32 master weights compute as they are
+    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext
     log = TrainingLog(args, first_step=0, tokens_per_step=args.batch * args.seq, device=device)
     report = QuantizationLog(args, model, optimizer) if args.report_every else None
     # --saved-format auto: the first steps are captured to choose each layer's format, starting from FP4
@@ -141,6 +203,8 @@ def main() -> None:
                           "fp8_grads": args.fp8_grads, "saved_format": args.saved_format, "group_size": args.group_size,
                           "fast_accum": args.fast_accum,
                           "uniform_fp4": args.uniform_fp4,
+                          "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
+                          "bf16_matmul_time_ratio": bf16_time_ratio,
                           "saved_formats_chosen": saved_formats,
                           "preset": None if args.model else args.preset,
                           "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq})

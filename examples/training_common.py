@@ -394,6 +394,16 @@ def read_log(path: str) -> list[dict]:
         return [{key: number(value) for key, value in row.items()} for row in csv.DictReader(f)]
 
 
+def compute_note(csv_path: str) -> str | None:
+    """What the run of this CSV log computed in, when its summary (NAME.json beside it) notes it: runs that
+    chose float32 on a CPU without native bf16 do (train_llama.py's compute_note)."""
+    try:
+        with open(csv_path[: -len(".csv")] + ".json") as f:
+            return json.load(f).get("compute_note")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def plot_runs(csv_paths: list[str], png_path: str) -> None:
     """Training loss (lines) and held-out loss (dots) against step for every run, over the whole run and over
     its second half, where runs that converge alike should lie on each other."""
@@ -409,9 +419,10 @@ def plot_runs(csv_paths: list[str], png_path: str) -> None:
         steps = [row["step"] for row in rows]
         validation = [(row["step"], row["val_loss"]) for row in rows if row["val_loss"] is not None]
         final = f", held-out {validation[-1][1]:.4f}" if validation else ""
+        note = compute_note(path)
         for ax, start in ((axes[0], 0), (axes[1], steps[-1] // 2)):
             kept = [(s, row["train_loss"]) for s, row in zip(steps, rows) if s >= start]
-            (line,) = ax.plot(*zip(*kept), linewidth=1.2, label=f"{name} (train{final})")
+            (line,) = ax.plot(*zip(*kept), linewidth=1.2, label=f"{name} (train{final})" + (f"\n{note}" if note else ""))
             points = [(s, v) for s, v in validation if s >= start]
             if points:
                 ax.plot(*zip(*points), "o--", color=line.get_color(), markersize=4, linewidth=0.8)

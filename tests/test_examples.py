@@ -4,14 +4,18 @@ after a rank died while saving) and train_with_trainer.py (Trainer's checkpoint 
 exactly, skipping one cut short)."""
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
 import os
+import platform
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
 
@@ -22,8 +26,13 @@ QUICK = ["--steps", "6", "--batch", "4", "--seq", "64", "--log-every", "1", "--e
          "--data-bytes", "300000"]
 
 
+# An x86 CPU without native bf16, on any x86 CPU: torch's vector code and oneDNN limited to AVX2.
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def run(arguments: list[str], cwd, expect_success: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    environment = {**os.environ, **(env or {}),
+                   "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     completed = subprocess.run([sys.executable, *arguments], cwd=cwd, env=environment, capture_output=True, text=True,
                                timeout=600)
     if expect_success:
@@ -58,8 +67,78 @@ def test_train_llama_bf16_and_coat_logs_and_plot(tmp_path):
     assert float(fp8[0]["train_loss"]) == pytest.approx(float(bf16[0]["train_loss"]), rel=0.01)
     summary = json.loads((runs / "tiny-coat.json").read_text())
     assert summary["coat"] and summary["steps"] == 6 and summary["final_val_loss"] == float(fp8[-1]["val_loss"])
+    # bf16 autocast where this CPU computes bf16 natively, float32 with a note where it does not
+    assert (summary["compute_dtype"], summary["compute_note"] is None) in (("bfloat16", True), ("float32", False))
     assert {"device", "torch", "date", "command"} <= summary.keys()
     assert (runs / "tiny-coat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def training_common(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)
+    import training_common
+
+    return training_common
+
+
+@pytest.fixture
+def train_llama(training_common):
+    import train_llama
+
+    return train_llama
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                    reason="ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 emulate an AVX2-only CPU on x86 only")
+def test_train_llama_computes_in_float32_on_a_cpu_without_native_bf16(tmp_path, training_common):
+    """The main job on an AVX2-only CPU, where torch's bf16 is many times slower than float32: both runs compute
+    in float32 (coat outside its FP8 layers) and say so in their output, summary and plot legend."""
+    script = os.path.join(EXAMPLES, "train_llama.py")
+    baseline = run([script, *QUICK, "--out", "runs"], tmp_path, env=AVX2_ONLY)
+    fp8 = run([script, *QUICK, "--out", "runs", "--coat", "--compare", "runs/tiny-bf16.csv"], tmp_path, env=AVX2_ONLY)
+    assert "tiny-bf16: 0.9M parameters, baseline with float32 compute" in baseline.stdout
+    assert "tiny-bf16: baseline computes in float32 on this CPU: no native bf16 (a bf16 matrix product took" \
+        in baseline.stdout
+    assert "tiny-coat: coat computes in float32 outside its FP8 layers on this CPU: no native bf16" in fp8.stdout
+    for name, note in (("tiny-bf16", "baseline computes in float32 on this CPU: no native bf16"),
+                       ("tiny-coat", "coat computes in float32 outside its FP8 layers on this CPU: no native bf16")):
+        summary = json.loads((tmp_path / "runs" / f"{name}.json").read_text())
+        assert summary["compute_dtype"] == "float32" and summary["compute_note"] == note
+        assert summary["bf16_matmul_time_ratio"] > 3
+        assert training_common.compute_note(str(tmp_path / "runs" / f"{name}.csv")) == note  # the legend's
+    # forced: bf16 autocast even here, and no note
+    run([script, *QUICK, "--out", "forced", "--compute-dtype", "bfloat16", "--steps", "1"], tmp_path, env=AVX2_ONLY)
+    summary = json.loads((tmp_path / "forced" / "tiny-bf16.json").read_text())
+    assert summary["compute_dtype"] == "bfloat16" and summary["compute_note"] is None
+    assert training_common.compute_note(str(tmp_path / "forced" / "tiny-bf16.csv")) is None
+
+
+@pytest.mark.parametrize("ratio, expected", [(0.2, "bfloat16"), (2.9, "bfloat16"), (3.1, "float32"), (80.0, "float32")])
+@pytest.mark.parametrize("use_coat", [False, True], ids=["baseline", "coat"])
+def test_train_llama_chooses_float32_where_bf16_matmuls_are_slow(train_llama, monkeypatch, ratio, expected, use_coat):
+    """auto on a CPU: bf16 autocast unless a bf16 matrix product takes more than 3 times a float32 one."""
+    monkeypatch.setattr(train_llama, "bf16_matmul_time_ratio", lambda: ratio)
+    args = argparse.Namespace(compute_dtype="auto", bf16_weights=False, coat=use_coat)
+    dtype, measured, note = train_llama.choose_compute_dtype(args, torch.device("cpu"))
+    assert dtype == getattr(torch, expected) and measured == ratio
+    what = "coat computes in float32 outside its FP8 layers" if use_coat else "baseline computes in float32"
+    assert note == (None if expected == "bfloat16" else f"{what} on this CPU: no native bf16")
+
+
+@pytest.mark.parametrize("compute_dtype, bf16_weights, device, expected", [
+    ("auto", False, "cuda", "bfloat16"),   # GPUs: bf16 autocast, as before
+    ("auto", True, "cpu", "bfloat16"),     # bf16 weights compute in bf16
+    ("bfloat16", False, "cpu", "bfloat16"),
+    ("float32", False, "cpu", "float32"),
+])
+def test_train_llama_compute_dtype_without_measuring(train_llama, monkeypatch, compute_dtype, bf16_weights, device,
+                                                      expected):
+    def not_measured():
+        raise AssertionError("the CPU's bf16 speed is measured only for auto on a CPU with float32 weights")
+
+    monkeypatch.setattr(train_llama, "bf16_matmul_time_ratio", not_measured)
+    args = argparse.Namespace(compute_dtype=compute_dtype, bf16_weights=bf16_weights, coat=True)
+    assert train_llama.choose_compute_dtype(args, torch.device(device)) == (getattr(torch, expected), None, None)
 
 
 def test_train_llama_quantization_report(tmp_path):
@@ -108,6 +187,8 @@ def test_train_llama_from_a_local_model_directory(tmp_path):
     ("argument --group-size: invalid choice: 12", ["--coat", "--group-size", "12"]),
     ("--uniform-fp4 extends coat's FP4-kept activations to every saved activation: add --coat --saved-format fp4",
      ["--coat", "--uniform-fp4"]),
+    ("--bf16-weights keeps no float32 weights to compute in float32: drop --compute-dtype float32",
+     ["--coat", "--bf16-weights", "--compute-dtype", "float32"]),
 ])
 def test_train_llama_explains_bad_options(tmp_path, error, arguments):
     completed = run([os.path.join(EXAMPLES, "train_llama.py"), *arguments], tmp_path, expect_success=False)
@@ -122,8 +203,6 @@ def test_train_fsdp2_needs_torchrun(tmp_path):
 def fsdp2_devices() -> list:
     """gloo on CPU everywhere; NCCL where two GPUs are visible, with eager attention (FlashAttention's backward
     accumulates with atomics, so two SDPA runs are not bit-identical)."""
-    import torch
-
     two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     gpu = pytest.mark.skipif(not two_gpus, reason="needs two CUDA GPUs")
     return [pytest.param(["--device", "cpu"], id="cpu"), pytest.param(["--device", "cuda", "--attention", "eager"], marks=gpu, id="cuda")]

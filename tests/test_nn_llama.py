@@ -299,6 +299,7 @@ GENERATION = {
     "llama": dict(eos_token_id=None),
     "mistral": dict(eos_token_id=None, sliding_window=4),
     "qwen2": dict(eos_token_id=None, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "qwen3": dict(eos_token_id=None, use_sliding_window=True, sliding_window=4, max_window_layers=1),
 }
 PROMPT, NEW_TOKENS = 8, 8
 # A forward through the KV cache quantizes each step's activations with per-tensor scales over that step's tokens,
