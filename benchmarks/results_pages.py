@@ -80,19 +80,30 @@ FAMILIES = (
            "`coat.optim.AdamW`; `coat-bf16w` keeps bf16 weights, `coat-fp8-grads` FP8 gradients too, "
            "`coat-fp8-comm` FP8 collectives. Peak memory is `torch.cuda.max_memory_allocated`; tokens/s per GPU the "
            "median of the timed steps."),
+    Family("models", "Today's models: whole training steps", ("e2e_shapes",), ("shape", "variant", "batch", "seq"),
+           ("loss", "peak GiB", "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "body kept GiB",
+            "head+loss kept GiB", "peak in"),
+           "`benchmarks/e2e_shapes.py`: whole training steps (forward with labels, backward, optimizer step) of "
+           "today's model shapes with their 128k-152k vocabularies, float32 master weights under bf16 autocast. "
+           "`coat` has the fused LM head + loss (`loss`: coat fused), `coat-unfused` leaves the loss to transformers, "
+           "`coat-lowmem` adds bf16 weights, FP8 gradients and FP4-kept activations in 1 x 128 blocks. "
+           "`body kept` and `head+loss kept` split what the forward keeps for backward between the decoder layers "
+           "and the LM head with its loss."),
     Family("optimizer", "Optimizer step", ("optimizer", "optimizer_error"), ("optimizer", "params", "rounding", "grads", "first", "second"),
            ("step ms", "GPU ms", "host ms", "state B/param", "step vs torch", "GPU vs torch", "mse"),
            "`benchmarks/optimizer.py`: one step over a 1.1B-parameter Llama's parameters against "
            "`torch.optim.AdamW(fused=True)` (ratios below 1 are faster). `benchmarks/optimizer_error.py`: the error "
            "of m / sqrt(v) for each pair of moment formats on moments captured from training (the paper's Table 1)."),
-    Family("kernels", "Kernels", ("quantize", "norm_act", "fp4", "rope", "linear", "gemm_algos", "layer_host_time"),
-           ("family", "shape", "B,S,Hq,Hk,D", "M", "K", "N", "hidden", "seq", "batch", "gemm", "layer", "op", "pass"),
+    Family("kernels", "Kernels", ("quantize", "norm_act", "fp4", "rope", "linear", "gemm_algos", "layer_host_time",
+                                  "cross_entropy"),
+           ("family", "shape", "B,S,Hq,Hk,D", "M", "K", "N", "hidden", "seq", "batch", "gemm", "layer", "op", "pass",
+            "tokens,V,H", "variant"),
            ("ms", "GB/s", "vs copy", "vs plain", "speedup vs eager", "TFLOP/s", "vs bf16", "torch us", "best us",
-            "host fwd ms", "host bwd ms", "step ms"),
+            "host fwd ms", "host bwd ms", "step ms", "peak GiB above inputs"),
            "Operators on their own: the quantizers (`quantize.py`), the fused RMSNorm and SiLU*mul "
            "(`norm_act.py`), the FP4/FP6 codecs (`fp4.py`), RoPE (`rope.py`), `coat.nn.Linear` (`linear.py`), "
            "cuBLASLt's algorithms for the layer's GEMMs (`gemm_algos.py`) and the host time of a layer "
-           "(`layer_host_time.py`). `vs copy` is the fraction of a device-to-device copy's bandwidth."),
+           "(`layer_host_time.py`), the fused LM head + cross-entropy (`cross_entropy.py`). `vs copy` is the fraction of a device-to-device copy's bandwidth."),
     Family("report", "Quantization report: cost of a capture", ("report",), ("batch x seq", "rows measured", "read"),
            ("off ms", "capture ms", "capture / off", "GPU ms added", "host ms added", "GPU-bound capture / off"),
            "`benchmarks/report.py`: four decoder layers at hidden 2048 with `coat.optim.AdamW`, a plain step "
@@ -282,6 +293,17 @@ def readme_table(results: list[Result]) -> str:
     add("the same at each one's largest batch: tokens/s against BF16 and against torchao float8 (compiled)",
         f"{big[0][1]['tokens/s/GPU'] / base['tokens/s/GPU']:.2f}x BF16, "
         f"{big[0][1]['tokens/s/GPU'] / ao[0][1]['tokens/s/GPU']:.2f}x torchao", big + ao, "e2e")
+    shape = {"shape": "llama3.2-1b"}
+    models = {v: _latest(results, "models", "peak GiB", variant=v, **shape)
+              for v in ("bf16", "torchao-compiled", "coat", "coat-lowmem")}
+    if all(models.values()):
+        row = {v: found[0][1] for v, found in models.items()}
+        add("Llama-3.2-1B shape (vocab 128256), batch 8 x 2048, with the fused LM head + loss: peak memory; tokens/s "
+            "against BF16 and torchao float8 (compiled); lowest-memory settings: peak",
+            f"{row['coat']['peak GiB']:.1f} GiB (BF16 {row['bf16']['peak GiB']:.1f}, torchao "
+            f"{row['torchao-compiled']['peak GiB']:.1f}); {row['coat']['tokens/s/GPU'] / row['bf16']['tokens/s/GPU']:.2f}x "
+            f"BF16, {row['coat']['tokens/s/GPU'] / row['torchao-compiled']['tokens/s/GPU']:.2f}x torchao; "
+            f"{row['coat-lowmem']['peak GiB']:.1f} GiB", [f for found in models.values() for f in found], "models")
     for label, saved_format, group_size in (("FP8 defaults", "e4m3", 16), ("FP4-kept activations", "fp4", 16),
                                             ("FP4-kept activations, G = 128", "fp4", 128)):
         runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_llama"

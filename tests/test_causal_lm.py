@@ -13,6 +13,8 @@ import coat
 from coat.nn.causal_lm import FusedLossLMHead
 from reference_nn import relative_error
 
+pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=176,
