@@ -59,6 +59,7 @@ e2e-shapes-SHAPE-DEVICE.json and .png, after every row, so that a run cut short 
     python benchmarks/e2e_shapes.py                                     (llama3.2-1b, every variant)
     python benchmarks/e2e_shapes.py --shapes llama3.1-8b --variants NAME...     (the 8B rows above)
     python benchmarks/e2e_shapes.py --shapes qwen2.5-7b --batch 2 --seq 2048 --variants NAME...
+    python benchmarks/e2e_shapes.py --variants coat coat-compiled --profile   (and each row's kernels per step)
     python benchmarks/e2e_shapes.py --smoke                             (CPU, tiny shapes: checks that it runs)
     python benchmarks/e2e_shapes.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
 """
@@ -75,7 +76,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import coat
 
-from _common import RESULTS_DIR, compile_for_fixed_shapes, parser, print_table, write_results
+from _common import RESULTS_DIR, compile_for_fixed_shapes, kernel_profile, parser, print_table, write_results
 from e2e import GIB, Training, instantiate, make_optimizer, timed_steps, torchao_float8, torchao_missing, trial
 
 # Eager rows first, so that a run cut short keeps them; coat-compiled next, the question the compiled rows answer.
@@ -86,6 +87,7 @@ VARIANT_COLORS = {"bf16": "tab:blue", "bf16-compiled": "tab:cyan", "torchao-comp
                   "liger": "tab:gray", "liger-compiled": "silver", "coat": "tab:orange", "coat-compiled": "tab:red",
                   "coat-unfused": "tab:brown", "coat-lowmem": "tab:purple"}
 SMOKE_BATCH, SMOKE_SEQ = 2, 32
+PROFILE_KERNELS = 40  # the kernels of --profile kept per row, most time first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +280,10 @@ def measure(variant: str, shape_name: str, batch: int, seq: int, args, device: t
     except Exception as exc:  # noqa: BLE001 - a failing row (a compile failure, say) is a result, not the run's end
         traceback.print_exc()
         error = error_text(exc)
+    if result is not None and args.profile and device.type == "cuda":
+        ids = training.tokens(batch, seq)
+        profile = kernel_profile(lambda: training.step(ids), steps=2)
+        result["profile"] = {**profile, "kernels": profile["kernels"][:PROFILE_KERNELS]}
     if result is not None and not row["compiled"]:
         try:
             result.update(tracked_step(training, batch, seq))
@@ -394,6 +400,9 @@ def main():
                    help=f"rows, of: {', '.join(VARIANTS)} (default: all; --smoke: {', '.join(SMOKE_VARIANTS)})")
     p.add_argument("--batch", type=int, help="micro-batch of every shape (default: the shape's)")
     p.add_argument("--seq", type=int, help="sequence length of every shape (default: the shape's)")
+    p.add_argument("--profile", action="store_true",
+                   help="one more pair of steps per row under torch.profiler: its kernels, most time first, in the "
+                        "row and printed (GPU only)")
     p.add_argument("--plot", nargs="+", metavar="JSON", help="only draw these result files into --plot-file")
     p.add_argument("--plot-file", help="the PNG (default: the result file's name with .png)")
     args = p.parse_args()
@@ -450,6 +459,11 @@ def main():
                "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "fwd kept GiB", "body kept GiB",
                "head+loss kept GiB", "peak activations GiB", "peak temporaries GiB", "peak in"]
     print_table(rows, columns)
+    for row in rows:
+        if "profile" in row:
+            print(f"\n{row['shape']} {row['variant']}: kernels per step (torch.profiler, 2 steps)")
+            print_table(row["profile"]["kernels"][:20], ["kernel", "class", "calls", "us"])
+            print({k: v for k, v in row["profile"].items() if k != "kernels"})
     summary = summarize(rows, args, missing)
     for line in summary["notes"] + [f"{where}: {error}" for where, error in summary["errors"].items()]:
         print(line)
