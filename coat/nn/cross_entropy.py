@@ -75,24 +75,32 @@ def _add_weight_gradient(grad_weight: torch.Tensor | None, dlogits: torch.Tensor
     return partial if grad_weight is None else grad_weight.add_(partial)
 
 
-def _chunked_loss(hidden, weight, bias, labels, grad_scale, o: _Options, needs_grad):
-    """Sum of the token losses over every chunk and, when grad_scale is given (the gradient's scale per token),
-    the gradients (hidden [N, H] in hidden's dtype, weight and bias in float32) for the inputs needs_grad names."""
-    weight_c = weight.to(o.compute_dtype)
-    bias_c = None if bias is None else bias.to(o.compute_dtype)
+@torch.library.custom_op("coat::linear_cross_entropy_chunks", mutates_args=())
+def _linear_cross_entropy_chunks(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+    grad_scale: torch.Tensor | None, ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
+    chunk_size: int, compute_dtype: torch.dtype, want_hidden: bool, want_weight: bool, want_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chunk loop as one op, so that torch.compile does not trace into it: dynamo cannot trace the in-place
+    float32 accumulation (addmm with out_dtype and out=, torch 2.11: "unsupported operand type(s) for *:
+    'torch.dtype' and 'FakeTensor'"), Liger-Kernel's compile failure. Returns the loss sum and the gradients,
+    each an empty tensor where not wanted (an op's outputs are tensors); without grad_scale none is."""
+    want_hidden, want_weight, want_bias = (grad_scale is not None and want for want in (want_hidden, want_weight,
+                                                                                         want_bias))
+    weight_c = weight.to(compute_dtype)
+    bias_c = None if bias is None else bias.to(compute_dtype)
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
-    want_hidden, want_weight, want_bias = (grad_scale is not None and wanted for wanted in needs_grad)
-    grad_hidden = torch.empty_like(hidden) if want_hidden else None
+    grad_hidden = torch.empty_like(hidden) if want_hidden else hidden.new_empty(0)
     grad_weight = None
-    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if want_bias else None
-    for start in range(0, hidden.shape[0], o.chunk_size):
-        end = min(start + o.chunk_size, hidden.shape[0])
-        hidden_c = hidden[start:end].to(o.compute_dtype)
+    grad_bias = hidden.new_zeros(weight.shape[0], dtype=torch.float32) if want_bias else hidden.new_empty(0)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = min(start + chunk_size, hidden.shape[0])
+        hidden_c = hidden[start:end].to(compute_dtype)
         logits = F.linear(hidden_c, weight_c, bias_c)
         loss, _ = torch.ops.coat.cross_entropy(
-            logits, labels[start:end], grad_scale, o.ignore_index, o.label_smoothing, o.softcap, o.z_loss
+            logits, labels[start:end], grad_scale, ignore_index, label_smoothing, softcap, z_loss
         )
-        loss_sum = loss_sum + loss.sum()
+        loss_sum += loss.sum()
         if grad_scale is None:
             continue
         dlogits = logits  # the kernel wrote the gradient over the logits
@@ -102,7 +110,34 @@ def _chunked_loss(hidden, weight, bias, labels, grad_scale, o: _Options, needs_g
             grad_weight = _add_weight_gradient(grad_weight, dlogits, hidden_c)
         if want_bias:
             grad_bias += dlogits.sum(0, dtype=torch.float32)
+    if grad_weight is None:  # not wanted, or no tokens
+        grad_weight = hidden.new_zeros(weight.shape, dtype=torch.float32) if want_weight else hidden.new_empty(0)
     return loss_sum, grad_hidden, grad_weight, grad_bias
+
+
+@_linear_cross_entropy_chunks.register_fake
+def _(hidden, weight, bias, labels, grad_scale, ignore_index, label_smoothing, softcap, z_loss, chunk_size,
+      compute_dtype, want_hidden, want_weight, want_bias):
+    want_hidden, want_weight, want_bias = (grad_scale is not None and want for want in (want_hidden, want_weight,
+                                                                                         want_bias))
+    return (
+        hidden.new_empty((), dtype=torch.float32),
+        torch.empty_like(hidden) if want_hidden else hidden.new_empty(0),
+        hidden.new_empty(weight.shape, dtype=torch.float32) if want_weight else hidden.new_empty(0),
+        hidden.new_empty(weight.shape[0], dtype=torch.float32) if want_bias else hidden.new_empty(0),
+    )
+
+
+def _chunked_loss(hidden, weight, bias, labels, grad_scale, o: _Options, needs_grad):
+    """Sum of the token losses over every chunk and, when grad_scale is given (the gradient's scale per token),
+    the gradients (hidden [N, H] in hidden's dtype, weight and bias in float32) for the inputs needs_grad names,
+    None for the others."""
+    wanted = [grad_scale is not None and need for need in needs_grad]
+    loss_sum, *grads = _linear_cross_entropy_chunks(
+        hidden, weight, bias, labels, grad_scale, o.ignore_index, o.label_smoothing, o.softcap, o.z_loss,
+        o.chunk_size, o.compute_dtype, *wanted,
+    )
+    return loss_sum, *(grad if want else None for grad, want in zip(grads, wanted))
 
 
 def _scaled(grad: torch.Tensor | None, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
