@@ -34,8 +34,8 @@ decoder layer, as in benchmarks/e2e.py): the question is whether a compiled coat
     liger-compiled    liger, compiled
 
 For each row, on a fresh model: peak GiB and reserved GiB (torch.cuda.max_memory_allocated / _reserved over
---warmup + --steps steps, the first of which allocates the optimizer state), less what was allocated / reserved
-when the row started ("allocated before GiB": MemTracker's accounting step leaves a torch.optim.AdamW(fused=True)
+--warmup + --steps steps, the first of which allocates the optimizer state), less what was allocated when the row
+started ("allocated before GiB": MemTracker's accounting step leaves a torch.optim.AdamW(fused=True)
 model's parameters and state alive, 9.1 GiB after the Llama-3.2-1B BF16 row on an H200, and they stay for the
 process), the median of the --steps timed steps (CUDA events) and tokens/s, and the peak's parts:
   - weights, grads and optimizer GiB, counted from the tensors after a step;
@@ -259,16 +259,14 @@ def measure(variant: str, shape_name: str, batch: int, seq: int, args, device: t
            "compiled": variant.endswith("compiled")}
     if device.type == "cuda":  # what the rows before left allocated: taken out of this row's peaks below
         row["allocated before GiB"] = torch.cuda.memory_allocated(device) / GIB
-        reserved_before = torch.cuda.memory_reserved(device) / GIB
     result = error = None
     try:
         training.build()
         result = trial(training, batch, seq, args.warmup, args.steps)  # None: out of memory
         if result is not None:
-            if device.type == "cuda":
-                result["peak GiB"] -= row["allocated before GiB"]
-                result["steady GiB"] -= row["allocated before GiB"]
-                result["reserved GiB"] -= reserved_before
+            if device.type == "cuda":  # the leftovers stay reserved too; the row's build released the rest
+                for key in ("peak GiB", "steady GiB", "reserved GiB"):
+                    result[key] -= row["allocated before GiB"]
             state = training.state_bytes()  # after a step: its gradients still held
             result.update({f"{part} GiB": size / GIB for part, size in state.items()})
             result["params"] = sum(p.numel() for p in training.model.parameters())
