@@ -172,12 +172,13 @@ class Projections:
         self.widths = [weight.shape[0] for weight in self.weights]
         self.fused = output_widths is not None
         if self.fused and (len(params) != 1 or sum(output_widths) != self.widths[0]):
-            raise ValueError(f"coat: a fused projection is one weight whose rows are the outputs' {list(output_widths)}, "
-                             f"got weights {[tuple(w.shape) for w in self.weights]}")
+            raise ValueError(f"coat: a fused projection is one weight whose rows are outputs of widths "
+                             f"{list(output_widths)}, got weights {[tuple(w.shape) for w in self.weights]}")
         self.output_widths = list(output_widths) if self.fused else self.widths
-        bias = self.biases[0]
-        self.output_biases = (([None] * len(self.output_widths) if bias is None else list(bias.split(self.output_widths)))
-                              if self.fused else self.biases)
+        self.output_biases = self.biases
+        if self.fused:
+            bias = self.biases[0]
+            self.output_biases = [None] * len(output_widths) if bias is None else list(bias.split(output_widths))
         if len({weight.dtype for weight in self.weights}) != 1 or len({w.shape[1] for w in self.weights}) != 1:
             raise ValueError(
                 "coat: projections that read one input need weights of one dtype and one input size, got "
