@@ -40,7 +40,7 @@ LONGROPE = dict(original_max_position_embeddings=16, rope_parameters=dict(
                          ids=["defaults", "bf16-backward", "smooth-swiglu", "fp4-saved"])
 def test_layer_output_and_gradients_against_the_float32_layer(options):
     """A converted layer in BF16 against the unconverted one in float32, inputs and weights the same: the fused
-X
+    weights' gradients come whole from one wgrad GEMM each (a BF16 one with gradient_format=None)."""
     model = tiny_model("phi3")
     hidden, grad, rope = layer_inputs(model)
     stock = copy.deepcopy(model.model.layers[0]).float()
