@@ -26,7 +26,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
 from coat.nn.decoder import FP8_DECODER_LAYERS, FP8DecoderLayerMixin, _projection
-from coat.nn.modules import Linear, _is_silu, converted_child
+from coat.nn.modules import Linear, _is_silu
 
 _MLP_PROJECTIONS = ("gate_up_proj", "down_proj")
 
