@@ -233,3 +233,26 @@ def test_a_replaced_fused_projection_is_refused_not_ignored():
     model.model.layers[0].mlp.gate_up_proj = torch.nn.Linear(64, 352, bias=False).bfloat16()
     with pytest.raises(TypeError, match=r"gate_up_proj is now a Linear, not the coat.nn.Linear"):
         model(token_batch("cpu"))
+
+
+def test_fp8_all_gather_groups_the_fused_weights_alone():
+    """coat.distributed.fp8_all_gather gives each fused weight a scale of its own (qkv_proj, o_proj; gate_up_proj,
+    down_proj), as Llama's q/k/v and gate/up groups share one; before fully_shard the model trains as it did."""
+    tokens = token_batch("cpu")
+    reference = coat.convert(tiny_model("phi3").float())
+    model = coat.convert(tiny_model("phi3").float())
+    coat.distributed.fp8_all_gather(model)
+    layer = model.model.layers[0]
+    for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "gate_up_proj"),
+                         (layer.mlp, "down_proj")):
+        assert [module() for module in getattr(parent, name).weight.group.modules] == [getattr(parent, name)]
+    losses = []
+    for net in (reference, model):
+        optimizer = coat.optim.AdamW(net.parameters(), lr=1e-2)
+        for _ in range(2):
+            loss = net(tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
