@@ -43,7 +43,13 @@ qk_norm_rope): intermediate 3 x hidden, heads of 128, a quarter as many key/valu
 Qwen3-8B layer (32 heads, 8 key/value heads, intermediate 12288); default settings 4096x2048 and 4096x4096.
 Its rows carry "model": "qwen3" and go to layer-qwen3-*.json.
 
+--family phi3 times a Phi-3 decoder layer (one fused qkv_proj and one fused gate_up_proj weight): intermediate
+3.5 x hidden, heads of 128, a quarter as many key/value heads, so hidden 5120 is the Phi-3-medium layer (40
+heads, 10 key/value heads, intermediate 17920); default settings 5120x2048 and 5120x4096. Its rows carry
+"model": "phi3" and go to layer-phi3-*.json.
+
     python benchmarks/layer.py --family qwen3
+    python benchmarks/layer.py --family phi3
 """
 import copy
 import statistics
@@ -51,8 +57,9 @@ import sys
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, Phi3Config, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 import coat
@@ -95,9 +102,21 @@ def qwen3_config(hidden: int) -> Qwen3Config:
     )
 
 
+def phi3_config(hidden: int) -> Phi3Config:
+    heads = max(hidden // 128, 1)
+    return Phi3Config(
+        hidden_size=hidden,
+        intermediate_size=7 * hidden // 2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        attn_implementation="sdpa",
+    )
+
+
 # --family: (config of a hidden size, decoder layer, rotary embedding, default settings)
 FAMILIES = {"llama": (llama_config, LlamaDecoderLayer, LlamaRotaryEmbedding, SETTINGS),
-            "qwen3": (qwen3_config, Qwen3DecoderLayer, Qwen3RotaryEmbedding, [(4096, 2048), (4096, 4096)])}
+            "qwen3": (qwen3_config, Qwen3DecoderLayer, Qwen3RotaryEmbedding, [(4096, 2048), (4096, 4096)]),
+            "phi3": (phi3_config, Phi3DecoderLayer, Phi3RotaryEmbedding, [(5120, 2048), (5120, 4096)])}
 
 
 def torchao_float8(layer: nn.Module) -> nn.Module | str:

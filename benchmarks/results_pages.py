@@ -65,7 +65,9 @@ class Family:
 
 
 FAMILIES = (
-    Family("layer", "Decoder layer: speed and saved activations", ("layer",), ("hidden", "seq", "batch", "layer"),
+    # A layer's "model" is its family (layer.py --family), absent for Llama's.
+    Family("layer", "Decoder layer: speed and saved activations", ("layer",),
+           ("model", "hidden", "seq", "batch", "layer"),
            ("GPU ms", "total ms", "GPU vs BF16", "vs BF16 eager", "GPU vs torchao", "vs torchao", "saved U", "tensors U"),
            "One Llama decoder layer, forward + backward (`benchmarks/layer.py`), at the four settings of the paper's "
            "Table 7. `GPU ms` is the GPU time of a step, `total ms` the time per step with the host's enqueueing; "
@@ -191,16 +193,20 @@ def _day(result: Result) -> str:
 
 
 def _add_convergence_comparison(results: list[Result]) -> None:
-    """Adds "vs BF16" to each coat run: its held-out loss against the mean of the BF16 runs of its preset and seed."""
+    """Adds "vs BF16" to each coat run: its held-out loss against the mean of the BF16 runs of its family (--family;
+    runs from before it are Llama's), preset and seed."""
+    def setting(row):
+        return row.get("family", "llama"), row["preset"], row["seed"]
+
     losses: dict[tuple, list[float]] = {}
     for result in results:
         if result.script == "train_llama" and not result.rows[0]["coat"]:
             row = result.rows[0]
-            losses.setdefault((row["preset"], row["seed"]), []).append(row["final_val_loss"])
+            losses.setdefault(setting(row), []).append(row["final_val_loss"])
     for result in results:
         row = result.rows[0] if result.script == "train_llama" else {}
-        if row.get("coat") and (row["preset"], row["seed"]) in losses:
-            row["vs BF16"] = f"{row['final_val_loss'] / statistics.mean(losses[(row['preset'], row['seed'])]) - 1:+.2%}"
+        if row.get("coat") and setting(row) in losses:
+            row["vs BF16"] = f"{row['final_val_loss'] / statistics.mean(losses[setting(row)]) - 1:+.2%}"
 
 
 def family_page(results: list[Result], family: Family) -> tuple[str, list[Result]]:
@@ -248,7 +254,8 @@ def _span(values, fmt) -> str:
     return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
 
-LAYER_SETTING = ("hidden", "seq", "batch")
+LAYER_SETTING = ("model", "hidden", "seq", "batch")
+LLAMA_LAYER = {"model": None}  # the README's layer figures are Llama-2-7B's
 
 
 def readme_table(results: list[Result]) -> str:
@@ -259,18 +266,18 @@ def readme_table(results: list[Result]) -> str:
         rows.append([what, figure, ", ".join(sorted({r.device for r, _ in found})),
                      f"[{page}](docs/results/{page}.md): " + ", ".join(f"`{p}`" for p in paths)])
 
-    layer = _latest(results, "layer", "GPU vs BF16", layer="coat eager", hidden=4096)
+    layer = _latest(results, "layer", "GPU vs BF16", layer="coat eager", hidden=4096, **LLAMA_LAYER)
     add("Llama-2-7B decoder layer (hidden 4096, seq 2048 and 4096), forward + backward GPU time against BF16",
         _span([row["GPU vs BF16"] for _, row in layer], "{:.2f}x"), layer, "layer")
-    ao = _latest(results, "layer", "GPU vs torchao", layer="coat eager", hidden=4096)
+    ao = _latest(results, "layer", "GPU vs torchao", layer="coat eager", hidden=4096, **LLAMA_LAYER)
     add("the same against torchao float8 (tensorwise, compiled)",
         _span([row["GPU vs torchao"] for _, row in ao], "{:.2f}x"), ao, "layer")
-    saved = _latest(results, "layer", "saved U", layer="coat eager", hidden=4096)
+    saved = _latest(results, "layer", "saved U", layer="coat eager", hidden=4096, **LLAMA_LAYER)
     bf16 = [(r, _sibling(r, row, "BF16 eager", LAYER_SETTING)) for r, row in saved]
     add("activations the layer saves for backward (U = 2 bytes x tokens x hidden)",
         f"{_span([row['saved U'] for _, row in saved], '{:.2f}')} U (BF16 "
         f"{_span([row['saved U'] for _, row in bf16], '{:.2f}')} U)", saved, "layer")
-    fp4 = _latest(results, "layer", "tensors U", layer="coat fp4 G=128 eager", hidden=4096)
+    fp4 = _latest(results, "layer", "tensors U", layer="coat fp4 G=128 eager", hidden=4096, **LLAMA_LAYER)
     add("the same with `saved_format=\"fp4\", group_size=128`: saved tensors, GPU time against the FP8 layer",
         f"{_span([row['tensors U'] for _, row in fp4], '{:.2f}')} U, "
         f"{_span([row['GPU ms'] / _sibling(r, row, 'coat eager', LAYER_SETTING)['GPU ms'] for r, row in fp4], '{:.3f}x')}",
@@ -322,10 +329,10 @@ def readme_table(results: list[Result]) -> str:
 
 
 def _configuration(run: dict) -> tuple | None:
-    """(preset, saved_format, group_size) of a coat run with the default options otherwise, else None. Runs
+    """(preset, saved_format, group_size) of a Llama coat run with the default options otherwise, else None. Runs
     from before ``saved_format`` existed carry no such field and match nothing: their tree is superseded."""
     defaults = (not run.get("bf16_weights") and run.get("fp8_grads") is None and not run.get("fast_accum")
-                and not run.get("uniform_fp4"))
+                and not run.get("uniform_fp4") and run.get("family", "llama") == "llama")
     if not run.get("coat") or not defaults or run.get("saved_format") is None:
         return None
     return run["preset"], run["saved_format"], run.get("group_size") or 16
@@ -346,8 +353,9 @@ def _plot_specs(results: list[Result]) -> dict[str, dict]:
     layer = latest_figures(results, next(f for f in FAMILIES if f.page == "layer"))
     for device in sorted({d for d, _, _ in layer}):
         bars: dict[str, dict] = {}
-        for (d, (hidden, seq, _, variant), field), (_, row) in sorted(layer.items(), key=lambda kv: str(kv[0])):
-            if d == device and variant in PLOTTED_LAYERS and field in ("GPU vs BF16", "saved U"):
+        for (d, (model, hidden, seq, _, variant), field), (_, row) in sorted(layer.items(), key=lambda kv: str(kv[0])):
+            if (d == device and model is None and variant in PLOTTED_LAYERS
+                    and field in ("GPU vs BF16", "saved U")):  # Llama's settings; other families are on the page
                 bars.setdefault(variant, {}).setdefault(f"{hidden}x{seq}", [None, None])[field == "saved U"] = row[field]
         bars = {v: {g: pair for g, pair in groups.items() if None not in pair} for v, groups in bars.items()}
         if sum(map(len, bars.values())):

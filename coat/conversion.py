@@ -1,4 +1,4 @@
-"""coat.convert: turns a transformers Llama, Mistral, Qwen2 or Qwen3 model into an FP8-trained one, in place."""
+"""coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3 or Phi-3 model into an FP8-trained one, in place."""
 from __future__ import annotations
 
 import fnmatch
@@ -46,9 +46,10 @@ def convert(
 ) -> nn.Module:
     """Converts ``model`` in place to coat's FP8 precision flow and returns it.
 
-    Every decoder layer (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer) gets the
-    FP8 forward of :mod:`coat.nn.decoder`: RMSNorm, SiLU*mul and all seven projections in FP8, activations saved
-    in FP8 (Qwen3's per-head q/k norms too, fused with RoPE: :mod:`coat.nn.decoder_qwen3`).
+    Every decoder layer (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer,
+    Phi3DecoderLayer) gets the FP8 forward of :mod:`coat.nn.decoder`: RMSNorm, SiLU*mul and all the projections
+    in FP8, activations saved in FP8 (Qwen3's per-head q/k norms too, fused with RoPE: :mod:`coat.nn.decoder_qwen3`;
+    Phi-3's fused qkv_proj and gate_up_proj weights: :mod:`coat.nn.decoder_phi3`).
     Parameters are shared, not copied, so ``state_dict()`` keys and values, ``save_pretrained`` /
     ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
 
@@ -59,9 +60,10 @@ def convert(
         :class:`coat.nn.Linear`. None (the default) converts every decoder layer and nothing else.
     skip_modules: patterns of modules to leave as they are (e.g. ``["model.layers.0", "model.layers.31"]``
         to keep the first and last layers in BF16).
-    fused_loss: for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM, compute the loss fused with the LM
-        head (:mod:`coat.nn.causal_lm`) when labels are given: the [batch, seq, vocab] logits are never held, and
-        the output's logits are None then. Without labels (generate(), evaluation) the logits come back as before.
+    fused_loss: for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Phi3ForCausalLM, compute the loss
+        fused with the LM head (:mod:`coat.nn.causal_lm`) when labels are given: the [batch, seq, vocab] logits
+        are never held, and the output's logits are None then. Without labels (generate(), evaluation) the
+        logits come back as before.
 
     The LM head stays BF16 unless named in modules_to_convert: its logits feed the softmax over the
     vocabulary directly, where FP8 error shows up unfiltered in the loss (FP8 recipes, TransformerEngine's
@@ -70,7 +72,9 @@ def convert(
 
     Refused: a linear layer in modules_to_convert whose weight is tied to another module's (an LM head with
     tie_word_embeddings=True), and a transformers release older than coat supports; one newer than tested
-    warns (see :mod:`coat.compat`).
+    warns (see :mod:`coat.compat`). Refused with the model untouched, naming the layer: an MLP activation other
+    than SiLU, Qwen3 head_dim above 256 or unequal q/k norm eps, Phi-3 partial_rotary_factor < 1 (coat's RoPE
+    kernel rotates the whole head) or resid_pdrop > 0 (the fused residual additions apply no dropout).
     """
     check_transformers_version()  # before coat.nn.decoder imports transformers' decoder layers
     from coat.nn.decoder import FP8_DECODER_LAYERS, install_decoder_layer, plan_decoder_layer

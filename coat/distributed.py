@@ -336,7 +336,7 @@ def _scale_groups(model: nn.Module) -> list[tuple[str, list[str], list[nn.Module
     groups, grouped = [], set()
     for name, module in model.named_modules():
         if decoder is not None and isinstance(module, decoder.FP8DecoderLayerMixin):
-            parent, config, member_sets = module.self_attn, module.fp8_config, (("q_proj", "k_proj", "v_proj"), ("o_proj",))
+            parent, config, member_sets = module.self_attn, module.fp8_config, module.attention_scale_groups
             name = f"{name}.self_attn"
         elif isinstance(module, SwiGLUMLP):
             parent, config, member_sets = module, module.config, (("gate_proj", "up_proj"), ("down_proj",))

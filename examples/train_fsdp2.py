@@ -230,7 +230,8 @@ def main() -> None:
 
     summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
                           "fp8_reduce_scatter": args.fp8_reduce_scatter, "fp8_all_gather": args.fp8_all_gather,
-                          "preset": None if args.model else args.preset, "parameters": parameters,
+                          "preset": None if args.model else args.preset, "family": args.family,
+                          "parameters": parameters,
                           "world_size": world, "batch_per_rank": args.batch, "seq": args.seq})
     if rank == 0 and summary.get("final_train_loss_last_10pct") is not None:
         print(f"{args.name}: training loss (last 10%) {summary['final_train_loss_last_10pct']:.4f}"

@@ -1,7 +1,7 @@
 """Pretrain a HuggingFace Llama on real text, in BF16 or, with --coat, in FP8 with coat.
 
 The script is the kind users already have: a transformers LlamaForCausalLM built from a config (or loaded
-from a local directory with --model), float32 master weights, bf16 autocast, AdamW with warm-up and cosine
+from a local directory with --model; --family qwen3 or phi3 builds the same sizes as Qwen3 or Phi-3), float32 master weights, bf16 autocast, AdamW with warm-up and cosine
 decay, gradient clipping. --coat changes two lines of it:
 
     coat.convert(model)                       # decoder layers compute and save activations in FP8
@@ -26,6 +26,7 @@ measured outside coat.report's bound goes one format wider, FP4 to FP6 to E4M3
     python examples/train_llama.py --coat --report-every 50          # + quantization report
     python examples/train_llama.py --coat --saved-format auto        # 4, 6 or 8 bits per layer, as the report allows
     python examples/train_llama.py --preset 100m [--coat]            # ~100M parameters, 2000 steps, one GPU
+    python examples/train_llama.py --family phi3 --coat              # the preset as Phi-3 (or qwen3) instead
 
 Outside coat's FP8 layers a run computes in bf16 under autocast, except on a CPU without native bf16 (a bf16
 matrix product measured more than 3 times as slow as a float32 one, e.g. AVX2-only x86): there torch
@@ -206,7 +207,7 @@ def main() -> None:
                           "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
                           "bf16_matmul_time_ratio": bf16_time_ratio,
                           "saved_formats_chosen": saved_formats,
-                          "preset": None if args.model else args.preset,
+                          "preset": None if args.model else args.preset, "family": args.family,
                           "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq})
     print(f"{args.name}: held-out loss {summary['final_val_loss']:.4f}, training loss (last 10%) "
           f"{summary['final_train_loss_last_10pct']:.4f}, {summary['median_tokens_per_s']:,.0f} tokens/s"

@@ -53,10 +53,32 @@ PRESET_HELP = "model size and run length: " + "; ".join(
 )
 
 
+@dataclass(frozen=True)
+class Family:
+    """A transformers model family a preset is built in: its config and causal-LM classes (names in transformers)
+    and what its config needs beyond the preset's sizes."""
+
+    config: str
+    model: str
+    head_dim: bool = False  # the config takes head_dim (its default does not follow hidden / heads)
+    no_special_tokens: bool = False  # its default token ids lie outside the 256-byte vocabulary
+
+
+# The families coat.convert supports that --family builds; one entry each (sizes come from the preset).
+FAMILIES = {
+    "llama": Family("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", head_dim=True, no_special_tokens=True),
+    "phi3": Family("Phi3Config", "Phi3ForCausalLM", no_special_tokens=True),
+}
+
+
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """The options both training scripts take; None means "the preset's value"."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help=PRESET_HELP)
-    parser.add_argument("--model", metavar="PATH", help="a local transformers Llama directory to train from "
+    parser.add_argument("--family", choices=list(FAMILIES), default="llama",
+                        help="the transformers model family the preset is built in (the same hidden size, layers "
+                             "and heads), or that --model holds")
+    parser.add_argument("--model", metavar="PATH", help="a local transformers directory of --family to train from "
                         "(its config and weights; its tokenizer if it has one, else bytes) instead of a preset model")
     parser.add_argument("--coat", action="store_true", help="train with coat.convert and coat.optim.AdamW (FP8)")
     parser.add_argument("--bf16-weights", action="store_true",
@@ -129,7 +151,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             variant += "-fp8-reduce-scatter"
         if getattr(args, "fp8_all_gather", False):
             variant += "-fp8-all-gather"
-        args.name = f"{os.path.basename(os.path.normpath(args.model)) if args.model else args.preset}-{variant}"
+        model_name = os.path.basename(os.path.normpath(args.model)) if args.model else args.preset
+        family = "" if args.family == "llama" else f"-{args.family}"
+        args.name = f"{model_name}{family}-{variant}"
     for field in ("steps", "batch", "seq", "log_every", "eval_every", "eval_batches"):
         if getattr(args, field) < 1:
             raise SystemExit(f"--{field.replace('_', '-')} must be at least 1, got {getattr(args, field)}")
@@ -145,14 +169,17 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace, device: torch.device | str):
-    """A float32 LlamaForCausalLM (master weights; compute runs in bf16 under autocast or FSDP2's mixed
+    """A float32 causal LM of --family (master weights; compute runs in bf16 under autocast or FSDP2's mixed
     precision) and the tokenizer that goes with it (None: bytes). The initialisation depends only on
     --seed, so a BF16 and a coat run start from the same weights."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoTokenizer
 
+    family = FAMILIES[args.family]
+    config_class, model_class = getattr(transformers, family.config), getattr(transformers, family.model)
     torch.manual_seed(args.seed)
     if args.model:
-        model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation=args.attention)
+        model = model_class.from_pretrained(args.model, dtype=torch.float32, attn_implementation=args.attention)
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         except (OSError, ValueError):
@@ -162,7 +189,12 @@ def build_model(args: argparse.Namespace, device: torch.device | str):
                              "tokens, too small for byte tokens; add a tokenizer to the directory")
         return model.to(device), tokenizer
     preset = PRESETS[args.preset]
-    config = LlamaConfig(
+    extra = {}
+    if family.head_dim:
+        extra["head_dim"] = preset.hidden // preset.heads
+    if family.no_special_tokens:  # byte tokens have no special ones
+        extra.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = config_class(
         vocab_size=256,
         hidden_size=preset.hidden,
         intermediate_size=preset.intermediate,
@@ -172,9 +204,10 @@ def build_model(args: argparse.Namespace, device: torch.device | str):
         max_position_embeddings=max(args.seq, 2048),
         tie_word_embeddings=False,
         attn_implementation=args.attention,
+        **extra,
     )
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     return model, None
 
 

@@ -65,11 +65,13 @@ def check_e2e(result: dict, world_size: int) -> None:
         assert ratios["all-gather"]["bf16"] == 1.0 and ratios["all-gather"]["coat-fp8-comm"] < 0.9
 
 
-def test_layer_benchmark_qwen3_family(tmp_path):
-    """layer.py --family qwen3: a Qwen3 layer (q/k norms), BF16's saved tensors beside coat's in every row."""
-    result = run_smoke([sys.executable], "layer", tmp_path, "--family", "qwen3", "--variants", "coat eager")
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_layer_benchmark_other_families(tmp_path, family):
+    """layer.py --family qwen3 (q/k norms) or phi3 (fused qkv and gate_up weights): BF16's saved tensors beside
+    coat's in every row."""
+    result = run_smoke([sys.executable], "layer", tmp_path, "--family", family, "--variants", "coat eager")
     saved = {row["layer"]: row["tensors U"] for row in result["rows"]}
-    assert set(saved) == {"BF16 eager", "coat eager"} and all(row["model"] == "qwen3" for row in result["rows"])
+    assert set(saved) == {"BF16 eager", "coat eager"} and all(row["model"] == family for row in result["rows"])
     assert saved["coat eager"] * 1.8 <= saved["BF16 eager"]
 
 

@@ -3,11 +3,13 @@ loss and every gradient against the same converted model with fused_loss=False (
 logits); the logits None then and as before without labels; transformers' loss keywords (num_items_in_batch as
 the Trainer passes it, shift_labels, ignore_index); tied and untied embeddings; generate(); torch.compile."""
 import copy
+import functools
 import inspect
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel, MistralConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel, MistralConfig, Phi3Config,
+                          Qwen2Config)
 
 import coat
 from coat.nn.causal_lm import FusedLossLMHead
@@ -25,7 +27,9 @@ TINY = dict(
     max_position_embeddings=128,
     attn_implementation="sdpa",
 )
-FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+# Phi-3's default pad token (32000) lies outside the tiny vocabulary.
+FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+            "phi3": functools.partial(Phi3Config, pad_token_id=0, eos_token_id=2)}
 
 
 def fused_and_unfused(family="llama", **overrides):

@@ -141,6 +141,29 @@ def test_train_llama_compute_dtype_without_measuring(train_llama, monkeypatch, c
     assert train_llama.choose_compute_dtype(args, torch.device(device)) == (getattr(torch, expected), None, None)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.parametrize("preset", ["tiny", "100m"])
+def test_families_build_the_preset_sizes(training_common, family, preset):
+    """--family builds the preset in another family's config: the same hidden size, layers, heads and head size,
+    every decoder layer of it converted by coat.convert; Llama's build is unchanged."""
+    import coat
+
+    def build(family):
+        args = argparse.Namespace(family=family, preset=preset, model=None, seed=0, seq=64, attention="sdpa")
+        return training_common.build_model(args, "meta")[0]
+
+    llama, model = build("llama"), build(family)
+    assert type(llama).__name__ == "LlamaForCausalLM"
+    assert type(model).__name__ == training_common.FAMILIES[family].model
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "vocab_size"):
+        assert getattr(model.config, field) == getattr(llama.config, field), field
+    assert model.model.layers[0].self_attn.head_dim == llama.model.layers[0].self_attn.head_dim
+    assert sum(p.numel() for p in model.parameters()) >= sum(p.numel() for p in llama.parameters())
+    coat.convert(model)
+    assert all(hasattr(layer, "fp8_config") for layer in model.model.layers)
+
+
 def test_train_llama_quantization_report(tmp_path):
     completed = run([os.path.join(EXAMPLES, "train_llama.py"), *QUICK, "--coat", "--report-every", "3", "--out", "runs"],
                     tmp_path)

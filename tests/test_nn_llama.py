@@ -1,4 +1,4 @@
-"""coat.convert on tiny transformers models (Llama, Mistral, Qwen2, Qwen3): numerics against the BF16 model, the
+"""coat.convert on tiny transformers models (Llama, Mistral, Qwen2, Qwen3, Phi-3): numerics against the BF16 model, the
 bytes saved for backward against appendix D / Table 2, checkpoints, generation and errors.
 
 Gradient bounds: a parameter's gradient in a converted model passes through the FP8 roundings of the
@@ -37,6 +37,7 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -61,9 +62,11 @@ TINY = dict(
     max_position_embeddings=128,
     attn_implementation="sdpa",
 )
-# Qwen3's head_dim defaults to 128 whatever the hidden size: 32 here, two 16-element groups per head.
+# Qwen3's head_dim defaults to 128 whatever the hidden size: 32 here, two 16-element groups per head. Phi-3's
+# default pad and end-of-sequence tokens (32000) lie outside the tiny vocabulary.
 FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-            "qwen3": functools.partial(Qwen3Config, head_dim=32)}
+            "qwen3": functools.partial(Qwen3Config, head_dim=32),
+            "phi3": functools.partial(Phi3Config, pad_token_id=0, eos_token_id=2)}
 GRADIENT_BOUND = {("e5m2", "e4m3"): 0.2, (None, "e4m3"): 0.12, ("e5m2", "fp4"): 0.3}
 LOSS_BOUND = 0.01
 HEAD_NORM_BOUND_FACTOR = 1.5
@@ -293,13 +296,14 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-# Mistral and Qwen2 (its second layer) with a window shorter than the sequences, so that the sliding-window cache
-# layers and masks run; no end-of-sequence token, so that generate() runs every step.
+# Mistral, Phi-3, Qwen2 and Qwen3 (their second layer) with a window shorter than the sequences, so that the
+# sliding-window cache layers and masks run; no end-of-sequence token, so that generate() runs every step.
 GENERATION = {
     "llama": dict(eos_token_id=None),
     "mistral": dict(eos_token_id=None, sliding_window=4),
     "qwen2": dict(eos_token_id=None, use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "qwen3": dict(eos_token_id=None, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+    "phi3": dict(eos_token_id=None, sliding_window=4),
 }
 PROMPT, NEW_TOKENS = 8, 8
 # A forward through the KV cache quantizes each step's activations with per-tensor scales over that step's tokens,
@@ -557,7 +561,7 @@ def test_a_decoder_layer_forward_coat_does_not_mirror_is_refused(monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
 def test_cuda_matches_cpu(family):
     results = []
     for device in ("cpu", "cuda"):

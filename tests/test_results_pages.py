@@ -78,6 +78,42 @@ def test_convergence_runs_are_compared_with_the_mean_of_the_bf16_runs_of_their_s
     assert "vs BF16" not in rows["100m-bf16"]
 
 
+def test_layer_results_of_other_families_stand_beside_llamas(pages, tmp_path):
+    """A layer.py --family file (rows with "model") has the settings of Llama's rows: it neither replaces them on
+    the page nor in the README's figures or the plot, which are Llama-2-7B's; its rows show with their model."""
+    def rows(gpu_vs_bf16, **model):
+        return [{**model, "hidden": 4096, "seq": 2048, "batch": 4, "layer": layer, "GPU vs BF16": gpu_vs_bf16,
+                 "saved U": saved} for layer, saved in (("BF16 eager", 22.8), ("coat eager", 8.6))]
+
+    _write(tmp_path, "layer.json", "2026-01-01T00:00:00+00:00", rows(1.5), command="benchmarks/layer.py")
+    _write(tmp_path, "layer-phi3.json", "2026-02-01T00:00:00+00:00", rows(1.2, model="phi3"),
+           command="benchmarks/layer.py --family phi3")
+    results = pages.load_results(str(tmp_path))
+    family = next(f for f in pages.FAMILIES if f.page == "layer")
+    text, sources = pages.family_page(results, family)
+    assert {r.path for r in sources} == {"layer.json", "layer-phi3.json"}
+    assert "| model | hidden |" in text and "| phi3 | 4096 | 2048 | 4 | coat eager | 1.2 |" in text
+    found = pages._latest(results, "layer", "GPU vs BF16", layer="coat eager", hidden=4096, **pages.LLAMA_LAYER)
+    assert [(r.path, row["GPU vs BF16"]) for r, row in found] == [("layer.json", 1.5)]
+    (spec,) = [spec for name, spec in pages._plot_specs(results).items() if name.startswith("layer-")]
+    assert spec["bars"]["coat eager"] == {"4096x2048": [1.5, 8.6]}
+
+
+def test_convergence_runs_of_another_family_are_compared_with_that_familys_bf16_runs(pages, tmp_path):
+    def run(name, coat, loss, family=None):
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "name": name, "device": "GPU X", "torch": "2.13.0", "date": "2026-01-01T00:00:00+00:00",
+            "command": f"examples/train_llama.py --preset 100m --name {name}", "coat": coat, "preset": "100m",
+            "seed": 0, "final_val_loss": loss, **({} if family is None else {"family": family})}))
+
+    run("100m-bf16", False, 1.0)
+    run("100m-phi3-bf16", False, 2.0, "phi3")
+    run("100m-phi3-coat", True, 2.2, "phi3")
+    rows = {r.rows[0]["name"]: r.rows[0] for r in pages.load_results(str(tmp_path))}
+    assert rows["100m-phi3-coat"]["vs BF16"] == "+10.00%"
+    assert pages._configuration(rows["100m-phi3-coat"]) is None  # not one of the README's Llama runs
+
+
 def test_a_readme_without_the_table_markers_is_refused(pages, tmp_path, monkeypatch):
     readme = tmp_path / "README.md"
     readme.write_text("# no table here\n")

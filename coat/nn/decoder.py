@@ -1,4 +1,5 @@
-"""The FP8 forward of transformers' Llama-style decoder layers (Llama, Mistral, Qwen2; Qwen3 in decoder_qwen3).
+"""The FP8 forward of transformers' Llama-style decoder layers (Llama, Mistral, Qwen2; Qwen3 in decoder_qwen3,
+Phi-3 in decoder_phi3).
 
 A converted layer runs the precision flow of the paper (appendix G.1) as three blocks from
 :mod:`coat.nn.functional`, with coat's fused RoPE kernel, around transformers' own KV cache and attention
@@ -73,21 +74,14 @@ class FP8DecoderLayerMixin:
         # in kwargs is the paged one of continuous batching, which stays in kwargs for the attention function.
         cache = kwargs.pop("cache", None) if self.cache_argument == "cache" else None
         cache = past_key_values if cache is None else cache
-        attn, mlp = self.self_attn, converted_child(self, "mlp", SwiGLUMLP)
+        attn = self.self_attn
         input_norm = converted_child(self, "input_layernorm", RMSNorm)
-        post_attention_norm = converted_child(self, "post_attention_layernorm", RMSNorm)
         modeling = sys.modules[type(attn).__module__]  # the model family's eager attention
         config = self.fp8_config
         input_shape = hidden_states.shape[:-1]
         heads_shape = (*input_shape, -1, attn.head_dim)
 
-        query, key, value = coat_functional.before_attention(
-            hidden_states,
-            input_norm.weight,
-            input_norm.eps,
-            [_projection(attn, "q_proj"), _projection(attn, "k_proj"), _projection(attn, "v_proj")],
-            config,
-        )
+        query, key, value = self._queries_keys_values(hidden_states, input_norm)
         cos, sin = position_embeddings
         query, key = self._position_queries_keys(query.view(heads_shape), key.view(heads_shape), cos, sin)
         query, key, value = (t.view(heads_shape).transpose(1, 2) for t in (query, key, value))
@@ -124,16 +118,23 @@ class FP8DecoderLayerMixin:
             # SDPA, FlashAttention and flex attention keep their output for backward; eager attention does not.
             attention_keeps_output=implementation != "eager",
         )
-        return coat_functional.mlp_residual(
-            hidden_states,
-            post_attention_norm.weight,
-            post_attention_norm.eps,
-            _projection(mlp, "gate_proj"),
-            _projection(mlp, "up_proj"),
-            _projection(mlp, "down_proj"),
-            config,
-        )
+        return self._mlp_residual(hidden_states, converted_child(self, "post_attention_layernorm", RMSNorm))
 
+    # What a family changes, overridden by its subclass: the q/k/v projections, q and k before attention, the MLP
+    # (the names of the linear layers that share a weight scale, as coat.distributed groups them), its children.
+    attention_scale_groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",))
+
+    def _queries_keys_values(self, hidden_states, input_norm):
+        """q, k, v [B, S, heads * head_dim] = the projections of RMSNorm(hidden_states)."""
+        attn = self.self_attn
+        projections = [_projection(attn, name) for name in ("q_proj", "k_proj", "v_proj")]
+        return coat_functional.before_attention(hidden_states, input_norm.weight, input_norm.eps, projections,
+                                                self.fp8_config)
+
+    def _mlp_residual(self, hidden_states, norm):
+        mlp = converted_child(self, "mlp", SwiGLUMLP)
+        gate, up, down = (_projection(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+        return coat_functional.mlp_residual(hidden_states, norm.weight, norm.eps, gate, up, down, self.fp8_config)
 
     def _position_queries_keys(self, query, key, cos, sin):
         """RoPE of q and k [B, S, heads, head_dim] as the projections wrote them: one coat kernel each way. The
@@ -141,8 +142,14 @@ class FP8DecoderLayerMixin:
         return coat_functional.rotary_embedding(query, key, cos, sin)
 
     @classmethod
+    def plan_mlp(cls, layer: nn.Module, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:
+        """The replacements of the MLP or its children, as plan_decoder_layer lists them."""
+        return [(layer, "mlp", SwiGLUMLP.from_mlp(layer.mlp, config))]
+
+    @classmethod
     def plan_family_children(cls, layer: nn.Module, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:
-        """The replacements of the children only this family has, as plan_decoder_layer lists them."""
+        """The replacements of the children only this family has, as plan_decoder_layer lists them; raises a
+        ValueError for a configuration the converted forward would compute wrong."""
         return []
 
 
@@ -166,6 +173,7 @@ FP8_DECODER_LAYERS = {
 
 # Families whose layers differ from Llama's inside the attention keep their code in a module of their own,
 # which adds its layer to FP8_DECODER_LAYERS; imported here, after the mixin they subclass.
+import coat.nn.decoder_phi3  # noqa: E402,F401
 import coat.nn.decoder_qwen3  # noqa: E402,F401
 
 
@@ -180,7 +188,8 @@ def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[t
             f"it would drop the arguments it does not know. Install {TRANSFORMERS_REQUIREMENT}"
         )
     attn = getattr(layer, "self_attn", None)
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    fp8_class = FP8_DECODER_LAYERS[type(layer)]
+    projections = tuple(name for group in fp8_class.attention_scale_groups for name in group)
     if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in projections):
         raise ValueError(f"coat.convert: {name}.self_attn must have nn.Linear children {', '.join(projections)}")
     try:
@@ -188,8 +197,8 @@ def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[t
             *((attn, p, Linear.from_linear(getattr(attn, p), config)) for p in projections),
             (layer, "input_layernorm", RMSNorm.from_rmsnorm(layer.input_layernorm, config)),
             (layer, "post_attention_layernorm", RMSNorm.from_rmsnorm(layer.post_attention_layernorm, config)),
-            (layer, "mlp", SwiGLUMLP.from_mlp(layer.mlp, config)),
-            *FP8_DECODER_LAYERS[type(layer)].plan_family_children(layer, config),
+            *fp8_class.plan_mlp(layer, config),
+            *fp8_class.plan_family_children(layer, config),
         ]
     except (TypeError, ValueError) as error:
         raise type(error)(f"coat.convert: cannot convert {name}: {error}") from error

@@ -160,13 +160,25 @@ class Projections:
     precision only to a weight whose amax is far below its siblings' (E4M3 spans 2^17 below its max).
     ``name`` ("qkv", "o", "gate_up", "down"; empty for a lone linear layer) prefixes the names its weights
     and output gradients are reported under. Weights all-gathered in FP8 (:class:`coat.nn.FP8Weight`) bring
-    their codes and the group's scale: forward reads the codes, backward transposes them."""
+    their codes and the group's scale: forward reads the codes, backward transposes them.
+    ``output_widths``: one fused weight whose row blocks are several projections (Phi-3's qkv_proj and
+    gate_up_proj), split into outputs of these widths; the wgrad GEMM's [sum N_i, K] result is then that
+    parameter's gradient as it is, and the output gradients' column sums its bias's."""
 
-    def __init__(self, params, name: str = ""):
+    def __init__(self, params, name: str = "", output_widths=None):
         self.name = name
         self.weights = [weight for weight, _ in params]
         self.biases = [bias for _, bias in params]
         self.widths = [weight.shape[0] for weight in self.weights]
+        self.fused = output_widths is not None
+        if self.fused and (len(params) != 1 or sum(output_widths) != self.widths[0]):
+            raise ValueError(f"coat: a fused projection is one weight whose rows are outputs of widths "
+                             f"{list(output_widths)}, got weights {[tuple(w.shape) for w in self.weights]}")
+        self.output_widths = list(output_widths) if self.fused else self.widths
+        self.output_biases = self.biases
+        if self.fused:
+            bias = self.biases[0]
+            self.output_biases = [None] * len(output_widths) if bias is None else list(bias.split(output_widths))
         if len({weight.dtype for weight in self.weights}) != 1 or len({w.shape[1] for w in self.weights}) != 1:
             raise ValueError(
                 "coat: projections that read one input need weights of one dtype and one input size, got "
@@ -189,10 +201,19 @@ class Projections:
         """[x @ W_i^T + b_i for each projection]."""
         w_blocks, w_scale = self._fp8_weights(config.forward_dtype, weight_amax, site)
         return [fp8_gemm(x_q, x_scale, w_i, w_scale, out_dtype, bias, config.fast_accum)
-                for w_i, bias in zip(w_blocks, self.biases)]
+                for w_i, bias in zip(w_blocks, self.output_biases)]
 
-    def _fp8_weights(self, fp8, weight_amax, site):
-        """Each projection's [N_i, K] FP8 weight and their shared scale: the gathered codes, or the weights
+    def forward_joint(self, x_q, x_scale, config: FP8Config, out_dtype, weight_amax, site=None) -> list[torch.Tensor]:
+        """:meth:`forward` as one GEMM of a fused weight, its outputs column views of one [M, sum N_i] tensor: for
+        outputs that live only until one op has read them (gate and up, read in place by silu_mul_quantize)."""
+        if not self.fused:
+            raise ValueError("coat: Projections.forward_joint multiplies one fused weight; pass output_widths")
+        (w_q,), w_scale = self._fp8_weight_matrices(config.forward_dtype, weight_amax, site)
+        out = fp8_gemm(x_q, x_scale, w_q, w_scale, out_dtype, self.biases[0], config.fast_accum)
+        return list(out.split(self.output_widths, dim=1))
+
+    def _fp8_weight_matrices(self, fp8, weight_amax, site):
+        """Each weight parameter's FP8 matrix and their shared scale: the gathered codes, or the weights
         quantized together here."""
         if self.gathered_in_fp8:  # the high-precision weights are not on this rank: no report of their error
             return [weight.codes for weight in self.weights], self.weights[0].scale
@@ -200,6 +221,11 @@ class Projections:
         if site is not None:
             _record_joint(site, self.report_name("weight"), self.weights, w_q, w_scale, None, dim=0)
         return w_q.split(self.widths), w_scale
+
+    def _fp8_weights(self, fp8, weight_amax, site):
+        """Each output's [N_i, K] FP8 weight block and their shared scale."""
+        matrices, w_scale = self._fp8_weight_matrices(fp8, weight_amax, site)
+        return (matrices[0].split(self.output_widths) if self.fused else matrices), w_scale
 
     def _fp8_weights_transposed(self, fp8, weight_amax):
         """The [K, sum N_i] transposed FP8 weights of the dgrad GEMM and their scale: the gathered codes
@@ -219,8 +245,8 @@ class Projections:
         the input's gradient ([M, K] in input_grad_dtype, None when not needed) and [grad_w_0, grad_b_0, ...]."""
         need_input_grad, need_param_grads = needs
         rows = _matrix(next(g for g in grads if g is not None)).shape[0]
-        grads = [_matrix(g) if g is not None else w.new_zeros(rows, w.shape[0], dtype=input_grad_dtype)
-                 for g, w in zip(grads, self.weights)]
+        grads = [_matrix(g) if g is not None else self.weights[0].new_zeros(rows, width, dtype=input_grad_dtype)
+                 for g, width in zip(grads, self.output_widths)]
         need_weight_grads = any(need_weight for need_weight, _ in need_param_grads)
         if config.gradient_dtype is None:
             grad_input, weight_grads = self._backward_unquantized(grads, x_q_t, x_scale, need_input_grad,
@@ -237,10 +263,14 @@ class Projections:
             if need_weight_grads:
                 # The contraction dimension is the token count M, which fp8_gemm pads to a multiple of 16.
                 weight_grads = fp8_gemm(g_q_t, g_scale, x_q_t, x_scale, self.weights[0].dtype).split(self.widths)
+        # Per output, then joined for a fused weight: its bias's gradient, as its weight's, is the joint block.
+        bias_grads = [grad.sum(0, dtype=torch.float32) for grad in grads] if any(n for _, n in need_param_grads) else []
+        if self.fused and bias_grads:
+            bias_grads = [torch.cat(bias_grads)]
         param_grads = []
         for i, (need_weight, need_bias) in enumerate(need_param_grads):
             param_grads.append(weight_grads[i] if need_weight else None)
-            param_grads.append(grads[i].sum(0, dtype=torch.float32).to(self.biases[i].dtype) if need_bias else None)
+            param_grads.append(bias_grads[i].to(self.biases[i].dtype) if need_bias else None)
         return grad_input, param_grads
 
     def _backward_unquantized(self, grads, x_q_t, x_scale, need_input_grad, need_weight_grads, input_grad_dtype):
@@ -249,11 +279,16 @@ class Projections:
         grad_input = weight_grads = None
         with _no_autocast(grads[0].device):  # a backward() called inside the caller's autocast region
             if need_input_grad:
-                grad_input = sum(((g @ w.to(g.dtype)).float() for g, w in zip(grads, self.weights)))
+                blocks = self.weights[0].split(self.output_widths) if self.fused else self.weights
+                grad_input = sum(((g @ w.to(g.dtype)).float() for g, w in zip(grads, blocks)))
                 grad_input = grad_input.to(input_grad_dtype)
             if need_weight_grads:
                 x_t = _dequantized(x_q_t, x_scale, grads[0].dtype)
-                weight_grads = [(g.t() @ x_t.t()).to(w.dtype) for g, w in zip(grads, self.weights)]
+                dtype = self.weights[0].dtype
+                if self.fused:  # one GEMM over the outputs' gradients side by side gives the joint block
+                    weight_grads = [(torch.cat(grads, dim=1).t() @ x_t.t()).to(dtype)]
+                else:
+                    weight_grads = [(g.t() @ x_t.t()).to(dtype) for g in grads]
         return grad_input, weight_grads
 
 
@@ -458,17 +493,28 @@ def _smoothed_down_weight(weight: torch.Tensor, smooth_scale: torch.Tensor | Non
     return weight if smooth_scale is None else weight * smooth_scale.reciprocal().to(weight.dtype)
 
 
+def _gate_up_projections(params) -> Projections:
+    """gate and up of ``params`` ([(w, b)] for gate, up, down, or for Phi-3's fused gate_up, gate rows first,
+    and down), which share one weight scale (:class:`Projections`)."""
+    gate_up = params[:-1]
+    if len(gate_up) == 1:
+        return Projections(gate_up, "gate_up", [gate_up[0][0].shape[0] // 2] * 2)
+    return Projections(gate_up, "gate_up")
+
+
 def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for_backward: bool, site=None):
-    """down(SiLU(gate(x)) * up(x)) from an input already in FP8. params: [(w, b)] for gate, up, down; gate
-    and up share one weight scale (:class:`Projections`).
+    """down(SiLU(gate(x)) * up(x)) from an input already in FP8. params: [(w, b)] for gate, up, down, or for
+    a fused gate_up and down (:func:`_gate_up_projections`): then one GEMM writes gate and up side by side,
+    and the fused op reads the two halves in place.
     Returns the output and the tensors backward needs: the weights' amax, SiLU*mul's inputs in 1 x G groups
     (in ``config.saved_format`` when ``keep_for_backward``) and the scale of the FP8 product that feeds the
     down projection. The product itself is not saved: backward recomputes its transpose (the down wgrad's
     operand) from the saved inputs.
     gate and up themselves live only until the fused op has read them."""
-    gate_up = Projections(params[:2], "gate_up")
+    gate_up = _gate_up_projections(params)
     gate_up_amax = gate_up.weight_amax()
-    gate, up = gate_up.forward(x_q, x_scale, config, out_dtype, gate_up_amax, site)
+    gate, up = (gate_up.forward_joint if gate_up.fused else gate_up.forward)(x_q, x_scale, config, out_dtype,
+                                                                            gate_up_amax, site)
     smooth_scale = smooth_swiglu_scale(gate, up) if config.smooth_swiglu else None
     act_q, act_scale, _, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(
         gate,
@@ -490,7 +536,7 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
         # up would make the `del` below a bytecode torch.compile cannot trace.
         site.record("down_input", functools.partial(_silu_mul_rows, gate, up, smooth_scale), act_q, act_scale)
     del gate, up
-    down = Projections([_smoothed_down(params[2], smooth_scale)], "down")
+    down = Projections([_smoothed_down(params[-1], smooth_scale)], "down")
     down_amax = down.weight_amax()
     (out,) = down.forward(_matrix(act_q), act_scale, config, out_dtype, down_amax, site)
     saved = dict(
@@ -516,18 +562,19 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
     """Backward of :func:`_swiglu_forward`. needs: (need_input_grad, [(need_w, need_b)] for gate, up, down).
     The gradients of the product and of gate and up are in act_dtype, the dtype the forward computed them
     in (autocast's); the input's gradient is in x_dtype. Returns the input's gradient and [grad_w, grad_b]
-    for gate, up, down."""
+    for each of params."""
     need_input_grad, need_param_grads = needs
     smooth_scale = saved["smooth_scale"]
+    gate_up = _gate_up_projections(params)
     act_q_t = None
-    if _params_need_grad(need_param_grads[2:]):
+    if _params_need_grad(need_param_grads[-1:]):
         act_q_t = ops.silu_mul_requantize(
             saved["gate_saved"], saved["gate_scales"], saved["up_saved"], saved["up_scales"], smooth_scale,
             saved["act_scale"], config.group_size, config.forward_dtype, saved_format=config.saved_format,
-            cols=params[0][0].shape[0],
+            cols=gate_up.output_widths[0],
         )
-    grad_act, down_grads = Projections([_smoothed_down(params[2], smooth_scale)], "down").backward(
-        [grad_out2d], act_q_t, saved["act_scale"], saved["down_amax"], (True, need_param_grads[2:]),
+    grad_act, down_grads = Projections([_smoothed_down(params[-1], smooth_scale)], "down").backward(
+        [grad_out2d], act_q_t, saved["act_scale"], saved["down_amax"], (True, need_param_grads[-1:]),
         config, act_dtype, site,
     )
     del act_q_t
@@ -545,8 +592,8 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
         saved_format=config.saved_format,
     )
     del grad_act
-    grad_input, gate_up_grads = Projections(params[:2], "gate_up").backward(
-        [grad_gate, grad_up], x_q_t, x_scale, saved["gate_up_amax"], (need_input_grad, need_param_grads[:2]), config,
+    grad_input, gate_up_grads = gate_up.backward(
+        [grad_gate, grad_up], x_q_t, x_scale, saved["gate_up_amax"], (need_input_grad, need_param_grads[:-1]), config,
         x_dtype, site, grad_amax,
     )
     return grad_input, gate_up_grads + down_grads
@@ -667,16 +714,15 @@ class _BeforeAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     @_capture.measures_records
-    def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
+    def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, output_widths, *flat_params):
         params = _pairs(flat_params)
-        param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
         site = ctx.report_site = _capture.forward_site()
         x2d = _matrix(x)
         quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, for_backward=True)
         if site is not None:
             _record_rmsnorm(site, "attn_norm_input", "qkv_input", x2d, norm_weight, quantized, config)
         y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
-        projections = Projections(params, "qkv")
+        projections = Projections(params, "qkv", output_widths)
         weight_amax = projections.weight_amax()
         outputs = projections.forward(y, y_scale, config, out_dtype, weight_amax, site)
         _save(
@@ -689,7 +735,7 @@ class _BeforeAttentionFunction(torch.autograd.Function):
             weight_amax=weight_amax,
             **_named_params(flat_params),
         )
-        ctx.config, ctx.x_shape, ctx.x_dtype = config, x.shape, x.dtype
+        ctx.config, ctx.x_shape, ctx.x_dtype, ctx.output_widths = config, x.shape, x.dtype, output_widths
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
     @staticmethod
@@ -697,12 +743,12 @@ class _BeforeAttentionFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         saved = _saved(ctx)
         params = _pairs(_params_from(saved))
-        param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
+        param_needs = _param_needs(ctx.needs_input_grad, 6, len(params))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
         y_t = None
         if _params_need_grad(param_needs):
             y_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["y_scale"], ctx.config)
-        grad_y, param_grads = Projections(params, "qkv").backward(
+        grad_y, param_grads = Projections(params, "qkv", ctx.output_widths).backward(
             grads, y_t, saved["y_scale"], saved["weight_amax"], (need_x or need_norm_weight, param_needs),
             ctx.config, ctx.x_dtype, _capture.backward_site(ctx),
         )
@@ -715,18 +761,23 @@ class _BeforeAttentionFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
             *param_grads,
         )
 
 
-def before_attention(x, norm_weight, eps: float, projections, config: FP8Config = FP8Config()):
-    """(q, k, v) = [proj(RMSNorm(x)) for proj in projections], with projections [(weight, bias), ...]."""
+def before_attention(x, norm_weight, eps: float, projections, config: FP8Config = FP8Config(), *,
+                     output_widths=None):
+    """(q, k, v) = [proj(RMSNorm(x)) for proj in projections], with projections [(weight, bias), ...]; or, with
+    ``output_widths`` (e.g. [Hq D, Hkv D, Hkv D]), the outputs of one fused (weight, bias) split into blocks of
+    these widths, each computed by a GEMM of its own (see :class:`Projections`)."""
     flat_params = tuple(t for pair in projections for t in pair)
     out_dtype = output_dtype(x)
+    output_widths = None if output_widths is None else tuple(output_widths)
     if _needs_autograd(x, norm_weight, *flat_params):
-        return _BeforeAttentionFunction.apply(x, norm_weight, eps, config, out_dtype, *flat_params)
+        return _BeforeAttentionFunction.apply(x, norm_weight, eps, config, out_dtype, output_widths, *flat_params)
     y, y_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config)
-    fused = Projections(_pairs(flat_params))
+    fused = Projections(_pairs(flat_params), output_widths=output_widths)
     outputs = fused.forward(y, y_scale, config, out_dtype, fused.weight_amax())
     return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
@@ -809,7 +860,6 @@ class _MLPResidualFunction(torch.autograd.Function):
     @_capture.measures_records
     def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
         params = _pairs(flat_params)
-        param_needs = _param_needs(ctx.needs_input_grad, 5, 3)
         site = ctx.report_site = _capture.forward_site()
         x2d = _matrix(x)
         quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, for_backward=True)
@@ -837,9 +887,9 @@ class _MLPResidualFunction(torch.autograd.Function):
         saved = _saved(ctx)
         params = _pairs(_params_from(saved))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
-        needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 5, 3))
+        needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 5, len(params)))
         n_q_t = None
-        if _params_need_grad(needs[1][:2]):
+        if _params_need_grad(needs[1][:-1]):
             n_q_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["n_scale"], ctx.config)
         grad_out2d = _matrix(grad_out)
         grad_n, param_grads = _swiglu_backward(
@@ -864,8 +914,9 @@ class _MLPResidualFunction(torch.autograd.Function):
 
 
 def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config = FP8Config()):
-    """x + LlamaMLP(RMSNorm(x)) in FP8; gate, up, down are (weight, bias) pairs."""
-    flat_params = (*gate, *up, *down)
+    """x + LlamaMLP(RMSNorm(x)) in FP8; gate, up, down are (weight, bias) pairs. up None: gate is Phi-3's fused
+    gate_up_proj, [2I, H] with the gate's rows first (Phi3MLP's ``chunk(2)``)."""
+    flat_params = (*gate, *(up or ()), *down)
     out_dtype = output_dtype(x)
     if _needs_autograd(x, norm_weight, *flat_params):
         return _MLPResidualFunction.apply(x, norm_weight, eps, config, out_dtype, *flat_params)
