@@ -132,6 +132,7 @@ class FP8DecoderLayerMixin:
             _projection(mlp, "up_proj"),
             _projection(mlp, "down_proj"),
             config,
+            activation=mlp.activation,
         )
 
 
