@@ -427,7 +427,7 @@ const char* activation_name(coat_activation act) { return act == COAT_ACT_GELU_T
 template <coat_activation kAct>
 void check_decoded_gate_silu() {
   using Gates = SiluOfDecodedGates<true, kAct>;
-  static Gates::Table table;
+  static typename Gates::Table table;
   constexpr unsigned kThreads = 256;
   std::vector<long> mismatches(kThreads, 0);
   std::vector<uint32_t> first_mismatch(kThreads, 0);
