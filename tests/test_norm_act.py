@@ -1075,10 +1075,12 @@ def test_fp4_and_fp6_python_wrappers(fmt):
 # paths' fallbacks, the bf16 silu table's edges, several rounds of the persistent kernels); on CUDA every
 # output is compared with the C core's bit for bit (run).
 
-# Gates around the edges of the kernels' fast paths: the bf16 silu table holds 2^-24 <= |g| < 2^8; the
-# computed sigmoid takes g >= -80 and sends smaller ones through coat_exp's full range (-88.7, -103.3).
+# Gates around the edges of the kernels' fast paths: the bf16 table holds 2^-24 <= |g| < 2^8 for silu, 2^-25 <= |g| <
+# 2^7 for gelu_tanh; the computed sigmoid takes z(g) >= -80 and sends smaller ones through coat_exp's full range
+# (-88.7, -103.3); gelu_tanh's z(g) reaches -80 near g = -9.67.
 EDGE_GATES = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-24 * (1 - 2.0**-8), 1e-30, 1e-39, 255.0, -255.0, 256.0,
-              -256.0, 300.0, -80.0, -80.5, -81.0, -87.5, -88.5, -89.0, -103.0, -104.0, -200.0, 80.5, 88.5, 100.0]
+              -256.0, 300.0, -80.0, -80.5, -81.0, -87.5, -88.5, -89.0, -103.0, -104.0, -200.0, 80.5, 88.5, 100.0,
+              2.0**-25, -(2.0**-25), 127.5, 128.0, -128.0, -9.625, -9.6875, -9.75, -10.0]
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

@@ -87,7 +87,7 @@ __device__ __forceinline__ void load_smooth(const float* smooth_scale, int col, 
 // ---------------------------------------------------------------------------------------------------
 // silu(g) of a chunk of gates
 
-// The table of act(g) for bf16 g with first <= |g| < 2^32 first: entry (sign << 12) | (bits - first), bits the
+// The table of act(g) for bf16 g with first <= |g| < 2^32 * first: entry (sign << 12) | (bits - first), bits the
 // 15 low bits of g's, in [first, first + 0x1000): 32 binades of 128 values in one 4096-entry plane per sign.
 // first = 2^-24 for silu, 2^-25 for gelu_tanh, so that sigmoid(z(g)) is exactly 0.5 at and below the first entry
 // (SiluOfDecodedGates<true> relies on it): gelu_tanh's z = 1.6 g makes sigmoid(z(2^-24)) 0.5 + 2^-25.
