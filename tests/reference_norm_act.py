@@ -257,7 +257,8 @@ def activation_slope_f32(gate32: torch.Tensor, s: torch.Tensor, activation: str)
     return s * (_f32(1.0) + (c * (_f32(1.0) - s)) * slope)
 
 
-def silu_mul_backward_f32(dy32, gate32, up32, smooth_scale=None, activation="silu") -> tuple[torch.Tensor, torch.Tensor]:
+def silu_mul_backward_f32(dy32, gate32, up32, smooth_scale=None,
+                          activation="silu") -> tuple[torch.Tensor, torch.Tensor]:
     s = activation_sigmoid_f32(gate32, activation)
     dy_s = dy32 if smooth_scale is None else dy32 * smooth_scale
     return (dy_s * up32) * activation_slope_f32(gate32, s, activation), dy_s * (gate32 * s)

@@ -635,7 +635,8 @@ def test_coat_exp_accuracy():
 # ----------------------------------------------------------------------------------------------------
 # GeGLU's gelu_tanh: accuracy of the documented fp32 arithmetic, which the kernels equal bit for bit (above)
 
-GELU_GATES = torch.cat([torch.linspace(-12.0, 12.0, 480_001), 3 * torch.randn(200_000, generator=torch.Generator().manual_seed(9))])
+GELU_GATES = torch.cat([torch.linspace(-12.0, 12.0, 480_001),
+                        3 * torch.randn(200_000, generator=torch.Generator().manual_seed(9))])
 
 
 def test_gelu_tanh_accuracy():
@@ -674,7 +675,8 @@ def test_activation_special_gates(device, activation):
     dgate, dup, _ = run(torch.ops.coat.silu_mul_backward, dy, gate_saved, gate_scales, up_saved, up_scales, None, 16,
                         "e4m3", activation, device=device)
     act, dact = dup[:, 0], dgate[:, 0]
-    torch_act = gates * torch.sigmoid(gates) if activation == "silu" else torch.nn.functional.gelu(gates, approximate="tanh")
+    torch_act = (gates * torch.sigmoid(gates) if activation == "silu"
+                 else torch.nn.functional.gelu(gates, approximate="tanh"))
     assert_same_bits(act.isnan(), torch_act.isnan(), "act's NaNs vs torch's")
     assert act[0] == math.inf and act[1].isnan() and act[2].isnan()
     # act within float32's reach of float64's: g * sigmoid(z), which 0.5 g (1 + tanh(z / 2)) equals but computes without

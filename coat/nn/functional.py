@@ -445,11 +445,11 @@ def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype,
 
 def smooth_swiglu_scale(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Smooth-SwiGLU's per-channel scale s (Fishman et al. 2024, section 4.4), from each channel's max
-    |act(gate) * up| over the tokens (act: SiLU, or GeGLU's gelu_tanh, the kernel's ``activation``): s_i = 2^-ceil(log2 amax_i), so every channel's amax lands in
-    (1/2, 1] and the per-tensor scale of the product no longer follows the channel with the largest
-    outliers. Powers of two make s and its inverse, folded into the down projection, exact; the exponent
-    is clamped to [-126, 126] so that both stay normal float32 numbers. Channels that are all zero (or not
-    finite) get s = 1. float32 [channels]."""
+    |act(gate) * up| over the tokens (act: SiLU, or GeGLU's gelu_tanh, the kernel's ``activation``):
+    s_i = 2^-ceil(log2 amax_i), so every channel's amax lands in (1/2, 1] and the per-tensor scale of the
+    product no longer follows the channel with the largest outliers. Powers of two make s and its inverse,
+    folded into the down projection, exact; the exponent is clamped to [-126, 126] so that both stay normal
+    float32 numbers. Channels that are all zero (or not finite) get s = 1. float32 [channels]."""
     with torch.no_grad():
         amax = (_gated_activation(gate, activation) * up).abs().amax(dim=0).float()
         exponent = torch.clamp(torch.ceil(torch.log2(amax)), -126, 126)
@@ -816,7 +816,7 @@ def after_attention(
 
 
 class _MLPResidualFunction(torch.autograd.Function):
-    """x + down(act(gate(n)) * up(n)) with n = RMSNorm(x), act SiLU or gelu_tanh: the post-attention norm writes n in FP8 for the
+    """x + down(act(gate(n)) * up(n)) with n = RMSNorm(x): the post-attention norm writes n in FP8 for the
     gate/up GEMM, SiLU*mul writes its product in FP8 for the down GEMM. Saves one copy of each non-linear
     op's inputs in 1 x G groups (``config.saved_format``): x + scales + rstd, gate and up + scales (and
     Smooth-SwiGLU's per-channel scale); backward recomputes from them the transposed FP8 n and product

@@ -160,15 +160,15 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
 coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
                                        int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
                                        const float* smooth_scale, coat_activation activation,
-                                       int64_t save_group_size,
-                                       coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
+                                       int64_t save_group_size, coat_saved_format save_format,
+                                       coat_fp8_format y_format, uint8_t* y,
                                        float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
                                        uint8_t* up_saved, float* up_scales, float* y_amax);
 coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
                                         int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
                                         const float* smooth_scale, coat_activation activation,
-                                       int64_t save_group_size,
-                                        coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
+                                        int64_t save_group_size, coat_saved_format save_format,
+                                        coat_fp8_format y_format, uint8_t* y,
                                         float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
                                         uint8_t* up_saved, float* up_scales, float* y_amax, coat_cuda_stream stream);
 
@@ -190,14 +190,14 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
                                        int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                        const uint8_t* up_saved, const float* up_scales,
                                        const float* smooth_scale, coat_activation activation,
-                                       int64_t save_group_size,
-                                       coat_saved_format saved_format, void* dgate, void* dup, float* d_amax);
+                                       int64_t save_group_size, coat_saved_format saved_format, void* dgate,
+                                       void* dup, float* d_amax);
 coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                         int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                         const uint8_t* up_saved, const float* up_scales,
                                         const float* smooth_scale, coat_activation activation,
-                                       int64_t save_group_size,
-                                        coat_saved_format saved_format, void* dgate, void* dup, float* d_amax,
+                                        int64_t save_group_size, coat_saved_format saved_format, void* dgate,
+                                        void* dup, float* d_amax,
                                         coat_cuda_stream stream);
 
 /** RMSNorm's FP8 transposed output recomputed from what the forward saved, so that a layer need not keep y_t
@@ -244,14 +244,13 @@ coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float*
                                          const float* up_scales, int64_t save_group_size,
                                          coat_saved_format saved_format, int64_t rows, int64_t cols,
                                          const float* smooth_scale, coat_activation activation, const float* y_scale,
-                                         coat_fp8_format y_format,
-                                         uint8_t* y_t);
+                                         coat_fp8_format y_format, uint8_t* y_t);
 coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float* gate_scales,
                                           const uint8_t* up_saved, const float* up_scales, int64_t save_group_size,
                                           coat_saved_format saved_format, int64_t rows, int64_t cols,
-                                          const float* smooth_scale, coat_activation activation, const float* y_scale,
-                                         coat_fp8_format y_format,
-                                          uint8_t* y_t, coat_cuda_stream stream);
+                                          const float* smooth_scale, coat_activation activation,
+                                          const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
+                                          coat_cuda_stream stream);
 
 #ifdef __cplusplus
 }
