@@ -26,7 +26,9 @@ call enqueued while the GPU is kept busy, _common.time_cuda_gpu_ms), on which th
 with dispatch" adds the host's time to enqueue the call on an idle GPU.
 
     python benchmarks/norm_act.py            (needs a CUDA GPU)
+    python benchmarks/norm_act.py --activation gelu_tanh      (the act*mul rows with GeGLU's activation)
 """
+import functools
 import sys
 
 import torch
@@ -83,31 +85,43 @@ def rmsnorm_cases(rows, cols):
     }
 
 
-def silu_cases(rows, cols):
+def silu_cases(rows, cols, activation="silu"):
+    """The act*mul ops with `activation` (--activation: silu, SwiGLU; gelu_tanh, GeGLU); the byte counts are the
+    same for both."""
     n = rows * cols
+    act = dict(activation=activation)
     fused = torch.randn(rows, 2 * cols, device="cuda", dtype=torch.bfloat16)
     gate, up = fused[:, :cols], fused[:, cols:]  # the halves of one GEMM output, read in place
     dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
-    _, y_scale, _, *saved = ops.silu_mul_quantize(gate, up)
-    _, _, _, *saved_fp4 = ops.silu_mul_quantize(gate, up, save_format="fp4")
-    _, _, _, *saved_fp4_g128 = ops.silu_mul_quantize(gate, up, save_group_size=128, save_format="fp4")
+    _, y_scale, _, *saved = ops.silu_mul_quantize(gate, up, **act)
+    _, _, _, *saved_fp4 = ops.silu_mul_quantize(gate, up, save_format="fp4", **act)
+    _, _, _, *saved_fp4_g128 = ops.silu_mul_quantize(gate, up, save_group_size=128, save_format="fp4", **act)
     copy_dst = torch.empty_like(dy)
+    eager = F.silu if activation == "silu" else functools.partial(F.gelu, approximate="tanh")
     return {
         "copy (bf16)": (lambda: copy_dst.copy_(dy), 4 * n),
-        "silu(g) * u (bf16, eager)": (lambda: F.silu(gate) * up, 6 * n),
-        "silu_mul_quantize": (lambda: ops.silu_mul_quantize(gate, up), 11.5 * n),
-        "silu_mul_quantize +transpose": (lambda: ops.silu_mul_quantize(gate, up, transpose=True), 12.5 * n),
-        "silu_mul_backward": (lambda: ops.silu_mul_backward(dy, *saved), 8.5 * n),
-        "silu_mul_requantize": (lambda: ops.silu_mul_requantize(*saved, None, y_scale), 3.5 * n),
-        "silu_mul_quantize, FP4 saved": (lambda: ops.silu_mul_quantize(gate, up, save_format="fp4"), 10.5 * n),
-        "silu_mul_backward, FP4 saved": (lambda: ops.silu_mul_backward(dy, *saved_fp4, saved_format="fp4"), 7.5 * n),
+        eager_name(activation): (lambda: eager(gate) * up, 6 * n),
+        "silu_mul_quantize": (lambda: ops.silu_mul_quantize(gate, up, **act), 11.5 * n),
+        "silu_mul_quantize +transpose": (lambda: ops.silu_mul_quantize(gate, up, transpose=True, **act), 12.5 * n),
+        "silu_mul_backward": (lambda: ops.silu_mul_backward(dy, *saved, **act), 8.5 * n),
+        "silu_mul_requantize": (lambda: ops.silu_mul_requantize(*saved, None, y_scale, **act), 3.5 * n),
+        "silu_mul_quantize, FP4 saved": (lambda: ops.silu_mul_quantize(gate, up, save_format="fp4", **act), 10.5 * n),
+        "silu_mul_backward, FP4 saved": (
+            lambda: ops.silu_mul_backward(dy, *saved_fp4, saved_format="fp4", **act), 7.5 * n
+        ),
         "silu_mul_backward, FP4 saved, G=128": (
-            lambda: ops.silu_mul_backward(dy, *saved_fp4_g128, save_group_size=128, saved_format="fp4"), 7.0625 * n
+            lambda: ops.silu_mul_backward(dy, *saved_fp4_g128, save_group_size=128, saved_format="fp4", **act),
+            7.0625 * n,
         ),
         "silu_mul_requantize, FP4 saved": (
-            lambda: ops.silu_mul_requantize(*saved_fp4, None, y_scale, saved_format="fp4", cols=cols), 2.5 * n
+            lambda: ops.silu_mul_requantize(*saved_fp4, None, y_scale, saved_format="fp4", cols=cols, **act), 2.5 * n
         ),
     }
+
+
+def eager_name(activation):
+    """The eager PyTorch baseline of the act*mul rows."""
+    return "silu(g) * u (bf16, eager)" if activation == "silu" else "gelu_tanh(g) * u (bf16, eager)"
 
 
 def measure(family, shape, cases, warmup, repeat, baseline):
@@ -129,17 +143,23 @@ def measure(family, shape, cases, warmup, repeat, baseline):
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    cli = parser(__doc__)
+    cli.add_argument("--activation", choices=ops.ACTIVATIONS, default="silu",
+                     help="the act*mul ops' activation: silu (SwiGLU, the default) or gelu_tanh (GeGLU)")
+    args = cli.parse_args()
     if not torch.cuda.is_available() or not coat.built_with_cuda():
         sys.exit("benchmarks/norm_act.py needs a CUDA GPU and coat built with CUDA")
     torch.manual_seed(0)
     rows = []
     for shape in RMSNORM_SHAPES:
         rows += measure("rmsnorm", shape, rmsnorm_cases(*shape), args.warmup, args.repeat, "F.rms_norm (bf16, plain)")
+    family = "silu_mul" if args.activation == "silu" else "gelu_tanh_mul"
     for shape in SILU_SHAPES:
-        rows += measure("silu_mul", shape, silu_cases(*shape), args.warmup, args.repeat, "silu(g) * u (bf16, eager)")
+        rows += measure(family, shape, silu_cases(*shape, args.activation), args.warmup, args.repeat,
+                        eager_name(args.activation))
     print_table(rows, ["family", "shape", "op", "ms", "ms with dispatch", "GB/s", "vs copy", "vs plain", "meets 95%"])
-    path = write_results(args.results_dir, "norm_act", rows, {"target_fraction_of_plain_rmsnorm": TARGET})
+    name = "norm_act" if args.activation == "silu" else "norm_act_gelu_tanh"
+    path = write_results(args.results_dir, name, rows, {"target_fraction_of_plain_rmsnorm": TARGET})
     print(f"wrote {path}")
 
 

@@ -462,6 +462,8 @@ def _check_named_group_size(group_size: int, name: str, op: str) -> None:
 
 
 SAVED_FORMATS = ("e4m3", "fp4", "fp6")
+#: The gated-MLP activations of silu_mul_quantize / _backward / _requantize: SwiGLU's and GeGLU's.
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 def _checked_saved_format(format: str, name: str, op: str) -> str:
@@ -469,6 +471,14 @@ def _checked_saved_format(format: str, name: str, op: str) -> str:
     if format not in SAVED_FORMATS:
         raise ValueError(f"coat.ops.{op}: {name} must be 'e4m3', 'fp4' or 'fp6', got {format!r}")
     return format
+
+
+def _checked_activation(activation: str, op: str, error: type[Exception] = ValueError) -> str:
+    """The ``activation`` of the gated-MLP ops (ValueError before the native op, RuntimeError in the fakes)."""
+    if activation not in ACTIVATIONS:
+        raise error(f"{op}: activation must be 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, gelu(approximate='tanh')), "
+                    f"got {activation!r}")
+    return activation
 
 
 def _saved_format_name(format: str, name: str, op: str) -> str:
@@ -567,15 +577,19 @@ def silu_mul_quantize(
     format: torch.dtype | str = "e4m3",
     transpose: bool = False,
     save_format: str = "e4m3",
+    activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SwiGLU's activation, ``y = silu(gate) * up [* smooth_scale]``, quantized to FP8 per tensor, with
-    gate and up saved in FP8 for backward.
+    """A gated MLP's activation, ``y = act(gate) * up [* smooth_scale]``, quantized to FP8 per tensor, with
+    gate and up saved in FP8 for backward: SwiGLU with ``activation="silu"``, GeGLU with ``"gelu_tanh"``.
 
     ``gate``, ``up``: same shape [..., I] and dtype (float32 / bfloat16 / float16), contiguous last
     dimension; row-strided views such as the two halves of one [..., 2I] GEMM output are read in place.
     ``smooth_scale``: optional float32 [I], the Smooth-SwiGLU per-channel scale (Fishman et al., 2024):
     y is multiplied by it before quantization and the caller folds 1 / smooth_scale into the next layer.
-    silu(g) = g * sigmoid(g) in float32 with coat's own exp (identical on CPU and CUDA); silu(-inf) is NaN.
+    ``activation``: ``"silu"``, silu(g) = g * sigmoid(g), or ``"gelu_tanh"``, 0.5 g (1 + tanh(sqrt(2/pi)
+    (g + 0.044715 g^3))) (torch's ``gelu(approximate="tanh")``, transformers' ``gelu_pytorch_tanh``), computed as
+    g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)) in float32 with coat's own exp (identical on CPU and CUDA).
+    Both give +inf at +inf, NaN at -inf (-inf * 0, as torch) and NaN at NaN; never NaN for a finite gate.
 
     Returns ``(y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales)`` as in
     :func:`rmsnorm_quantize`, gate and up saved in ``save_format`` ("e4m3", "fp4" or "fp6") likewise.
@@ -584,6 +598,7 @@ def silu_mul_quantize(
     y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = torch.ops.coat.silu_mul_quantize(
         gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype(format), transpose,
         _checked_saved_format(save_format, "save_format", "silu_mul_quantize"),
+        _checked_activation(activation, "coat.ops.silu_mul_quantize"),
     )
     return y, y_scale, y_t if transpose else None, gate_saved, gate_scales, up_saved, up_scales
 
@@ -598,12 +613,19 @@ def silu_mul_backward(
     save_group_size: int = 16,
     *,
     saved_format: str = "e4m3",
+    activation: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dgate, dup, d_amax)`` of :func:`silu_mul_quantize`, dgate and dup in dy's dtype, from the
-    dequantized saved inputs g and u: with s = sigmoid(g) and dy_s = dy * smooth_scale (or dy)::
+    dequantized saved inputs g and u, for the forward's ``activation``: with dy_s = dy * smooth_scale (or dy)::
 
-        dup   = dy_s * g * s
-        dgate = dy_s * u * s * (1 + g * (1 - s))
+        dup   = dy_s * act(g)
+        dgate = dy_s * u * act'(g)
+        silu'(g)      = s * (1 + g * (1 - s)),                         s = sigmoid(g)
+        gelu_tanh'(g) = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2),
+                        t = tanh(sqrt(2/pi) (g + 0.044715 g^3))
+
+    gelu_tanh' is finite for every finite g (torch's float32 one is NaN from |g| ~ 1.8e19 on) and is 1 at +inf,
+    0 at -inf; silu' is NaN at +-inf.
 
     ``d_amax`` (0-d float32) is the largest |dgate| and |dup|, NaN ignored: :func:`tensor_amax` of the two,
     computed in the same pass, which :func:`quantize_tensors` takes as ``amax`` to quantize both gradients with
@@ -612,6 +634,7 @@ def silu_mul_backward(
     return torch.ops.coat.silu_mul_backward(
         dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size,
         _checked_saved_format(saved_format, "saved_format", "silu_mul_backward"),
+        _checked_activation(activation, "coat.ops.silu_mul_backward"),
     )
 
 
@@ -657,18 +680,20 @@ def silu_mul_requantize(
     *,
     saved_format: str = "e4m3",
     cols: int | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """The transposed FP8 output ``y_t`` [I, rows] of :func:`silu_mul_quantize`, recomputed from the saved
     gate and up (dequantized as :func:`silu_mul_backward` reads them, g' and u') and the forward's
-    ``y_scale``: ``y = silu(bf16(g')) * u' [* smooth_scale]`` with the forward's silu of g' rounded to bf16
-    (nearest even; under 2^-8 relative, so that the GPU reads silu from the forward's bf16 table), then as
-    :func:`rmsnorm_requantize` (saturation, NaN, the tie to the forward's y_t for bf16 gates, and
+    ``y_scale``: ``y = act(bf16(g')) * u' [* smooth_scale]`` with the forward's act (its ``activation``) of g'
+    rounded to bf16 (nearest even; under 2^-8 relative, so that the GPU reads act from the forward's bf16
+    table), then as :func:`rmsnorm_requantize` (saturation, NaN, the tie to the forward's y_t for bf16 gates, and
     ``saved_format``). With ``saved_format="fp4"`` or ``"fp6"`` pass ``cols``, the width I of gate and up: packed
     rows do not tell every width from the next."""
     check_device_supported(gate_saved, "coat.ops.silu_mul_requantize")
     return torch.ops.coat.silu_mul_requantize(
         gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size, fp8_dtype(format),
         _checked_saved_format(saved_format, "saved_format", "silu_mul_requantize"), cols,
+        _checked_activation(activation, "coat.ops.silu_mul_requantize"),
     )
 
 
@@ -715,9 +740,10 @@ def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group
 
 @torch.library.register_fake("coat::silu_mul_quantize")
 def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype, transpose,
-                            save_format="e4m3"):
+                            save_format="e4m3", activation="silu"):
     op = "coat.silu_mul_quantize"
     saved = _saved_format_name(save_format, "save_format", op)
+    _checked_activation(activation, op, RuntimeError)
     _check_named_group_size(save_group_size, "save_group_size", op)
     _check_named_group_size(amax_group_size, "amax_group_size", op)
     if gate.shape != up.shape:
@@ -735,8 +761,9 @@ def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_
 
 @torch.library.register_fake("coat::silu_mul_backward")
 def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size,
-                            saved_format="e4m3"):
+                            saved_format="e4m3", activation="silu"):
     _saved_format_name(saved_format, "saved_format", "coat.silu_mul_backward")
+    _checked_activation(activation, "coat.silu_mul_backward", RuntimeError)
     _check_named_group_size(save_group_size, "save_group_size", "coat.silu_mul_backward")
     return dy.new_empty(dy.shape), dy.new_empty(dy.shape), dy.new_empty((), dtype=torch.float32)
 
@@ -753,8 +780,9 @@ def _rmsnorm_requantize_fake(x_saved, x_saved_scales, rstd, weight, y_scale, sav
 
 @torch.library.register_fake("coat::silu_mul_requantize")
 def _silu_mul_requantize_fake(gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size,
-                              fp8_dtype, saved_format="e4m3", cols=None):
+                              fp8_dtype, saved_format="e4m3", cols=None, activation="silu"):
     op = "coat.silu_mul_requantize"
+    _checked_activation(activation, op, RuntimeError)
     _check_named_group_size(save_group_size, "save_group_size", op)
     if up_saved.shape != gate_saved.shape:
         raise RuntimeError(f"{op}: up_saved has shape {tuple(up_saved.shape)} but gate_saved has shape "

@@ -42,9 +42,11 @@ def rms_norm_backward(grad_y, x_saved, rstd, weight):
     return grad_x, (grad_y * xhat).reshape(-1, xhat.shape[-1]).sum(0)
 
 
-def swiglu_mlp(x, gate_weight, up_weight, down_weight):
-    """LlamaMLP: down(silu(x gate^T) * (x up^T))."""
-    return (torch.nn.functional.silu(x @ gate_weight.t()) * (x @ up_weight.t())) @ down_weight.t()
+def swiglu_mlp(x, gate_weight, up_weight, down_weight, activation="silu"):
+    """LlamaMLP: down(act(x gate^T) * (x up^T)), act silu or (GeGLU, Gemma's MLP) gelu(approximate="tanh")."""
+    gate = x @ gate_weight.t()
+    act = torch.nn.functional.silu(gate) if activation == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+    return (act * (x @ up_weight.t())) @ down_weight.t()
 
 
 class LowRankAdapter(torch.nn.Module):

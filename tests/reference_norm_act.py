@@ -1,4 +1,4 @@
-"""Test oracles for coat's fused RMSNorm and SiLU*mul (coat.ops.rmsnorm_* / silu_mul_*).
+"""Test oracles for coat's fused RMSNorm and act*mul (coat.ops.rmsnorm_* / silu_mul_*, act = silu or gelu_tanh).
 
 Two kinds of reference, kept apart:
 
@@ -46,20 +46,35 @@ def rmsnorm_backward(dy, x, rstd, weight) -> tuple[torch.Tensor, torch.Tensor]:
     return dx, dweight
 
 
-def silu_mul(gate, up, smooth_scale=None) -> torch.Tensor:
-    """float64 silu(gate) * up [* smooth_scale], silu(g) = g * sigmoid(g)."""
-    gate, up = gate.double(), up.double()
-    y = gate * torch.sigmoid(gate) * up
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def activation64(gate: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(g), act'(g)) in float64, from the formulas: silu(g) = g * sigmoid(g), silu' = s (1 + g (1 - s));
+    gelu_tanh(g) = 0.5 g (1 + t), t = tanh(sqrt(2/pi) (g + 0.044715 g^3)) (Hendrycks & Gimpel 2016, PyTorch's
+    gelu(approximate="tanh")), gelu_tanh' = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2)."""
+    g = gate.double()
+    if activation == "silu":
+        s = torch.sigmoid(g)
+        return g * s, s * (1 + g * (1 - s))
+    assert activation == "gelu_tanh", activation
+    t = torch.tanh(SQRT_2_OVER_PI * (g + 0.044715 * g**3))
+    return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
+
+
+def silu_mul(gate, up, smooth_scale=None, activation="silu") -> torch.Tensor:
+    """float64 act(gate) * up [* smooth_scale] (activation64)."""
+    y = activation64(gate, activation)[0] * up.double()
     return y if smooth_scale is None else y * smooth_scale.double()
 
 
-def silu_mul_backward(dy, gate, up, smooth_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup) in float64: d/dg silu(g) = s (1 + g (1 - s)) with s = sigmoid(g)."""
-    dy, gate, up = dy.double(), gate.double(), up.double()
+def silu_mul_backward(dy, gate, up, smooth_scale=None, activation="silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) in float64: dgate = dy * up * act'(gate), dup = dy * act(gate) (activation64)."""
+    dy, up = dy.double(), up.double()
     if smooth_scale is not None:
         dy = dy * smooth_scale.double()
-    s = torch.sigmoid(gate)
-    return dy * up * s * (1 + gate * (1 - s)), dy * gate * s
+    act, dact = activation64(gate, activation)
+    return dy * up * dact, dy * act
 
 
 def fp8_step(t: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -205,8 +220,19 @@ def sigmoid_f32(g: torch.Tensor) -> torch.Tensor:
     return _f32(1.0) / (_f32(1.0) + coat_exp(-g))
 
 
-def silu_mul_f32(gate32, up32, smooth_scale=None) -> torch.Tensor:
-    y = (gate32 * sigmoid_f32(gate32)) * up32
+def activation_arg_f32(g: torch.Tensor, activation: str) -> torch.Tensor:
+    """z(g) of act(g) = g * sigmoid(z(g)): g (silu), 1.5957691 * (g + 0.044715 * ((g * g) * g)) (gelu_tanh)."""
+    if activation == "silu":
+        return g
+    return _f32(1.59576912160573071) * (g + _f32(0.044715) * ((g * g) * g))
+
+
+def activation_sigmoid_f32(g: torch.Tensor, activation: str) -> torch.Tensor:
+    return sigmoid_f32(activation_arg_f32(g, activation))
+
+
+def silu_mul_f32(gate32, up32, smooth_scale=None, activation="silu") -> torch.Tensor:
+    y = (gate32 * activation_sigmoid_f32(gate32, activation)) * up32
     return y if smooth_scale is None else y * smooth_scale
 
 
@@ -216,15 +242,26 @@ def requantize_gate_f32(gate32: torch.Tensor) -> torch.Tensor:
     return gate32.to(torch.bfloat16).float()
 
 
-def silu_mul_requantize_f32(gate32, up32, smooth_scale=None) -> torch.Tensor:
-    """y of silu_mul_requantize from the decoded saved inputs: silu(bf16(g')) * u' [* smooth], u' in fp32."""
-    return silu_mul_f32(requantize_gate_f32(gate32), up32, smooth_scale)
+def silu_mul_requantize_f32(gate32, up32, smooth_scale=None, activation="silu") -> torch.Tensor:
+    """y of silu_mul_requantize from the decoded saved inputs: act(bf16(g')) * u' [* smooth], u' in fp32."""
+    return silu_mul_f32(requantize_gate_f32(gate32), up32, smooth_scale, activation)
 
 
-def silu_mul_backward_f32(dy32, gate32, up32, smooth_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    s = sigmoid_f32(gate32)
+def activation_slope_f32(gate32: torch.Tensor, s: torch.Tensor, activation: str) -> torch.Tensor:
+    """act'(g) in norm_act_math.h's order: s (1 + g (1 - s)) for silu; for gelu_tanh, with c = g clamped to
+    [-64, 64], s (1 + (c (1 - s)) * (1.5957691 * (1 + 0.134145 * (c * c))))."""
+    if activation == "silu":
+        return s * (_f32(1.0) + gate32 * (_f32(1.0) - s))
+    c = torch.where(gate32.isnan(), gate32, gate32.clamp(-64.0, 64.0))
+    slope = _f32(1.59576912160573071) * (_f32(1.0) + _f32(0.134145) * (c * c))
+    return s * (_f32(1.0) + (c * (_f32(1.0) - s)) * slope)
+
+
+def silu_mul_backward_f32(dy32, gate32, up32, smooth_scale=None,
+                          activation="silu") -> tuple[torch.Tensor, torch.Tensor]:
+    s = activation_sigmoid_f32(gate32, activation)
     dy_s = dy32 if smooth_scale is None else dy32 * smooth_scale
-    return (dy_s * up32) * (s * (_f32(1.0) + gate32 * (_f32(1.0) - s))), dy_s * (gate32 * s)
+    return (dy_s * up32) * activation_slope_f32(gate32, s, activation), dy_s * (gate32 * s)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -256,5 +293,7 @@ def e4m3_half_step(x: torch.Tensor, scales: torch.Tensor, group_size: int) -> to
     return 0.5 * fp8_step(rows / group_scales, torch.float8_e4m3fn) * group_scales
 
 
-# The largest |silu'(g)| (about 1.0998, at g near 2.4), rounded up: silu is Lipschitz with this constant.
-SILU_LIPSCHITZ = 1.1
+# The largest |act'(g)| (silu: about 1.0998, at g near 2.4; gelu_tanh: about 1.1289, at g near 1.5), rounded up:
+# act is Lipschitz with this constant.
+LIPSCHITZ = {"silu": 1.1, "gelu_tanh": 1.13}
+SILU_LIPSCHITZ = LIPSCHITZ["silu"]

@@ -152,30 +152,34 @@ def test_rmsnorm_from_rmsnorm():
 # SwiGLUMLP
 
 
-def make_mlp(device, config=coat.nn.FP8Config(), seed=0):
+ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama) and GeGLU (Gemma)
+
+
+def make_mlp(device, config=coat.nn.FP8Config(), seed=0, activation="silu"):
     x = randn(*TOKENS, HIDDEN, seed=seed, device=device)
     weights = [
         randn(INTERMEDIATE, HIDDEN, scale=HIDDEN**-0.5, seed=seed + 1),
         randn(INTERMEDIATE, HIDDEN, scale=HIDDEN**-0.5, seed=seed + 2),
         randn(HIDDEN, INTERMEDIATE, scale=INTERMEDIATE**-0.5, seed=seed + 3),
     ]
-    mlp = coat.nn.SwiGLUMLP(HIDDEN, INTERMEDIATE, dtype=torch.bfloat16, config=config)
+    mlp = coat.nn.SwiGLUMLP(HIDDEN, INTERMEDIATE, dtype=torch.bfloat16, config=config, activation=activation)
     with torch.no_grad():
         for linear, weight in zip((mlp.gate_proj, mlp.up_proj, mlp.down_proj), weights):
             linear.weight.copy_(weight)
     return x, [w.to(device) for w in weights], mlp.to(device)
 
 
-def float64_mlp_grads(x, weights, grad_out):
+def float64_mlp_grads(x, weights, grad_out, activation="silu"):
     leaves = [t.double().requires_grad_() for t in (x, *weights)]
-    out = reference.swiglu_mlp(*leaves)
+    out = reference.swiglu_mlp(*leaves, activation=activation)
     out.backward(grad_out.double())
     return out.detach(), [leaf.grad for leaf in leaves]
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("gradient_format", ["e5m2", None])
-def test_swiglu_mlp_forward_and_backward(device, gradient_format, gemm_calls):
-    x, weights, mlp = make_mlp(device, coat.nn.FP8Config(gradient_format=gradient_format))
+def test_swiglu_mlp_forward_and_backward(device, gradient_format, gemm_calls, activation):
+    x, weights, mlp = make_mlp(device, coat.nn.FP8Config(gradient_format=gradient_format), activation=activation)
     grad_out = randn(*TOKENS, HIDDEN, seed=9, device=device)
     x_leaf = x.clone().requires_grad_()
     out = mlp(x_leaf)
@@ -197,7 +201,7 @@ def test_swiglu_mlp_forward_and_backward(device, gradient_format, gemm_calls):
         print(f"swiglu product recomputed for the down wgrad {recompute_error:.3f}")
         assert 0 < recompute_error <= FORWARD_CHAIN_BOUND
 
-    exact, exact_grads = float64_mlp_grads(x, weights, grad_out)
+    exact, exact_grads = float64_mlp_grads(x, weights, grad_out, activation)
     print(f"swiglu forward end to end {relative_error(out, exact):.3f}")
     assert relative_error(out, exact) <= FORWARD_CHAIN_BOUND
     actual_grads = [x_leaf.grad, mlp.gate_proj.weight.grad, mlp.up_proj.weight.grad, mlp.down_proj.weight.grad]
@@ -225,11 +229,13 @@ def test_swiglu_mlp_saves_fp8_only(device):
     assert all(t.dtype != torch.bfloat16 for t in activations)
 
 
-def test_smooth_swiglu_scale():
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_smooth_swiglu_scale(activation):
     gate = torch.tensor([[1.0, 0.0, -2.0, 30.0, 1.0], [2.0, 0.0, 1.0, -1.0, 1.0]])
     up = torch.tensor([[1.0, 5.0, 0.25, 100.0, 1e-40], [-3.0, 1.0, 1.0, 1.0, 0.0]])
-    scale = coat_functional.smooth_swiglu_scale(gate, up)
-    amax = (F.silu(gate) * up).abs().amax(0)
+    scale = coat_functional.smooth_swiglu_scale(gate, up, activation)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    amax = (act * up).abs().amax(0)
     assert torch.equal(scale[1], torch.tensor(1.0))  # an all-zero channel is left alone
     assert torch.equal(scale[4], torch.tensor(2.0**126))  # a subnormal channel: the largest normal scale
     for channel in (0, 2, 3):
@@ -264,10 +270,53 @@ def test_swiglu_mlp_from_mlp_errors():
             self.gate_proj, self.up_proj = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16)
             self.down_proj, self.act_fn = torch.nn.Linear(16, 8), torch.nn.GELU()
 
-    with pytest.raises(ValueError, match="SiLU"):
-        coat.nn.SwiGLUMLP.from_mlp(GeluMLP())
+    for act_fn in (torch.nn.GELU(), torch.nn.ReLU(), torch.nn.Tanh()):  # erf GELU is not the tanh one
+        mlp = GeluMLP()
+        mlp.act_fn = act_fn
+        with pytest.raises(ValueError, match="must be SiLU .* or the tanh GELU"):
+            coat.nn.SwiGLUMLP.from_mlp(mlp)
     with pytest.raises(TypeError, match="gate_proj"):
         coat.nn.SwiGLUMLP.from_mlp(torch.nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        coat.nn.SwiGLUMLP(8, 16, activation="gelu")
+    with pytest.raises(ValueError, match="activation must be 'silu'"):
+        coat_functional.swiglu_mlp(torch.randn(2, 8), (torch.randn(16, 8), None), (torch.randn(16, 8), None),
+                                   (torch.randn(8, 16), None), activation="relu")
+
+
+def transformers_activations():
+    activations = pytest.importorskip("transformers.activations")
+    return [(torch.nn.SiLU(), "silu"), (activations.SiLUActivation(), "silu"), (activations.ACT2FN["silu"], "silu"),
+            (activations.ACT2FN["swish"], "silu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
+            (activations.GELUTanh(), "gelu_tanh"), (activations.PytorchGELUTanh(), "gelu_tanh"),
+            (activations.ACT2FN["gelu_pytorch_tanh"], "gelu_tanh")]
+
+
+def test_swiglu_mlp_from_mlp_detects_the_activation(device):
+    """from_mlp takes SiLU and the tanh GELU in their torch and transformers forms, and the converted MLP computes
+    with that activation (its output equals SwiGLUMLP(activation=...)'s with the same weights)."""
+    x, weights, _ = make_mlp(device)
+    for act_fn, expected in transformers_activations():
+        source = torch.nn.Module()
+        source.gate_proj, source.up_proj = torch.nn.Linear(HIDDEN, INTERMEDIATE, bias=False), torch.nn.Linear(
+            HIDDEN, INTERMEDIATE, bias=False)
+        source.down_proj, source.act_fn = torch.nn.Linear(INTERMEDIATE, HIDDEN, bias=False), act_fn
+        with torch.no_grad():
+            for linear, weight in zip((source.gate_proj, source.up_proj, source.down_proj), weights):
+                linear.weight.copy_(weight.cpu())
+        converted = coat.nn.SwiGLUMLP.from_mlp(source.bfloat16()).to(device)
+        assert converted.activation == expected, act_fn
+        assert f"activation={expected!r}" in repr(converted)
+        _, _, direct = make_mlp(device, activation=expected)
+        with torch.no_grad():
+            assert torch.equal(converted(x), direct(x))
+
+
+def test_gemma3_mlp_converts_to_geglu():
+    """transformers' Gemma3MLP (hidden_activation "gelu_pytorch_tanh") becomes a GeGLU SwiGLUMLP."""
+    gemma3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    config = pytest.importorskip("transformers").Gemma3TextConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE)
+    assert coat.nn.SwiGLUMLP.from_mlp(gemma3.Gemma3MLP(config)).activation == "gelu_tanh"
 
 
 def test_a_wrapped_projection_is_refused_not_ignored():
@@ -364,8 +413,11 @@ def test_after_attention(device, attention_keeps_output):
         assert relative_error(leaf.grad, expected) <= BACKWARD_CHAIN_BOUND
 
 
-@pytest.mark.parametrize("smooth_swiglu, saved_format", [(False, "e4m3"), (True, "e4m3"), (False, "fp4")])
-def test_mlp_residual(device, smooth_swiglu, saved_format):
+@pytest.mark.parametrize("smooth_swiglu, saved_format, activation", [
+    (False, "e4m3", "silu"), (True, "e4m3", "silu"), (False, "fp4", "silu"), (False, "e4m3", "gelu_tanh"),
+    (True, "e4m3", "gelu_tanh"), (False, "fp4", "gelu_tanh"),
+])
+def test_mlp_residual(device, smooth_swiglu, saved_format, activation):
     """With saved_format="fp4" the norm's input and gate and up are kept as FP4 (relative RMS error 0.094
     each, tests/test_block_formats.py): three of the chain's E4M3 terms become FP4 ones, sqrt(2 * 0.072^2 + 2 * 0.036^2
     + 3 * 0.094^2) = 0.19, bound 0.3."""
@@ -373,12 +425,13 @@ def test_mlp_residual(device, smooth_swiglu, saved_format):
     _, weights, _ = make_mlp(device)
     leaves = [t.clone().requires_grad_() for t in (x, norm_weight, *weights)]
     config = coat.nn.FP8Config(smooth_swiglu=smooth_swiglu, saved_format=saved_format)
-    out = coat_functional.mlp_residual(leaves[0], leaves[1], EPS, *((w, None) for w in leaves[2:]), config)
+    out = coat_functional.mlp_residual(leaves[0], leaves[1], EPS, *((w, None) for w in leaves[2:]), config,
+                                       activation=activation)
     grad_out = randn(*TOKENS, HIDDEN, seed=50, device=device)
     out.backward(grad_out)
 
     def exact_fn(x, norm_weight, *weights):
-        return x + reference.swiglu_mlp(reference.rms_norm(x, norm_weight, EPS), *weights)
+        return x + reference.swiglu_mlp(reference.rms_norm(x, norm_weight, EPS), *weights, activation=activation)
 
     exact, exact_grads = float64_grads(exact_fn, (x, norm_weight, *weights), grad_out)
     assert relative_error(out - x, exact - x.double()) <= FORWARD_CHAIN_BOUND
@@ -420,14 +473,16 @@ def test_layers_take_any_layout_like_torch_layers(device):
 
 
 @requires_cuda
-def test_mlp_residual_cuda_matches_cpu():
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_mlp_residual_cuda_matches_cpu(activation):
     """The fused kernels and quantizers agree bit for bit; GEMMs differ only in fp32 summation order."""
     results = []
     for device in ("cpu", "cuda"):
         x, norm_weight, _ = make_norm(device)
         _, weights, _ = make_mlp(device)
         leaves = [t.clone().requires_grad_() for t in (x, norm_weight, *weights)]
-        out = coat_functional.mlp_residual(leaves[0], leaves[1], EPS, *((w, None) for w in leaves[2:]))
+        out = coat_functional.mlp_residual(leaves[0], leaves[1], EPS, *((w, None) for w in leaves[2:]),
+                                           activation=activation)
         out.backward(randn(*TOKENS, HIDDEN, seed=50, device=device))
         results.append([out.detach().cpu()] + [leaf.grad.cpu() for leaf in leaves])
     for on_cpu, on_cuda in zip(*results):

@@ -1,5 +1,6 @@
 """Tests of the fused non-linear layers: coat.ops.rmsnorm_quantize / rmsnorm_backward / rmsnorm_requantize
-and silu_mul_quantize / silu_mul_backward / silu_mul_requantize (csrc/include/coat/norm_act.h).
+and silu_mul_quantize / silu_mul_backward / silu_mul_requantize (csrc/include/coat/norm_act.h), the latter with
+either activation (silu: SwiGLU; gelu_tanh: GeGLU), each SiLU*mul test taking both where it has `activation`.
 
 What is checked, and against what:
 - Ties to the standalone quantizers, bit for bit: y == quantize_tensor(the fp32 op result), and the saved
@@ -37,6 +38,7 @@ from coat import ops
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-6
 BLOCK_FORMATS = ("fp4", "fp6")  # the packed, block-scaled saved formats
+ACTIVATIONS = ops.ACTIVATIONS
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -137,9 +139,9 @@ def rmsnorm_forward(x, weight, *, eps=EPS, group_size=16, amax_group_size=128, f
 
 
 def silu_mul_forward(gate, up, smooth=None, *, group_size=16, fp8=E4M3, transpose=True, device="cpu",
-                     save_format="e4m3"):
+                     save_format="e4m3", activation="silu"):
     return run(torch.ops.coat.silu_mul_quantize, gate, up, smooth, group_size, 128, fp8, transpose,
-               save_format, device=device)
+               save_format, activation, device=device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -457,11 +459,11 @@ def test_rmsnorm_backward_residual_special_values(device, dtype):
 SILU_SHAPES = [(1, 64), (97, 128), (4097, 176), (97, 2048), (1, 11008), (33, 11008), (97, 1000), (5, 100), (3, 7)]
 
 
-def check_silu_mul_forward(gate, up, smooth, outputs, group_size=16) -> None:
+def check_silu_mul_forward(gate, up, smooth, outputs, group_size=16, activation="silu") -> None:
     y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = outputs
-    y32 = ref.silu_mul_f32(gate.float(), up.float(), smooth)
+    y32 = ref.silu_mul_f32(gate.float(), up.float(), smooth, activation)
     check_tied_to_quantize_tensor(y, y_scale, y32, y_t)
-    check_fp8_output(y, y_scale, ref.silu_mul(gate, up, smooth))
+    check_fp8_output(y, y_scale, ref.silu_mul(gate, up, smooth, activation))
     check_tied_to_quantize_group(gate_saved, gate_scales, gate, group_size)
     check_tied_to_quantize_group(up_saved, up_scales, up, group_size)
 
@@ -472,21 +474,24 @@ def gate_up(shape, dtype, seed):
     return fused[..., : shape[-1]], fused[..., shape[-1] :]
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", SILU_SHAPES, ids=str)
-def test_silu_mul_forward(device, shape):
+def test_silu_mul_forward(device, shape, activation):
     gate, up = gate_up(shape, torch.bfloat16, seed=shape[1])
-    check_silu_mul_forward(gate, up, None, silu_mul_forward(gate, up, device=device))
+    outputs = silu_mul_forward(gate, up, device=device, activation=activation)
+    check_silu_mul_forward(gate, up, None, outputs, activation=activation)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype, group_size, fp8", [
     (torch.float32, 32, E4M3), (torch.float16, 64, E5M2), (torch.bfloat16, 128, E5M2),
 ], ids=str)
-def test_silu_mul_forward_smooth_dtypes_and_groups(device, dtype, group_size, fp8):
+def test_silu_mul_forward_smooth_dtypes_and_groups(device, dtype, group_size, fp8, activation):
     gate, up = activations((33, 1000), dtype, seed=21), activations((33, 1000), dtype, seed=22)
     smooth = torch.exp(torch.randn(1000, generator=torch.Generator().manual_seed(23)))
-    outputs = silu_mul_forward(gate, up, smooth, group_size=group_size, fp8=fp8, device=device)
+    outputs = silu_mul_forward(gate, up, smooth, group_size=group_size, fp8=fp8, device=device, activation=activation)
     assert outputs[0].dtype == fp8
-    check_silu_mul_forward(gate, up, smooth, outputs, group_size)
+    check_silu_mul_forward(gate, up, smooth, outputs, group_size, activation)
 
 
 def test_silu_mul_forward_nd_and_views(device):
@@ -500,41 +505,43 @@ def test_silu_mul_forward_nd_and_views(device):
         assert_same_bits(nd.reshape(two_d.shape), two_d, "N-D strided vs 2-D contiguous")
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape, group_size", BLOCK_SAVE_CASES, ids=str)
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_silu_mul_forward_saves_fp4_and_fp6(device, fmt, shape, group_size):
+def test_silu_mul_forward_saves_fp4_and_fp6(device, fmt, shape, group_size, activation):
     """gate and up kept as quantize_blocks(., fmt, G) bit for bit; y, y_scale and y_t as with E4M3."""
     gate, up = gate_up(shape, torch.bfloat16, seed=shape[1] + 1)
     gate[0, 0], up[-1, -1] = float("nan"), float("-inf")
-    packed = silu_mul_forward(gate, up, group_size=group_size, device=device, save_format=fmt)
-    e4m3 = silu_mul_forward(gate, up, group_size=group_size, device=device)
+    packed = silu_mul_forward(gate, up, group_size=group_size, device=device, save_format=fmt, activation=activation)
+    e4m3 = silu_mul_forward(gate, up, group_size=group_size, device=device, activation=activation)
     for saved, source, name in ((packed[3:5], gate, "gate"), (packed[5:7], up, "up")):
         codes, scales = ops.quantize_blocks(source, fmt, group_size)
         assert_same_bits(saved[0], codes, f"{name}_saved vs quantize_blocks {fmt}")
         assert_same_bits(saved[1], scales, f"{name}_scales vs quantize_blocks {fmt}")
     for i in (0, 1, 2):
         assert_same_bits(packed[i], e4m3[i], "an output other than the saved copies")
-    wrapped = ops.silu_mul_quantize(gate, up, save_group_size=group_size, save_format=fmt)
+    wrapped = ops.silu_mul_quantize(gate, up, save_group_size=group_size, save_format=fmt, activation=activation)
     for i in (3, 4, 5, 6):
         assert_same_bits(wrapped[i], packed[i], f"coat.ops.silu_mul_quantize(save_format={fmt!r}) output {i}")
     with pytest.raises(ValueError, match="save_format must be 'e4m3', 'fp4' or 'fp6', got 'fp8'"):
         ops.silu_mul_quantize(gate, up, save_format="fp8")
 
 
-def test_silu_mul_forward_special_values(device):
-    """NaN gate or up gives a NaN code at that element only; silu(-Inf) is NaN, as in PyTorch; a +Inf
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_silu_mul_forward_special_values(device, activation):
+    """NaN gate or up gives a NaN code at that element only; act(-Inf) is NaN, as in PyTorch; a +Inf
     product makes y_scale Inf, so that y dequantizes to NaN/0 instead of silently clipping the overflow
     (the rule of quantize_tensor). Zero inputs give zero codes and the smallest scale."""
     gate, up = activations((4, 64), torch.bfloat16, seed=25), activations((4, 64), torch.bfloat16, seed=26)
     gate[0, 3], up[1, 4], gate[2, 5] = math.nan, math.nan, -math.inf
-    outputs = silu_mul_forward(gate, up, device=device)
+    outputs = silu_mul_forward(gate, up, device=device, activation=activation)
     codes = outputs[0].view(torch.uint8)
     assert codes[0, 3] == 0x7F and codes[1, 4] == 0x7F and codes[2, 5] == 0x7F
     assert int(((codes & 0x7F) == 0x7F).sum()) == 3 and torch.isfinite(outputs[1])
-    check_silu_mul_forward(gate, up, None, outputs)
+    check_silu_mul_forward(gate, up, None, outputs, activation=activation)
 
     gate[3, 6], up[3, 6] = math.inf, 2.0
-    outputs = silu_mul_forward(gate, up, device=device)
+    outputs = silu_mul_forward(gate, up, device=device, activation=activation)
     assert outputs[1].item() == math.inf
     codes = outputs[0].view(torch.uint8)
     nan = (codes & 0x7F) == 0x7F
@@ -542,7 +549,7 @@ def test_silu_mul_forward_special_values(device):
     check_tied_to_quantize_group(outputs[3], outputs[4], gate, 16)
 
     zeros = torch.zeros(3, 32, dtype=torch.bfloat16)
-    y, y_scale, *_ = silu_mul_forward(zeros, zeros, device=device)
+    y, y_scale, *_ = silu_mul_forward(zeros, zeros, device=device, activation=activation)
     assert (y.view(torch.uint8) == 0).all() and y_scale.item() == 2.0**-126
 
 
@@ -550,7 +557,7 @@ def test_silu_mul_forward_special_values(device):
 # SiLU * mul backward
 
 
-def check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup, d_amax) -> None:
+def check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup, d_amax, activation="silu") -> None:
     """dgate and dup against the documented fp32 arithmetic (bit for bit) and the float64 formula (the bf16
     tolerance rule); d_amax against the largest magnitude of the two outputs, NaN ignored (bit for bit)."""
     magnitudes = torch.cat([dgate.float().abs().flatten(), dup.float().abs().flatten()])
@@ -560,16 +567,20 @@ def check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup, d_amax) -
     gate_saved, gate_scales, up_saved, up_scales = saved
     g = ops.dequantize(gate_saved, gate_scales, group_size, torch.float32)
     u = ops.dequantize(up_saved, up_scales, group_size, torch.float32)
-    dgate32, dup32 = ref.silu_mul_backward_f32(dy.float(), g, u, smooth)
+    dgate32, dup32 = ref.silu_mul_backward_f32(dy.float(), g, u, smooth, activation)
     assert_same_bits(dgate, dgate32.to(dy.dtype), "dgate vs the documented arithmetic")
     assert_same_bits(dup, dup32.to(dy.dtype), "dup vs the documented arithmetic")
 
-    dgate64, dup64 = ref.silu_mul_backward(dy, g, u, smooth)
-    # the same formula, computed by PyTorch in bf16
+    dgate64, dup64 = ref.silu_mul_backward(dy, g, u, smooth, activation)
+    # the same formula, computed by PyTorch in bf16 (gelu_tanh: torch's own gelu and gelu_backward)
     dy_b = dy.bfloat16() if smooth is None else dy.bfloat16() * smooth.bfloat16()
     g_b, u_b = g.bfloat16(), u.bfloat16()
-    s = torch.sigmoid(g_b)
-    dgate_bf16, dup_bf16 = dy_b * u_b * s * (1 + g_b * (1 - s)), dy_b * g_b * s
+    if activation == "silu":
+        s = torch.sigmoid(g_b)
+        dgate_bf16, dup_bf16 = dy_b * u_b * s * (1 + g_b * (1 - s)), dy_b * g_b * s
+    else:
+        dgate_bf16 = torch.ops.aten.gelu_backward(dy_b * u_b, g_b, approximate="tanh")
+        dup_bf16 = dy_b * torch.nn.functional.gelu(g_b, approximate="tanh")
     assert max_error(dgate, dgate64) <= 2 * max_error(dgate_bf16, dgate64)
     assert max_error(dup, dup64) <= 2 * max_error(dup_bf16, dup64)
 
@@ -580,20 +591,23 @@ def silu_mul_backward_case(shape, dtype, smooth=None, group_size=16, seed=0):
     return activations(shape, dtype, seed=seed + 1, outliers=False), outputs[3:]
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", SILU_SHAPES, ids=str)
-def test_silu_mul_backward(device, shape):
+def test_silu_mul_backward(device, shape, activation):
     dy, saved = silu_mul_backward_case(shape, torch.bfloat16, seed=shape[1])
-    dgate, dup, d_amax = run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, device=device)
-    check_silu_mul_backward(dy, saved, None, 16, dgate, dup, d_amax)
+    dgate, dup, d_amax = run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, "e4m3", activation, device=device)
+    check_silu_mul_backward(dy, saved, None, 16, dgate, dup, d_amax, activation)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype, group_size", [(torch.float32, 32), (torch.float16, 64), (torch.bfloat16, 128)], ids=str)
-def test_silu_mul_backward_smooth_dtypes_and_groups(device, dtype, group_size):
+def test_silu_mul_backward_smooth_dtypes_and_groups(device, dtype, group_size, activation):
     smooth = torch.exp(torch.randn(1000, generator=torch.Generator().manual_seed(31)))
     dy, saved = silu_mul_backward_case((33, 1000), dtype, smooth, group_size, seed=32)
-    dgate, dup, d_amax = run(torch.ops.coat.silu_mul_backward, dy, *saved, smooth, group_size, device=device)
+    dgate, dup, d_amax = run(torch.ops.coat.silu_mul_backward, dy, *saved, smooth, group_size, "e4m3", activation,
+                             device=device)
     assert dgate.dtype == dtype and dup.dtype == dtype
-    check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup, d_amax)
+    check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup, d_amax, activation)
 
 
 def test_silu_mul_backward_strided_dy(device):
@@ -616,6 +630,92 @@ def test_coat_exp_accuracy():
     special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 89.0, -104.0])
     e = ref.coat_exp(special)
     assert e[:4].tolist() == [1.0, 1.0, math.inf, 0.0] and math.isnan(e[4]) and e[5] == math.inf and e[6] == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# GeGLU's gelu_tanh: accuracy of the documented fp32 arithmetic, which the kernels equal bit for bit (above)
+
+GELU_GATES = torch.cat([torch.linspace(-12.0, 12.0, 480_001),
+                        3 * torch.randn(200_000, generator=torch.Generator().manual_seed(9))])
+
+
+def test_gelu_tanh_accuracy():
+    """act and act' of gelu_tanh in fp32 (coat's g * sigmoid(z), replayed) against the float64 formula: max error at
+    most 2x that of torch's own float32 gelu(approximate="tanh") and its autograd, the bf16 rule at fp32."""
+    g = GELU_GATES
+    act64, dact64 = ref.activation64(g, "gelu_tanh")
+    act32 = g * ref.activation_sigmoid_f32(g, "gelu_tanh")
+    dact32 = ref.activation_slope_f32(g, ref.activation_sigmoid_f32(g, "gelu_tanh"), "gelu_tanh")
+    g_torch = g.clone().requires_grad_()
+    act_torch = torch.nn.functional.gelu(g_torch, approximate="tanh")
+    act_torch.sum().backward()
+    assert max_error(act32, act64) <= 2 * max_error(act_torch.detach(), act64)
+    assert max_error(dact32, dact64) <= 2 * max_error(g_torch.grad, dact64)
+
+
+def unit_saved(gates: torch.Tensor, group_size=16):
+    """A saved copy whose decoded values are exactly `gates` (each an E4M3 value times its scale): code 1.0
+    (0x38) and the gate as the scale, one group per gate, for gates special or out of E4M3's range."""
+    rows = gates.numel()
+    codes = torch.full((rows, group_size), 0x38, dtype=torch.uint8).view(E4M3)
+    return codes, gates.float().reshape(rows, 1)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_special_gates(device, activation):
+    """act and act' at +-Inf, NaN, huge, tiny, zero and very negative gates, through the backward with dy = 1 and
+    up = 1 (dup = act(g), dgate = act'(g), exactly): act as torch's float32 (silu, gelu(approximate="tanh")) at
+    every such gate; gelu_tanh' finite for every finite gate, its limits 1 and 0 at +-Inf (torch: NaN from
+    |g| ~ 1.8e19 on), silu' NaN at +-Inf (Inf * 0)."""
+    gates = torch.tensor([math.inf, -math.inf, math.nan, 1e30, -1e30, 3e38, -3e38, 2e19, -2e19, 1e-30, 1e-39,
+                          0.0, -0.0, -10.0, -20.0, -88.0, 10.0, 0.5, -0.5])
+    gate_saved, gate_scales = unit_saved(gates)
+    up_saved, up_scales = unit_saved(torch.ones_like(gates))
+    dy = torch.ones(gates.numel(), 16)
+    dgate, dup, _ = run(torch.ops.coat.silu_mul_backward, dy, gate_saved, gate_scales, up_saved, up_scales, None, 16,
+                        "e4m3", activation, device=device)
+    act, dact = dup[:, 0], dgate[:, 0]
+    torch_act = (gates * torch.sigmoid(gates) if activation == "silu"
+                 else torch.nn.functional.gelu(gates, approximate="tanh"))
+    assert_same_bits(act.isnan(), torch_act.isnan(), "act's NaNs vs torch's")
+    assert act[0] == math.inf and act[1].isnan() and act[2].isnan()
+    # act within float32's reach of float64's: g * sigmoid(z), which 0.5 g (1 + tanh(z / 2)) equals but computes without
+    # cancelling to 0 below about -9 (torch's float32 and the float64 formula's float64 do)
+    finite = gates.isfinite()
+    g64 = gates[finite].double()
+    z64 = g64 if activation == "silu" else 2 * ref.SQRT_2_OVER_PI * (g64 + 0.044715 * g64**3)
+    act64 = g64 * torch.sigmoid(z64)
+    assert torch.allclose(act[finite].double(), act64, rtol=1e-4, atol=1e-44)
+    assert (act[finite].signbit() == gates[finite].signbit()).all()
+    if activation == "gelu_tanh":
+        assert dact[2].isnan() and not dact[torch.arange(gates.numel()) != 2].isnan().any()
+        assert dact[0] == 1.0 and dact[1] == 0.0 and dact[3] == 1.0 and dact[4] == 0.0 and dact[7] == 1.0
+        assert dact[9] == 0.5 and dact[11] == 0.5 and abs(dact[13]) < 1e-30 and dact[14] == 0.0
+    else:
+        assert dact[:3].isnan().all() and not dact[3:].isnan().any()
+    g, u = ref.decode_saved(gate_saved, gate_scales, 16), ref.decode_saved(up_saved, up_scales, 16)
+    assert_same_bits(canonical_nan(dgate), canonical_nan(ref.silu_mul_backward_f32(dy, g, u, activation=activation)[0]),
+                     "dgate vs the replay")
+
+
+def test_activation_errors():
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    _, y_scale, _, *saved = ops.silu_mul_quantize(x, x)
+    message = "activation must be 'silu' \\(SwiGLU\\) or 'gelu_tanh' \\(GeGLU"
+    for call in (lambda: ops.silu_mul_quantize(x, x, activation="gelu"),
+                 lambda: ops.silu_mul_backward(x, *saved, activation="relu"),
+                 lambda: ops.silu_mul_requantize(*saved, None, y_scale, activation="swish")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    for call in (lambda: torch.ops.coat.silu_mul_quantize(x, x, None, 16, 128, E4M3, False, "e4m3", "gelu"),
+                 lambda: torch.ops.coat.silu_mul_backward(x, *saved, None, 16, "e4m3", "GELU_TANH"),
+                 lambda: torch.ops.coat.silu_mul_requantize(*saved, None, y_scale, 16, E4M3, "e4m3", None, "tanh")):
+        with pytest.raises(RuntimeError, match=message):
+            call()
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.coat.silu_mul_quantize(fake, fake, None, 16, 128, E4M3, False, "e4m3", "gelu")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -642,8 +742,9 @@ def rmsnorm_requantize(saved, rstd, weight, y_scale, group_size=16, fp8=E4M3, de
     return requantize(torch.ops.coat.rmsnorm_requantize, *saved, rstd, weight, y_scale, group_size, fp8, device=device)
 
 
-def silu_mul_requantize(saved, smooth, y_scale, group_size=16, fp8=E4M3, device="cpu"):
-    return requantize(torch.ops.coat.silu_mul_requantize, *saved, smooth, y_scale, group_size, fp8, device=device)
+def silu_mul_requantize(saved, smooth, y_scale, group_size=16, fp8=E4M3, device="cpu", activation="silu"):
+    return requantize(torch.ops.coat.silu_mul_requantize, *saved, smooth, y_scale, group_size, fp8, "e4m3", None,
+                      activation, device=device)
 
 
 def check_requantized(y_t, y32, y_scale) -> None:
@@ -715,48 +816,53 @@ def test_rmsnorm_requantize_equals_forward_on_representable_x(device, x_dtype, g
                      "requantized y_t vs the forward's")
 
 
-def test_silu_mul_requantize_equals_forward_on_representable_inputs(device):
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_silu_mul_requantize_equals_forward_on_representable_inputs(device, activation):
     for group_size, fp8, smooth in ((16, E4M3, None), (128, E5M2, torch.rand(300) + 0.5)):
         gate = fp8_representable((37, 300), torch.bfloat16, group_size, seed=76)
         up = fp8_representable((37, 300), torch.bfloat16, group_size, seed=77)
-        _, y_scale, y_t, *saved = silu_mul_forward(gate, up, smooth, group_size=group_size, fp8=fp8)
-        requantized = silu_mul_requantize(saved, smooth, y_scale, group_size, fp8, device=device)
+        _, y_scale, y_t, *saved = silu_mul_forward(gate, up, smooth, group_size=group_size, fp8=fp8,
+                                                   activation=activation)
+        requantized = silu_mul_requantize(saved, smooth, y_scale, group_size, fp8, device=device, activation=activation)
         assert_same_bits(requantized, y_t, "requantized y_t vs the forward's")
 
 
-def silu_mul_bound(gate, up, saved, smooth, group_size):
+def silu_mul_bound(gate, up, saved, smooth, group_size, activation="silu"):
     g, u = rows_of(gate).double(), rows_of(up).double()
     e_g = ref.e4m3_half_step(gate, saved[1], group_size)
     e_g = e_g + 2.0**-8 * (g.abs() + e_g)  # bf16(g') is within half a bf16 ulp, under 2^-8 |g'|, of g'
     e_u = ref.e4m3_half_step(up, saved[3], group_size)
-    bound = ref.SILU_LIPSCHITZ * e_g * (u.abs() + e_u) + (g * torch.sigmoid(g)).abs() * e_u
+    bound = ref.LIPSCHITZ[activation] * e_g * (u.abs() + e_u) + ref.activation64(g, activation)[0].abs() * e_u
     return bound if smooth is None else bound * smooth.double()
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape", REQUANTIZE_SHAPES, ids=str)
-def test_silu_mul_requantize(device, shape):
+def test_silu_mul_requantize(device, shape, activation):
     gate, up = gate_up(shape, torch.bfloat16, seed=78 + shape[-1])
-    _, y_scale, y_t, *saved = silu_mul_forward(gate, up)
-    requantized = silu_mul_requantize(saved, None, y_scale, device=device)
-    y32 = ref.silu_mul_requantize_f32(ref.decode_saved(*saved[:2], 16), ref.decode_saved(*saved[2:], 16))
+    _, y_scale, y_t, *saved = silu_mul_forward(gate, up, activation=activation)
+    requantized = silu_mul_requantize(saved, None, y_scale, device=device, activation=activation)
+    y32 = ref.silu_mul_requantize_f32(ref.decode_saved(*saved[:2], 16), ref.decode_saved(*saved[2:], 16),
+                                      activation=activation)
     check_requantized(requantized, y32, y_scale)
-    check_near_forward(requantized, y_t, y_scale, silu_mul_bound(gate, up, saved, None, 16))
+    check_near_forward(requantized, y_t, y_scale, silu_mul_bound(gate, up, saved, None, 16, activation))
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype, group_size, fp8, smooth", [
     (torch.float32, 32, E4M3, True), (torch.float16, 64, E5M2, False), (torch.bfloat16, 128, E5M2, True),
     (torch.bfloat16, 16, E4M3, True),
 ], ids=str)
-def test_silu_mul_requantize_smooth_dtypes_and_groups(device, dtype, group_size, fp8, smooth):
+def test_silu_mul_requantize_smooth_dtypes_and_groups(device, dtype, group_size, fp8, smooth, activation):
     gate, up = activations((33, 1000), dtype, seed=79), activations((33, 1000), dtype, seed=80)
     smooth = torch.exp(torch.randn(1000, generator=torch.Generator().manual_seed(81))) if smooth else None
-    _, y_scale, y_t, *saved = silu_mul_forward(gate, up, smooth, group_size=group_size, fp8=fp8)
-    requantized = silu_mul_requantize(saved, smooth, y_scale, group_size, fp8, device=device)
+    _, y_scale, y_t, *saved = silu_mul_forward(gate, up, smooth, group_size=group_size, fp8=fp8, activation=activation)
+    requantized = silu_mul_requantize(saved, smooth, y_scale, group_size, fp8, device=device, activation=activation)
     assert requantized.dtype == fp8
     y32 = ref.silu_mul_requantize_f32(ref.decode_saved(*saved[:2], group_size), ref.decode_saved(*saved[2:], group_size),
-                                      smooth)
+                                      smooth, activation)
     check_requantized(requantized, y32, y_scale)
-    check_near_forward(requantized, y_t, y_scale, silu_mul_bound(gate, up, saved, smooth, group_size))
+    check_near_forward(requantized, y_t, y_scale, silu_mul_bound(gate, up, saved, smooth, group_size, activation))
 
 
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=str)
@@ -909,31 +1015,34 @@ def test_rmsnorm_ops_read_fp4_and_fp6_as_their_e4m3_expansion(device, fmt, shape
         assert_same_bits(from_packed, from_e4m3, f"{fp8} y_t from {fmt} vs from its expansion")
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("shape, group_size", BLOCK_SAVE_CASES, ids=str)
 @pytest.mark.parametrize("dy_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-def test_silu_mul_ops_read_fp4_and_fp6_as_their_e4m3_expansion(device, fmt, shape, group_size, dy_dtype):
+def test_silu_mul_ops_read_fp4_and_fp6_as_their_e4m3_expansion(device, fmt, shape, group_size, dy_dtype, activation):
     gate, up = gate_up(shape, torch.bfloat16, seed=shape[1] + 5)
     gate = with_special_values(gate)
     smooth = torch.exp(torch.randn(shape[1], generator=torch.Generator().manual_seed(6)))
     _, y_scale, _, gate_codes, gate_scales, up_codes, up_scales = silu_mul_forward(
-        gate, up, smooth, group_size=group_size, save_format=fmt
+        gate, up, smooth, group_size=group_size, save_format=fmt, activation=activation
     )
     gate_expanded, _ = ops.blocks_to_e4m3(gate_codes, gate_scales, shape[1], fmt, group_size)
     up_expanded, _ = ops.blocks_to_e4m3(up_codes, up_scales, shape[1], fmt, group_size)
     dy = activations(shape, dy_dtype, seed=7, outliers=False)
     for s in (None, smooth):
         from_packed = run(torch.ops.coat.silu_mul_backward, dy, gate_codes, gate_scales, up_codes, up_scales, s,
-                          group_size, fmt, device=device)
+                          group_size, fmt, activation, device=device)
         from_e4m3 = run(torch.ops.coat.silu_mul_backward, dy, gate_expanded, gate_scales, up_expanded, up_scales, s,
-                        group_size, device=device)
+                        group_size, "e4m3", activation, device=device)
         for name, a, b in zip(("dgate", "dup", "d_amax"), from_packed, from_e4m3):
             assert_same_bits(a, b, f"{name} from {fmt} vs from the expansion (smooth: {s is not None})")
         for fp8 in (E4M3, E5M2):
             (from_packed,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), gate_codes, gate_scales,
-                                 up_codes, up_scales, s, y_scale, group_size, fp8, fmt, shape[1], device=device)
+                                 up_codes, up_scales, s, y_scale, group_size, fp8, fmt, shape[1], activation,
+                                 device=device)
             (from_e4m3,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), gate_expanded, gate_scales,
-                               up_expanded, up_scales, s, y_scale, group_size, fp8, device=device)
+                               up_expanded, up_scales, s, y_scale, group_size, fp8, "e4m3", None, activation,
+                               device=device)
             assert_same_bits(from_packed, from_e4m3,
                              f"{fp8} y_t from {fmt} vs from the expansion (smooth: {s is not None})")
 
@@ -968,24 +1077,27 @@ def test_fp4_and_fp6_python_wrappers(fmt):
 # paths' fallbacks, the bf16 silu table's edges, several rounds of the persistent kernels); on CUDA every
 # output is compared with the C core's bit for bit (run).
 
-# Gates around the edges of the kernels' fast paths: the bf16 silu table holds 2^-24 <= |g| < 2^8; the
-# computed sigmoid takes g >= -80 and sends smaller ones through coat_exp's full range (-88.7, -103.3).
+# Gates around the edges of the kernels' fast paths: the bf16 table holds 2^-24 <= |g| < 2^8 for silu, 2^-25 <= |g| <
+# 2^7 for gelu_tanh; the computed sigmoid takes z(g) >= -80 and sends smaller ones through coat_exp's full range
+# (-88.7, -103.3); gelu_tanh's z(g) reaches -80 near g = -9.67.
 EDGE_GATES = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-24 * (1 - 2.0**-8), 1e-30, 1e-39, 255.0, -255.0, 256.0,
-              -256.0, 300.0, -80.0, -80.5, -81.0, -87.5, -88.5, -89.0, -103.0, -104.0, -200.0, 80.5, 88.5, 100.0]
+              -256.0, 300.0, -80.0, -80.5, -81.0, -87.5, -88.5, -89.0, -103.0, -104.0, -200.0, 80.5, 88.5, 100.0,
+              2.0**-25, -(2.0**-25), 127.5, 128.0, -128.0, -9.625, -9.6875, -9.75, -10.0]
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_silu_mul_gate_edges(device, dtype):
+def test_silu_mul_gate_edges(device, dtype, activation):
     gate, up = gate_up((16, 256), dtype, seed=51)
     edges = torch.tensor(EDGE_GATES, dtype=torch.float64).to(dtype)
     positions = torch.randperm(gate.numel(), generator=torch.Generator().manual_seed(52))[: 8 * edges.numel()]
     flat = gate.reshape(-1).clone()
     flat[positions] = edges.repeat(8)
     gate.copy_(flat.view(gate.shape))
-    outputs = silu_mul_forward(gate, up, device=device)
-    check_silu_mul_forward(gate, up, None, outputs)
+    outputs = silu_mul_forward(gate, up, device=device, activation=activation)
+    check_silu_mul_forward(gate, up, None, outputs, activation=activation)
     dy = activations((16, 256), dtype, seed=53, outliers=False)
-    run(torch.ops.coat.silu_mul_backward, dy, *outputs[3:], None, 16, device=device)
+    run(torch.ops.coat.silu_mul_backward, dy, *outputs[3:], None, 16, "e4m3", activation, device=device)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -1005,8 +1117,9 @@ def test_tiny_groups(device, dtype):
     check_tied_to_quantize_group(outputs[3], outputs[4], gate, 16)
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_backward_special_values(device, dtype):
+def test_backward_special_values(device, dtype, activation):
     """NaN / Inf in the saved inputs (NaN codes) and in dy, and dy so small that the gradients are subnormal
     in dy's dtype (the kernels' 16-bit stores round them in hardware)."""
     x = activations((8, 512), torch.bfloat16, seed=56)
@@ -1021,7 +1134,7 @@ def test_backward_special_values(device, dtype):
     gate, up = gate_up((8, 512), torch.bfloat16, seed=59)
     gate[1, 3], up[2, 40], gate[3, 100] = math.nan, math.inf, -math.inf
     saved = silu_mul_forward(gate, up, transpose=False)[3:]
-    run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, device=device)
+    run(torch.ops.coat.silu_mul_backward, dy, *saved, None, 16, "e4m3", activation, device=device)
 
 
 def several_rounds(rows_per_sm: int) -> int:
@@ -1044,12 +1157,13 @@ def test_rmsnorm_several_rounds(cuda_device, cols):
     run(torch.ops.coat.rmsnorm_backward, dy, x_saved, x_saved_scales, rstd, weight, 16, device=cuda_device)
 
 
-def test_silu_mul_several_rounds(cuda_device):
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_silu_mul_several_rounds(cuda_device, activation):
     """Blocks of 8 rows over 2 segments of 512 columns, at most 8 blocks per SM: 32 rows per SM and round."""
     gate, up = gate_up((several_rounds(32), 1000), torch.bfloat16, seed=61)
-    outputs = silu_mul_forward(gate, up, device=cuda_device)
+    outputs = silu_mul_forward(gate, up, device=cuda_device, activation=activation)
     dy = activations(tuple(gate.shape), torch.bfloat16, seed=62, outliers=False)
-    run(torch.ops.coat.silu_mul_backward, dy, *outputs[3:], None, 16, device=cuda_device)
+    run(torch.ops.coat.silu_mul_backward, dy, *outputs[3:], None, 16, "e4m3", activation, device=cuda_device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1063,6 +1177,8 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.coat.rmsnorm_quantize.default, (x, weight, EPS, 16, 128, E4M3, True))
     for s, transpose in ((None, False), (smooth, True)):
         torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default, (x, x * 2, s, 32, 64, E5M2, transpose))
+        torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default,
+                              (x, x * 2, s, 32, 64, E5M2, transpose, "e4m3", "gelu_tanh"))
     # test_schema compares the inputs before and after the call with torch.allclose, which torch does not
     # implement for FP8 tensors, and the backward ops take FP8 inputs; the other checks all run.
     fp8_input_checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -1072,10 +1188,10 @@ def test_opcheck(device):
             torch.ops.coat.rmsnorm_backward.default, (x, x_saved, x_saved_scales, rstd, weight, 16, residual),
             test_utils=fp8_input_checks,
         )
-    for s in (None, smooth):
+    for s, activation in ((None, "silu"), (smooth, "silu"), (smooth, "gelu_tanh")):
         torch.library.opcheck(
             torch.ops.coat.silu_mul_backward.default,
-            (x, x_saved, x_saved_scales, x_saved, x_saved_scales, s, 16),
+            (x, x_saved, x_saved_scales, x_saved, x_saved_scales, s, 16, "e4m3", activation),
             test_utils=fp8_input_checks,
         )
     y_scale = on_device(torch.tensor(0.01), device)
@@ -1083,10 +1199,10 @@ def test_opcheck(device):
         torch.ops.coat.rmsnorm_requantize.default, (x_saved, x_saved_scales, rstd, weight, y_scale, 16, E4M3),
         test_utils=fp8_input_checks,
     )
-    for s, fp8 in ((None, E4M3), (smooth, E5M2)):
+    for s, fp8, activation in ((None, E4M3, "silu"), (smooth, E5M2, "silu"), (smooth, E4M3, "gelu_tanh")):
         torch.library.opcheck(
             torch.ops.coat.silu_mul_requantize.default,
-            (x_saved, x_saved_scales, x_saved, x_saved_scales, s, y_scale, 16, fp8),
+            (x_saved, x_saved_scales, x_saved, x_saved_scales, s, y_scale, 16, fp8, "e4m3", None, activation),
             test_utils=fp8_input_checks,
         )
 
@@ -1108,13 +1224,14 @@ def test_opcheck_fp4_and_fp6_copies(device, fmt):
     for residual in (None, x.float()):
         torch.library.opcheck(torch.ops.coat.rmsnorm_backward.default,
                               (x, packed, packed_scales, rstd, weight, 16, residual, fmt))
-    torch.library.opcheck(torch.ops.coat.silu_mul_backward.default,
-                          (x, packed, packed_scales, packed, packed_scales, smooth, 16, fmt))
+    for activation in ACTIVATIONS:
+        torch.library.opcheck(torch.ops.coat.silu_mul_backward.default,
+                              (x, packed, packed_scales, packed, packed_scales, smooth, 16, fmt, activation))
     torch.library.opcheck(torch.ops.coat.rmsnorm_requantize.default,
                           (packed, packed_scales, rstd, weight, y_scale, 16, E4M3, fmt))
-    for s, fp8 in ((None, E5M2), (smooth, E4M3)):
+    for s, fp8, activation in ((None, E5M2, "silu"), (smooth, E4M3, "silu"), (smooth, E5M2, "gelu_tanh")):
         torch.library.opcheck(torch.ops.coat.silu_mul_requantize.default,
-                              (packed, packed_scales, packed, packed_scales, s, y_scale, 16, fp8, fmt, 66))
+                              (packed, packed_scales, packed, packed_scales, s, y_scale, 16, fp8, fmt, 66, activation))
 
 
 def test_errors():

@@ -39,6 +39,8 @@ HEADERS = {name: os.path.join(INCLUDE, *path) for name, path in {
 }.items()}
 
 BF16 = "VectorIoIL10coat_dtype1E"
+# The act*mul kernels are instantiated per activation: walk the SiLU ones (coat_activation 0).
+SILU = "L15coat_activation0E"
 # Every kernel walked runs blocks of 256 threads.
 BLOCK_THREADS = 256
 
@@ -71,36 +73,40 @@ KERNELS = {
                              *BACKWARD_LOOP),
     "rmsnorm_backward_residual": Loop(["rmsnorm_backward_kernelILi256E", BF16 + "EES3_E"], "rmsnorm_backward_kernel(",
                                       *BACKWARD_LOOP),
-    "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16 + "EEL17coat_saved_format0E"], "silu_mul_stats_kernel(",
+    "silu_mul_stats": Loop(["silu_mul_stats_kernel", BF16 + "EEL17coat_saved_format0E", SILU],
+                           "silu_mul_stats_kernel(",
                            *SILU_LOOP),
-    "silu_mul_apply": Loop(["apply_quantize_kernelINS_12SiluMulApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
-    "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format0ELi0E"],
+    "silu_mul_apply": Loop(["apply_quantize_kernelINS_12SiluMulApply", BF16, SILU], "apply_quantize_kernel(",
+                           *APPLY_LOOP),
+    "silu_mul_backward": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format0ELi0E", SILU],
                               "silu_mul_backward_kernel(", *SILU_LOOP, NO_SMOOTH),
-    "silu_mul_backward_smooth": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format0ELi0E"],
+    "silu_mul_backward_smooth": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format0ELi0E", SILU],
                                      "silu_mul_backward_kernel(", *SILU_LOOP, SMOOTH),
     # FP4 gates in groups of 128: their factors computed once per code and shuffled (GateFactorsOfCodes)
-    "silu_mul_backward_fp4_g128": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format1ELi16E"],
+    "silu_mul_backward_fp4_g128": Loop(["silu_mul_backward_kernel", BF16 + "EEL17coat_saved_format1ELi16E", SILU],
                                        "silu_mul_backward_kernel(", *SILU_LOOP, NO_SMOOTH),
     # the requantize ops: the second pass on the FP8-saved inputs (vector codes), y_t only
     "rmsnorm_requantize": Loop(["apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1EL17coat_saved_format0E"],
                                "apply_quantize_kernel(", *APPLY_LOOP),
-    "silu_mul_requantize": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1EL17coat_saved_format0E"],
+    "silu_mul_requantize": Loop(["apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1EL17coat_saved_format0E",
+                                 SILU],
                                 "apply_quantize_kernel(", *APPLY_LOOP),
 }
 # the kernels instantiated for inputs saved in FP4 and FP6 (coat_saved_format 1 and 2)
 for _name, _format in (("fp4", 1), ("fp6", 2)):
     KERNELS[f"rmsnorm_stats_{_name}"] = Loop(["rmsnorm_stats_kernelILi256E", BF16 + f"EEL17coat_saved_format{_format}E"],
                                              "rmsnorm_stats_kernel(", *STATS_LOOP)
-    KERNELS[f"silu_mul_stats_{_name}"] = Loop(["silu_mul_stats_kernel", BF16 + f"EEL17coat_saved_format{_format}E"],
+    KERNELS[f"silu_mul_stats_{_name}"] = Loop(["silu_mul_stats_kernel", BF16 + f"EEL17coat_saved_format{_format}E",
+                                               SILU],
                                               "silu_mul_stats_kernel(", *SILU_LOOP)
     KERNELS[f"silu_mul_backward_{_name}"] = Loop(
-        ["silu_mul_backward_kernel", BF16 + f"EEL17coat_saved_format{_format}ELi0E"], "silu_mul_backward_kernel(",
+        ["silu_mul_backward_kernel", BF16 + f"EEL17coat_saved_format{_format}ELi0E", SILU], "silu_mul_backward_kernel(",
         *SILU_LOOP, NO_SMOOTH)
     KERNELS[f"rmsnorm_requantize_{_name}"] = Loop(
         [f"apply_quantize_kernelINS_12RmsnormApplyINS_9SavedRowsILb1EL17coat_saved_format{_format}E"],
         "apply_quantize_kernel(", *APPLY_LOOP)
     KERNELS[f"silu_mul_requantize_{_name}"] = Loop(
-        [f"apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1EL17coat_saved_format{_format}E"],
+        [f"apply_quantize_kernelINS_12SiluMulApplyINS_9SavedRowsILb1EL17coat_saved_format{_format}E", SILU],
         "apply_quantize_kernel(", *APPLY_LOOP)
 
 

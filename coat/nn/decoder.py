@@ -134,7 +134,8 @@ class FP8DecoderLayerMixin:
     def _mlp_residual(self, hidden_states, norm):
         mlp = converted_child(self, "mlp", SwiGLUMLP)
         gate, up, down = (_projection(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
-        return coat_functional.mlp_residual(hidden_states, norm.weight, norm.eps, gate, up, down, self.fp8_config)
+        return coat_functional.mlp_residual(hidden_states, norm.weight, norm.eps, gate, up, down, self.fp8_config,
+                                            activation=mlp.activation)
 
     def _position_queries_keys(self, query, key, cos, sin):
         """RoPE of q and k [B, S, heads, head_dim] as the projections wrote them: one coat kernel each way. The

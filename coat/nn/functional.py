@@ -297,9 +297,14 @@ def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t.index_select(0, rows)
 
 
-def _silu_mul_rows(gate, up, smooth_scale, rows):
-    """SiLU(gate) * up (times the Smooth-SwiGLU scale) in float32, for the given rows (all when None)."""
-    product = F.silu(_rows(gate, rows).float()) * _rows(up, rows)  # float32: up is promoted exactly
+def _gated_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) with torch's function for coat.ops.silu_mul_quantize's ``activation``."""
+    return F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+
+
+def _silu_mul_rows(gate, up, smooth_scale, activation, rows):
+    """act(gate) * up (times the Smooth-SwiGLU scale) in float32, for the given rows (all when None)."""
+    product = _gated_activation(_rows(gate, rows).float(), activation) * _rows(up, rows)  # up is promoted exactly
     return product if smooth_scale is None else product * smooth_scale
 
 
@@ -473,15 +478,15 @@ def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype,
     return grad_x.to(x_dtype), grad_weight.to(weight.dtype)
 
 
-def smooth_swiglu_scale(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def smooth_swiglu_scale(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Smooth-SwiGLU's per-channel scale s (Fishman et al. 2024, section 4.4), from each channel's max
-    |SiLU(gate) * up| over the tokens: s_i = 2^-ceil(log2 amax_i), so every channel's amax lands in
-    (1/2, 1] and the per-tensor scale of the product no longer follows the channel with the largest
-    outliers. Powers of two make s and its inverse, folded into the down projection, exact; the exponent
-    is clamped to [-126, 126] so that both stay normal float32 numbers. Channels that are all zero (or not
-    finite) get s = 1. float32 [channels]."""
+    |act(gate) * up| over the tokens (act: SiLU, or GeGLU's gelu_tanh, the kernel's ``activation``):
+    s_i = 2^-ceil(log2 amax_i), so every channel's amax lands in (1/2, 1] and the per-tensor scale of the
+    product no longer follows the channel with the largest outliers. Powers of two make s and its inverse,
+    folded into the down projection, exact; the exponent is clamped to [-126, 126] so that both stay normal
+    float32 numbers. Channels that are all zero (or not finite) get s = 1. float32 [channels]."""
     with torch.no_grad():
-        amax = (F.silu(gate) * up).abs().amax(dim=0).float()
+        amax = (_gated_activation(gate, activation) * up).abs().amax(dim=0).float()
         exponent = torch.clamp(torch.ceil(torch.log2(amax)), -126, 126)
         usable = torch.isfinite(amax) & (amax > 0)
         return torch.where(usable, torch.exp2(-exponent), torch.ones_like(amax))
@@ -502,10 +507,12 @@ def _gate_up_projections(params) -> Projections:
     return Projections(gate_up, "gate_up")
 
 
-def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for_backward: bool, site=None):
-    """down(SiLU(gate(x)) * up(x)) from an input already in FP8. params: [(w, b)] for gate, up, down, or for
-    a fused gate_up and down (:func:`_gate_up_projections`): then one GEMM writes gate and up side by side,
-    and the fused op reads the two halves in place.
+def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for_backward: bool, site=None,
+                    activation: str = "silu"):
+    """down(act(gate(x)) * up(x)) from an input already in FP8, act = ``activation`` ("silu": SwiGLU,
+    "gelu_tanh": GeGLU). params: [(w, b)] for gate, up, down, or for a fused gate_up and down
+    (:func:`_gate_up_projections`): then one GEMM writes gate and up side by side, and the fused op reads the two
+    halves in place.
     Returns the output and the tensors backward needs: the weights' amax, SiLU*mul's inputs in 1 x G groups
     (in ``config.saved_format`` when ``keep_for_backward``) and the scale of the FP8 product that feeds the
     down projection. The product itself is not saved: backward recomputes its transpose (the down wgrad's
@@ -515,7 +522,7 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
     gate_up_amax = gate_up.weight_amax()
     gate, up = (gate_up.forward_joint if gate_up.fused else gate_up.forward)(x_q, x_scale, config, out_dtype,
                                                                             gate_up_amax, site)
-    smooth_scale = smooth_swiglu_scale(gate, up) if config.smooth_swiglu else None
+    smooth_scale = smooth_swiglu_scale(gate, up, activation) if config.smooth_swiglu else None
     act_q, act_scale, _, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(
         gate,
         up,
@@ -524,6 +531,7 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
         amax_group_size=AMAX_GROUP_SIZE,
         format=config.forward_dtype,
         save_format=config.saved_format if keep_for_backward else "e4m3",
+        activation=activation,
     )
     if site is not None:
         cols = gate.shape[1]
@@ -534,7 +542,8 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
         # The kernel's fp32 product before quantization, recomputed with torch's SiLU (the kernel has its own
         # exp, so a value may differ in its last float32 bit). A partial, not a closure: closing over gate and
         # up would make the `del` below a bytecode torch.compile cannot trace.
-        site.record("down_input", functools.partial(_silu_mul_rows, gate, up, smooth_scale), act_q, act_scale)
+        site.record("down_input", functools.partial(_silu_mul_rows, gate, up, smooth_scale, activation), act_q,
+                    act_scale)
     del gate, up
     down = Projections([_smoothed_down(params[-1], smooth_scale)], "down")
     down_amax = down.weight_amax()
@@ -558,7 +567,7 @@ def _smoothed_down(down, smooth_scale):
 
 
 def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, config: FP8Config, x_dtype, act_dtype,
-                     site=None):
+                     site=None, activation: str = "silu"):
     """Backward of :func:`_swiglu_forward`. needs: (need_input_grad, [(need_w, need_b)] for gate, up, down).
     The gradients of the product and of gate and up are in act_dtype, the dtype the forward computed them
     in (autocast's); the input's gradient is in x_dtype. Returns the input's gradient and [grad_w, grad_b]
@@ -571,7 +580,7 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
         act_q_t = ops.silu_mul_requantize(
             saved["gate_saved"], saved["gate_scales"], saved["up_saved"], saved["up_scales"], smooth_scale,
             saved["act_scale"], config.group_size, config.forward_dtype, saved_format=config.saved_format,
-            cols=gate_up.output_widths[0],
+            cols=gate_up.output_widths[0], activation=activation,
         )
     grad_act, down_grads = Projections([_smoothed_down(params[-1], smooth_scale)], "down").backward(
         [grad_out2d], act_q_t, saved["act_scale"], saved["down_amax"], (True, need_param_grads[-1:]),
@@ -590,6 +599,7 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
         smooth_scale,
         config.group_size,
         saved_format=config.saved_format,
+        activation=activation,
     )
     del grad_act
     grad_input, gate_up_grads = gate_up.backward(
@@ -649,14 +659,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, config: FP8Confi
 
 
 class _SwiGLUMLPFunction(torch.autograd.Function):
-    """down(SiLU(gate(x)) * up(x)), LlamaMLP's computation, in FP8. Saves the transposed FP8 input (read by
-    both the gate and up wgrads) and its scale, plus what :func:`_swiglu_forward` lists."""
+    """down(act(gate(x)) * up(x)), LlamaMLP's computation (GemmaMLP's with act gelu_tanh), in FP8. Saves the
+    transposed FP8 input (read by both the gate and up wgrads) and its scale, plus what :func:`_swiglu_forward`
+    lists."""
 
     @staticmethod
     @_capture.measures_records
-    def forward(ctx, x, config: FP8Config, out_dtype, *flat_params):
+    def forward(ctx, x, config: FP8Config, out_dtype, activation: str, *flat_params):
         params = _pairs(flat_params)
-        param_needs = _param_needs(ctx.needs_input_grad, 3, 3)
+        param_needs = _param_needs(ctx.needs_input_grad, 4, 3)
         site = ctx.report_site = _capture.forward_site()
         x2d = _matrix(x)
         x_q, x_scale, x_q_t = quantize_per_tensor(
@@ -664,9 +675,11 @@ class _SwiGLUMLPFunction(torch.autograd.Function):
         )
         if site is not None:
             site.record("gate_up_input", x2d, x_q, x_scale)
-        out, saved = _swiglu_forward(x_q, x_scale, params, config, out_dtype, keep_for_backward=True, site=site)
+        out, saved = _swiglu_forward(x_q, x_scale, params, config, out_dtype, keep_for_backward=True, site=site,
+                                     activation=activation)
         _save(ctx, x_q_t=x_q_t, x_scale=x_scale, **saved, **_named_params(flat_params))
         ctx.config, ctx.x_shape, ctx.x_dtype, ctx.out_dtype = config, x.shape, x.dtype, out_dtype
+        ctx.activation = activation
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -674,12 +687,12 @@ class _SwiGLUMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = _saved(ctx)
         params = _pairs(_params_from(saved))
-        needs = (ctx.needs_input_grad[0], _param_needs(ctx.needs_input_grad, 3, 3))
+        needs = (ctx.needs_input_grad[0], _param_needs(ctx.needs_input_grad, 4, 3))
         grad_x, param_grads = _swiglu_backward(
             _matrix(grad_out), saved, saved["x_q_t"], saved["x_scale"], params, needs, ctx.config, ctx.x_dtype,
-            ctx.out_dtype, _capture.backward_site(ctx),
+            ctx.out_dtype, _capture.backward_site(ctx), ctx.activation,
         )
-        return (None if grad_x is None else grad_x.view(ctx.x_shape), None, None, *param_grads)
+        return (None if grad_x is None else grad_x.view(ctx.x_shape), None, None, None, *param_grads)
 
 
 def _named_params(flat_params) -> dict:
@@ -690,14 +703,18 @@ def _params_from(saved: dict) -> list:
     return [saved[f"param_{i}"] for i in range(sum(name.startswith("param_") for name in saved))]
 
 
-def swiglu_mlp(x: torch.Tensor, gate, up, down, config: FP8Config = FP8Config()) -> torch.Tensor:
-    """FP8 LlamaMLP: gate, up, down are (weight, bias) pairs (bias may be None)."""
+def swiglu_mlp(x: torch.Tensor, gate, up, down, config: FP8Config = FP8Config(), *,
+               activation: str = "silu") -> torch.Tensor:
+    """FP8 LlamaMLP, down(act(gate(x)) * up(x)): gate, up, down are (weight, bias) pairs (bias may be None);
+    ``activation`` "silu" (SwiGLU) or "gelu_tanh" (GeGLU, as Gemma's MLP)."""
     flat_params = (*gate, *up, *down)
     out_dtype = output_dtype(x)
+    ops._checked_activation(activation, "coat.nn.functional.swiglu_mlp")
     if _needs_autograd(x, *flat_params):
-        return _SwiGLUMLPFunction.apply(x, config, out_dtype, *flat_params)
+        return _SwiGLUMLPFunction.apply(x, config, out_dtype, activation, *flat_params)
     x_q, x_scale, _ = quantize_per_tensor(_matrix(x), config.forward_dtype)
-    out, _ = _swiglu_forward(x_q, x_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False)
+    out, _ = _swiglu_forward(x_q, x_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False,
+                             activation=activation)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -850,7 +867,7 @@ def after_attention(
 
 
 class _MLPResidualFunction(torch.autograd.Function):
-    """x + down(SiLU(gate(n)) * up(n)) with n = RMSNorm(x): the post-attention norm writes n in FP8 for the
+    """x + down(act(gate(n)) * up(n)) with n = RMSNorm(x): the post-attention norm writes n in FP8 for the
     gate/up GEMM, SiLU*mul writes its product in FP8 for the down GEMM. Saves one copy of each non-linear
     op's inputs in 1 x G groups (``config.saved_format``): x + scales + rstd, gate and up + scales (and
     Smooth-SwiGLU's per-channel scale); backward recomputes from them the transposed FP8 n and product
@@ -858,7 +875,7 @@ class _MLPResidualFunction(torch.autograd.Function):
 
     @staticmethod
     @_capture.measures_records
-    def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, *flat_params):
+    def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, activation: str, *flat_params):
         params = _pairs(flat_params)
         site = ctx.report_site = _capture.forward_site()
         x2d = _matrix(x)
@@ -867,7 +884,7 @@ class _MLPResidualFunction(torch.autograd.Function):
             _record_rmsnorm(site, "mlp_norm_input", "gate_up_input", x2d, norm_weight, quantized, config)
         n_q, n_scale, _, x_saved, x_saved_scales, rstd = quantized
         mlp_out, mlp_saved = _swiglu_forward(n_q, n_scale, params, config, out_dtype, keep_for_backward=True,
-                                             site=site)
+                                             site=site, activation=activation)
         _save(
             ctx,
             x_saved=x_saved,
@@ -879,6 +896,7 @@ class _MLPResidualFunction(torch.autograd.Function):
             **_named_params(flat_params),
         )
         ctx.config, ctx.x_shape, ctx.x_dtype, ctx.out_dtype = config, x.shape, x.dtype, out_dtype
+        ctx.activation = activation
         return x + mlp_out.view(x.shape)
 
     @staticmethod
@@ -887,14 +905,14 @@ class _MLPResidualFunction(torch.autograd.Function):
         saved = _saved(ctx)
         params = _pairs(_params_from(saved))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
-        needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 5, len(params)))
+        needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 6, len(params)))
         n_q_t = None
         if _params_need_grad(needs[1][:-1]):
             n_q_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["n_scale"], ctx.config)
         grad_out2d = _matrix(grad_out)
         grad_n, param_grads = _swiglu_backward(
             grad_out2d, saved, n_q_t, saved["n_scale"], params, needs, ctx.config, ctx.x_dtype, ctx.out_dtype,
-            _capture.backward_site(ctx),
+            _capture.backward_site(ctx), ctx.activation,
         )
         grad_x, grad_norm_weight = grad_out, None
         if grad_n is not None:
@@ -909,19 +927,24 @@ class _MLPResidualFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
             *param_grads,
         )
 
 
-def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config = FP8Config()):
-    """x + LlamaMLP(RMSNorm(x)) in FP8; gate, up, down are (weight, bias) pairs. up None: gate is Phi-3's fused
-    gate_up_proj, [2I, H] with the gate's rows first (Phi3MLP's ``chunk(2)``)."""
+def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config = FP8Config(), *,
+                 activation: str = "silu"):
+    """x + LlamaMLP(RMSNorm(x)) in FP8; gate, up, down are (weight, bias) pairs; ``activation`` as
+    :func:`swiglu_mlp`'s. up None: gate is Phi-3's fused gate_up_proj, [2I, H] with the gate's rows first
+    (Phi3MLP's ``chunk(2)``)."""
     flat_params = (*gate, *(up or ()), *down)
     out_dtype = output_dtype(x)
+    ops._checked_activation(activation, "coat.nn.functional.mlp_residual")
     if _needs_autograd(x, norm_weight, *flat_params):
-        return _MLPResidualFunction.apply(x, norm_weight, eps, config, out_dtype, *flat_params)
+        return _MLPResidualFunction.apply(x, norm_weight, eps, config, out_dtype, activation, *flat_params)
     n_q, n_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config)
-    mlp_out, _ = _swiglu_forward(n_q, n_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False)
+    mlp_out, _ = _swiglu_forward(n_q, n_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False,
+                                 activation=activation)
     return x + mlp_out.view(x.shape)
 
 

@@ -1,6 +1,7 @@
 """coat's FP8 modules: drop-in replacements that keep the parameter names of the modules they replace."""
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -90,15 +91,28 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, config={self.config}"
 
 
-def _is_silu(activation: nn.Module) -> bool:
-    """Whether a parameterless activation module computes SiLU, probed on the CPU (whatever the default device:
-    a model built and converted inside ``with torch.device("meta")`` has no values to probe there)."""
+# The fused kernel's activations (coat.ops.silu_mul_quantize's `activation`) and torch's function for each.
+_GATED_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+}
+
+
+def activation_name(activation: nn.Module) -> str | None:
+    """The fused kernel's name of a parameterless activation module: "silu" for nn.SiLU and transformers'
+    SiLUActivation (hidden_act "silu" / "swish"), "gelu_tanh" for nn.GELU(approximate="tanh") and transformers'
+    GELUTanh (PytorchGELUTanh, hidden_act "gelu_pytorch_tanh"; also the same formula as NewGELU / FastGELU), None
+    for any other. Modules other than torch's are probed on the CPU (whatever the default device: a model built
+    and converted inside ``with torch.device("meta")`` has no values to probe there)."""
     if isinstance(activation, nn.SiLU):
-        return True
+        return "silu"
+    if isinstance(activation, nn.GELU):
+        return "gelu_tanh" if activation.approximate == "tanh" else None
     if any(True for _ in activation.parameters()) or any(True for _ in activation.buffers()):
-        return False
+        return None
     probe = torch.tensor([-3.0, -0.5, 0.0, 0.75, 4.0], device="cpu")
-    return torch.allclose(activation(probe), torch.nn.functional.silu(probe))
+    output = activation(probe)
+    return next((name for name, f in _GATED_ACTIVATIONS.items() if torch.allclose(output, f(probe))), None)
 
 
 _MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -126,10 +140,11 @@ def converted_child(parent: nn.Module, name: str, expected: type) -> nn.Module:
 
 
 class SwiGLUMLP(nn.Module):
-    """LlamaMLP, ``down_proj(silu(gate_proj(x)) * up_proj(x))``, in FP8: the input is quantized once for
-    both gate and up GEMMs, SiLU*mul runs as one fused kernel that saves gate and up as E4M3 in 1 x G
+    """LlamaMLP, ``down_proj(act(gate_proj(x)) * up_proj(x))``, in FP8: the input is quantized once for
+    both gate and up GEMMs, act*mul runs as one fused kernel that saves gate and up as E4M3 in 1 x G
     groups and writes its product in FP8 for the down GEMM (optionally with Smooth-SwiGLU, see
-    :class:`coat.nn.FP8Config`). Children and parameter names are LlamaMLP's."""
+    :class:`coat.nn.FP8Config`). ``activation``: "silu" (SwiGLU: Llama, Mistral, Qwen) or "gelu_tanh"
+    (GeGLU: Gemma's gelu_pytorch_tanh). Children and parameter names are LlamaMLP's."""
 
     def __init__(
         self,
@@ -140,8 +155,13 @@ class SwiGLUMLP(nn.Module):
         dtype=None,
         *,
         config: FP8Config = FP8Config(),
+        activation: str = "silu",
     ):
         super().__init__()
+        if activation not in _GATED_ACTIVATIONS:
+            raise ValueError(f"coat.nn.SwiGLUMLP: activation must be one of {tuple(_GATED_ACTIVATIONS)}, "
+                             f"got {activation!r}")
+        self.activation = activation
         factory = dict(device=device, dtype=dtype, config=config)
         self.gate_proj = Linear(hidden_size, intermediate_size, bias, **factory)
         self.up_proj = Linear(hidden_size, intermediate_size, bias, **factory)
@@ -150,23 +170,27 @@ class SwiGLUMLP(nn.Module):
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module, config: FP8Config = FP8Config()) -> "SwiGLUMLP":
-        """From a module with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear) and ``act_fn`` SiLU, as
-        transformers' LlamaMLP, MistralMLP and Qwen2MLP; shares their parameters."""
+        """From a module with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear) and an ``act_fn`` that
+        :func:`activation_name` knows, as transformers' LlamaMLP, MistralMLP and Qwen2MLP (SiLU) and Gemma3MLP
+        (gelu_pytorch_tanh); shares their parameters. Any other activation is refused (ValueError)."""
         projections = [getattr(mlp, name, None) for name in _MLP_PROJECTIONS]
         if not all(isinstance(p, nn.Linear) for p in projections):
             raise TypeError(
                 f"coat.nn.SwiGLUMLP.from_mlp expects gate_proj, up_proj and down_proj nn.Linear children, "
                 f"got {type(mlp).__name__}"
             )
-        activation = getattr(mlp, "act_fn", None)
-        if not isinstance(activation, nn.Module) or not _is_silu(activation):
+        act_fn = getattr(mlp, "act_fn", None)
+        activation = activation_name(act_fn) if isinstance(act_fn, nn.Module) else None
+        if activation is None:
             raise ValueError(
-                f"coat.nn.SwiGLUMLP.from_mlp: {type(mlp).__name__}.act_fn must be SiLU (hidden_act='silu'), "
-                f"got {activation!r}; the fused kernel computes SiLU(gate) * up only"
+                f"coat.nn.SwiGLUMLP.from_mlp: {type(mlp).__name__}.act_fn must be SiLU (hidden_act='silu') or "
+                f"the tanh GELU (hidden_act='gelu_pytorch_tanh'), got {act_fn!r}; the fused kernel computes "
+                "silu(gate) * up or gelu_tanh(gate) * up only"
             )
         gate, up, down = projections
         converted = cls(
-            gate.in_features, gate.out_features, device="meta", dtype=gate.weight.dtype, config=config
+            gate.in_features, gate.out_features, device="meta", dtype=gate.weight.dtype, config=config,
+            activation=activation,
         )
         converted.gate_proj, converted.up_proj, converted.down_proj = (
             Linear.from_linear(p, config) for p in projections
@@ -176,8 +200,9 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (converted_child(self, name, Linear) for name in _MLP_PROJECTIONS)
         return coat_functional.swiglu_mlp(
-            x, (gate.weight, gate.bias), (up.weight, up.bias), (down.weight, down.bias), self.config
+            x, (gate.weight, gate.bias), (up.weight, up.bias), (down.weight, down.bias), self.config,
+            activation=self.activation,
         )
 
     def extra_repr(self) -> str:
-        return f"config={self.config}"
+        return f"activation={self.activation!r}, config={self.config}"

@@ -25,17 +25,17 @@ TORCH_LIBRARY(coat, m) {
   m.def("rmsnorm_backward(Tensor dy, Tensor x_saved, Tensor x_saved_scales, Tensor rstd, Tensor weight,"
         " int save_group_size, Tensor? residual=None, str saved_format='e4m3') -> (Tensor dx, Tensor dweight)");
   m.def("silu_mul_quantize(Tensor gate, Tensor up, Tensor? smooth_scale, int save_group_size, int amax_group_size,"
-        " ScalarType fp8_dtype, bool transpose, str save_format='e4m3')"
+        " ScalarType fp8_dtype, bool transpose, str save_format='e4m3', str activation='silu')"
         " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor gate_saved, Tensor gate_scales, Tensor up_saved,"
         " Tensor up_scales)");
   m.def("silu_mul_backward(Tensor dy, Tensor gate_saved, Tensor gate_scales, Tensor up_saved, Tensor up_scales,"
-        " Tensor? smooth_scale, int save_group_size, str saved_format='e4m3')"
+        " Tensor? smooth_scale, int save_group_size, str saved_format='e4m3', str activation='silu')"
         " -> (Tensor dgate, Tensor dup, Tensor d_amax)");
   m.def("rmsnorm_requantize(Tensor x_saved, Tensor x_saved_scales, Tensor rstd, Tensor weight, Tensor y_scale,"
         " int save_group_size, ScalarType fp8_dtype, str saved_format='e4m3') -> Tensor");
   m.def("silu_mul_requantize(Tensor gate_saved, Tensor gate_scales, Tensor up_saved, Tensor up_scales,"
         " Tensor? smooth_scale, Tensor y_scale, int save_group_size, ScalarType fp8_dtype, str saved_format='e4m3',"
-        " int? cols=None) -> Tensor");
+        " int? cols=None, str activation='silu') -> Tensor");
   m.def("fp8_adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_metas,"
         " Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] exp_avg_sq_metas, float beta1, float beta2, float eps,"
         " float decay_factor, float step_size, float bias_correction2_sqrt, int group_size, bool expand_m,"

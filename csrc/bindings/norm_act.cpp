@@ -39,6 +39,13 @@ coat_saved_format saved_format(c10::string_view format, const char* op, const ch
   TORCH_CHECK(false, op, ": ", arg, " must be 'e4m3', 'fp4' or 'fp6', got '", format, "'");
 }
 
+coat_activation activation_of(c10::string_view activation, const char* op) {
+  if (activation == "silu") return COAT_ACT_SILU;
+  if (activation == "gelu_tanh") return COAT_ACT_GELU_TANH;
+  TORCH_CHECK(false, op, ": activation must be 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, gelu(approximate='tanh')), "
+              "got '", activation, "'");
+}
+
 // FP4 and FP6 codes are packed into bytes; an E4M3 copy holds one code per element.
 bool is_packed(coat_saved_format format) { return format != COAT_SAVED_E4M3; }
 
@@ -263,9 +270,10 @@ const float* smooth_scale_data(const std::optional<at::Tensor>& smooth_scale, co
 SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor& up,
                                         const std::optional<at::Tensor>& smooth_scale, int64_t save_group_size,
                                         int64_t amax_group_size, at::ScalarType fp8_dtype, bool transpose,
-                                        c10::string_view save_format) {
+                                        c10::string_view save_format, c10::string_view activation_arg) {
   constexpr const char* op = "coat.silu_mul_quantize";
   const coat_saved_format saved = saved_format(save_format, op, "save_format");
+  const coat_activation activation = activation_of(activation_arg, op);
   check_device(gate, op, "gate");
   check_same_device(gate, up, op, "up");
   const coat_dtype dtype = input_dtype(gate, op, "gate");
@@ -291,7 +299,7 @@ SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor
   at::Tensor up_scales = at::empty(grouped_shape(gate, save_group_size), float_options);
   at::Tensor y_amax = at::empty({1}, float_options);
   COAT_CALL_CORE(gate, coat_silu_mul_quantize, gate.data_ptr(), up.data_ptr(), dtype, gate_m.rows, gate_m.cols,
-                 gate_m.row_stride, up_m.row_stride, smooth, save_group_size,
+                 gate_m.row_stride, up_m.row_stride, smooth, activation, save_group_size,
                  saved, format, data_as<uint8_t>(y),
                  data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(gate_saved),
                  data_as<float>(gate_scales), data_as<uint8_t>(up_saved), data_as<float>(up_scales),
@@ -303,9 +311,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tenso
                                                      const at::Tensor& gate_scales, const at::Tensor& up_saved,
                                                      const at::Tensor& up_scales,
                                                      const std::optional<at::Tensor>& smooth_scale,
-                                                     int64_t save_group_size, c10::string_view saved_format_arg) {
+                                                     int64_t save_group_size, c10::string_view saved_format_arg,
+                                                     c10::string_view activation_arg) {
   constexpr const char* op = "coat.silu_mul_backward";
   const coat_saved_format format = saved_format(saved_format_arg, op, "saved_format");
+  const coat_activation activation = activation_of(activation_arg, op);
   check_device(dy, op, "dy");
   const coat_dtype dy_dtype = input_dtype(dy, op, "dy");
   check_named_group_size(save_group_size, op, "save_group_size");
@@ -322,17 +332,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tenso
   at::Tensor d_amax = zero_amax(dy);
   COAT_CALL_CORE(dy, coat_silu_mul_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
                  data_as<const uint8_t>(gate_saved), data_as<const float>(gate_scales),
-                 data_as<const uint8_t>(up_saved), data_as<const float>(up_scales), smooth, save_group_size,
-                 format, dgate.data_ptr(), dup.data_ptr(), data_as<float>(d_amax));
+                 data_as<const uint8_t>(up_saved), data_as<const float>(up_scales), smooth, activation,
+                 save_group_size, format, dgate.data_ptr(), dup.data_ptr(), data_as<float>(d_amax));
   return {dgate, dup, d_amax};
 }
 
 at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& gate_scales, const at::Tensor& up_saved,
                                const at::Tensor& up_scales, const std::optional<at::Tensor>& smooth_scale,
                                const at::Tensor& y_scale, int64_t save_group_size, at::ScalarType fp8_dtype,
-                               c10::string_view saved_format_arg, std::optional<int64_t> cols) {
+                               c10::string_view saved_format_arg, std::optional<int64_t> cols,
+                               c10::string_view activation_arg) {
   constexpr const char* op = "coat.silu_mul_requantize";
   const coat_saved_format saved = saved_format(saved_format_arg, op, "saved_format");
+  const coat_activation activation = activation_of(activation_arg, op);
   TORCH_CHECK(cols || !is_packed(saved), op, ": with saved_format='", format_name(saved), "' pass cols, the width of "
               "gate and up: packed codes do not tell every width from the next");
   const std::vector<int64_t> shape =
@@ -352,7 +364,7 @@ at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& g
   at::Tensor y_t = at::empty({m.cols, m.rows}, gate_saved.options().dtype(fp8_dtype));
   COAT_CALL_CORE(gate_saved, coat_silu_mul_requantize, data_as<const uint8_t>(gate_saved),
                  data_as<const float>(gate_scales), data_as<const uint8_t>(up_saved), data_as<const float>(up_scales),
-                 save_group_size, saved, m.rows, m.cols, smooth, data_as<const float>(y_scale), format,
+                 save_group_size, saved, m.rows, m.cols, smooth, activation, data_as<const float>(y_scale), format,
                  data_as<uint8_t>(y_t));
   return y_t;
 }

@@ -181,13 +181,13 @@ coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64
 
 coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
                                        int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
-                                       const float* smooth_scale, int64_t save_group_size,
+                                       const float* smooth_scale, coat_activation activation, int64_t save_group_size,
                                        coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
                                        float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
                                        uint8_t* up_saved, float* up_scales, float* y_amax) {
   if (!valid_matrix(gate, rows, cols, gate_row_stride) || !valid_matrix(up, rows, cols, up_row_stride) ||
       !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL ||
-      !valid_saved_format(save_format))
+      !valid_saved_format(save_format) || !coat_is_valid_activation(activation))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t ngroups = coat_ceil_div(cols, save_group_size);
   float amax = 0.0f;
@@ -201,7 +201,8 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
     save_row(up_row, dtype, cols, save_group_size, save_format, up_saved + saved_offset, up_scales + r * ngroups);
     for (int64_t c = 0; c < cols; ++c) {
       const float g = coat_load_f32(gate_row, dtype, c);
-      amax = coat_amax_step(amax, coat_silu_mul(coat_silu(g, coat_sigmoid(g)), coat_load_f32(up_row, dtype, c),
+      amax = coat_amax_step(amax, coat_silu_mul(coat_silu(g, coat_activation_sigmoid(activation, g)),
+                                                coat_load_f32(up_row, dtype, c),
                                                 smooth_scale ? smooth_scale[c] : 1.0f));
     }
   }
@@ -215,7 +216,7 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
     const void* up_row = row_at(up, dtype, r, up_row_stride);
     for (int64_t c = 0; c < cols; ++c) {
       const float g = coat_load_f32(gate_row, dtype, c);
-      const float value = coat_canonical_nan(coat_silu_mul(coat_silu(g, coat_sigmoid(g)),
+      const float value = coat_canonical_nan(coat_silu_mul(coat_silu(g, coat_activation_sigmoid(activation, g)),
                                                            coat_load_f32(up_row, dtype, c),
                                                            smooth_scale ? smooth_scale[c] : 1.0f));
       put_code(coat_quantize_value(value, scale, y_format), r, c, rows, cols, y, y_t);
@@ -227,10 +228,10 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
 coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                        const uint8_t* up_saved, const float* up_scales,
-                                       const float* smooth_scale, int64_t save_group_size,
+                                       const float* smooth_scale, coat_activation activation, int64_t save_group_size,
                                        coat_saved_format saved_format, void* dgate, void* dup, float* d_amax) {
   if (!valid_matrix(dy, rows, cols, row_stride) || !coat_is_valid_group_size(save_group_size) ||
-      !valid_saved_format(saved_format) ||
+      !valid_saved_format(saved_format) || !coat_is_valid_activation(activation) ||
       (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || up_saved == NULL || up_scales == NULL ||
                            dgate == NULL || dup == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -245,7 +246,8 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
           coat_saved_value(saved_code(gate_saved, saved_format, r, c, cols), gate_scales[scale_index]);
       const float up_value = coat_saved_value(saved_code(up_saved, saved_format, r, c, cols), up_scales[scale_index]);
       float dgate_value, dup_value;
-      coat_silu_mul_grads(coat_load_f32(dy_row, dy_dtype, c), gate_value, coat_sigmoid(gate_value), up_value,
+      coat_silu_mul_grads(activation, coat_load_f32(dy_row, dy_dtype, c), gate_value,
+                          coat_activation_sigmoid(activation, gate_value), up_value,
                           smooth_scale ? smooth_scale[c] : 1.0f, &dgate_value, &dup_value);
       coat_store_as(dgate, dy_dtype, r * cols + c, dgate_value);
       coat_store_as(dup, dy_dtype, r * cols + c, dup_value);
@@ -281,10 +283,12 @@ coat_status coat_rmsnorm_requantize_cpu(const uint8_t* x_saved, const float* x_s
 coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float* gate_scales, const uint8_t* up_saved,
                                          const float* up_scales, int64_t save_group_size,
                                          coat_saved_format saved_format, int64_t rows, int64_t cols,
-                                         const float* smooth_scale, const float* y_scale, coat_fp8_format y_format,
+                                         const float* smooth_scale, coat_activation activation,
+                                         const float* y_scale, coat_fp8_format y_format,
                                          uint8_t* y_t) {
   if (rows < 0 || cols < 0 || cols > COAT_NORM_ACT_MAX_COLS || y_scale == NULL ||
       !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
+      !coat_is_valid_activation(activation) ||
       (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || up_saved == NULL || up_scales == NULL ||
                            y_t == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -298,7 +302,8 @@ coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float*
           coat_requantize_gate(saved_code(gate_saved, saved_format, r, c, cols), gate_scales[scale_index]);
       const float up = coat_saved_value(saved_code(up_saved, saved_format, r, c, cols), up_scales[scale_index]);
       const float value = coat_canonical_nan(
-          coat_silu_mul(coat_silu(gate, coat_sigmoid(gate)), up, smooth_scale ? smooth_scale[c] : 1.0f));
+          coat_silu_mul(coat_silu(gate, coat_activation_sigmoid(activation, gate)), up,
+                        smooth_scale ? smooth_scale[c] : 1.0f));
       y_t[c * rows + r] = coat_quantize_value(value, scale, y_format);
     }
   }

@@ -1,7 +1,9 @@
-// CUDA implementation of coat/norm_act.h's SiLU*mul: forward (quantize), backward and requantize. What it shares with
+// CUDA implementation of coat/norm_act.h's act*mul (SiLU*mul and GeGLU's gelu_tanh*mul, each kernel templated on the
+// coat_activation kAct): forward (quantize), backward and requantize. What it shares with
 // rmsnorm.cu (chunks, I/O, saving inputs, the second pass of the forward and the requantize op) is in norm_act.cuh,
 // which says how the work is cut and where the fast paths are; this file's are sigmoid_near and SiluOfGates (a table
-// of silu for bf16 gates).
+// of act for bf16 gates). "silu" in names below stands for the activation: both are g * sigmoid(z(g))
+// (coat/detail/norm_act_math.h), so a kernel differs by activation only in z(g) and the derivative's factor.
 //
 // Kernels:
 //   silu_mul_stats_kernel    persistent; 16 consecutive elements per lane, a warp per 512 columns of a row:
@@ -41,18 +43,30 @@ __device__ __forceinline__ float sigmoid_near(float g) {
   return reciprocal_of_normal(1.0f + coat_f32_from_bits(coat_f32_to_bits(p) + exponent_shift));
 }
 
-// s[e] = coat_sigmoid(g[e]): sigmoid_near when every gate of the chunk is >= -80 (NaN is not), the plain
-// formula otherwise.
+// coat_activation_sigmoid(kAct, g): sigmoid_near of z(g) when z >= -80 (NaN is not), the plain formula otherwise.
+template <coat_activation kAct>
+__device__ __forceinline__ float activation_sigmoid(float g) {
+  const float z = coat_activation_arg(kAct, g);
+  return z >= -80.0f ? sigmoid_near(z) : coat_sigmoid(z);
+}
+
+// s[e] = coat_activation_sigmoid(kAct, g[e]): sigmoid_near when every z of the chunk is >= -80 (NaN is not), the
+// plain formula otherwise.
+template <coat_activation kAct>
 __device__ __forceinline__ void sigmoid_chunk(const float g[kChunk], float s[kChunk]) {
+  float z[kChunk];
   bool near = true;
 #pragma unroll
-  for (int e = 0; e < kChunk; ++e) near &= g[e] >= -80.0f;
+  for (int e = 0; e < kChunk; ++e) {
+    z[e] = coat_activation_arg(kAct, g[e]);
+    near &= z[e] >= -80.0f;
+  }
   if (near) {
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) s[e] = sigmoid_near(g[e]);
+    for (int e = 0; e < kChunk; ++e) s[e] = sigmoid_near(z[e]);
   } else {
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) s[e] = coat_sigmoid(g[e]);
+    for (int e = 0; e < kChunk; ++e) s[e] = coat_sigmoid(z[e]);
   }
 }
 
@@ -73,34 +87,39 @@ __device__ __forceinline__ void load_smooth(const float* smooth_scale, int col, 
 // ---------------------------------------------------------------------------------------------------
 // silu(g) of a chunk of gates
 
-// The table of silu(g) for bf16 g with 2^-24 <= |g| < 2^8: entry (sign << 12) | (bits - 0x3380), bits the
-// 15 low bits of g's, in [0x3380, 0x4380): 32 binades of 128 values in one 4096-entry plane per sign.
-constexpr uint32_t kSiluTableFirst = 0x3380;  // the bf16 bits of 2^-24
+// The table of act(g) for bf16 g with first <= |g| < 2^32 * first: entry (sign << 12) | (bits - first), bits the
+// 15 low bits of g's, in [first, first + 0x1000): 32 binades of 128 values in one 4096-entry plane per sign.
+// first = 2^-24 for silu, 2^-25 for gelu_tanh, so that sigmoid(z(g)) is exactly 0.5 at and below the first entry
+// (SiluOfDecodedGates<true> relies on it): gelu_tanh's z = 1.6 g makes sigmoid(z(2^-24)) 0.5 + 2^-25.
+template <coat_activation kAct>
+constexpr uint32_t kSiluTableFirst = kAct == COAT_ACT_GELU_TANH ? 0x3300 : 0x3380;  // the bf16 bits of first
 constexpr int kSiluTablePlane = 4096;
 
 // The gate of table entry i.
+template <coat_activation kAct>
 __device__ __forceinline__ float silu_table_gate(int i) {
   const uint32_t sign = static_cast<uint32_t>(i / kSiluTablePlane) << 15;
-  return coat_bf16_to_f32(static_cast<uint16_t>(sign | (kSiluTableFirst + i % kSiluTablePlane)));
+  return coat_bf16_to_f32(static_cast<uint16_t>(sign | (kSiluTableFirst<kAct> + i % kSiluTablePlane)));
 }
 
-// silu[e] = coat_silu(g[e], coat_sigmoid(g[e])), computed.
+// silu[e] = coat_silu(g[e], coat_activation_sigmoid(kAct, g[e])), computed.
+template <coat_activation kAct>
 __device__ __forceinline__ void silu_chunk(const float g[kChunk], float silu[kChunk]) {
   float s[kChunk];
-  sigmoid_chunk(g, s);
+  sigmoid_chunk<kAct>(g, s);
 #pragma unroll
   for (int e = 0; e < kChunk; ++e) silu[e] = coat_silu(g[e], s[e]);
 }
 
 // silu_chunk for gates of any dtype (Table is empty, fill does nothing). chunk() takes the gates as loaded (raw)
 // and as fp32 (g).
-template <class Io>
+template <class Io, coat_activation kAct>
 struct SiluOfGates {
   struct Table {};
   __device__ __forceinline__ static void fill(Table&) {}
   __device__ __forceinline__ static void chunk(const Table&, const typename Io::Raw&, const float g[kChunk],
                                                float silu[kChunk]) {
-    silu_chunk(g, silu);
+    silu_chunk<kAct>(g, silu);
   }
 };
 
@@ -133,8 +152,8 @@ __device__ __forceinline__ uint32_t silu_table_byte_high(uint32_t d) {
 
 // bf16 gates: read from the table (32 KB of shared memory) that each block fills once with the exact
 // formula, for a chunk whose gates are all in its range; computed otherwise.
-template <>
-struct SiluOfGates<VectorIo<COAT_BFLOAT16>> {
+template <coat_activation kAct>
+struct SiluOfGates<VectorIo<COAT_BFLOAT16>, kAct> {
   struct Table {
     float silu[2 * kSiluTablePlane];
   };
@@ -145,8 +164,8 @@ struct SiluOfGates<VectorIo<COAT_BFLOAT16>> {
     for (int first = threadIdx.x * kChunk; first < 2 * kSiluTablePlane; first += blockDim.x * kChunk) {
       float g[kChunk], silu[kChunk];
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) g[e] = silu_table_gate(first + e);
-      silu_chunk(g, silu);
+      for (int e = 0; e < kChunk; ++e) g[e] = silu_table_gate<kAct>(first + e);
+      silu_chunk<kAct>(g, silu);
 #pragma unroll
       for (int e = 0; e < kChunk; ++e) table.silu[first + e] = silu[e];
     }
@@ -159,7 +178,7 @@ struct SiluOfGates<VectorIo<COAT_BFLOAT16>> {
   // out of range, which sends the chunk to silu_chunk anyway.
   __device__ __forceinline__ static void chunk(const Table& table, const VectorIo<COAT_BFLOAT16>::Raw& raw,
                                                const float g[kChunk], float silu[kChunk]) {
-    constexpr uint32_t kFirstPair = kSiluTableFirst * 0x10001u;
+    constexpr uint32_t kFirstPair = kSiluTableFirst<kAct> * 0x10001u;
     const uint4 w = raw.words[0];
     const uint32_t d[kChunk / 2] = {w.x - kFirstPair, w.y - kFirstPair, w.z - kFirstPair, w.w - kFirstPair};
     if (((d[0] | d[1] | d[2] | d[3]) & 0x70007000u) == 0) {
@@ -170,7 +189,7 @@ struct SiluOfGates<VectorIo<COAT_BFLOAT16>> {
         silu[2 * i + 1] = *reinterpret_cast<const float*>(bytes + silu_table_byte_high(d[i]));
       }
     } else {
-      silu_chunk(g, silu);
+      silu_chunk<kAct>(g, silu);
     }
   }
 };
@@ -194,10 +213,10 @@ __device__ __forceinline__ uint32_t round_to_bf16x2_bits(float low, float high) 
 
 // The gates of the SiLU*mul requantize op: silu of the decoded gate rounded to bf16 (coat_requantize_gate).
 // E4M3 copies: from the forward's bf16 table (and its computed fallback).
-template <bool kZeroGates>
+template <bool kZeroGates, coat_activation kAct>
 struct SiluOfDecodedGates {
-  using Bf16 = SiluOfGates<VectorIo<COAT_BFLOAT16>>;
-  using Table = Bf16::Table;
+  using Bf16 = SiluOfGates<VectorIo<COAT_BFLOAT16>, kAct>;
+  using Table = typename Bf16::Table;
   __device__ __forceinline__ static void fill(Table& table) { Bf16::fill(table); }
   __device__ __forceinline__ static void chunk(const Table& table, const float g[kChunk], float silu[kChunk]) {
     uint32_t words[kChunk / 2];
@@ -215,12 +234,12 @@ struct SiluOfDecodedGates {
 
 // FP4 and FP6 copies flush the values below their block's amax / 12 (FP4) or / 120 (FP6) to code 0, and a zero
 // gate lies below the silu table's range (a chunk holding one would compute every silu of the chunk). They read a
-// table of sigmoid instead, over the same bf16 gates, and take silu = g * sigmoid(g) as coat_silu does: every gate
-// outside the range is looked up at the nearer end of its sign's plane, which holds its sigmoid too (0.5 below
-// 2^-24, zeros included; 1 or 0 from |g| = 256 on, Inf and NaN included; tools/cuda_emulation checks every bf16
-// gate), so no gate needs a test.
-template <>
-struct SiluOfDecodedGates<true> {
+// table of sigmoid(z(g)) instead, over the same bf16 gates, and take act = g * sigmoid(z(g)) as coat_silu does: every
+// gate outside the range is looked up at the nearer end of its sign's plane, which holds its sigmoid too (0.5 below
+// the first entry, zeros included; 1 or 0 from the last binade's end on, Inf and NaN included; tools/cuda_emulation
+// checks every bf16 gate), so no gate needs a test.
+template <coat_activation kAct>
+struct SiluOfDecodedGates<true, kAct> {
   struct Table {
     float sigmoid[2 * kSiluTablePlane];
   };
@@ -228,8 +247,8 @@ struct SiluOfDecodedGates<true> {
     for (int first = threadIdx.x * kChunk; first < 2 * kSiluTablePlane; first += blockDim.x * kChunk) {
       float g[kChunk];
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) g[e] = silu_table_gate(first + e);
-      sigmoid_chunk(g, &table.sigmoid[first]);
+      for (int e = 0; e < kChunk; ++e) g[e] = silu_table_gate<kAct>(first + e);
+      sigmoid_chunk<kAct>(g, &table.sigmoid[first]);
     }
     __syncthreads();
   }
@@ -239,7 +258,7 @@ struct SiluOfDecodedGates<true> {
   // the gates one by one, 633 so.
   __device__ __forceinline__ static void chunk(const Table& table, const float g[kChunk], float silu[kChunk]) {
     constexpr uint32_t kMagnitudes = 0x7FFF7FFFu, kSignsInBit14 = 0x40004000u;
-    constexpr uint32_t kMinusFirst = (0x10000u - kSiluTableFirst) * 0x10001u;  // -kSiluTableFirst in each half
+    constexpr uint32_t kMinusFirst = (0x10000u - kSiluTableFirst<kAct>) * 0x10001u;  // -first in each half
     constexpr uint32_t kLast = (kSiluTablePlane - 1) * 0x10001u;
     const char* bytes = reinterpret_cast<const char*>(table.sigmoid);
 #pragma unroll
@@ -258,12 +277,12 @@ struct SiluOfDecodedGates<true> {
 // How SiluMulApply takes silu of the gates a Source reads (Gates, whose Table the block fills once), and silu() of a
 // chunk of them (loaded, and their values): rows in high precision by SiluOfGates, saved copies by
 // SiluOfDecodedGates (the decoded value is rounded to bf16 before silu: coat_requantize_gate).
-template <class Source>
+template <class Source, coat_activation kAct>
 struct SourceGates;
 
-template <class Io>
-struct SourceGates<HighPrecisionRows<Io>> {
-  using Gates = SiluOfGates<Io>;
+template <class Io, coat_activation kAct>
+struct SourceGates<HighPrecisionRows<Io>, kAct> {
+  using Gates = SiluOfGates<Io, kAct>;
   __device__ __forceinline__ static void silu(const typename Gates::Table& table,
                                               const typename HighPrecisionRows<Io>::Chunk& chunk,
                                               const float g[kChunk], float s[kChunk]) {
@@ -271,9 +290,9 @@ struct SourceGates<HighPrecisionRows<Io>> {
   }
 };
 
-template <bool kVectorCodes, coat_saved_format kFormat>
-struct SourceGates<SavedRows<kVectorCodes, kFormat>> {
-  using Gates = SiluOfDecodedGates<kFormat != COAT_SAVED_E4M3>;
+template <bool kVectorCodes, coat_saved_format kFormat, coat_activation kAct>
+struct SourceGates<SavedRows<kVectorCodes, kFormat>, kAct> {
+  using Gates = SiluOfDecodedGates<kFormat != COAT_SAVED_E4M3, kAct>;
   __device__ __forceinline__ static void silu(const typename Gates::Table& table,
                                               const typename SavedRows<kVectorCodes, kFormat>::Chunk&,
                                               const float g[kChunk], float s[kChunk]) {
@@ -281,11 +300,11 @@ struct SourceGates<SavedRows<kVectorCodes, kFormat>> {
   }
 };
 
-template <class Source>
+template <class Source, coat_activation kAct>
 struct SiluMulApply {
   using Rows = Source;
   static constexpr bool kVector = Source::kVector;
-  using Gates = typename SourceGates<Source>::Gates;
+  using Gates = typename SourceGates<Source, kAct>::Gates;
   using Table = typename Gates::Table;
   Source gate, up;
   const float* smooth_scale;
@@ -311,7 +330,7 @@ struct SiluMulApply {
     float g[kChunk], u[kChunk], silu[kChunk];
     gate.values(in.gate, g);
     up.values(in.up, u);
-    SourceGates<Source>::silu(table, in.gate, g, silu);
+    SourceGates<Source, kAct>::silu(table, in.gate, g, silu);
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) y[e] = coat_silu_mul(silu[e], u[e], c.smooth[e]);
   }
@@ -377,10 +396,11 @@ constexpr int kSiluStatsMinBlocks =
 
 // Each warp walks its rows with the next row's gate and up in flight; a quantization group (G <= 128
 // columns, 16 per lane) never spans two warps. gate and up are saved in kFormat.
-template <class Io, coat_saved_format kFormat>
+template <class Io, coat_saved_format kFormat, coat_activation kAct>
 __global__ void __launch_bounds__(kElementwiseThreads, (kSiluStatsMinBlocks<Io, kFormat>))
     silu_mul_stats_kernel(SiluMulStatsArgs a) {
-  __shared__ typename SiluOfGates<Io>::Table silu_table;
+  using Gates = SiluOfGates<Io, kAct>;
+  __shared__ typename Gates::Table silu_table;
   const Io io{a.dtype};
   const SegmentLane at = segment_lane(a.segments, a.strands);
   const int unit_col = at.unit_col();
@@ -403,7 +423,7 @@ __global__ void __launch_bounds__(kElementwiseThreads, (kSiluStatsMinBlocks<Io, 
   float amax = 0.0f;
   SiluMulStatsInputs<Io> next;
   if (at.first_row < a.rows) next = load_row(at.first_row);
-  SiluOfGates<Io>::fill(silu_table);
+  Gates::fill(silu_table);
   for (int64_t row = at.first_row; row < a.rows; row += at.row_step) {
     const SiluMulStatsInputs<Io> current = next;
     if (row + at.row_step < a.rows) next = load_row(row + at.row_step);
@@ -425,7 +445,7 @@ __global__ void __launch_bounds__(kElementwiseThreads, (kSiluStatsMinBlocks<Io, 
 #pragma unroll
       for (int c = 0; c < kUnitChunks; ++c) {
         float silu[kChunk];
-        SiluOfGates<Io>::chunk(silu_table, current.gate[c], gate[c], silu);
+        Gates::chunk(silu_table, current.gate[c], gate[c], silu);
         if (a.smooth_scale == nullptr) {
 #pragma unroll
           for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, silu[e] * up[c][e]);
@@ -476,14 +496,14 @@ struct SiluMulBackwardInputs {
 
 // silu and dsilu (coat_silu_grad_factors) of a chunk's saved gates, each gate decoded and its sigmoid computed
 // (about 28 instructions, the larger part of the kernel's work).
-template <coat_saved_format kFormat>
+template <coat_saved_format kFormat, coat_activation kAct>
 struct GateFactorsOfElements {
   __device__ __forceinline__ static void chunk(Codes codes, float scale, float silu[kChunk], float dsilu[kChunk]) {
     float gate[kChunk], s[kChunk];
     decode_saved(SavedCodes::e4m3_as<kFormat>(codes), scale, gate);
-    sigmoid_chunk(gate, s);
+    sigmoid_chunk<kAct>(gate, s);
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) coat_silu_grad_factors(gate[e], s[e], &silu[e], &dsilu[e]);
+    for (int e = 0; e < kChunk; ++e) coat_silu_grad_factors(kAct, gate[e], s[e], &silu[e], &dsilu[e]);
   }
 };
 
@@ -492,7 +512,7 @@ struct GateFactorsOfElements {
 // 16 / kGroupLanes of them (code (lane % kGroupLanes) + kGroupLanes * i as entry i) and every element reads its
 // code's from the lane holding them, by shuffle: one sigmoid a lane where there were eight. The same arithmetic
 // on the same gate values, so the same bits. Every lane of the warp takes part, those past the row too.
-template <int kGroupLanes>
+template <int kGroupLanes, coat_activation kAct>
 struct GateFactorsOfCodes {
   static_assert(kGroupLanes == 8 || kGroupLanes == 16, "a group of 64 or 128 columns");
   static constexpr int kCodesPerLane = 16 / kGroupLanes;
@@ -504,8 +524,7 @@ struct GateFactorsOfCodes {
 #pragma unroll
     for (int i = 0; i < kCodesPerLane; ++i) {
       const float gate = coat_e2m1_to_f32(static_cast<uint8_t>(lane % kGroupLanes + kGroupLanes * i)) * scale;
-      const float s = gate >= -80.0f ? sigmoid_near(gate) : coat_sigmoid(gate);
-      coat_silu_grad_factors(gate, s, &own_silu[i], &own_dsilu[i]);
+      coat_silu_grad_factors(kAct, gate, activation_sigmoid<kAct>(gate), &own_silu[i], &own_dsilu[i]);
     }
 #pragma unroll
     for (int e = 0; e < kChunk; ++e) {
@@ -526,7 +545,7 @@ struct GateFactorsOfCodes {
 
 // kFormat: the saved format, a compile-time constant so that each format's kernel holds only its own decoding.
 // kGroupLanes: 0, or the lanes of a save group when the gate's factors come from GateFactorsOfCodes.
-template <class Io, coat_saved_format kFormat, int kGroupLanes>
+template <class Io, coat_saved_format kFormat, int kGroupLanes, coat_activation kAct>
 __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(SiluMulBackwardArgs a) {
   static_assert(kGroupLanes == 0 || kFormat == COAT_SAVED_FP4, "the codes' factors are shared in FP4 only");
   const Io io{a.dy_dtype};
@@ -565,10 +584,10 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
         const int col = at.chunk_col(c), count = chunk_count(col, a.cols);
         float silu[kChunk], dsilu[kChunk];
         if constexpr (kGroupLanes > 0)
-          GateFactorsOfCodes<kGroupLanes>::chunk(current.gate[c].lo, current.gate_scale[c], silu, dsilu);
+          GateFactorsOfCodes<kGroupLanes, kAct>::chunk(current.gate[c].lo, current.gate_scale[c], silu, dsilu);
         if (count == 0) continue;
         if constexpr (kGroupLanes == 0)
-          GateFactorsOfElements<kFormat>::chunk(current.gate[c], current.gate_scale[c], silu, dsilu);
+          GateFactorsOfElements<kFormat, kAct>::chunk(current.gate[c], current.gate_scale[c], silu, dsilu);
         float dy[kChunk], up[kChunk], smooth[kChunk], dgate[kChunk], dup[kChunk];
         io.unpack(current.dy[c], dy);
         decode_saved(SavedCodes::e4m3_as<kFormat>(current.up[c]), current.up_scale[c], up);
@@ -606,6 +625,14 @@ bool silu_mul_grid(int64_t rows, int cols, int* segments, int* strands, unsigned
   return true;
 }
 
+// Calls launch(activation) with the activation as a std::integral_constant.
+template <class Launch>
+auto with_activation(coat_activation activation, Launch&& launch) {
+  if (activation == COAT_ACT_GELU_TANH)
+    return launch(std::integral_constant<coat_activation, COAT_ACT_GELU_TANH>{});
+  return launch(std::integral_constant<coat_activation, COAT_ACT_SILU>{});
+}
+
 template <auto kKernel>
 coat_status launch_silu_mul_backward(SiluMulBackwardArgs args, cudaStream_t stream) {
   unsigned blocks = 0;
@@ -620,13 +647,13 @@ extern "C" {
 
 coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
                                         int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
-                                        const float* smooth_scale, int64_t save_group_size,
+                                        const float* smooth_scale, coat_activation activation, int64_t save_group_size,
                                         coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
                                         float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
                                         uint8_t* up_saved, float* up_scales, float* y_amax, coat_cuda_stream stream) {
   if (!valid_matrix(gate, rows, cols, gate_row_stride) || !valid_matrix(up, rows, cols, up_row_stride) ||
       !coat_is_valid_group_size(save_group_size) || y_scale == nullptr || y_amax == nullptr ||
-      !valid_saved_format(save_format))
+      !valid_saved_format(save_format) || !coat_is_valid_activation(activation))
     return COAT_ERROR_INVALID_ARGUMENT;
   const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   if (cudaMemsetAsync(y_amax, 0, sizeof(float), cuda_stream) != cudaSuccess) return COAT_ERROR_CUDA;
@@ -654,20 +681,25 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
                       aligned(up_saved, 8);
   coat_status status = COAT_SUCCESS;
   with_io(dtype, vector, [&](auto io) {
-    using Io = decltype(io);
-    if (rows > 0 && cols > 0) {
-      status = with_saved_format(save_format, [&](auto format) {
-        constexpr auto kKernel = silu_mul_stats_kernel<Io, decltype(format)::value>;
-        unsigned blocks = 0;
-        if (!silu_mul_grid<kKernel>(rows, args.cols, &args.segments, &args.strands, &blocks)) return COAT_ERROR_CUDA;
-        kKernel<<<blocks, kElementwiseThreads, 0, cuda_stream>>>(args);
-        return COAT_SUCCESS;
-      });
-      if (status != COAT_SUCCESS) return;
-    }
-    const SiluMulApply<HighPrecisionRows<Io>> op{{io, gate, gate_row_stride}, {io, up, up_row_stride}, smooth_scale};
-    status = launch_apply_quantize(op, rows, args.cols, OutputScale::from_amax(y_amax, y_scale), y_format, y, y_t,
+    status = with_activation(activation, [&](auto act) {
+      using Io = decltype(io);
+      constexpr coat_activation kAct = decltype(act)::value;
+      if (rows > 0 && cols > 0) {
+        const coat_status stats = with_saved_format(save_format, [&](auto format) {
+          constexpr auto kKernel = silu_mul_stats_kernel<Io, decltype(format)::value, kAct>;
+          unsigned blocks = 0;
+          if (!silu_mul_grid<kKernel>(rows, args.cols, &args.segments, &args.strands, &blocks))
+            return COAT_ERROR_CUDA;
+          kKernel<<<blocks, kElementwiseThreads, 0, cuda_stream>>>(args);
+          return COAT_SUCCESS;
+        });
+        if (stats != COAT_SUCCESS) return stats;
+      }
+      const SiluMulApply<HighPrecisionRows<Io>, kAct> op{
+          {io, gate, gate_row_stride}, {io, up, up_row_stride}, smooth_scale};
+      return launch_apply_quantize(op, rows, args.cols, OutputScale::from_amax(y_amax, y_scale), y_format, y, y_t,
                                    cuda_stream);
+    });
   });
   return status;
 }
@@ -675,10 +707,12 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
 coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float* gate_scales,
                                           const uint8_t* up_saved, const float* up_scales, int64_t save_group_size,
                                           coat_saved_format saved_format, int64_t rows, int64_t cols,
-                                          const float* smooth_scale, const float* y_scale, coat_fp8_format y_format,
+                                          const float* smooth_scale, coat_activation activation,
+                                          const float* y_scale, coat_fp8_format y_format,
                                           uint8_t* y_t, coat_cuda_stream stream) {
   if (rows < 0 || cols < 0 || cols > COAT_NORM_ACT_MAX_COLS || y_scale == nullptr ||
       !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
+      !coat_is_valid_activation(activation) ||
       (rows * cols > 0 && (gate_saved == nullptr || gate_scales == nullptr || up_saved == nullptr ||
                            up_scales == nullptr || y_t == nullptr)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -690,23 +724,25 @@ coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float
   const bool vector = cols % kChunk == 0 && vector_aligned(gate_codes) && vector_aligned(up_codes) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16));
   return with_saved_rows(vector, gate_codes.format, [&](auto vector_codes, auto format) {
-    using Saved = SavedRows<decltype(vector_codes)::value, decltype(format)::value>;
-    const Saved gate{gate_codes, gate_scales, ngroups, group_shift};
-    const Saved up{up_codes, up_scales, ngroups, group_shift};
-    const SiluMulApply<Saved> op{gate, up, smooth_scale};
-    return launch_apply_quantize(op, rows, static_cast<int>(cols), OutputScale::of(y_scale), y_format, nullptr, y_t,
-                                 reinterpret_cast<cudaStream_t>(stream));
+    return with_activation(activation, [&](auto act) {
+      using Saved = SavedRows<decltype(vector_codes)::value, decltype(format)::value>;
+      const Saved gate{gate_codes, gate_scales, ngroups, group_shift};
+      const Saved up{up_codes, up_scales, ngroups, group_shift};
+      const SiluMulApply<Saved, decltype(act)::value> op{gate, up, smooth_scale};
+      return launch_apply_quantize(op, rows, static_cast<int>(cols), OutputScale::of(y_scale), y_format, nullptr,
+                                   y_t, reinterpret_cast<cudaStream_t>(stream));
+    });
   });
 }
 
 coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                         int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                         const uint8_t* up_saved, const float* up_scales,
-                                        const float* smooth_scale, int64_t save_group_size,
+                                        const float* smooth_scale, coat_activation activation, int64_t save_group_size,
                                         coat_saved_format saved_format, void* dgate, void* dup, float* d_amax,
                                         coat_cuda_stream stream) {
   if (!valid_matrix(dy, rows, cols, row_stride) || !coat_is_valid_group_size(save_group_size) ||
-      !valid_saved_format(saved_format) ||
+      !valid_saved_format(saved_format) || !coat_is_valid_activation(activation) ||
       (rows * cols > 0 && (gate_saved == nullptr || gate_scales == nullptr || up_saved == nullptr ||
                            up_scales == nullptr || dgate == nullptr || dup == nullptr)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -732,20 +768,19 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
   coat_status status = COAT_SUCCESS;
   with_io(dy_dtype, vector, [&](auto io) {
     with_saved_format(saved_format, [&](auto format) {
-      using Io = decltype(io);
-      constexpr coat_saved_format kFormat = decltype(format)::value;
-      const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
-      if constexpr (kFormat == COAT_SAVED_FP4) {
-        if (save_group_size == 128) {
-          status = launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 16>>(args, cuda_stream);
-          return;
+      status = with_activation(activation, [&](auto act) {
+        using Io = decltype(io);
+        constexpr coat_saved_format kFormat = decltype(format)::value;
+        constexpr coat_activation kAct = decltype(act)::value;
+        const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+        if constexpr (kFormat == COAT_SAVED_FP4) {
+          if (save_group_size == 128)
+            return launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 16, kAct>>(args, cuda_stream);
+          if (save_group_size == 64)
+            return launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 8, kAct>>(args, cuda_stream);
         }
-        if (save_group_size == 64) {
-          status = launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 8>>(args, cuda_stream);
-          return;
-        }
-      }
-      status = launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 0>>(args, cuda_stream);
+        return launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 0, kAct>>(args, cuda_stream);
+      });
     });
   });
   return status;

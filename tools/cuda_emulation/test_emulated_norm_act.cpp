@@ -1,5 +1,6 @@
 // Runs the kernels of csrc/cuda/rmsnorm.cu and silu_mul.cu under the CPU emulation (cuda_runtime.h here) and compares
-// every output with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward (saving E4M3, FP4 and FP6),
+// every output with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and act*mul (silu and gelu_tanh), forward
+// (saving E4M3, FP4 and FP6),
 // requantize (with the forward's y_scale and with one that saturates, from aligned and misaligned codes) and
 // backward (without a residual gradient, and with one of dy's dtype or another), both from every saved format, over
 // row widths of every lane count, odd widths
@@ -264,9 +265,10 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
 // SiLU*mul forward and backward. gate and up are the two halves of one [rows, 2 cols + pad] matrix (row-strided
 // views, as from one GEMM), or separate matrices when `fused` is false.
 void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype, bool fused, bool smooth, int64_t group,
-               coat_fp8_format format, bool transpose, int specials) {
+               coat_fp8_format format, bool transpose, int specials, coat_activation act) {
   char name[160];
-  snprintf(name, sizeof name, "silu %lldx%lld pad %d +%d %s %s%s G%lld %s%s%s sms %d", (long long)rows,
+  snprintf(name, sizeof name, "%s %lldx%lld pad %d +%d %s %s%s G%lld %s%s%s sms %d",
+           act == COAT_ACT_GELU_TANH ? "gelu_tanh" : "silu", (long long)rows,
            (long long)cols, pad, offset, dtype_name(dtype), fused ? "fused" : "separate", smooth ? " smooth" : "",
            (long long)group, format == COAT_E4M3 ? "e4m3" : "e5m2", transpose ? " T" : "", specials ? " specials" : "",
            emu_sms);
@@ -296,11 +298,11 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
     const int64_t bytes = saved_bytes(save, rows, cols);
     for (Out& o : out) o.gate_saved.assign(bytes, 0xAB), o.up_saved.assign(bytes, 0xAB);
     const coat_status cpu = coat_silu_mul_quantize_cpu(
-        gate, up, dtype, rows, cols, stride, stride, smooth_ptr, group, save, format, out[0].y.data(),
+        gate, up, dtype, rows, cols, stride, stride, smooth_ptr, act, group, save, format, out[0].y.data(),
         out[0].y_scale.data(), transpose ? out[0].y_t.data() : nullptr, out[0].gate_saved.data(),
         out[0].gate_scales.data(), out[0].up_saved.data(), out[0].up_scales.data(), out[0].y_amax.data());
     const coat_status gpu = coat_silu_mul_quantize_cuda(
-        gate, up, dtype, rows, cols, stride, stride, smooth_ptr, group, save, format, out[1].y.data(),
+        gate, up, dtype, rows, cols, stride, stride, smooth_ptr, act, group, save, format, out[1].y.data(),
         out[1].y_scale.data(), transpose ? out[1].y_t.data() : nullptr, out[1].gate_saved.data(),
         out[1].gate_scales.data(), out[1].up_saved.data(), out[1].up_scales.data(), out[1].y_amax.data(), nullptr);
     CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
@@ -344,10 +346,10 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
       std::vector<uint8_t> y_t[2] = {std::vector<uint8_t>(n, 0xAB), std::vector<uint8_t>(n, 0xCD)};
       const coat_status cpu_r = coat_silu_mul_requantize_cpu(
           gate_saved.data, gate_scales->data(), up_saved.data, saved.up_scales->data(), group, saved.format, rows,
-          cols, smooth_ptr, &y_scale, format, y_t[0].data());
+          cols, smooth_ptr, act, &y_scale, format, y_t[0].data());
       const coat_status gpu_r = coat_silu_mul_requantize_cuda(
           gate_saved.data, gate_scales->data(), up_saved.data, saved.up_scales->data(), group, saved.format, rows,
-          cols, smooth_ptr, &y_scale, format, y_t[1].data(), nullptr);
+          cols, smooth_ptr, act, &y_scale, format, y_t[1].data(), nullptr);
       CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", saved_name, cpu_r, gpu_r);
       same(y_t[0], y_t[1], gate_scales == &far_gate_scales ? "requantized y_t, far gate scales" : "requantized y_t",
            saved_name);
@@ -361,11 +363,12 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
       float d_amax[2] = {0.125f, 0.125f};
       const coat_status cpu_b = coat_silu_mul_backward_cpu(
           dy.data, dtype, rows, cols, stride, saved.gate->data(), gate_scales->data(), saved.up->data(),
-          saved.up_scales->data(), smooth_ptr, group, saved.format, dgate[0].data(), dup[0].data(), &d_amax[0]);
+          saved.up_scales->data(), smooth_ptr, act, group, saved.format, dgate[0].data(), dup[0].data(),
+          &d_amax[0]);
       const coat_status gpu_b = coat_silu_mul_backward_cuda(
           dy.data, dtype, rows, cols, stride, saved.gate->data(), gate_scales->data(), saved.up->data(),
-          saved.up_scales->data(), smooth_ptr, group, saved.format, dgate[1].data(), dup[1].data(), &d_amax[1],
-          nullptr);
+          saved.up_scales->data(), smooth_ptr, act, group, saved.format, dgate[1].data(), dup[1].data(),
+          &d_amax[1], nullptr);
       CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s backward%s: status %d %d", saved_name, what, cpu_b,
             gpu_b);
       same(dgate[0], dgate[1], gate_scales == &far_gate_scales ? "dgate, far gate scales" : "dgate", saved_name);
@@ -416,11 +419,15 @@ long gate_mismatches(const std::vector<long>& mismatches, const std::vector<uint
   return total;
 }
 
-// The silu the FP4 and FP6 requantize ops take of every bf16 gate (SiluOfDecodedGates<true>: its sigmoid table filled
-// by a block, every gate looked up with the range clamped) == coat_silu(g, coat_sigmoid(g)), NaN as NaN.
+const char* activation_name(coat_activation act) { return act == COAT_ACT_GELU_TANH ? "gelu_tanh" : "silu"; }
+
+// The act the FP4 and FP6 requantize ops take of every bf16 gate (SiluOfDecodedGates<true, kAct>: its sigmoid table
+// filled by a block, every gate looked up with the range clamped) == coat_silu(g, coat_activation_sigmoid(kAct, g)),
+// NaN as NaN.
+template <coat_activation kAct>
 void check_decoded_gate_silu() {
-  using Gates = SiluOfDecodedGates<true>;
-  static Gates::Table table;
+  using Gates = SiluOfDecodedGates<true, kAct>;
+  static typename Gates::Table table;
   constexpr unsigned kThreads = 256;
   std::vector<long> mismatches(kThreads, 0);
   std::vector<uint32_t> first_mismatch(kThreads, 0);
@@ -432,25 +439,29 @@ void check_decoded_gate_silu() {
       for (int e = 0; e < kChunk; ++e) g[e] = coat_bf16_to_f32(static_cast<uint16_t>(first + e));
       Gates::chunk(table, g, silu);
       for (int e = 0; e < kChunk; ++e) {
-        const float want = coat_silu(g[e], coat_sigmoid(g[e]));
+        const float want = coat_silu(g[e], coat_activation_sigmoid(kAct, g[e]));
         if (f2u(silu[e]) != f2u(want) && !(silu[e] != silu[e] && want != want) && mismatches[t]++ == 0)
           first_mismatch[t] = first + e;
       }
     }
   });
-  const long total = gate_mismatches(mismatches, first_mismatch, "decoded-gate silu");
-  CHECK(total == 0, "SiluOfDecodedGates<true> != coat_silu on %ld bf16 gates", total);
-  printf("decoded-gate silu checked on every bf16 gate: %ld mismatches\n", total);
+  const long total = gate_mismatches(mismatches, first_mismatch, "decoded-gate act");
+  CHECK(total == 0, "SiluOfDecodedGates<true> (%s) != coat_silu on %ld bf16 gates", activation_name(kAct), total);
+  printf("decoded-gate %s checked on every bf16 gate: %ld mismatches\n", activation_name(kAct), total);
 }
 
-// The silu of bf16 gates read from the forward's table (SiluOfGates<VectorIo<bf16>>, offsets taken two gates a word)
-// == coat_silu(g, coat_sigmoid(g)), NaN as NaN, for every bf16 gate: in chunks of 8 alike, and beside a gate in the
-// table's range and one below it in either half of a word (a low half below the range borrows from the high one).
+// The act of bf16 gates read from the forward's table (SiluOfGates<VectorIo<bf16>, kAct>, offsets taken two gates a
+// word) == coat_silu(g, coat_activation_sigmoid(kAct, g)), NaN as NaN, for every bf16 gate: in chunks of 8 alike, and
+// beside a gate in the table's range and one below it in either half of a word (a low half below the range borrows
+// from the high one).
+template <coat_activation kAct>
 void check_bf16_gate_silu() {
-  using Gates = SiluOfGates<VectorIo<COAT_BFLOAT16>>;
-  static Gates::Table table;
+  using Gates = SiluOfGates<VectorIo<COAT_BFLOAT16>, kAct>;
+  static typename Gates::Table table;
   constexpr unsigned kThreads = 256;
-  constexpr uint16_t kPartners[] = {0x3F80u, 0xC0A0u, 0x0001u, 0x3380u, 0x437Fu};  // 1, -5, below, the two ends
+  constexpr uint16_t kFirst = kSiluTableFirst<kAct>;
+  constexpr uint16_t kPartners[] = {0x3F80u, 0xC0A0u, 0x0001u, kFirst,  // 1, -5, below, the two ends
+                                    static_cast<uint16_t>(kFirst + kSiluTablePlane - 1)};
   std::vector<long> mismatches(kThreads, 0);
   std::vector<uint32_t> first_mismatch(kThreads, 0);
   emu_launch(dim3(1), dim3(kThreads), 0, [&] {
@@ -471,16 +482,16 @@ void check_bf16_gate_silu() {
         for (int e = 0; e < kChunk; ++e) g[e] = coat_bf16_to_f32(bits[e]);
         Gates::chunk(table, raw, g, silu);
         for (int e = 0; e < kChunk; ++e) {
-          const float want = coat_silu(g[e], coat_sigmoid(g[e]));
+          const float want = coat_silu(g[e], coat_activation_sigmoid(kAct, g[e]));
           if (f2u(silu[e]) != f2u(want) && !(silu[e] != silu[e] && want != want) && mismatches[t]++ == 0)
             first_mismatch[t] = bits[e];
         }
       }
     }
   });
-  const long total = gate_mismatches(mismatches, first_mismatch, "bf16-gate silu");
-  CHECK(total == 0, "SiluOfGates<VectorIo<bf16>> != coat_silu on %ld gates", total);
-  printf("bf16-gate silu (table by words) checked on every bf16 gate: %ld mismatches\n", total);
+  const long total = gate_mismatches(mismatches, first_mismatch, "bf16-gate act");
+  CHECK(total == 0, "SiluOfGates<VectorIo<bf16>> (%s) != coat_silu on %ld gates", activation_name(kAct), total);
+  printf("bf16-gate %s (table by words) checked on every bf16 gate: %ld mismatches\n", activation_name(kAct), total);
 }
 
 // scale_from_amax<format>(amax) == coat_scale_from_amax(amax, format) for every float amax in [0, Inf] (every
@@ -641,8 +652,10 @@ int main(int argc, char** argv) {
   const bool full = argc > 1 && strcmp(argv[1], "full") == 0;
   const bool quick = argc > 1 && strcmp(argv[1], "quick") == 0;
   check_sigmoid_near(full ? 1u : 4099u);
-  check_decoded_gate_silu();
-  check_bf16_gate_silu();
+  check_decoded_gate_silu<COAT_ACT_SILU>();
+  check_decoded_gate_silu<COAT_ACT_GELU_TANH>();
+  check_bf16_gate_silu<COAT_ACT_SILU>();
+  check_bf16_gate_silu<COAT_ACT_GELU_TANH>();
   check_quotient(full ? 100000000L : 2000000L);
   check_scale_from_amax(full ? 1u : 997u);
   check_e2m_scale_from_amax<1>(full ? 1u : 997u);
@@ -702,7 +715,7 @@ int main(int argc, char** argv) {
       emu_sms = 1 + i % 3;
       silu_case(shape[0], shape[1], variant == 2 ? 8 : 0, variant == 3 ? 1 : 0, dtypes[(i + variant) % 3],
                 variant != 1, variant % 2 == 1, groups[(i + variant) % 4], (i + variant) % 2 ? COAT_E5M2 : COAT_E4M3,
-                variant != 2, variant == 0 ? kSpecial : kPlain);
+                variant != 2, variant == 0 ? kSpecial : kPlain, (i / 2) % 2 ? COAT_ACT_GELU_TANH : COAT_ACT_SILU);
     }
   }
   // Groups of 64 and 128, where the backward shares FP4 gates' factors by shuffle: groups cut by a row's end,
@@ -713,7 +726,7 @@ int main(int argc, char** argv) {
     for (const int64_t group : {64, 128}) {
       emu_sms = 1 + i % 2;
       silu_case(shape[0], shape[1], 0, 0, dtypes[i % 3], true, i % 2 == 1, group, COAT_E4M3, true,
-                i % 2 == 0 ? kSpecial : kPlain);
+                i % 2 == 0 ? kSpecial : kPlain, (i / 2) % 2 ? COAT_ACT_GELU_TANH : COAT_ACT_SILU);
       ++i;
     }
   }

@@ -3,7 +3,9 @@
  *
  * Two layers of a Llama-style block, each as a forward/backward pair:
  *   RMSNorm:  y = x * rstd * weight,           rstd = 1 / sqrt(mean(x^2) + eps)   (per row)
- *   SiLU*mul: y = silu(gate) * up [* smooth_scale[c]]                             (Smooth-SwiGLU when given)
+ *   act*mul:  y = act(gate) * up [* smooth_scale[c]]   act = silu (SwiGLU) or gelu_tanh (GeGLU); Smooth-SwiGLU
+ *                                                       when smooth_scale is given (either activation)
+ * The act*mul entry points keep their coat_silu_mul_* names; `activation` picks act.
  *
  * The forward writes y in FP8 with ONE per-tensor scale ("group scaling", COAT 5.2): the first pass
  * computes the op and the amax of y inside the same kernel, a second pass recomputes the op from the
@@ -68,6 +70,25 @@ typedef enum {
   COAT_SAVED_FP6 = 2,
 } coat_saved_format;
 
+/** The activation of the gated-MLP entry points coat_silu_mul_*: y = act(gate) * up with
+ *    COAT_ACT_SILU:      act(g) = silu(g) = g * sigmoid(g)                                     (SwiGLU: Llama, Qwen)
+ *    COAT_ACT_GELU_TANH: act(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))          (GeGLU: Gemma, as
+ *                        PyTorch's gelu(approximate="tanh") and transformers' "gelu_pytorch_tanh")
+ *  Both are computed as g * sigmoid(z(g)) in fp32 with coat's own exp (coat/detail/norm_act_math.h), z = g for
+ *  silu and z = 2 sqrt(2/pi) (g + 0.044715 g^3) for gelu_tanh (0.5 (1 + tanh(u)) = sigmoid(2u)), and their
+ *  derivatives
+ *    silu'(g)      = s (1 + g (1 - s)),                   s = sigmoid(g)
+ *    gelu_tanh'(g) = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2)
+ *                  = s (1 + g (1 - s) z'(g)),             s = sigmoid(z(g)) = (1 + t) / 2, t = tanh(z / 2)
+ *  Special values, both: act(+Inf) = +Inf, act(-Inf) = -Inf * 0 = NaN (as PyTorch), act(NaN) = NaN; a finite
+ *  gate never gives NaN. The derivative: silu'(+-Inf) = NaN (Inf * 0); gelu_tanh' takes the gate clamped to
+ *  [-64, 64], where sigmoid(z) is already exactly 1 or 0, so it is finite for every finite gate (PyTorch's
+ *  fp32 gelu backward gives NaN from |g| ~ 1.8e19 on) and the limits 1 and 0 at +Inf and -Inf. */
+typedef enum {
+  COAT_ACT_SILU = 0,
+  COAT_ACT_GELU_TANH = 1,
+} coat_activation;
+
 /** The widest row RMSNorm accepts: a row is reduced by at most 1024 threads holding 32 elements each. */
 #define COAT_RMSNORM_MAX_COLS 32768
 /** The widest row any norm_act entry point accepts (2^30; offsets within a row are 32-bit on the GPU). */
@@ -126,33 +147,37 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
                                        coat_dtype residual_dtype, void* dx, float* dweight, float* workspace,
                                        coat_cuda_stream stream);
 
-/** SiLU*mul forward (SwiGLU's activation) with FP8 output and FP8-saved inputs.
- *    y_f32 = (silu(gate[r,c]) * up[r,c]) * smooth_scale[c]     (a factor of 1, which is exact, when
- *            smooth_scale is NULL; silu(g) = g * sigmoid(g) as defined in coat/detail/norm_act_math.h)
+/** act*mul forward (SwiGLU's or GeGLU's activation) with FP8 output and FP8-saved inputs.
+ *    y_f32 = (act(gate[r,c]) * up[r,c]) * smooth_scale[c]      (a factor of 1, which is exact, when
+ *            smooth_scale is NULL; act = `activation`, g * sigmoid(z(g)) as defined in
+ *            coat/detail/norm_act_math.h)
  *  y, y_scale, y_t: the per-tensor FP8 output of y_f32 in `y_format`; y_t may be NULL.
  *  gate_saved / up_saved, gate_scales / up_scales: gate / up saved in save_format (see "Saved inputs").
  *  gate, up: `dtype`, rows x cols, with their own row strides; smooth_scale: `cols` fp32 or NULL;
- *  y_amax: one fp32 of scratch. Smooth-SwiGLU (Fishman et al., 2024): the caller folds 1/smooth_scale
+ *  y_amax: one fp32 of scratch; activation: a coat_activation (another value is COAT_ERROR_INVALID_ARGUMENT, in
+ *  every coat_silu_mul_* entry point). Smooth-SwiGLU (Fishman et al., 2024): the caller folds 1/smooth_scale
  *  into the next linear layer, so that the FP8 input of that layer has no per-channel outliers. */
 coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
                                        int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
-                                       const float* smooth_scale, int64_t save_group_size,
-                                       coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
+                                       const float* smooth_scale, coat_activation activation,
+                                       int64_t save_group_size, coat_saved_format save_format,
+                                       coat_fp8_format y_format, uint8_t* y,
                                        float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
                                        uint8_t* up_saved, float* up_scales, float* y_amax);
 coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_dtype dtype, int64_t rows,
                                         int64_t cols, int64_t gate_row_stride, int64_t up_row_stride,
-                                        const float* smooth_scale, int64_t save_group_size,
-                                        coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
+                                        const float* smooth_scale, coat_activation activation,
+                                        int64_t save_group_size, coat_saved_format save_format,
+                                        coat_fp8_format y_format, uint8_t* y,
                                         float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
                                         uint8_t* up_saved, float* up_scales, float* y_amax, coat_cuda_stream stream);
 
-/** SiLU*mul backward from the saved inputs g' and u' (decoded as coat_dequantize and coat_dequantize_fp4 do, in
- *  saved_format), elementwise:
- *    s        = 1 / (1 + exp(-g'))                          (sigmoid, as in the forward)
+/** act*mul backward from the saved inputs g' and u' (decoded as coat_dequantize and coat_dequantize_fp4 do, in
+ *  saved_format), elementwise, for the forward's `activation`:
+ *    s        = 1 / (1 + exp(-z(g')))                       (sigmoid, as in the forward)
  *    dy_s     = dy * smooth_scale[c]                        (dy * 1 without smooth_scale)
- *    dup      = dy_s * (g' * s)
- *    dgate    = (dy_s * u') * (s * (1 + g' * (1 - s)))
+ *    dup      = dy_s * (g' * s)                             (act(g'))
+ *    dgate    = (dy_s * u') * act'(g')                      (coat_silu_grad_factors' rounding order)
  *  both rounded to dy's dtype. dy: `dy_dtype`, rows x cols with row_stride; gate_saved, up_saved and their scales:
  *  as coat_silu_mul_quantize_* saved them in saved_format; dgate, dup: rows*cols contiguous elements of
  *  `dy_dtype`.
@@ -164,13 +189,15 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
 coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                        const uint8_t* up_saved, const float* up_scales,
-                                       const float* smooth_scale, int64_t save_group_size,
-                                       coat_saved_format saved_format, void* dgate, void* dup, float* d_amax);
+                                       const float* smooth_scale, coat_activation activation,
+                                       int64_t save_group_size, coat_saved_format saved_format, void* dgate,
+                                       void* dup, float* d_amax);
 coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                         int64_t row_stride, const uint8_t* gate_saved, const float* gate_scales,
                                         const uint8_t* up_saved, const float* up_scales,
-                                        const float* smooth_scale, int64_t save_group_size,
-                                        coat_saved_format saved_format, void* dgate, void* dup, float* d_amax,
+                                        const float* smooth_scale, coat_activation activation,
+                                        int64_t save_group_size, coat_saved_format saved_format, void* dgate,
+                                        void* dup, float* d_amax,
                                         coat_cuda_stream stream);
 
 /** RMSNorm's FP8 transposed output recomputed from what the forward saved, so that a layer need not keep y_t
@@ -198,15 +225,16 @@ coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_
                                          const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
                                          coat_cuda_stream stream);
 
-/** SiLU*mul's FP8 transposed output recomputed from the saved inputs g' and u' (decoded as
- *  coat_silu_mul_backward_* decode them), silu taken of g' ROUNDED TO BF16 (nearest, ties to even):
- *    y_f32 = (silu(bf16(g'[r,c])) * u'[r,c]) * smooth_scale[c]   (coat_silu_mul with the forward's silu; u' fp32)
+/** act*mul's FP8 transposed output recomputed from the saved inputs g' and u' (decoded as
+ *  coat_silu_mul_backward_* decode them), act (the forward's `activation`) taken of g' ROUNDED TO BF16 (nearest,
+ *  ties to even):
+ *    y_f32 = (act(bf16(g'[r,c])) * u'[r,c]) * smooth_scale[c]    (coat_silu_mul with the forward's act; u' fp32)
  *    y_t[c*rows + r] = fp8_encode(y_f32 / y_scale[0])            in `y_format`, NaN canonical (0x7F)
  *  Why bf16: the CUDA kernel then reads silu from the same table of silu over bf16 gates as the forward, instead
  *  of evaluating coat's exp per element; the rounding moves g' by at most half a bf16 ulp (under 2^-8 |g'|),
  *  1/16 of the relative error (up to 2^-4) the E4M3 copy g' already carries (coat_requantize_gate).
  *  bf16(g') keeps +-Inf and NaN, and a finite g' past the largest bf16 becomes +-Inf; silu then behaves as the
- *  forward's on such bf16 gates: silu(+Inf) = +Inf, silu(-Inf) = -Inf * 0 = NaN, silu(NaN) = NaN.
+ *  forward's on such bf16 gates: act(+Inf) = +Inf, act(-Inf) = -Inf * 0 = NaN, act(NaN) = NaN.
  *  y_scale, saturation and the tie to the forward's y_t are as in coat_rmsnorm_requantize_* (for bf16 gates
  *  bf16(g') = g' whenever g' = g), and NaN comes from the formula (a NaN code, or a zero code in a group saved
  *  with an Inf scale, decodes to NaN).
@@ -215,13 +243,14 @@ coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_
 coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float* gate_scales, const uint8_t* up_saved,
                                          const float* up_scales, int64_t save_group_size,
                                          coat_saved_format saved_format, int64_t rows, int64_t cols,
-                                         const float* smooth_scale, const float* y_scale, coat_fp8_format y_format,
-                                         uint8_t* y_t);
+                                         const float* smooth_scale, coat_activation activation, const float* y_scale,
+                                         coat_fp8_format y_format, uint8_t* y_t);
 coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float* gate_scales,
                                           const uint8_t* up_saved, const float* up_scales, int64_t save_group_size,
                                           coat_saved_format saved_format, int64_t rows, int64_t cols,
-                                          const float* smooth_scale, const float* y_scale, coat_fp8_format y_format,
-                                          uint8_t* y_t, coat_cuda_stream stream);
+                                          const float* smooth_scale, coat_activation activation,
+                                          const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
+                                          coat_cuda_stream stream);
 
 #ifdef __cplusplus
 }

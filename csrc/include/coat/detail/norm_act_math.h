@@ -176,32 +176,74 @@ COAT_INLINE float coat_exp(float x) {
 /** sigmoid(g) = 1 / (1 + e^-g): 0 for g < -88.7 (and -Inf), 1 for g > 16.6. */
 COAT_INLINE float coat_sigmoid(float g) { return coat_div_rn(1.0f, 1.0f + coat_exp(-g)); }
 
-/** silu(g) = g * sigmoid(g), given sigmoid_gate = coat_sigmoid(gate); silu(-Inf) = -Inf * 0 = NaN as in
- *  PyTorch. */
+/* The gated activations act(g) = g * sigmoid(z(g)) (coat_activation in coat/norm_act.h):
+ *   silu:      z = g
+ *   gelu_tanh: z = 2 sqrt(2/pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = sigmoid(2u) exactly, so that
+ *              0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) = g * sigmoid(z): tanh is coat_sigmoid's (built
+ *              from coat_exp, the same bits in C and CUDA), and 1 + tanh(u) never cancels for negative g. */
+
+/** Whether `activation` is one of coat_activation's. */
+COAT_INLINE int coat_is_valid_activation(coat_activation activation) {
+  return activation == COAT_ACT_SILU || activation == COAT_ACT_GELU_TANH;
+}
+
+/** gelu_tanh's z(g) = 1.5957691 * (g + 0.044715 * ((g * g) * g)) in fp32, in this order. g^3 overflowing gives
+ *  z = +-Inf, sigmoid 1 or 0: the limits. */
+COAT_INLINE float coat_gelu_tanh_arg(float g) { return 1.59576912160573071f * (g + 0.044715f * ((g * g) * g)); }
+
+/** z(g) of the activation (above). */
+COAT_INLINE float coat_activation_arg(coat_activation activation, float g) {
+  return activation == COAT_ACT_GELU_TANH ? coat_gelu_tanh_arg(g) : g;
+}
+
+/** sigmoid(z(g)), the factor act(g) = g * sigmoid(z(g)) applies to the gate. */
+COAT_INLINE float coat_activation_sigmoid(coat_activation activation, float g) {
+  return coat_sigmoid(coat_activation_arg(activation, g));
+}
+
+/** act(g) = g * sigmoid_gate, given sigmoid_gate = coat_activation_sigmoid(activation, gate); act(-Inf) =
+ *  -Inf * 0 = NaN as in PyTorch (silu and gelu_tanh alike), act(+Inf) = +Inf, act(NaN) = NaN. */
 COAT_INLINE float coat_silu(float gate, float sigmoid_gate) { return gate * sigmoid_gate; }
 
-/** y = (silu * up) * smooth, silu = coat_silu(gate, ...). smooth is the Smooth-SwiGLU channel scale, 1
+/** y = (act * up) * smooth, act = coat_silu(gate, ...). smooth is the Smooth-SwiGLU channel scale, 1
  *  without one (multiplying by 1 is exact). A NaN result is made canonical where it is quantized. */
 COAT_INLINE float coat_silu_mul(float silu, float up, float smooth) { return (silu * up) * smooth; }
 
-/** The gate the requantize op takes silu of: the saved gate g' (coat_saved_value) rounded to the nearest bf16,
- *  ties to even (coat_f32_to_bf16: +-Inf stays +-Inf, a finite g' past the largest bf16 rounds to +-Inf, NaN
- *  stays NaN), so that the CUDA kernel reads silu from the forward's table of silu over bf16 gates. The
+/** The gate the requantize op takes the activation of: the saved gate g' (coat_saved_value) rounded to the
+ *  nearest bf16, ties to even (coat_f32_to_bf16: +-Inf stays +-Inf, a finite g' past the largest bf16 rounds to
+ *  +-Inf, NaN stays NaN), so that the CUDA kernel reads act from the forward's table of act over bf16 gates. The
  *  rounding moves a finite g' (below the bf16 overflow) by at most half a bf16 ulp, under 2^-8 |g'|: 1/16 of
  *  the relative error, up to 2^-4, that saving the gate as E4M3 already allows (more for E4M3 subnormals). */
 COAT_INLINE float coat_requantize_gate(uint8_t code, float scale) {
   return coat_bf16_to_f32(coat_f32_to_bf16(coat_saved_value(code, scale)));
 }
 
-/** The factors of coat_silu_mul_grads that depend on the gate alone: silu = coat_silu(gate, s) and its
- *  derivative dsilu = s * (1 + gate * (1 - s)), s = coat_sigmoid(gate). */
-COAT_INLINE void coat_silu_grad_factors(float gate, float s, float* silu, float* dsilu) {
+/** The gate gelu_tanh's derivative takes, clamped to [-64, 64]: from |g| = 64 on, sigmoid(z(g)) is exactly 1
+ *  (g > 0) or 0 (g < 0), and so is the derivative below, clamped or not, where the unclamped one does not
+ *  overflow (g^2 past 2^128, or its product with g, gave Inf * 0 = NaN for large finite gates). +-Inf gates so
+ *  get the limits 1 and 0; a NaN gate gives NaN through sigmoid(z(g)). */
+COAT_INLINE float coat_gelu_tanh_slope_gate(float g) { return fminf(fmaxf(g, -64.0f), 64.0f); }
+
+/** The factors of coat_silu_mul_grads that depend on the gate alone: act = coat_silu(gate, s) and its
+ *  derivative dact, with s = coat_activation_sigmoid(activation, gate):
+ *    silu:      dact = s * (1 + gate * (1 - s))
+ *    gelu_tanh: dact = s * (1 + (c * (1 - s)) * z'(c)),  z'(c) = 1.5957691 * (1 + 0.134145 * (c * c)),
+ *               c = coat_gelu_tanh_slope_gate(gate)
+ *  which is d/dg [g * sigmoid(z(g))] = s + g s (1 - s) z'(g), i.e. 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi)
+ *  (1 + 3 * 0.044715 g^2) with t = tanh(z / 2) = 2 s - 1. */
+COAT_INLINE void coat_silu_grad_factors(coat_activation activation, float gate, float s, float* silu,
+                                        float* dsilu) {
   *silu = coat_silu(gate, s);
-  *dsilu = s * (1.0f + gate * (1.0f - s));
+  if (activation == COAT_ACT_GELU_TANH) {
+    const float c = coat_gelu_tanh_slope_gate(gate);
+    *dsilu = s * (1.0f + (c * (1.0f - s)) * (1.59576912160573071f * (1.0f + 0.134145f * (c * c))));
+  } else {
+    *dsilu = s * (1.0f + gate * (1.0f - s));
+  }
 }
 
 /** coat_silu_mul_grads given the gate's factors (coat_silu_grad_factors):
- *  dup = (dy * smooth) * silu, dgate = ((dy * smooth) * up) * dsilu. */
+ *  dup = (dy * smooth) * act, dgate = ((dy * smooth) * up) * dact. */
 COAT_INLINE void coat_silu_mul_grads_of_factors(float dy, float up, float smooth, float silu, float dsilu,
                                                 float* dgate, float* dup) {
   const float dy_s = dy * smooth;
@@ -210,11 +252,11 @@ COAT_INLINE void coat_silu_mul_grads_of_factors(float dy, float up, float smooth
 }
 
 /** Gradients of coat_silu_mul at (gate, up) for the output gradient dy (see coat_silu_mul_backward_cpu);
- *  s = coat_sigmoid(gate). */
-COAT_INLINE void coat_silu_mul_grads(float dy, float gate, float s, float up, float smooth, float* dgate,
-                                     float* dup) {
+ *  s = coat_activation_sigmoid(activation, gate). */
+COAT_INLINE void coat_silu_mul_grads(coat_activation activation, float dy, float gate, float s, float up,
+                                     float smooth, float* dgate, float* dup) {
   float silu, dsilu;
-  coat_silu_grad_factors(gate, s, &silu, &dsilu);
+  coat_silu_grad_factors(activation, gate, s, &silu, &dsilu);
   coat_silu_mul_grads_of_factors(dy, up, smooth, silu, dsilu, dgate, dup);
 }
 
