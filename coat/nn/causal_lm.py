@@ -1,4 +1,5 @@
-"""The fused LM head + loss for transformers' causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM).
+"""The fused LM head + loss for transformers' causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Olmo2ForCausalLM).
 
 A model given the fused loss keeps its class's identity (it becomes an instance of a subclass, e.g.
 FusedLossLlamaForCausalLM of LlamaForCausalLM) and its modules, parameters and state dict. Its forward is the
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
+from transformers.models.olmo2.modeling_olmo2 import Olmo2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
 from coat.nn.cross_entropy import linear_cross_entropy
@@ -112,7 +114,10 @@ def _fused_loss_class(base: type) -> type:
     )
 
 
-FUSED_LOSS_CAUSAL_LMS = {base: _fused_loss_class(base) for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)}
+FUSED_LOSS_CAUSAL_LMS = {
+    base: _fused_loss_class(base)
+    for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Olmo2ForCausalLM)
+}
 
 
 def install_fused_loss(model: nn.Module) -> bool:

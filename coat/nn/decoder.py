@@ -58,6 +58,30 @@ class FP8DecoderLayerMixin:
 
     fp8_config: FP8Config
     cache_argument: str  # what the stock forward calls the KV cache (see stock_cache_argument)
+    # The layer's RMSNorm children around its two blocks (None: the family has none there): Llama's pre-norms, or
+    # norms on the blocks' outputs before the residual add (OLMo 2's post-norms, coat.nn.decoder_olmo2).
+    input_norm: str | None = "input_layernorm"
+    mlp_norm: str | None = "post_attention_layernorm"
+    attention_post_norm: str | None = None
+    mlp_post_norm: str | None = None
+
+    @classmethod
+    def norm_names(cls) -> list[str]:
+        return [n for n in (cls.input_norm, cls.mlp_norm, cls.attention_post_norm, cls.mlp_post_norm) if n]
+
+    def _pre_norm(self, name: str | None) -> tuple:
+        """(weight, eps) of a pre-norm for before_attention / mlp_residual; (None, 0.0) where there is none."""
+        if name is None:
+            return None, 0.0
+        norm = converted_child(self, name, RMSNorm)
+        return norm.weight, norm.eps
+
+    def _post_norm(self, name: str | None):
+        """(weight, eps, weight offset) of a post-norm, or None."""
+        if name is None:
+            return None
+        norm = converted_child(self, name, RMSNorm)
+        return norm.weight, norm.eps, 0.0
 
     def forward(
         self,
@@ -74,8 +98,6 @@ class FP8DecoderLayerMixin:
         cache = kwargs.pop("cache", None) if self.cache_argument == "cache" else None
         cache = past_key_values if cache is None else cache
         attn, mlp = self.self_attn, converted_child(self, "mlp", SwiGLUMLP)
-        input_norm = converted_child(self, "input_layernorm", RMSNorm)
-        post_attention_norm = converted_child(self, "post_attention_layernorm", RMSNorm)
         modeling = sys.modules[type(attn).__module__]  # the model family's eager attention
         config = self.fp8_config
         input_shape = hidden_states.shape[:-1]
@@ -83,8 +105,7 @@ class FP8DecoderLayerMixin:
 
         query, key, value = coat_functional.before_attention(
             hidden_states,
-            input_norm.weight,
-            input_norm.eps,
+            *self._pre_norm(self.input_norm),
             [_projection(attn, "q_proj"), _projection(attn, "k_proj"), _projection(attn, "v_proj")],
             config,
         )
@@ -123,15 +144,16 @@ class FP8DecoderLayerMixin:
             config,
             # SDPA, FlashAttention and flex attention keep their output for backward; eager attention does not.
             attention_keeps_output=implementation != "eager",
+            post_norm=self._post_norm(self.attention_post_norm),
         )
         return coat_functional.mlp_residual(
             hidden_states,
-            post_attention_norm.weight,
-            post_attention_norm.eps,
+            *self._pre_norm(self.mlp_norm),
             _projection(mlp, "gate_proj"),
             _projection(mlp, "up_proj"),
             _projection(mlp, "down_proj"),
             config,
+            post_norm=self._post_norm(self.mlp_post_norm),
         )
 
 
@@ -166,6 +188,7 @@ FP8_DECODER_LAYERS = {
 
 # Families whose layers differ from Llama's inside the attention keep their code in a module of their own,
 # which adds its layer to FP8_DECODER_LAYERS; imported here, after the mixin they subclass.
+import coat.nn.decoder_olmo2  # noqa: E402,F401
 import coat.nn.decoder_qwen3  # noqa: E402,F401
 
 
@@ -183,13 +206,13 @@ def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[t
     projections = ("q_proj", "k_proj", "v_proj", "o_proj")
     if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in projections):
         raise ValueError(f"coat.convert: {name}.self_attn must have nn.Linear children {', '.join(projections)}")
+    family = FP8_DECODER_LAYERS[type(layer)]
     try:
         return [
             *((attn, p, Linear.from_linear(getattr(attn, p), config)) for p in projections),
-            (layer, "input_layernorm", RMSNorm.from_rmsnorm(layer.input_layernorm, config)),
-            (layer, "post_attention_layernorm", RMSNorm.from_rmsnorm(layer.post_attention_layernorm, config)),
+            *((layer, n, RMSNorm.from_rmsnorm(getattr(layer, n), config)) for n in family.norm_names()),
             (layer, "mlp", SwiGLUMLP.from_mlp(layer.mlp, config)),
-            *FP8_DECODER_LAYERS[type(layer)].plan_family_children(layer, config),
+            *family.plan_family_children(layer, config),
         ]
     except (TypeError, ValueError) as error:
         raise type(error)(f"coat.convert: cannot convert {name}: {error}") from error

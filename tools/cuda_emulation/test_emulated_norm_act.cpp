@@ -1,7 +1,8 @@
 // Runs the kernels of csrc/cuda/rmsnorm.cu and silu_mul.cu under the CPU emulation (cuda_runtime.h here) and compares
 // every output with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and SiLU*mul, forward (saving E4M3, FP4 and FP6),
 // requantize (with the forward's y_scale and with one that saturates, from aligned and misaligned codes) and
-// backward (without a residual gradient, and with one of dy's dtype or another), both from every saved format, over
+// backward (without a residual gradient, and with one of dy's dtype or another), both from every saved format, the
+// high-precision forward rmsnorm_save (without and with a residual stream), weight offsets 0 and 1 (Gemma), over
 // row widths of every lane count, odd widths
 // and misaligned views (the element-wise path), row strides, the three dtypes, every save group size, both FP8
 // formats, with and without the transpose, NaN / Inf / zero / subnormal / huge inputs and gates past the fast
