@@ -64,6 +64,7 @@ class FP8DecoderLayerMixin:
     mlp_norm: str | None = "post_attention_layernorm"
     attention_post_norm: str | None = None
     mlp_post_norm: str | None = None
+    norm_weight_offset: float = 0.0  # added to every norm weight (1 for Gemma's (1 + w) norms)
 
     @classmethod
     def norm_names(cls) -> list[str]:
@@ -81,7 +82,7 @@ class FP8DecoderLayerMixin:
         if name is None:
             return None
         norm = converted_child(self, name, RMSNorm)
-        return norm.weight, norm.eps, 0.0
+        return norm.weight, norm.eps, self.norm_weight_offset
 
     def forward(
         self,
@@ -108,6 +109,7 @@ class FP8DecoderLayerMixin:
             *self._pre_norm(self.input_norm),
             [_projection(attn, "q_proj"), _projection(attn, "k_proj"), _projection(attn, "v_proj")],
             config,
+            norm_weight_offset=self.norm_weight_offset,
         )
         cos, sin = position_embeddings
         query, key = self._position_queries_keys(query.view(heads_shape), key.view(heads_shape), cos, sin)
@@ -153,6 +155,7 @@ class FP8DecoderLayerMixin:
             _projection(mlp, "up_proj"),
             _projection(mlp, "down_proj"),
             config,
+            norm_weight_offset=self.norm_weight_offset,
             post_norm=self._post_norm(self.mlp_post_norm),
         )
 
