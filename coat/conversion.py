@@ -1,4 +1,5 @@
-"""coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3 or Phi-3 model into an FP8-trained one, in place."""
+"""coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3 or OLMo 2 model into an FP8-trained one, in
+place."""
 from __future__ import annotations
 
 import fnmatch
@@ -47,9 +48,11 @@ def convert(
     """Converts ``model`` in place to coat's FP8 precision flow and returns it.
 
     Every decoder layer (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer,
-    Phi3DecoderLayer) gets the FP8 forward of :mod:`coat.nn.decoder`: RMSNorm, SiLU*mul and all the projections
-    in FP8, activations saved in FP8 (Qwen3's per-head q/k norms too, fused with RoPE: :mod:`coat.nn.decoder_qwen3`;
-    Phi-3's fused qkv_proj and gate_up_proj weights: :mod:`coat.nn.decoder_phi3`).
+    Phi3DecoderLayer, Olmo2DecoderLayer) gets the FP8 forward of :mod:`coat.nn.decoder`: RMSNorm, SiLU*mul and all
+    the projections in FP8, activations saved in FP8 (Qwen3's per-head q/k norms too, fused with RoPE:
+    :mod:`coat.nn.decoder_qwen3`; Phi-3's fused qkv_proj and gate_up_proj weights: :mod:`coat.nn.decoder_phi3`;
+    OLMo 2's post-norms and full-width q/k norms with 16-bit outputs and FP8-saved inputs:
+    :mod:`coat.nn.decoder_olmo2`).
     Parameters are shared, not copied, so ``state_dict()`` keys and values, ``save_pretrained`` /
     ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
 

@@ -504,14 +504,17 @@ def rmsnorm_quantize(
     format: torch.dtype | str = "e4m3",
     transpose: bool = False,
     save_format: str = "e4m3",
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm with its output quantized to FP8 per tensor and its input saved in FP8 (or FP4) for backward.
 
     With rows the leading dimensions of ``x`` flattened and H = ``x.shape[-1]`` (1 <= H <= 32768)::
 
         rstd[r] = 1 / sqrt(sum_c x[r, c]**2 / H + eps)      float32, fixed reduction order
-        y       = (x * rstd) * weight                       float32, then quantized per tensor
+        y       = (x * rstd) * (weight + weight_offset)     float32, then quantized per tensor
 
+    ``weight_offset``: 0, or 1 for Gemma's ``(1 + weight)`` norms; added to the weight in float32 (every norm op
+    takes it, and the backward and requantize ops need the forward's).
     ``x``: float32 / bfloat16 / float16 with a contiguous last dimension (row-strided views are read in
     place); ``weight``: [H], float32 / bfloat16 / float16. ``amax_group_size`` is the 1 x G granularity of
     the first stage of group scaling; since max is exact, the outputs do not depend on it.
@@ -527,7 +530,7 @@ def rmsnorm_quantize(
     check_device_supported(x, "coat.ops.rmsnorm_quantize")
     y, y_scale, y_t, x_saved, x_saved_scales, rstd = torch.ops.coat.rmsnorm_quantize(
         x, weight, eps, save_group_size, amax_group_size, fp8_dtype(format), transpose,
-        _checked_saved_format(save_format, "save_format", "rmsnorm_quantize"),
+        _checked_saved_format(save_format, "save_format", "rmsnorm_quantize"), weight_offset,
     )
     return y, y_scale, y_t if transpose else None, x_saved, x_saved_scales, rstd
 
@@ -542,10 +545,11 @@ def rmsnorm_backward(
     *,
     residual: torch.Tensor | None = None,
     saved_format: str = "e4m3",
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`rmsnorm_quantize` from what it saved (in its ``save_format``, given here as
     ``saved_format``). With x' the dequantized ``x_saved``,
-    xhat = x' * rstd and g = dy * weight, per row::
+    xhat = x' * rstd and g = dy * (weight + weight_offset), per row::
 
         dx      = (g - xhat * sum_c(g * xhat) / H) * rstd          in dy's dtype
         dweight = sum over rows of dy * xhat                        float32 [H] (cast it to weight's dtype)
@@ -563,7 +567,7 @@ def rmsnorm_backward(
     check_device_supported(dy, "coat.ops.rmsnorm_backward")
     return torch.ops.coat.rmsnorm_backward(
         dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual,
-        _checked_saved_format(saved_format, "saved_format", "rmsnorm_backward"),
+        _checked_saved_format(saved_format, "saved_format", "rmsnorm_backward"), weight_offset,
     )
 
 
@@ -648,12 +652,13 @@ def rmsnorm_requantize(
     format: torch.dtype | str = "e4m3",
     *,
     saved_format: str = "e4m3",
+    weight_offset: float = 0.0,
 ) -> torch.Tensor:
     """The transposed FP8 output ``y_t`` [H, rows] of :func:`rmsnorm_quantize`, recomputed from what it saved
     (``x_saved``, ``x_saved_scales``, ``rstd``) and the ``y_scale`` it returned. With x' the dequantized
     ``x_saved`` (float32, as :func:`rmsnorm_backward` reads it)::
 
-        y   = (x' * rstd) * weight                     float32, the forward's formula and rounding order
+        y   = (x' * rstd) * (weight + weight_offset)   float32, the forward's formula and rounding order
         y_t = fp8(y / y_scale).T                       FP8 ``format``, NaN codes positive
 
     Equal to the forward's y_t bit for bit where x was FP8-representable in its group (x == x'); otherwise
@@ -664,7 +669,7 @@ def rmsnorm_requantize(
     check_device_supported(x_saved, "coat.ops.rmsnorm_requantize")
     return torch.ops.coat.rmsnorm_requantize(
         x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype(format),
-        _checked_saved_format(saved_format, "saved_format", "rmsnorm_requantize"),
+        _checked_saved_format(saved_format, "saved_format", "rmsnorm_requantize"), weight_offset,
     )
 
 
@@ -706,7 +711,8 @@ def _check_rmsnorm_cols(x: torch.Tensor, name: str, op: str) -> None:
 
 
 @torch.library.register_fake("coat::rmsnorm_quantize")
-def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8_dtype, transpose, save_format="e4m3"):
+def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8_dtype, transpose, save_format="e4m3",
+                           weight_offset=0.0):
     op = "coat.rmsnorm_quantize"
     saved = _saved_format_name(save_format, "save_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
@@ -724,7 +730,7 @@ def _rmsnorm_quantize_fake(x, weight, eps, save_group_size, amax_group_size, fp8
 
 @torch.library.register_fake("coat::rmsnorm_backward")
 def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group_size, residual=None,
-                           saved_format="e4m3"):
+                           saved_format="e4m3", weight_offset=0.0):
     op = "coat.rmsnorm_backward"
     _saved_format_name(saved_format, "saved_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
@@ -770,7 +776,7 @@ def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, sm
 
 @torch.library.register_fake("coat::rmsnorm_requantize")
 def _rmsnorm_requantize_fake(x_saved, x_saved_scales, rstd, weight, y_scale, save_group_size, fp8_dtype,
-                             saved_format="e4m3"):
+                             saved_format="e4m3", weight_offset=0.0):
     op = "coat.rmsnorm_requantize"
     _saved_format_name(saved_format, "saved_format", op)
     _check_named_group_size(save_group_size, "save_group_size", op)
@@ -996,46 +1002,5 @@ def _cross_entropy_fake(logits, labels, grad_scale, ignore_index, label_smoothin
     return labels.new_empty(labels.shape, dtype=torch.float32), labels.new_empty(labels.shape, dtype=torch.float32)
 
 
-# Per-head RMSNorm of q and k fused with RoPE (Qwen3's q_norm / k_norm; csrc/include/coat/rope.h).
-
-QK_NORM_MAX_HEAD_DIM = 256
-
-
-def qk_norm_rope(
-    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-    cos: torch.Tensor, sin: torch.Tensor, save_group_size: int = 16,
-) -> tuple[torch.Tensor, ...]:
-    """RMSNorm of every head row of q and k over head_dim (weights ``q_weight`` / ``k_weight`` [D]), then RoPE as
-    :func:`rotary_embedding` computes it, in one kernel, with the norm's input saved for backward. Per row x::
-
-        rstd = 1 / sqrt(mean(x^2) + eps)     float32, the sum in coat's RMSNorm reduction order
-        n    = (x * rstd) * weight           float32
-        out  = RoPE(n)                       float32, rounded once to q's dtype
-
-    q, k, cos, sin: as for :func:`rotary_embedding` (any row strides, D even, at most 256). Returns
-    ``(q_out, k_out, q_saved, q_saved_scales, q_rstd, k_saved, k_saved_scales, k_rstd)``: the contiguous outputs
-    in q's dtype; the inputs as E4M3 codes of their shapes with one float32 scale per 1 x ``save_group_size``
-    group ([B, S, H, ceil(D / G)]), bit for bit :func:`quantize_group` of each; and rstd per (b, s, head) row
-    ([B * S * H] float32). The saved tensors are what :func:`rmsnorm_backward` reads for the gradient of the norm:
-    the backward is ``rotary_embedding(..., inverse=True)`` then ``rmsnorm_backward``."""
-    check_device_supported(q, "coat.ops.qk_norm_rope")
-    return torch.ops.coat.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, save_group_size)
-
-
-@torch.library.register_fake("coat::qk_norm_rope")
-def _qk_norm_rope_fake(q, k, q_weight, k_weight, eps, cos, sin, save_group_size):
-    op = "coat.qk_norm_rope"
-    _rotary_embedding_fake(q, k, cos, sin)
-    _check_named_group_size(save_group_size, "save_group_size", op)
-    if q.shape[3] > QK_NORM_MAX_HEAD_DIM:
-        raise RuntimeError(f"{op}: head_dim (the last dimension of q and k) must be even and between 2 and "
-                           f"{QK_NORM_MAX_HEAD_DIM}, got {q.shape[3]}")
-    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if weight.shape != (q.shape[3],):
-            raise RuntimeError(f"{op}: {name} must be a contiguous [{q.shape[3]}] tensor (head_dim), got shape "
-                               f"{tuple(weight.shape)}")
-    outputs = []
-    for x in (q, k):
-        outputs.append((x.new_empty(x.shape, dtype=torch.float8_e4m3fn), _grouped(x, save_group_size),
-                        x.new_empty((math.prod(x.shape[:3]),), dtype=torch.float32)))
-    return (q.new_empty(q.shape), k.new_empty(k.shape), *outputs[0], *outputs[1])
+# The norm ops of coat/norm_ops.py, re-exported here.
+from coat.norm_ops import QK_NORM_MAX_HEAD_DIM, qk_norm_rope, rmsnorm_save  # noqa: E402,F401

@@ -26,18 +26,20 @@ MIN_SCALE = 2.0**-126
 # 1. float64 references
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd) in float64: rstd = 1 / sqrt(mean(x^2) + eps) per row, y = x * rstd * weight."""
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) in float64: rstd = 1 / sqrt(mean(x^2) + eps) per row, y = x * rstd * (weight + weight_offset)
+    (weight_offset 1: Gemma's (1 + weight))."""
     x = x.double()
     rstd = 1.0 / torch.sqrt(x.pow(2).mean(dim=-1) + eps)
-    return x * rstd.unsqueeze(-1) * weight.double(), rstd
+    return x * rstd.unsqueeze(-1) * (weight.double() + weight_offset), rstd
 
 
-def rmsnorm_backward(dy, x, rstd, weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dweight) in float64 of y = x * rstd * weight with rstd = 1/sqrt(mean(x^2) + eps), at the given
-    x and rstd: with xhat = x * rstd and g = dy * weight,
-    dx = rstd * (g - xhat * mean(g * xhat)),  dweight = sum over rows of dy * xhat."""
-    dy, x, weight = dy.double(), x.double(), weight.double()
+def rmsnorm_backward(dy, x, rstd, weight, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) in float64 of y = x * rstd * w with w = weight + weight_offset and
+    rstd = 1/sqrt(mean(x^2) + eps), at the given x and rstd: with xhat = x * rstd and g = dy * w,
+    dx = rstd * (g - xhat * mean(g * xhat)),  dweight = sum over rows of dy * xhat (the offset is constant)."""
+    dy, x, weight = dy.double(), x.double(), weight.double() + weight_offset
     rstd = rstd.double().reshape(x.shape[:-1]).unsqueeze(-1)
     xhat = x * rstd
     g = dy * weight

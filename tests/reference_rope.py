@@ -40,9 +40,11 @@ def eager_rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return x * cos + rotate_half(x) * sin
 
 
-def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
-    """Qwen3's RoPE(q_norm(x)) in float64, x [B, S, H, D]: RMSNorm over D, rstd = 1 / sqrt(mean(x^2) + eps),
-    times the weight, then :func:`rotary_embedding`. Returns (out, rstd [B * S * H]); differentiable."""
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 weight_offset: float = 0.0):
+    """Qwen3's (weight_offset 0) or Gemma 3's (1) RoPE(q_norm(x)) in float64, x [B, S, H, D]: RMSNorm over D,
+    rstd = 1 / sqrt(mean(x^2) + eps), times weight + weight_offset, then :func:`rotary_embedding`.
+    Returns (out, rstd [B * S * H]); differentiable."""
     x = x.double()
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return rotary_embedding(x * rstd * weight.double(), cos, sin), rstd.reshape(-1)
+    return rotary_embedding(x * rstd * (weight.double() + weight_offset), cos, sin), rstd.reshape(-1)

@@ -37,10 +37,10 @@ def weights(head_dim, dtype, rng):
     return tuple((1.0 + 0.5 * randn((head_dim,), torch.float64, rng)).to(dtype) for _ in range(2))
 
 
-def check_against_oracle(q, k, q_weight, k_weight, cos, sin, outputs, group_size):
+def check_against_oracle(q, k, q_weight, k_weight, cos, sin, outputs, group_size, weight_offset=0.0):
     q_out, k_out, *kept = outputs
     for x, weight, out, (saved, scales, rstd) in ((q, q_weight, q_out, kept[:3]), (k, k_weight, k_out, kept[3:])):
-        expected, expected_rstd = ref.qk_norm_rope(x, weight, EPS, cos, sin)
+        expected, expected_rstd = ref.qk_norm_rope(x, weight, EPS, cos, sin, weight_offset)
         assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
         rounding = (expected.to(x.dtype).double() - expected).abs().amax().item()
         tolerance = 2 * rounding + 1e-5 * expected.abs().amax().item()
@@ -75,6 +75,20 @@ def test_group_sizes_and_layouts(run, rng, group_size, layout):
     cos, sin = rope_tables(1, 6, 64, torch.float32, rng)
     outputs = run(coat.ops.qk_norm_rope, q, k, q_weight, k_weight, EPS, cos, sin, group_size)
     check_against_oracle(q, k, q_weight, k_weight, cos, sin, outputs, group_size)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("offset", [1.0, -0.5])
+def test_weight_offset_is_the_float32_sum(run, rng, weight_dtype, offset):
+    """Gemma 3's q_norm / k_norm multiply by (1 + w): the offset is one float32 addition per weight element."""
+    q, k = qk_views(2, 5, 4, 2, 40, torch.bfloat16, rng, "gemm")
+    q_weight, k_weight = ((0.1 * randn((40,), torch.float64, rng)).to(weight_dtype) for _ in range(2))
+    cos, sin = rope_tables(1, 5, 40, torch.float32, rng)
+    outputs = run(coat.ops.qk_norm_rope, q, k, q_weight, k_weight, EPS, cos, sin, 16, weight_offset=offset)
+    check_against_oracle(q, k, q_weight, k_weight, cos, sin, outputs, 16, offset)
+    summed = coat.ops.qk_norm_rope(q, k, q_weight.float() + offset, k_weight.float() + offset, EPS, cos, sin, 16)
+    for i, (got, expected) in enumerate(zip(outputs, summed)):
+        assert_same_bits(got, expected, f"output {i} vs offset 0 with weight.float() + offset")
 
 
 def test_empty(run):
@@ -151,6 +165,7 @@ def test_opcheck(move, rng):
     cos, sin = rope_tables(1, 5, 16, torch.float32, rng)
     args = tuple(move(a) if isinstance(a, torch.Tensor) else a for a in (q, k, q_weight, k_weight, EPS, cos, sin, 32))
     torch.library.opcheck(torch.ops.coat.qk_norm_rope.default, args)
+    torch.library.opcheck(torch.ops.coat.qk_norm_rope.default, (*args, 1.0))
 
 
 def _error_cases():
@@ -170,6 +185,9 @@ def _error_cases():
                        prefix + r"save_group_size must be 16, 32, 64 or 128, got 8"),
         "eps": (lambda m: op(m(q), m(k), m(weight), m(weight), -1.0, m(table), m(table), 16),
                 prefix + r"eps must be finite and >= 0"),
+        "weight-offset": (lambda m: op(m(q), m(k), m(weight), m(weight), EPS, m(table), m(table), 16,
+                                       weight_offset=float("inf")),
+                          prefix + r"weight_offset must be finite"),
         "k-seq": (lambda m: op(m(q), m(k[:, :3]), m(weight), m(weight), EPS, m(table), m(table), 16),
                   prefix + r"k must be \[2, 5, k_heads, 8\]"),
     }

@@ -65,8 +65,11 @@ SILU_LOOP = ("for (int64_t row = at.first_row; row < a.rows; row += at.row_step)
 # silu_mul_backward_kernel's copies of its loop over rows: without Smooth-SwiGLU scales, and with them
 NO_SMOOTH, SMOOTH = "if (a.smooth_scale == nullptr) all_rows(std::false_type{});", "else all_rows(std::true_type{});"
 KERNELS = {
-    "rmsnorm_stats": Loop(["rmsnorm_stats_kernelILi256E", BF16 + "EEL17coat_saved_format0E"], "rmsnorm_stats_kernel(",
-                          *STATS_LOOP),
+    # the FP8 forward's first pass (OutIo = void), and rmsnorm_save's one pass (OutIo the same VectorIo: a substitution)
+    "rmsnorm_stats": Loop(["rmsnorm_stats_kernelILi256E", BF16 + "EEL17coat_saved_format0EvE"],
+                          "rmsnorm_stats_kernel(", *STATS_LOOP),
+    "rmsnorm_save": Loop(["rmsnorm_stats_kernelILi256E", BF16 + "EEL17coat_saved_format0ES"], "rmsnorm_stats_kernel(",
+                         *STATS_LOOP),
     "rmsnorm_apply": Loop(["apply_quantize_kernelINS_12RmsnormApply", BF16], "apply_quantize_kernel(", *APPLY_LOOP),
     # without a residual (ResidualIo = void), and with a bf16 one (S3_: the same VectorIo again)
     "rmsnorm_backward": Loop(["rmsnorm_backward_kernelILi256E", BF16 + "EEvE"], "rmsnorm_backward_kernel(",
@@ -94,7 +97,8 @@ KERNELS = {
 }
 # the kernels instantiated for inputs saved in FP4 and FP6 (coat_saved_format 1 and 2)
 for _name, _format in (("fp4", 1), ("fp6", 2)):
-    KERNELS[f"rmsnorm_stats_{_name}"] = Loop(["rmsnorm_stats_kernelILi256E", BF16 + f"EEL17coat_saved_format{_format}E"],
+    KERNELS[f"rmsnorm_stats_{_name}"] = Loop(["rmsnorm_stats_kernelILi256E",
+                                              BF16 + f"EEL17coat_saved_format{_format}EvE"],
                                              "rmsnorm_stats_kernel(", *STATS_LOOP)
     KERNELS[f"silu_mul_stats_{_name}"] = Loop(["silu_mul_stats_kernel", BF16 + f"EEL17coat_saved_format{_format}E",
                                                SILU],

@@ -1,5 +1,5 @@
 """The fused LM head + loss for transformers' causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Phi3ForCausalLM).
+Phi3ForCausalLM, Olmo2ForCausalLM).
 
 A model given the fused loss keeps its class's identity (it becomes an instance of a subclass, e.g.
 FusedLossLlamaForCausalLM of LlamaForCausalLM) and its modules, parameters and state dict. Its forward is the
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
+from transformers.models.olmo2.modeling_olmo2 import Olmo2ForCausalLM
 from transformers.models.phi3.modeling_phi3 import Phi3ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 
@@ -115,7 +116,8 @@ def _fused_loss_class(base: type) -> type:
 
 
 FUSED_LOSS_CAUSAL_LMS = {
-    base: _fused_loss_class(base) for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Phi3ForCausalLM)
+    base: _fused_loss_class(base)
+    for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM)
 }
 
 

@@ -59,6 +59,31 @@ class FP8DecoderLayerMixin:
 
     fp8_config: FP8Config
     cache_argument: str  # what the stock forward calls the KV cache (see stock_cache_argument)
+    # The layer's RMSNorm children around its two blocks (None: the family has none there): Llama's pre-norms, or
+    # norms on the blocks' outputs before the residual add (OLMo 2's post-norms, coat.nn.decoder_olmo2).
+    input_norm: str | None = "input_layernorm"
+    mlp_norm: str | None = "post_attention_layernorm"
+    attention_post_norm: str | None = None
+    mlp_post_norm: str | None = None
+    norm_weight_offset: float = 0.0  # added to every norm weight (1 for Gemma's (1 + w) norms)
+
+    @classmethod
+    def norm_names(cls) -> list[str]:
+        return [n for n in (cls.input_norm, cls.mlp_norm, cls.attention_post_norm, cls.mlp_post_norm) if n]
+
+    def _pre_norm(self, name: str | None) -> tuple:
+        """(weight, eps) of a pre-norm for before_attention / mlp_residual; (None, 0.0) where there is none."""
+        if name is None:
+            return None, 0.0
+        norm = converted_child(self, name, RMSNorm)
+        return norm.weight, norm.eps
+
+    def _post_norm(self, name: str | None):
+        """(weight, eps, weight offset) of a post-norm, or None."""
+        if name is None:
+            return None
+        norm = converted_child(self, name, RMSNorm)
+        return norm.weight, norm.eps, self.norm_weight_offset
 
     def forward(
         self,
@@ -75,13 +100,12 @@ class FP8DecoderLayerMixin:
         cache = kwargs.pop("cache", None) if self.cache_argument == "cache" else None
         cache = past_key_values if cache is None else cache
         attn = self.self_attn
-        input_norm = converted_child(self, "input_layernorm", RMSNorm)
         modeling = sys.modules[type(attn).__module__]  # the model family's eager attention
         config = self.fp8_config
         input_shape = hidden_states.shape[:-1]
         heads_shape = (*input_shape, -1, attn.head_dim)
 
-        query, key, value = self._queries_keys_values(hidden_states, input_norm)
+        query, key, value = self._queries_keys_values(hidden_states)
         cos, sin = position_embeddings
         query, key = self._position_queries_keys(query.view(heads_shape), key.view(heads_shape), cos, sin)
         query, key, value = (t.view(heads_shape).transpose(1, 2) for t in (query, key, value))
@@ -117,25 +141,31 @@ class FP8DecoderLayerMixin:
             config,
             # SDPA, FlashAttention and flex attention keep their output for backward; eager attention does not.
             attention_keeps_output=implementation != "eager",
+            post_norm=self._post_norm(self.attention_post_norm),
         )
-        return self._mlp_residual(hidden_states, converted_child(self, "post_attention_layernorm", RMSNorm))
+        return self._mlp_residual(hidden_states)
 
     # What a family changes, overridden by its subclass: the q/k/v projections, q and k before attention, the MLP
     # (the names of the linear layers that share a weight scale, as coat.distributed groups them), its children.
     attention_scale_groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",))
 
-    def _queries_keys_values(self, hidden_states, input_norm):
-        """q, k, v [B, S, heads * head_dim] = the projections of RMSNorm(hidden_states)."""
+    def _queries_keys_values(self, hidden_states):
+        """q, k, v [B, S, heads * head_dim] = the projections of the input norm's output (of hidden_states itself
+        where the family has no input norm)."""
         attn = self.self_attn
         projections = [_projection(attn, name) for name in ("q_proj", "k_proj", "v_proj")]
-        return coat_functional.before_attention(hidden_states, input_norm.weight, input_norm.eps, projections,
-                                                self.fp8_config)
+        return coat_functional.before_attention(hidden_states, *self._pre_norm(self.input_norm), projections,
+                                                self.fp8_config, norm_weight_offset=self.norm_weight_offset)
 
-    def _mlp_residual(self, hidden_states, norm):
+    def _mlp_residual(self, hidden_states):
+        """hidden_states + the MLP block, with the family's pre- and post-norms."""
         mlp = converted_child(self, "mlp", SwiGLUMLP)
         gate, up, down = (_projection(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
-        return coat_functional.mlp_residual(hidden_states, norm.weight, norm.eps, gate, up, down, self.fp8_config,
-                                            activation=mlp.activation)
+        return coat_functional.mlp_residual(
+            hidden_states, *self._pre_norm(self.mlp_norm), gate, up, down, self.fp8_config,
+            activation=mlp.activation, norm_weight_offset=self.norm_weight_offset,
+            post_norm=self._post_norm(self.mlp_post_norm),
+        )
 
     def _position_queries_keys(self, query, key, cos, sin):
         """RoPE of q and k [B, S, heads, head_dim] as the projections wrote them: one coat kernel each way. The
@@ -174,6 +204,7 @@ FP8_DECODER_LAYERS = {
 
 # Families whose layers differ from Llama's inside the attention keep their code in a module of their own,
 # which adds its layer to FP8_DECODER_LAYERS; imported here, after the mixin they subclass.
+import coat.nn.decoder_olmo2  # noqa: E402,F401
 import coat.nn.decoder_phi3  # noqa: E402,F401
 import coat.nn.decoder_qwen3  # noqa: E402,F401
 
@@ -196,8 +227,7 @@ def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[t
     try:
         return [
             *((attn, p, Linear.from_linear(getattr(attn, p), config)) for p in projections),
-            (layer, "input_layernorm", RMSNorm.from_rmsnorm(layer.input_layernorm, config)),
-            (layer, "post_attention_layernorm", RMSNorm.from_rmsnorm(layer.post_attention_layernorm, config)),
+            *((layer, n, RMSNorm.from_rmsnorm(getattr(layer, n), config)) for n in fp8_class.norm_names()),
             *fp8_class.plan_mlp(layer, config),
             *fp8_class.plan_family_children(layer, config),
         ]

@@ -36,18 +36,18 @@ class FP8Phi3DecoderLayer(FP8DecoderLayerMixin, Phi3DecoderLayer):
 
     attention_scale_groups = (("qkv_proj",), ("o_proj",))
 
-    def _queries_keys_values(self, hidden_states, input_norm):
+    def _queries_keys_values(self, hidden_states):
         attn = self.self_attn
         query_width = attn.config.num_attention_heads * attn.head_dim
         kv_width = attn.num_key_value_heads * attn.head_dim
         return coat_functional.before_attention(
-            hidden_states, input_norm.weight, input_norm.eps, [_projection(attn, "qkv_proj")], self.fp8_config,
+            hidden_states, *self._pre_norm(self.input_norm), [_projection(attn, "qkv_proj")], self.fp8_config,
             output_widths=(query_width, kv_width, kv_width),
         )
 
-    def _mlp_residual(self, hidden_states, norm):
+    def _mlp_residual(self, hidden_states):
         gate_up, down = (_projection(self.mlp, name) for name in _MLP_PROJECTIONS)
-        return coat_functional.mlp_residual(hidden_states, norm.weight, norm.eps, gate_up, None, down,
+        return coat_functional.mlp_residual(hidden_states, *self._pre_norm(self.mlp_norm), gate_up, None, down,
                                             self.fp8_config)
 
     @classmethod

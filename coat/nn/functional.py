@@ -434,9 +434,10 @@ def _as_e4m3(codes, scales, cols: int, config: FP8Config):
     return codes, scales
 
 
-def _rmsnorm_quantize(x2d, weight, eps: float, config: FP8Config, for_backward: bool = False):
-    """-> (y, y_scale, None, x_saved, x_saved_scales, rstd): y = RMSNorm(x) * weight quantized per tensor,
-    x in 1 x group_size groups (in ``config.saved_format`` when ``for_backward``, else E4M3), rstd per row."""
+def _rmsnorm_quantize(x2d, weight, eps: float, config: FP8Config, for_backward: bool = False, weight_offset=0.0):
+    """-> (y, y_scale, None, x_saved, x_saved_scales, rstd): y = RMSNorm(x) * (weight + weight_offset) quantized
+    per tensor, x in 1 x group_size groups (in ``config.saved_format`` when ``for_backward``, else E4M3), rstd per
+    row."""
     y, y_scale, y_t, x_saved, x_saved_scales, rstd = ops.rmsnorm_quantize(
         x2d,
         weight,
@@ -445,35 +446,39 @@ def _rmsnorm_quantize(x2d, weight, eps: float, config: FP8Config, for_backward: 
         amax_group_size=AMAX_GROUP_SIZE,
         format=config.forward_dtype,
         save_format=config.saved_format if for_backward else "e4m3",
+        weight_offset=weight_offset,
     )
     return y, y_scale, y_t, x_saved, x_saved_scales, rstd
 
 
-def _record_rmsnorm(site, input_name: str, output_name: str, x2d, weight, quantized, config: FP8Config) -> None:
+def _record_rmsnorm(site, input_name: str, output_name: str, x2d, weight, quantized, config: FP8Config,
+                    weight_offset=0.0) -> None:
     """Records what :func:`_rmsnorm_quantize` quantized: its input, kept in 1 x G groups, and its output,
-    recomputed in float32 in the kernel's order, (x * rstd) * weight, with the kernel's rstd."""
+    recomputed in float32 in the kernel's order, (x * rstd) * (weight + weight_offset), with the kernel's rstd."""
     y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
+    if weight_offset:
+        weight = weight.float() + weight_offset
     site.record(input_name, x2d, *_as_e4m3(x_saved, x_saved_scales, x2d.shape[1], config), config.group_size,
                 config.saved_format)
     # float32 products (x2d and a 16-bit weight are promoted exactly), without a converted copy of either
     site.record(output_name, lambda rows: _rows(x2d, rows) * _rows(rstd, rows)[:, None] * weight, y, y_scale)
 
 
-def _rmsnorm_output_t(saved: dict, weight, y_scale, config: FP8Config) -> torch.Tensor:
+def _rmsnorm_output_t(saved: dict, weight, y_scale, config: FP8Config, weight_offset=0.0) -> torch.Tensor:
     """The transposed FP8 norm output the wgrads read, recomputed from the saved input and rstd with the
     forward's scale (values the saved copy rounds past the forward's amax saturate)."""
     return ops.rmsnorm_requantize(
         saved["x_saved"], saved["x_saved_scales"], saved["rstd"], weight, y_scale, config.group_size,
-        config.forward_dtype, saved_format=config.saved_format,
+        config.forward_dtype, saved_format=config.saved_format, weight_offset=weight_offset,
     )
 
 
-def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype, residual=None):
+def _rmsnorm_backward(grad_y2d, saved: dict, weight, config: FP8Config, x_dtype, residual=None, weight_offset=0.0):
     """The norm's input and weight gradients; ``residual``, a contiguous gradient of grad_y2d's shape, is added to
     the input's in the kernel (see ops.rmsnorm_backward)."""
     grad_x, grad_weight = ops.rmsnorm_backward(
         grad_y2d, saved["x_saved"], saved["x_saved_scales"], saved["rstd"], weight, config.group_size,
-        residual=residual, saved_format=config.saved_format,
+        residual=residual, saved_format=config.saved_format, weight_offset=weight_offset,
     )
     return grad_x.to(x_dtype), grad_weight.to(weight.dtype)
 
@@ -658,6 +663,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, config: FP8Confi
     return _dequantized(y, y_scale, out_dtype).view(x.shape)
 
 
+class _RMSNormSaveFunction(torch.autograd.Function):
+    """[residual +] RMSNorm(x) * (weight + weight_offset) in x's dtype (the residual's with one), through
+    :func:`coat.ops.rmsnorm_save`: for norms whose output is no GEMM input (post-norms, OLMo 2's q/k norms).
+    Saves x in 1 x G groups (``config.saved_format``), its scales, rstd and the weight parameter: never x or the
+    output in 16 bits. The residual's gradient is the output's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, weight_offset: float, residual, config: FP8Config):
+        out, x_saved, x_saved_scales, rstd = ops.rmsnorm_save(
+            _matrix(x), weight, eps, residual=None if residual is None else _matrix(residual).contiguous(),
+            save_group_size=config.group_size, save_format=config.saved_format, weight_offset=weight_offset,
+        )
+        _save(ctx, x_saved=x_saved, x_saved_scales=x_saved_scales, rstd=rstd, weight=weight)
+        ctx.config, ctx.x_dtype, ctx.weight_offset = config, x.dtype, weight_offset
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = _saved(ctx)
+        grad_x, grad_weight = _rmsnorm_backward(_matrix(grad_out), saved, saved["weight"], ctx.config, ctx.x_dtype,
+                                                weight_offset=ctx.weight_offset)
+        need_residual = ctx.needs_input_grad[4]
+        return grad_x.view(grad_out.shape), grad_weight, None, None, grad_out if need_residual else None, None
+
+
+def rms_norm_save(x, weight, eps: float, config: FP8Config = FP8Config(), *, weight_offset: float = 0.0,
+                  residual=None) -> torch.Tensor:
+    """``[residual +] RMSNorm(x) * (weight + weight_offset)`` with a high-precision output (OLMo2RMSNorm, and
+    Gemma3RMSNorm with weight_offset=1), its input saved in FP8 groups for backward: see
+    :class:`_RMSNormSaveFunction` and :func:`coat.ops.rmsnorm_save`. The residual add is fused into the kernel."""
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"coat rms_norm_save: input has {x.shape[-1]} features but the weight has {weight.shape[0]}")
+    return _RMSNormSaveFunction.apply(x, weight, eps, weight_offset, residual, config)
+
+
 class _SwiGLUMLPFunction(torch.autograd.Function):
     """down(act(gate(x)) * up(x)), LlamaMLP's computation (GemmaMLP's with act gelu_tanh), in FP8. Saves the
     transposed FP8 input (read by both the gate and up wgrads) and its scale, plus what :func:`_swiglu_forward`
@@ -727,32 +767,37 @@ class _BeforeAttentionFunction(torch.autograd.Function):
     the three GEMMs (:class:`Projections`): no BF16 round trip.
     Saves one copy of the input: x in 1 x G groups (``config.saved_format``) + scales + rstd, which the
     norm's backward reads and from which backward recomputes the transposed FP8 normed output the wgrads
-    read (with the forward's scale, saved); plus the weights' amax and the parameters."""
+    read (with the forward's scale, saved); plus the weights' amax and the parameters.
+    Without a norm (norm_weight None: OLMo 2) the projections read x itself, quantized per tensor once, and the
+    transposed FP8 x the wgrads read is what is saved of it (as in coat.nn.Linear)."""
 
     @staticmethod
     @_capture.measures_records
-    def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, output_widths, *flat_params):
+    def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, norm_weight_offset, output_widths,
+                *flat_params):
         params = _pairs(flat_params)
+        param_needs = _param_needs(ctx.needs_input_grad, 7, len(params))
         site = ctx.report_site = _capture.forward_site()
         x2d = _matrix(x)
-        quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, for_backward=True)
-        if site is not None:
-            _record_rmsnorm(site, "attn_norm_input", "qkv_input", x2d, norm_weight, quantized, config)
-        y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
+        if norm_weight is None:
+            y, y_scale, y_t = quantize_per_tensor(x2d, config.forward_dtype,
+                                                  columnwise=_params_need_grad(param_needs))
+            if site is not None:
+                site.record("qkv_input", x2d, y, y_scale)
+            kept = dict(y_t=y_t)
+        else:
+            quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, True, norm_weight_offset)
+            if site is not None:
+                _record_rmsnorm(site, "attn_norm_input", "qkv_input", x2d, norm_weight, quantized, config,
+                                norm_weight_offset)
+            y, y_scale, _, x_saved, x_saved_scales, rstd = quantized
+            kept = dict(x_saved=x_saved, x_saved_scales=x_saved_scales, rstd=rstd, norm_weight=norm_weight)
         projections = Projections(params, "qkv", output_widths)
         weight_amax = projections.weight_amax()
         outputs = projections.forward(y, y_scale, config, out_dtype, weight_amax, site)
-        _save(
-            ctx,
-            x_saved=x_saved,
-            x_saved_scales=x_saved_scales,
-            rstd=rstd,
-            norm_weight=norm_weight,
-            y_scale=y_scale,
-            weight_amax=weight_amax,
-            **_named_params(flat_params),
-        )
+        _save(ctx, **kept, y_scale=y_scale, weight_amax=weight_amax, **_named_params(flat_params))
         ctx.config, ctx.x_shape, ctx.x_dtype, ctx.output_widths = config, x.shape, x.dtype, output_widths
+        ctx.norm_weight_offset = norm_weight_offset
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
     @staticmethod
@@ -760,40 +805,45 @@ class _BeforeAttentionFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         saved = _saved(ctx)
         params = _pairs(_params_from(saved))
-        param_needs = _param_needs(ctx.needs_input_grad, 6, len(params))
+        param_needs = _param_needs(ctx.needs_input_grad, 7, len(params))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
-        y_t = None
-        if _params_need_grad(param_needs):
-            y_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["y_scale"], ctx.config)
+        normed = "norm_weight" in saved
+        offset = ctx.norm_weight_offset
+        y_t = saved.get("y_t")
+        if normed and _params_need_grad(param_needs):
+            y_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["y_scale"], ctx.config, offset)
         grad_y, param_grads = Projections(params, "qkv", ctx.output_widths).backward(
             grads, y_t, saved["y_scale"], saved["weight_amax"], (need_x or need_norm_weight, param_needs),
             ctx.config, ctx.x_dtype, _capture.backward_site(ctx),
         )
-        grad_x, grad_norm_weight = None, None
-        if grad_y is not None:
-            grad_x, grad_norm_weight = _rmsnorm_backward(grad_y, saved, saved["norm_weight"], ctx.config, ctx.x_dtype)
+        grad_x, grad_norm_weight = grad_y, None
+        if grad_y is not None and normed:
+            grad_x, grad_norm_weight = _rmsnorm_backward(grad_y, saved, saved["norm_weight"], ctx.config, ctx.x_dtype,
+                                                         weight_offset=offset)
         return (
             grad_x.view(ctx.x_shape) if need_x else None,
             grad_norm_weight if need_norm_weight else None,
-            None,
-            None,
-            None,
-            None,
+            *(None,) * 5,  # eps, config, out_dtype, norm_weight_offset, output_widths
             *param_grads,
         )
 
 
 def before_attention(x, norm_weight, eps: float, projections, config: FP8Config = FP8Config(), *,
-                     output_widths=None):
-    """(q, k, v) = [proj(RMSNorm(x)) for proj in projections], with projections [(weight, bias), ...]; or, with
-    ``output_widths`` (e.g. [Hq D, Hkv D, Hkv D]), the outputs of one fused (weight, bias) split into blocks of
-    these widths, each computed by a GEMM of its own (see :class:`Projections`)."""
+                     norm_weight_offset: float = 0.0, output_widths=None):
+    """(q, k, v) = [proj(RMSNorm(x)) for proj in projections], with projections [(weight, bias), ...]; the norm
+    multiplies by norm_weight + norm_weight_offset (1 for Gemma). norm_weight None: no norm, [proj(x) ...].
+    With ``output_widths`` (e.g. [Hq D, Hkv D, Hkv D]), the outputs of one fused (weight, bias) split into
+    blocks of these widths, each computed by a GEMM of its own (see :class:`Projections`)."""
     flat_params = tuple(t for pair in projections for t in pair)
     out_dtype = output_dtype(x)
     output_widths = None if output_widths is None else tuple(output_widths)
     if _needs_autograd(x, norm_weight, *flat_params):
-        return _BeforeAttentionFunction.apply(x, norm_weight, eps, config, out_dtype, output_widths, *flat_params)
-    y, y_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config)
+        return _BeforeAttentionFunction.apply(x, norm_weight, eps, config, out_dtype, norm_weight_offset,
+                                              output_widths, *flat_params)
+    if norm_weight is None:
+        y, y_scale, _ = quantize_per_tensor(_matrix(x), config.forward_dtype)
+    else:
+        y, y_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config, weight_offset=norm_weight_offset)
     fused = Projections(_pairs(flat_params), output_widths=output_widths)
     outputs = fused.forward(y, y_scale, config, out_dtype, fused.weight_amax())
     return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
@@ -822,7 +872,8 @@ class _AfterAttentionFunction(torch.autograd.Function):
         projection = Projections([(weight, bias)], "o")
         weight_amax = projection.weight_amax()
         (out,) = projection.forward(a_q, a_scale, config, out_dtype, weight_amax, site)
-        out = residual + out.view(residual.shape)
+        out = out.view(*attn_output.shape[:-1], out.shape[-1]) if residual is None else residual + out.view(
+            residual.shape)
         if attention_keeps_output:
             _save(ctx, attn_output=attn_output, amax=amax, a_q_t=None, a_scale=None, weight=weight, bias=bias,
                   weight_amax=weight_amax)
@@ -852,9 +903,17 @@ class _AfterAttentionFunction(torch.autograd.Function):
 
 
 def after_attention(
-    attn_output, residual, weight, bias, config: FP8Config = FP8Config(), *, attention_keeps_output: bool = True
+    attn_output, residual, weight, bias, config: FP8Config = FP8Config(), *, attention_keeps_output: bool = True,
+    post_norm=None,
 ):
-    """residual + attn_output @ weight^T + bias, see :class:`_AfterAttentionFunction`."""
+    """residual + attn_output @ weight^T + bias, see :class:`_AfterAttentionFunction`. ``post_norm``: (weight, eps,
+    weight_offset) of a norm on the projection's output (OLMo 2, Gemma 3): residual + RMSNorm(o_proj(a)), the norm's
+    output in high precision and the residual added in its kernel (:func:`rms_norm_save`), its input saved in FP8
+    groups; the 16-bit o_proj output is not kept."""
+    if post_norm is not None:
+        out = after_attention(attn_output, None, weight, bias, config, attention_keeps_output=attention_keeps_output)
+        norm_weight, eps, weight_offset = post_norm
+        return rms_norm_save(out, norm_weight, eps, config, weight_offset=weight_offset, residual=residual)
     out_dtype = output_dtype(attn_output)
     if _needs_autograd(attn_output, residual, weight, bias):
         return _AfterAttentionFunction.apply(
@@ -863,7 +922,8 @@ def after_attention(
     a_q, a_scale, _ = quantize_per_tensor(_matrix(attn_output), config.forward_dtype)
     projection = Projections([(weight, bias)])
     (out,) = projection.forward(a_q, a_scale, config, out_dtype, projection.weight_amax())
-    return residual + out.view(residual.shape)
+    out = out.view(*attn_output.shape[:-1], out.shape[-1])
+    return out if residual is None else residual + out.view(residual.shape)
 
 
 class _MLPResidualFunction(torch.autograd.Function):
@@ -871,17 +931,20 @@ class _MLPResidualFunction(torch.autograd.Function):
     gate/up GEMM, SiLU*mul writes its product in FP8 for the down GEMM. Saves one copy of each non-linear
     op's inputs in 1 x G groups (``config.saved_format``): x + scales + rstd, gate and up + scales (and
     Smooth-SwiGLU's per-channel scale); backward recomputes from them the transposed FP8 n and product
-    that the wgrads read, with the forward's scales (saved). Plus the weights' amax and the parameters."""
+    that the wgrads read, with the forward's scales (saved). Plus the weights' amax and the parameters.
+    Without add_residual it returns the MLP's output alone (for a post-norm to add x to, Gemma 3)."""
 
     @staticmethod
     @_capture.measures_records
-    def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, activation: str, *flat_params):
+    def forward(ctx, x, norm_weight, eps: float, config: FP8Config, out_dtype, norm_weight_offset, add_residual,
+                activation: str, *flat_params):
         params = _pairs(flat_params)
         site = ctx.report_site = _capture.forward_site()
         x2d = _matrix(x)
-        quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, for_backward=True)
+        quantized = _rmsnorm_quantize(x2d, norm_weight, eps, config, True, norm_weight_offset)
         if site is not None:
-            _record_rmsnorm(site, "mlp_norm_input", "gate_up_input", x2d, norm_weight, quantized, config)
+            _record_rmsnorm(site, "mlp_norm_input", "gate_up_input", x2d, norm_weight, quantized, config,
+                            norm_weight_offset)
         n_q, n_scale, _, x_saved, x_saved_scales, rstd = quantized
         mlp_out, mlp_saved = _swiglu_forward(n_q, n_scale, params, config, out_dtype, keep_for_backward=True,
                                              site=site, activation=activation)
@@ -896,8 +959,8 @@ class _MLPResidualFunction(torch.autograd.Function):
             **_named_params(flat_params),
         )
         ctx.config, ctx.x_shape, ctx.x_dtype, ctx.out_dtype = config, x.shape, x.dtype, out_dtype
-        ctx.activation = activation
-        return x + mlp_out.view(x.shape)
+        ctx.norm_weight_offset, ctx.add_residual, ctx.activation = norm_weight_offset, add_residual, activation
+        return x + mlp_out.view(x.shape) if add_residual else mlp_out.view(*x.shape[:-1], mlp_out.shape[-1])
 
     @staticmethod
     @_capture.measures_records
@@ -905,47 +968,60 @@ class _MLPResidualFunction(torch.autograd.Function):
         saved = _saved(ctx)
         params = _pairs(_params_from(saved))
         need_x, need_norm_weight = ctx.needs_input_grad[:2]
-        needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 6, len(params)))
+        needs = (need_x or need_norm_weight, _param_needs(ctx.needs_input_grad, 8, len(params)))
+        offset = ctx.norm_weight_offset
         n_q_t = None
         if _params_need_grad(needs[1][:-1]):
-            n_q_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["n_scale"], ctx.config)
+            n_q_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["n_scale"], ctx.config, offset)
         grad_out2d = _matrix(grad_out)
         grad_n, param_grads = _swiglu_backward(
             grad_out2d, saved, n_q_t, saved["n_scale"], params, needs, ctx.config, ctx.x_dtype, ctx.out_dtype,
             _capture.backward_site(ctx), ctx.activation,
         )
-        grad_x, grad_norm_weight = grad_out, None
+        grad_x, grad_norm_weight = grad_out if ctx.add_residual else None, None
         if grad_n is not None:
             # x's gradient through the residual connection, grad_out, is added inside the norm's backward kernel.
-            residual = grad_out2d.contiguous() if need_x else None
+            residual = grad_out2d.contiguous() if need_x and ctx.add_residual else None
             grad_x, grad_norm_weight = _rmsnorm_backward(
-                grad_n, saved, saved["norm_weight"], ctx.config, ctx.x_dtype, residual
+                grad_n, saved, saved["norm_weight"], ctx.config, ctx.x_dtype, residual, offset
             )
         return (
             grad_x.view(ctx.x_shape) if need_x else None,
             grad_norm_weight if need_norm_weight else None,
-            None,
-            None,
-            None,
-            None,
+            *(None,) * 6,  # eps, config, out_dtype, norm_weight_offset, add_residual, activation
             *param_grads,
         )
 
 
 def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config = FP8Config(), *,
-                 activation: str = "silu"):
+                 activation: str = "silu", norm_weight_offset: float = 0.0, post_norm=None):
     """x + LlamaMLP(RMSNorm(x)) in FP8; gate, up, down are (weight, bias) pairs; ``activation`` as
-    :func:`swiglu_mlp`'s. up None: gate is Phi-3's fused gate_up_proj, [2I, H] with the gate's rows first
-    (Phi3MLP's ``chunk(2)``)."""
-    flat_params = (*gate, *(up or ()), *down)
-    out_dtype = output_dtype(x)
+    :func:`swiglu_mlp`'s; the norm multiplies by norm_weight + norm_weight_offset. up None: gate is Phi-3's fused
+    gate_up_proj, [2I, H] with the gate's rows first (Phi3MLP's ``chunk(2)``). norm_weight None: no pre-norm
+    (OLMo 2), the MLP reads x (:func:`swiglu_mlp`). ``post_norm``: (weight, eps, weight_offset) of a norm on the
+    MLP's output, x + RMSNorm(MLP(..)) with the add in the norm's kernel and its input saved in FP8 groups
+    (:func:`rms_norm_save`; OLMo 2, Gemma 3)."""
     ops._checked_activation(activation, "coat.nn.functional.mlp_residual")
-    if _needs_autograd(x, norm_weight, *flat_params):
-        return _MLPResidualFunction.apply(x, norm_weight, eps, config, out_dtype, activation, *flat_params)
-    n_q, n_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config)
-    mlp_out, _ = _swiglu_forward(n_q, n_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False,
-                                 activation=activation)
-    return x + mlp_out.view(x.shape)
+    add_residual = post_norm is None  # else the post-norm's kernel adds x
+    if norm_weight is None:
+        out = swiglu_mlp(x, gate, up, down, config, activation=activation)
+        out = x + out if add_residual else out
+    else:
+        flat_params = (*gate, *(up or ()), *down)
+        out_dtype = output_dtype(x)
+        if _needs_autograd(x, norm_weight, *flat_params):
+            out = _MLPResidualFunction.apply(x, norm_weight, eps, config, out_dtype, norm_weight_offset, add_residual,
+                                             activation, *flat_params)
+        else:
+            n_q, n_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config, weight_offset=norm_weight_offset)
+            out, _ = _swiglu_forward(n_q, n_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False,
+                                     activation=activation)
+            out = out.view(*x.shape[:-1], out.shape[-1])
+            out = x + out if add_residual else out
+    if add_residual:
+        return out
+    weight, post_eps, weight_offset = post_norm
+    return rms_norm_save(out, weight, post_eps, config, weight_offset=weight_offset, residual=x)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -994,11 +1070,12 @@ class _QKNormRotaryFunction(torch.autograd.Function):
     adjoint (:func:`coat.ops.rotary_embedding`, inverse) then the RMSNorm backward kernel over head_dim."""
 
     @staticmethod
-    def forward(ctx, q, k, q_weight, k_weight, eps: float, cos, sin, config: FP8Config):
-        q_out, k_out, *kept = ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, config.group_size)
+    def forward(ctx, q, k, q_weight, k_weight, eps: float, cos, sin, config: FP8Config, weight_offset: float):
+        q_out, k_out, *kept = ops.qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, config.group_size,
+                                               weight_offset=weight_offset)
         names = ("q_saved", "q_saved_scales", "q_rstd", "k_saved", "k_saved_scales", "k_rstd")
         _save(ctx, **dict(zip(names, kept)), q_weight=q_weight, k_weight=k_weight, cos=cos, sin=sin)
-        ctx.group_size = config.group_size
+        ctx.group_size, ctx.weight_offset = config.group_size, weight_offset
         return q_out, k_out
 
     @staticmethod
@@ -1010,17 +1087,19 @@ class _QKNormRotaryFunction(torch.autograd.Function):
         for name, grad in zip("qk", grads):
             weight = saved[f"{name}_weight"]
             grad_x, grad_weight = ops.rmsnorm_backward(grad, saved[f"{name}_saved"], saved[f"{name}_saved_scales"],
-                                                       saved[f"{name}_rstd"], weight, ctx.group_size)
+                                                       saved[f"{name}_rstd"], weight, ctx.group_size,
+                                                       weight_offset=ctx.weight_offset)
             results.append((grad_x, grad_weight.to(weight.dtype)))
         (grad_q, grad_q_weight), (grad_k, grad_k_weight) = results
-        return grad_q, grad_k, grad_q_weight, grad_k_weight, None, None, None, None
+        return grad_q, grad_k, grad_q_weight, grad_k_weight, None, None, None, None, None
 
 
-def qk_norm_rotary_embedding(q, k, q_weight, k_weight, eps: float, cos, sin, config: FP8Config = FP8Config()):
+def qk_norm_rotary_embedding(q, k, q_weight, k_weight, eps: float, cos, sin, config: FP8Config = FP8Config(), *,
+                             weight_offset: float = 0.0):
     """Qwen3's ``apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin)`` for q [B, S, Hq, D], k [B, S, Hk, D]
     (heads before head_dim, not transposed), see :class:`_QKNormRotaryFunction`; differentiable in q, k and
-    the two norm weights."""
-    return _QKNormRotaryFunction.apply(q, k, q_weight, k_weight, eps, cos, sin, config)
+    the two norm weights. weight_offset=1: Gemma 3's (1 + w) norms."""
+    return _QKNormRotaryFunction.apply(q, k, q_weight, k_weight, eps, cos, sin, config, weight_offset)
 
 
 # The fused LM head + loss, re-exported here with the other functional ops; imported last because it uses this

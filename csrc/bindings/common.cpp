@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <cmath>
+
 namespace coat {
 
 RowMatrix as_row_matrix(const at::Tensor& t, const char* op, const char* arg) {
@@ -60,6 +62,13 @@ void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op,
 void check_group_size(int64_t group_size, const char* op) {
   TORCH_CHECK(group_size == 16 || group_size == 32 || group_size == 64 || group_size == 128, op,
               ": group_size must be 16, 32, 64 or 128, got ", group_size);
+}
+
+float weight_offset_arg(double weight_offset, const char* op) {
+  const float offset = static_cast<float>(weight_offset);
+  TORCH_CHECK(std::isfinite(offset), op, ": weight_offset must be finite (in float32), got ", weight_offset,
+              "; it is added to the norm weight (0, or 1 for Gemma's (1 + weight) norms)");
+  return offset;
 }
 
 std::vector<int64_t> grouped_shape(const at::Tensor& x, int64_t group_size) {

@@ -36,6 +36,9 @@ void check_device(const at::Tensor& t, const char* op, const char* arg);
 void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op, const char* arg);
 void check_group_size(int64_t group_size, const char* op);
 
+// An RMSNorm weight offset (added to the weight in fp32: 0, or 1 for Gemma), checked finite as a float32.
+float weight_offset_arg(double weight_offset, const char* op);
+
 // x's shape with the last dimension replaced by its number of 1 x group_size groups, ceil(cols / G).
 std::vector<int64_t> grouped_shape(const at::Tensor& x, int64_t group_size);
 

@@ -20,10 +20,14 @@ TORCH_LIBRARY(coat, m) {
   m.def("dequantize_fp6(Tensor codes, Tensor scales, int cols, int block_size, ScalarType dtype) -> Tensor");
   m.def("fp6_to_e4m3(Tensor codes, Tensor scales, int cols, int block_size) -> Tensor");
   m.def("rmsnorm_quantize(Tensor x, Tensor weight, float eps, int save_group_size, int amax_group_size,"
-        " ScalarType fp8_dtype, bool transpose, str save_format='e4m3')"
+        " ScalarType fp8_dtype, bool transpose, str save_format='e4m3', float weight_offset=0.0)"
         " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor x_saved, Tensor x_saved_scales, Tensor rstd)");
   m.def("rmsnorm_backward(Tensor dy, Tensor x_saved, Tensor x_saved_scales, Tensor rstd, Tensor weight,"
-        " int save_group_size, Tensor? residual=None, str saved_format='e4m3') -> (Tensor dx, Tensor dweight)");
+        " int save_group_size, Tensor? residual=None, str saved_format='e4m3', float weight_offset=0.0)"
+        " -> (Tensor dx, Tensor dweight)");
+  m.def("rmsnorm_save(Tensor x, Tensor weight, float eps, int save_group_size, Tensor? residual=None,"
+        " str save_format='e4m3', float weight_offset=0.0)"
+        " -> (Tensor out, Tensor x_saved, Tensor x_saved_scales, Tensor rstd)");
   m.def("silu_mul_quantize(Tensor gate, Tensor up, Tensor? smooth_scale, int save_group_size, int amax_group_size,"
         " ScalarType fp8_dtype, bool transpose, str save_format='e4m3', str activation='silu')"
         " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor gate_saved, Tensor gate_scales, Tensor up_saved,"
@@ -32,7 +36,7 @@ TORCH_LIBRARY(coat, m) {
         " Tensor? smooth_scale, int save_group_size, str saved_format='e4m3', str activation='silu')"
         " -> (Tensor dgate, Tensor dup, Tensor d_amax)");
   m.def("rmsnorm_requantize(Tensor x_saved, Tensor x_saved_scales, Tensor rstd, Tensor weight, Tensor y_scale,"
-        " int save_group_size, ScalarType fp8_dtype, str saved_format='e4m3') -> Tensor");
+        " int save_group_size, ScalarType fp8_dtype, str saved_format='e4m3', float weight_offset=0.0) -> Tensor");
   m.def("silu_mul_requantize(Tensor gate_saved, Tensor gate_scales, Tensor up_saved, Tensor up_scales,"
         " Tensor? smooth_scale, Tensor y_scale, int save_group_size, ScalarType fp8_dtype, str saved_format='e4m3',"
         " int? cols=None, str activation='silu') -> Tensor");
@@ -50,7 +54,8 @@ TORCH_LIBRARY(coat, m) {
   m.def("cross_entropy(Tensor(a!) logits, Tensor labels, Tensor? grad_scale, int ignore_index, float label_smoothing,"
         " float softcap, float z_loss) -> (Tensor loss, Tensor lse)");
   m.def("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, Tensor cos, Tensor sin,"
-        " int save_group_size) -> (Tensor q_out, Tensor k_out, Tensor q_saved, Tensor q_saved_scales, Tensor q_rstd,"
+        " int save_group_size, float weight_offset=0.0) -> (Tensor q_out, Tensor k_out,"
+        " Tensor q_saved, Tensor q_saved_scales, Tensor q_rstd,"
         " Tensor k_saved, Tensor k_saved_scales, Tensor k_rstd)");
 }
 

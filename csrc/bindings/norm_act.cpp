@@ -157,8 +157,9 @@ at::Tensor saved_codes(const at::Tensor& input, coat_saved_format format) {
 
 RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& weight, double eps,
                                        int64_t save_group_size, int64_t amax_group_size, at::ScalarType fp8_dtype,
-                                       bool transpose, c10::string_view save_format) {
+                                       bool transpose, c10::string_view save_format, double weight_offset) {
   constexpr const char* op = "coat.rmsnorm_quantize";
+  const float offset = weight_offset_arg(weight_offset, op);
   const coat_saved_format saved = saved_format(save_format, op, "save_format");
   check_device(x, op, "x");
   const coat_dtype x_dtype = input_dtype(x, op, "x");
@@ -180,7 +181,7 @@ RmsnormForwardOutputs rmsnorm_quantize(const at::Tensor& x, const at::Tensor& we
   at::Tensor rstd = at::empty({m.rows}, float_options);
   at::Tensor y_amax = at::empty({1}, float_options);
   COAT_CALL_CORE(x, coat_rmsnorm_quantize, x.data_ptr(), x_dtype, m.rows, m.cols, m.row_stride, weight.data_ptr(),
-                 weight_dtype, static_cast<float>(eps), save_group_size, saved,
+                 weight_dtype, offset, static_cast<float>(eps), save_group_size, saved,
                  format, data_as<uint8_t>(y),
                  data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(x_saved),
                  data_as<float>(x_saved_scales), data_as<float>(rstd), data_as<float>(y_amax));
@@ -194,12 +195,13 @@ void check_rstd(const at::Tensor& rstd, const at::Tensor& input, int64_t rows, c
               "), as rmsnorm_quantize returns it, got ", rstd.scalar_type(), " of shape ", rstd.sizes());
 }
 
-// The gradient rmsnorm_backward adds to dx, read in place as dy's rows x cols: dy's shape, contiguous.
-coat_dtype check_residual(const at::Tensor& residual, const at::Tensor& dy, const char* op) {
-  check_same_device(dy, residual, op, "residual");
+// What an op adds to its output (rmsnorm_backward: the gradient around the norm, to dx; rmsnorm_save: the residual
+// stream, to y), read in place as `like`'s rows x cols: like's shape, contiguous.
+coat_dtype check_residual(const at::Tensor& residual, const at::Tensor& like, const char* op, const char* like_arg) {
+  check_same_device(like, residual, op, "residual");
   const coat_dtype dtype = input_dtype(residual, op, "residual");
-  TORCH_CHECK(residual.sizes() == dy.sizes(), op, ": residual has shape ", residual.sizes(), " but dy has shape ",
-              dy.sizes(), "; it must have dy's shape");
+  TORCH_CHECK(residual.sizes() == like.sizes(), op, ": residual has shape ", residual.sizes(), " but ", like_arg,
+              " has shape ", like.sizes(), "; it must have ", like_arg, "'s shape");
   TORCH_CHECK(residual.is_contiguous(), op, ": residual must be contiguous; call .contiguous() first");
   return dtype;
 }
@@ -207,8 +209,10 @@ coat_dtype check_residual(const at::Tensor& residual, const at::Tensor& dy, cons
 std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const at::Tensor& x_saved,
                                                     const at::Tensor& x_saved_scales, const at::Tensor& rstd,
                                                     const at::Tensor& weight, int64_t save_group_size,
-                                                    const std::optional<at::Tensor>& residual, c10::string_view saved_format_arg) {
+                                                    const std::optional<at::Tensor>& residual,
+                                                    c10::string_view saved_format_arg, double weight_offset) {
   constexpr const char* op = "coat.rmsnorm_backward";
+  const float offset = weight_offset_arg(weight_offset, op);
   const coat_saved_format format = saved_format(saved_format_arg, op, "saved_format");
   check_device(dy, op, "dy");
   const coat_dtype dy_dtype = input_dtype(dy, op, "dy");
@@ -220,23 +224,56 @@ std::tuple<at::Tensor, at::Tensor> rmsnorm_backward(const at::Tensor& dy, const 
   check_rstd(rstd, dy, m.rows, op);
   check_channel_vector(weight, dy, m.cols, op, "weight");
   const coat_dtype weight_dtype = input_dtype(weight, op, "weight");
-  const coat_dtype residual_dtype = residual ? check_residual(*residual, dy, op) : dy_dtype;
+  const coat_dtype residual_dtype = residual ? check_residual(*residual, dy, op, "dy") : dy_dtype;
 
   at::Tensor dx = at::empty(dy.sizes(), dy.options().dtype(residual ? residual->scalar_type() : dy.scalar_type()));
   at::Tensor dweight = at::empty({m.cols}, dy.options().dtype(at::kFloat));
   at::Tensor workspace = at::empty({coat_rmsnorm_backward_workspace_size(m.rows, m.cols)}, dy.options().dtype(at::kFloat));
   COAT_CALL_CORE(dy, coat_rmsnorm_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
                  data_as<const uint8_t>(x_saved), data_as<const float>(x_saved_scales), save_group_size,
-                 format, data_as<const float>(rstd), weight.data_ptr(), weight_dtype,
+                 format, data_as<const float>(rstd), weight.data_ptr(), weight_dtype, offset,
                  residual ? residual->data_ptr() : nullptr, residual_dtype, dx.data_ptr(), data_as<float>(dweight),
                  data_as<float>(workspace));
   return {dx, dweight};
 }
 
+// (out, x_saved, x_saved_scales, rstd)
+using RmsnormSaveOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+RmsnormSaveOutputs rmsnorm_save(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t save_group_size,
+                                const std::optional<at::Tensor>& residual, c10::string_view save_format,
+                                double weight_offset) {
+  constexpr const char* op = "coat.rmsnorm_save";
+  const coat_saved_format saved = saved_format(save_format, op, "save_format");
+  const float offset = weight_offset_arg(weight_offset, op);
+  check_device(x, op, "x");
+  const coat_dtype x_dtype = input_dtype(x, op, "x");
+  check_named_group_size(save_group_size, op, "save_group_size");
+  const RowMatrix m = as_row_matrix(x, op, "x");
+  check_rmsnorm_cols(m.cols, op, "x");
+  check_channel_vector(weight, x, m.cols, op, "weight");
+  const coat_dtype weight_dtype = input_dtype(weight, op, "weight");
+  TORCH_CHECK(eps >= 0.0 && std::isfinite(eps), op, ": eps must be finite and >= 0, got ", eps);
+  const coat_dtype residual_dtype = residual ? check_residual(*residual, x, op, "x") : x_dtype;
+
+  const at::TensorOptions float_options = x.options().dtype(at::kFloat);
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(residual ? residual->scalar_type() : x.scalar_type()));
+  at::Tensor x_saved = saved_codes(x, saved);
+  at::Tensor x_saved_scales = at::empty(grouped_shape(x, save_group_size), float_options);
+  at::Tensor rstd = at::empty({m.rows}, float_options);
+  COAT_CALL_CORE(x, coat_rmsnorm_save, x.data_ptr(), x_dtype, m.rows, m.cols, m.row_stride, weight.data_ptr(),
+                 weight_dtype, offset, static_cast<float>(eps), save_group_size, saved,
+                 residual ? residual->data_ptr() : nullptr, residual_dtype, out.data_ptr(), data_as<uint8_t>(x_saved),
+                 data_as<float>(x_saved_scales), data_as<float>(rstd));
+  return {out, x_saved, x_saved_scales, rstd};
+}
+
 at::Tensor rmsnorm_requantize(const at::Tensor& x_saved, const at::Tensor& x_saved_scales, const at::Tensor& rstd,
                               const at::Tensor& weight, const at::Tensor& y_scale, int64_t save_group_size,
-                              at::ScalarType fp8_dtype, c10::string_view saved_format_arg) {
+                              at::ScalarType fp8_dtype, c10::string_view saved_format_arg,
+                              double weight_offset) {
   constexpr const char* op = "coat.rmsnorm_requantize";
+  const float offset = weight_offset_arg(weight_offset, op);
   const coat_saved_format saved = saved_format(saved_format_arg, op, "saved_format");
   TORCH_CHECK(weight.dim() == 1, op, ": weight must have shape [H] (H the normalized size), got ", weight.sizes());
   const std::vector<int64_t> shape = saved_input_shape(x_saved, saved, weight.size(0), op, "x_saved", "weight");
@@ -254,7 +291,8 @@ at::Tensor rmsnorm_requantize(const at::Tensor& x_saved, const at::Tensor& x_sav
   COAT_CALL_CORE(x_saved, coat_rmsnorm_requantize, data_as<const uint8_t>(x_saved),
                  data_as<const float>(x_saved_scales), save_group_size, saved, data_as<const float>(rstd), m.rows,
                  m.cols,
-                 weight.data_ptr(), weight_dtype, data_as<const float>(y_scale), format, data_as<uint8_t>(y_t));
+                 weight.data_ptr(), weight_dtype, offset, data_as<const float>(y_scale), format,
+                 data_as<uint8_t>(y_t));
   return y_t;
 }
 
@@ -374,6 +412,7 @@ at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& g
 TORCH_LIBRARY_IMPL(coat, CPU, m) {
   m.impl("rmsnorm_quantize", &rmsnorm_quantize);
   m.impl("rmsnorm_backward", &rmsnorm_backward);
+  m.impl("rmsnorm_save", &rmsnorm_save);
   m.impl("silu_mul_quantize", &silu_mul_quantize);
   m.impl("silu_mul_backward", &silu_mul_backward);
   m.impl("rmsnorm_requantize", &rmsnorm_requantize);
@@ -384,6 +423,7 @@ TORCH_LIBRARY_IMPL(coat, CPU, m) {
 TORCH_LIBRARY_IMPL(coat, CUDA, m) {
   m.impl("rmsnorm_quantize", &rmsnorm_quantize);
   m.impl("rmsnorm_backward", &rmsnorm_backward);
+  m.impl("rmsnorm_save", &rmsnorm_save);
   m.impl("silu_mul_quantize", &silu_mul_quantize);
   m.impl("silu_mul_backward", &silu_mul_backward);
   m.impl("rmsnorm_requantize", &rmsnorm_requantize);

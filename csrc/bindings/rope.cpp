@@ -101,7 +101,7 @@ using QkNormRopeOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Ten
 
 QkNormRopeOutputs qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& q_weight,
                                const at::Tensor& k_weight, double eps, const at::Tensor& cos, const at::Tensor& sin,
-                               int64_t save_group_size) {
+                               int64_t save_group_size, double weight_offset) {
   constexpr const char* op = "coat.qk_norm_rope";
   at::Tensor q_out, k_out;
   coat_qk_norm_rope_args args{};
@@ -129,6 +129,7 @@ QkNormRopeOutputs qk_norm_rope(const at::Tensor& q, const at::Tensor& k, const a
   args.q_weight = data_as<const void>(q_weight);
   args.k_weight = data_as<const void>(k_weight);
   args.weight_dtype = input_dtype(q_weight, op, "q_weight");
+  args.weight_offset = weight_offset_arg(weight_offset, op);
   args.eps = static_cast<float>(eps);
   args.save_group_size = save_group_size;
   args.q_saved = data_as<uint8_t>(q_saved);

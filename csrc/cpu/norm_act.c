@@ -2,6 +2,7 @@
  * coat/detail/norm_act_math.h, replayed in the order csrc/cuda/rmsnorm.cu and silu_mul.cu compute them. */
 #include "coat/norm_act.h"
 
+#include <math.h>
 #include <stddef.h>
 
 #include "coat/detail/norm_act_math.h"
@@ -66,42 +67,54 @@ static void save_row(const void* row, coat_dtype dtype, int64_t cols, int64_t gr
   }
 }
 
+/* Element c of the norm weight plus the offset (coat_rmsnorm_weight). */
+static float weight_at(const void* weight, coat_dtype dtype, float offset, int64_t c) {
+  return coat_rmsnorm_weight(coat_load_f32(weight, dtype, c), offset);
+}
+
 /* Writes code for element (r, c) of y and, when there is one, of its transpose. */
 static void put_code(uint8_t code, int64_t r, int64_t c, int64_t rows, int64_t cols, uint8_t* y, uint8_t* y_t) {
   y[r * cols + c] = code;
   if (y_t != NULL) y_t[c * rows + r] = code;
 }
 
-coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
-                                      int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
-                                      int64_t save_group_size, coat_saved_format save_format, coat_fp8_format y_format,
-                                      uint8_t* y, float* y_scale, uint8_t* y_t, uint8_t* x_saved,
-                                      float* x_saved_scales, float* rstd, float* y_amax) {
-  if (!valid_matrix(x, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL ||
-      !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL ||
-      !valid_saved_format(save_format))
-    return COAT_ERROR_INVALID_ARGUMENT;
+/* rstd of row r of x (stored in rstd[r]) and the row saved in save_format: pass 1 of the RMSNorm forwards. */
+static float rmsnorm_row_stats(const void* row, coat_dtype x_dtype, int64_t r, int64_t cols, float eps,
+                               int64_t save_group_size, coat_saved_format save_format, uint8_t* x_saved,
+                               float* x_saved_scales, float* rstd) {
   const int64_t lanes = coat_rmsnorm_lanes(cols);
-  const int64_t ngroups = coat_ceil_div(cols, save_group_size);
+  float partials[COAT_RMSNORM_MAX_LANES] = {0.0f};
+  for (int64_t c = 0; c < cols; ++c) {
+    const float v = coat_load_f32(row, x_dtype, c);
+    const int64_t lane = lane_of_column(c, lanes);
+    partials[lane] = partials[lane] + v * v;
+  }
+  const float row_rstd = coat_canonical_nan(coat_rmsnorm_rstd(coat_combine_lane_partials(partials, lanes), cols, eps));
+  rstd[r] = row_rstd;
+  save_row(row, x_dtype, cols, save_group_size, save_format, x_saved + r * saved_row_bytes(cols, save_format),
+           x_saved_scales + r * coat_ceil_div(cols, save_group_size));
+  return row_rstd;
+}
+
+coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                                      const void* weight, coat_dtype weight_dtype, float weight_offset, float eps,
+                                      int64_t save_group_size, coat_saved_format save_format, coat_fp8_format y_format,
+                                      uint8_t* y, float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
+                                      float* rstd, float* y_amax) {
+  if (!valid_matrix(x, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL ||
+      !isfinite(weight_offset) || !coat_is_valid_group_size(save_group_size) || y_scale == NULL ||
+      y_amax == NULL || !valid_saved_format(save_format))
+    return COAT_ERROR_INVALID_ARGUMENT;
   float amax = 0.0f;
   /* pass 1: rstd, the saved input and the amax of y */
 #pragma omp parallel for schedule(static) reduction(max : amax)
   for (int64_t r = 0; r < rows; ++r) {
     const void* row = row_at(x, x_dtype, r, row_stride);
-    float partials[COAT_RMSNORM_MAX_LANES] = {0.0f};
-    for (int64_t c = 0; c < cols; ++c) {
-      const float v = coat_load_f32(row, x_dtype, c);
-      const int64_t lane = lane_of_column(c, lanes);
-      partials[lane] = partials[lane] + v * v;
-    }
-    const float sum_sq = coat_combine_lane_partials(partials, lanes);
-    const float row_rstd = coat_canonical_nan(coat_rmsnorm_rstd(sum_sq, cols, eps));
-    rstd[r] = row_rstd;
-    save_row(row, x_dtype, cols, save_group_size, save_format, x_saved + r * saved_row_bytes(cols, save_format),
-             x_saved_scales + r * ngroups);
+    const float row_rstd = rmsnorm_row_stats(row, x_dtype, r, cols, eps, save_group_size, save_format, x_saved,
+                                             x_saved_scales, rstd);
     for (int64_t c = 0; c < cols; ++c)
       amax = coat_amax_step(amax, coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), row_rstd,
-                                                     coat_load_f32(weight, weight_dtype, c)));
+                                                     weight_at(weight, weight_dtype, weight_offset, c)));
   }
   *y_amax = amax;
   const float scale = coat_scale_from_amax(amax, y_format);
@@ -111,9 +124,35 @@ coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     const void* row = row_at(x, x_dtype, r, row_stride);
     for (int64_t c = 0; c < cols; ++c) {
-      const float value = coat_canonical_nan(
-          coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), rstd[r], coat_load_f32(weight, weight_dtype, c)));
+      const float w = weight_at(weight, weight_dtype, weight_offset, c);
+      const float value = coat_canonical_nan(coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), rstd[r], w));
       put_code(coat_quantize_value(value, scale, y_format), r, c, rows, cols, y, y_t);
+    }
+  }
+  return COAT_SUCCESS;
+}
+
+coat_status coat_rmsnorm_save_cpu(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                                  const void* weight, coat_dtype weight_dtype, float weight_offset, float eps,
+                                  int64_t save_group_size, coat_saved_format save_format, const void* residual,
+                                  coat_dtype residual_dtype, void* out, uint8_t* x_saved, float* x_saved_scales,
+                                  float* rstd) {
+  if (!valid_matrix(x, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL ||
+      !isfinite(weight_offset) || !coat_is_valid_group_size(save_group_size) || !valid_saved_format(save_format) ||
+      (rows > 0 && (out == NULL || x_saved == NULL || x_saved_scales == NULL || rstd == NULL)))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  const coat_dtype out_dtype = residual != NULL ? residual_dtype : x_dtype;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const void* row = row_at(x, x_dtype, r, row_stride);
+    const float row_rstd = rmsnorm_row_stats(row, x_dtype, r, cols, eps, save_group_size, save_format, x_saved,
+                                             x_saved_scales, rstd);
+    for (int64_t c = 0; c < cols; ++c) {
+      float value = coat_rmsnorm_apply(coat_load_f32(row, x_dtype, c), row_rstd,
+                                       weight_at(weight, weight_dtype, weight_offset, c));
+      if (residual != NULL)
+        value = coat_round_as(x_dtype, value) + coat_load_f32(residual, residual_dtype, r * cols + c);
+      coat_store_as(out, out_dtype, r * cols + c, value);
     }
   }
   return COAT_SUCCESS;
@@ -126,10 +165,12 @@ int64_t coat_rmsnorm_backward_workspace_size(int64_t rows, int64_t cols) {
 coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                       int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
                                       int64_t save_group_size, coat_saved_format saved_format, const float* rstd,
-                                      const void* weight, coat_dtype weight_dtype, const void* residual,
-                                      coat_dtype residual_dtype, void* dx, float* dweight, float* workspace) {
+                                      const void* weight, coat_dtype weight_dtype, float weight_offset,
+                                      const void* residual, coat_dtype residual_dtype, void* dx, float* dweight,
+                                      float* workspace) {
   if (!valid_matrix(dy, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL ||
-      dweight == NULL || !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
+      !isfinite(weight_offset) || dweight == NULL || !coat_is_valid_group_size(save_group_size) ||
+      !valid_saved_format(saved_format) ||
       (rows > 0 && (x_saved == NULL || x_saved_scales == NULL || rstd == NULL || dx == NULL || workspace == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t lanes = coat_rmsnorm_lanes(cols);
@@ -150,7 +191,7 @@ coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64
       for (int64_t c = 0; c < cols; ++c) {
         const float xhat =
             coat_rmsnorm_xhat(saved_code(x_saved, saved_format, r, c, cols), scales[c / save_group_size], row_rstd);
-        const float g = coat_load_f32(dy_row, dy_dtype, c) * coat_load_f32(weight, weight_dtype, c);
+        const float g = coat_load_f32(dy_row, dy_dtype, c) * weight_at(weight, weight_dtype, weight_offset, c);
         const int64_t lane = lane_of_column(c, lanes);
         partials[lane] = partials[lane] + g * xhat;
       }
@@ -159,7 +200,7 @@ coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64
         const float xhat =
             coat_rmsnorm_xhat(saved_code(x_saved, saved_format, r, c, cols), scales[c / save_group_size], row_rstd);
         const float dy_value = coat_load_f32(dy_row, dy_dtype, c);
-        const float g = dy_value * coat_load_f32(weight, weight_dtype, c);
+        const float g = dy_value * weight_at(weight, weight_dtype, weight_offset, c);
         float dx_value = coat_rmsnorm_dx(g, xhat, mean_dot, row_rstd);
         if (residual != NULL)
           dx_value = coat_rmsnorm_dx_plus_residual(dx_value, dy_dtype,
@@ -260,9 +301,10 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
 
 coat_status coat_rmsnorm_requantize_cpu(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
                                         coat_saved_format saved_format, const float* rstd, int64_t rows, int64_t cols,
-                                        const void* weight, coat_dtype weight_dtype, const float* y_scale,
-                                        coat_fp8_format y_format, uint8_t* y_t) {
-  if (rows < 0 || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL || y_scale == NULL ||
+                                        const void* weight, coat_dtype weight_dtype, float weight_offset,
+                                        const float* y_scale, coat_fp8_format y_format, uint8_t* y_t) {
+  if (rows < 0 || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == NULL || !isfinite(weight_offset) ||
+      y_scale == NULL ||
       !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
       (rows > 0 && (x_saved == NULL || x_saved_scales == NULL || rstd == NULL || y_t == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -273,7 +315,8 @@ coat_status coat_rmsnorm_requantize_cpu(const uint8_t* x_saved, const float* x_s
     const float* scales = x_saved_scales + r * ngroups;
     for (int64_t c = 0; c < cols; ++c) {
       const float x = coat_saved_value(saved_code(x_saved, saved_format, r, c, cols), scales[c / save_group_size]);
-      const float value = coat_canonical_nan(coat_rmsnorm_apply(x, rstd[r], coat_load_f32(weight, weight_dtype, c)));
+      const float w = weight_at(weight, weight_dtype, weight_offset, c);
+      const float value = coat_canonical_nan(coat_rmsnorm_apply(x, rstd[r], w));
       y_t[c * rows + r] = coat_quantize_value(value, scale, y_format);
     }
   }

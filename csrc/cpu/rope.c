@@ -74,7 +74,8 @@ static void coat_qk_norm_token(const coat_qk_norm_rope_args* a, int64_t token, c
         coat_rmsnorm_rstd(coat_combine_lane_partials(partials, COAT_QK_NORM_LANES), dim, a->eps));
     rstd[out_row] = row_rstd;
     for (int64_t c = 0; c < dim; ++c)
-      normed[c] = coat_rmsnorm_apply(values[c], row_rstd, coat_load_f32(weight, a->weight_dtype, c));
+      normed[c] = coat_rmsnorm_apply(
+          values[c], row_rstd, coat_rmsnorm_weight(coat_load_f32(weight, a->weight_dtype, c), a->weight_offset));
     for (int64_t j = 0; j < dim; ++j) {
       const int64_t partner = j < half ? j + half : j - half;
       const float y = coat_qk_norm_rope_element(

@@ -5,7 +5,9 @@
 // Kernels:
 //   rmsnorm_stats_kernel     persistent; L threads per row (L = coat_rmsnorm_lanes(cols)): rstd, the saved x
 //                            (E4M3, FP4 or FP6, an instantiation each), the amax of y (one guarded atomicMax per
-//                            warp); the next rows' x is loaded while these are reduced
+//                            warp); the next rows' x is loaded while these are reduced. Its OutIo instantiations
+//                            are coat_rmsnorm_save_cuda: y (plus the residual) written in high precision instead
+//                            of the amax, from the x still in registers (one pass)
 //   apply_quantize_kernel    (norm_act.cuh) of RmsnormApply: y from x (the forward), y_t from the saved x (requantize)
 //   rmsnorm_backward_kernel  L threads per slice of rows, the next row in flight: dx (plus the residual
 //                            gradient when there is one), and one partial dweight row per slice
@@ -22,6 +24,15 @@ constexpr int kRowBlockThreads = 256;
 // ---------------------------------------------------------------------------------------------------
 // The weight in shared memory, the row's sum
 
+// The weight (plus the offset, coat_rmsnorm_weight) of the chunk from col, `count` elements of it; past them 0.
+__device__ __forceinline__ void load_weight_chunk(const void* weight, coat_dtype dtype, float offset, int col,
+                                                  int count, bool vector, float w[kChunk]) {
+  load_chunk(weight, dtype, col, count, vector, w);
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e)
+    if (e < count) w[e] = coat_rmsnorm_weight(w[e], offset);
+}
+
 // The RMSNorm weight as fp32 in shared memory, staged once per block: two planes of float4, the first and the
 // second half of each chunk, so that lanes reading consecutive chunks hit consecutive banks.
 struct WeightPlanes {
@@ -31,10 +42,11 @@ struct WeightPlanes {
   __host__ __device__ static size_t bytes(int cols) { return sizeof(float4) * 2 * ((cols + kChunk - 1) / kChunk); }
 
   // All threads of the block must call it (it synchronizes). Columns past cols hold 0.
-  __device__ __forceinline__ void stage(const void* weight, coat_dtype dtype, int cols, bool vector) const {
+  __device__ __forceinline__ void stage(const void* weight, coat_dtype dtype, float offset, int cols,
+                                        bool vector) const {
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
       float w[kChunk];
-      load_chunk(weight, dtype, c * kChunk, chunk_count(c * kChunk, cols), vector, w);
+      load_weight_chunk(weight, dtype, offset, c * kChunk, chunk_count(c * kChunk, cols), vector, w);
       planes[c] = make_float4(w[0], w[1], w[2], w[3]);
       planes[chunks + c] = make_float4(w[4], w[5], w[6], w[7]);
     }
@@ -76,6 +88,7 @@ struct RmsnormStatsArgs {
   int64_t row_stride;
   const void* weight;
   coat_dtype weight_dtype;
+  float weight_offset;
   float eps;
   int group_shift;  // log2 of the save group size
   int lanes;
@@ -84,7 +97,10 @@ struct RmsnormStatsArgs {
   uint8_t* x_saved;
   float* x_saved_scales;
   float* rstd;
-  float* y_amax;
+  float* y_amax;         // the FP8 forward's (OutIo void)
+  void* out;             // coat_rmsnorm_save's: rows x cols contiguous, in out_dtype (OutIo's)
+  coat_dtype out_dtype;  // the residual's, or x's without one
+  const void* residual;  // or nullptr; rows x cols contiguous, in OutIo's dtype
 };
 
 // A lane's chunks of one row (lane + k L for k < kChunksPerLane), as loaded.
@@ -111,10 +127,12 @@ template <int kMaxThreads, class Io>
 constexpr int kStatsMinBlocks = kMaxThreads == 256 && std::is_same<Io, VectorIo<COAT_BFLOAT16>>::value ? 3 : 1;
 
 // Block b reduces row groups b, b + gridDim.x, ... (kMaxThreads / L rows each, L lanes per row); with
-// kPrefetch the next group's x is in flight while this group is reduced. x is saved in kFormat.
-template <int kMaxThreads, class Io, coat_saved_format kFormat>
+// kPrefetch the next group's x is in flight while this group is reduced. x is saved in kFormat. OutIo is void for
+// the FP8 forward (the amax of y), else the Io that writes y (coat_rmsnorm_save) and reads the residual.
+template <int kMaxThreads, class Io, coat_saved_format kFormat, class OutIo = void>
 __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>))
     rmsnorm_stats_kernel(RmsnormStatsArgs a) {
+  constexpr bool kOutput = !std::is_void<OutIo>::value;
   // 1024-thread blocks have 64 registers per thread: no room for a second row.
   constexpr bool kPrefetch = kMaxThreads <= 512;
   __shared__ float warp_sums[2][kMaxThreads / kWarpSize];
@@ -136,7 +154,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>
   // The first rows are in flight while the weight is staged.
   LaneChunks<Io> next;
   if constexpr (kPrefetch) next = load_row(blockIdx.x);
-  weights.stage(a.weight, a.weight_dtype, a.cols, Io::kVector);
+  weights.stage(a.weight, a.weight_dtype, a.weight_offset, a.cols, Io::kVector);
   float amax = 0.0f;
   int parity = 0;
   for (int64_t group = blockIdx.x; group < a.row_groups; group += gridDim.x, parity ^= 1) {
@@ -169,7 +187,8 @@ __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>
     const float rstd = coat_rmsnorm_rstd(row_sum(partial, a.lanes, warp_sums[parity]), a.cols, a.eps);
     if (active && lane == 0) a.rstd[row] = coat_canonical_nan(rstd);
 
-    // The amax of y. Past a short chunk x and the weight are 0, so y is 0 or NaN there, which changes no amax.
+    // The amax of y, or y itself in high precision (kOutput), plus the residual, y rounded to x's dtype first (as
+    // coat/norm_act.h says). Past a short chunk x and the weight are 0, so y is 0 or NaN there, which changes no amax.
 #pragma unroll
     for (int k = 0; k < kChunksPerLane; ++k) {
       if (k * a.lanes >= chunks) break;
@@ -179,12 +198,28 @@ __global__ void __launch_bounds__(kMaxThreads, (kStatsMinBlocks<kMaxThreads, Io>
       float x[kChunk], weight[kChunk];
       io.unpack(x_row.chunk[k], x);
       weights.chunk(col, weight);
+      if constexpr (kOutput) {
+        const OutIo out_io{a.out_dtype};
+        float y[kChunk];
 #pragma unroll
-      for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, coat_rmsnorm_apply(x[e], rstd, weight[e]));
+        for (int e = 0; e < kChunk; ++e) y[e] = coat_rmsnorm_apply(x[e], rstd, weight[e]);
+        if (a.residual != nullptr) {
+          float residual[kChunk];
+          out_io.unpack(out_io.load(row_at(a.residual, out_io.element_size(), row, a.cols), col, count), residual);
+#pragma unroll
+          for (int e = 0; e < kChunk; ++e) y[e] = coat_round_as(a.x_dtype, y[e]) + residual[e];
+        }
+        out_io.store(row_at(a.out, out_io.element_size(), row, a.cols), col, count, y);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, coat_rmsnorm_apply(x[e], rstd, weight[e]));
+      }
     }
   }
-  amax = warp_max(amax);
-  if (threadIdx.x % kWarpSize == 0) atomic_max_nonnegative(a.y_amax, amax);
+  if constexpr (!kOutput) {
+    amax = warp_max(amax);
+    if (threadIdx.x % kWarpSize == 0) atomic_max_nonnegative(a.y_amax, amax);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -199,6 +234,7 @@ struct RmsnormApply {
   const float* rstd;
   const void* weight;
   coat_dtype weight_dtype;
+  float weight_offset;
 
   struct Inputs {
     typename Source::Chunk x;
@@ -213,7 +249,7 @@ struct RmsnormApply {
   }
   __device__ __forceinline__ Column column(int col, int count) const {
     Column c;
-    load_chunk(weight, weight_dtype, col, count, kVector, c.weight);
+    load_weight_chunk(weight, weight_dtype, weight_offset, col, count, kVector, c.weight);
     return c;
   }
   __device__ __forceinline__ static void fill(Table&) {}
@@ -241,6 +277,7 @@ struct RmsnormBackwardArgs {
   const float* rstd;
   const void* weight;
   coat_dtype weight_dtype;
+  float weight_offset;
   int lanes;
   int64_t rows_per_slice, slices;
   const void* residual;  // or nullptr
@@ -294,7 +331,7 @@ __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, 
   // The weight of a chunk of the row.
   const auto weight_of = [&](int col, int count, float w[kChunk]) {
     if constexpr (kBackwardWeightShared<kMaxThreads>) weights.chunk(col, w);
-    else load_chunk(a.weight, a.weight_dtype, col, count, Io::kVector, w);
+    else load_weight_chunk(a.weight, a.weight_dtype, a.weight_offset, col, count, Io::kVector, w);
   };
   const Io io{a.dy_dtype};
   const DxIo dx_io{a.dx_dtype};
@@ -336,7 +373,8 @@ __global__ void __launch_bounds__(kMaxThreads, (kBackwardMinBlocks<kMaxThreads, 
   // The first row is in flight while the weight is staged.
   BackwardRow<Io> next;
   if constexpr (kPrefetch) next = load_row(0);
-  if constexpr (kBackwardWeightShared<kMaxThreads>) weights.stage(a.weight, a.weight_dtype, a.cols, Io::kVector);
+  if constexpr (kBackwardWeightShared<kMaxThreads>)
+    weights.stage(a.weight, a.weight_dtype, a.weight_offset, a.cols, Io::kVector);
   for (int64_t i = 0; i < a.rows_per_slice; ++i) {  // the same trip count for every thread of the block
     BackwardRow<Io> current;
     if constexpr (kPrefetch) {
@@ -455,9 +493,9 @@ __global__ void __launch_bounds__(kWarpSize * COAT_DWEIGHT_PHASES)
 // ---------------------------------------------------------------------------------------------------
 // Launch helpers
 
-template <int kMaxThreads, class Io, coat_saved_format kFormat>
+template <int kMaxThreads, class Io, coat_saved_format kFormat, class OutIo>
 coat_status launch_rmsnorm_stats(RmsnormStatsArgs args, cudaStream_t stream) {
-  constexpr auto kKernel = rmsnorm_stats_kernel<kMaxThreads, Io, kFormat>;
+  constexpr auto kKernel = rmsnorm_stats_kernel<kMaxThreads, Io, kFormat, OutIo>;
   const size_t shared_bytes = WeightPlanes::bytes(args.cols);
   const int64_t resident = resident_blocks<kKernel>(kMaxThreads, shared_bytes);
   if (resident <= 0) return COAT_ERROR_CUDA;
@@ -465,6 +503,42 @@ coat_status launch_rmsnorm_stats(RmsnormStatsArgs args, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(args.row_groups < resident ? args.row_groups : resident);
   kKernel<<<blocks, kMaxThreads, shared_bytes, stream>>>(args);
   return launch_status();
+}
+
+// launch_rmsnorm_stats with the block size for the row's L lanes, x saved in save_format.
+template <class Io, class OutIo>
+coat_status launch_rmsnorm_stats(const RmsnormStatsArgs& args, coat_saved_format save_format, cudaStream_t stream) {
+  return with_saved_format(save_format, [&](auto format) {
+    constexpr coat_saved_format kFormat = decltype(format)::value;
+    if (args.lanes <= kRowBlockThreads)
+      return launch_rmsnorm_stats<kRowBlockThreads, Io, kFormat, OutIo>(args, stream);
+    if (args.lanes == 512) return launch_rmsnorm_stats<512, Io, kFormat, OutIo>(args, stream);
+    return launch_rmsnorm_stats<1024, Io, kFormat, OutIo>(args, stream);
+  });
+}
+
+// The arguments of rmsnorm_stats_kernel shared by both forwards (y_amax, out and residual are the caller's).
+RmsnormStatsArgs stats_args(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                            const void* weight, coat_dtype weight_dtype, float weight_offset, float eps,
+                            int64_t save_group_size, coat_saved_format save_format, uint8_t* x_saved,
+                            float* x_saved_scales, float* rstd) {
+  RmsnormStatsArgs args{};
+  args.x = x;
+  args.x_dtype = x_dtype;
+  args.rows = rows;
+  args.cols = static_cast<int>(cols);
+  args.row_stride = row_stride;
+  args.weight = weight;
+  args.weight_dtype = weight_dtype;
+  args.weight_offset = weight_offset;
+  args.eps = eps;
+  args.group_shift = coat::device::ceil_log2(save_group_size);
+  args.lanes = static_cast<int>(coat_rmsnorm_lanes(cols));
+  args.saved_row_bytes = static_cast<int>(saved_row_bytes(cols, save_format));
+  args.x_saved = x_saved;
+  args.x_saved_scales = x_saved_scales;
+  args.rstd = rstd;
+  return args;
 }
 
 template <int kMaxThreads, class Io, class ResidualIo>
@@ -490,51 +564,65 @@ coat_status launch_rmsnorm_backward(const RmsnormBackwardArgs& args, cudaStream_
 extern "C" {
 
 coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
-                                       int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
-                                       int64_t save_group_size, coat_saved_format save_format,
-                                       coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
-                                       uint8_t* x_saved, float* x_saved_scales, float* rstd, float* y_amax,
-                                       coat_cuda_stream stream) {
+                                       int64_t row_stride, const void* weight, coat_dtype weight_dtype,
+                                       float weight_offset, float eps, int64_t save_group_size,
+                                       coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
+                                       float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
+                                       float* rstd, float* y_amax, coat_cuda_stream stream) {
   if (!valid_matrix(x, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr ||
-      !coat_is_valid_group_size(save_group_size) || y_scale == nullptr || y_amax == nullptr ||
-      !valid_saved_format(save_format))
+      !isfinite(weight_offset) || !coat_is_valid_group_size(save_group_size) || y_scale == nullptr ||
+      y_amax == nullptr || !valid_saved_format(save_format))
     return COAT_ERROR_INVALID_ARGUMENT;
   const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
   if (cudaMemsetAsync(y_amax, 0, sizeof(float), cuda_stream) != cudaSuccess) return COAT_ERROR_CUDA;
-  RmsnormStatsArgs args;
-  args.x = x;
-  args.x_dtype = x_dtype;
-  args.rows = rows;
-  args.cols = static_cast<int>(cols);
-  args.row_stride = row_stride;
-  args.weight = weight;
-  args.weight_dtype = weight_dtype;
-  args.eps = eps;
-  args.group_shift = coat::device::ceil_log2(save_group_size);
-  args.lanes = static_cast<int>(coat_rmsnorm_lanes(cols));
-  args.row_groups = 0;
-  args.saved_row_bytes = static_cast<int>(saved_row_bytes(cols, save_format));
-  args.x_saved = x_saved;
-  args.x_saved_scales = x_saved_scales;
-  args.rstd = rstd;
+  RmsnormStatsArgs args = stats_args(x, x_dtype, rows, cols, row_stride, weight, weight_dtype, weight_offset, eps,
+                                     save_group_size, save_format, x_saved, x_saved_scales, rstd);
   args.y_amax = y_amax;
   const bool vector = cols % kChunk == 0 && rows_aligned16(x, x_dtype, row_stride) && aligned(weight, 16);
   coat_status status = COAT_SUCCESS;
   with_io(x_dtype, vector, [&](auto io) {
     using Io = decltype(io);
-    if (rows > 0) {
-      status = with_saved_format(save_format, [&](auto format) {
-        constexpr coat_saved_format kFormat = decltype(format)::value;
-        if (args.lanes <= kRowBlockThreads)
-          return launch_rmsnorm_stats<kRowBlockThreads, Io, kFormat>(args, cuda_stream);
-        if (args.lanes == 512) return launch_rmsnorm_stats<512, Io, kFormat>(args, cuda_stream);
-        return launch_rmsnorm_stats<1024, Io, kFormat>(args, cuda_stream);
-      });
-    }
+    if (rows > 0) status = launch_rmsnorm_stats<Io, void>(args, save_format, cuda_stream);
     if (status != COAT_SUCCESS) return;
-    const RmsnormApply<HighPrecisionRows<Io>> op{{io, x, row_stride}, rstd, weight, weight_dtype};
+    const RmsnormApply<HighPrecisionRows<Io>> op{{io, x, row_stride}, rstd, weight, weight_dtype,
+                                                  weight_offset};
     status = launch_apply_quantize(op, rows, args.cols, OutputScale::from_amax(y_amax, y_scale), y_format, y, y_t,
                                    cuda_stream);
+  });
+  return status;
+}
+
+coat_status coat_rmsnorm_save_cuda(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                                   const void* weight, coat_dtype weight_dtype, float weight_offset, float eps,
+                                   int64_t save_group_size, coat_saved_format save_format, const void* residual,
+                                   coat_dtype residual_dtype, void* out, uint8_t* x_saved, float* x_saved_scales,
+                                   float* rstd, coat_cuda_stream stream) {
+  if (!valid_matrix(x, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr ||
+      !isfinite(weight_offset) || !coat_is_valid_group_size(save_group_size) || !valid_saved_format(save_format) ||
+      (rows > 0 && (out == nullptr || x_saved == nullptr || x_saved_scales == nullptr || rstd == nullptr)))
+    return COAT_ERROR_INVALID_ARGUMENT;
+  if (rows == 0) return COAT_SUCCESS;
+  RmsnormStatsArgs args = stats_args(x, x_dtype, rows, cols, row_stride, weight, weight_dtype, weight_offset, eps,
+                                     save_group_size, save_format, x_saved, x_saved_scales, rstd);
+  args.out = out;
+  args.residual = residual;
+  args.out_dtype = residual != nullptr ? residual_dtype : x_dtype;
+  // As in the backward: the output and a residual take the 16-byte path in x's dtype or in fp32 (an fp32 residual
+  // stream); other pairs, which no layer makes, go element by element.
+  const bool vector_residual = residual == nullptr || (aligned(residual, 16) && (residual_dtype == x_dtype ||
+                                                                                 residual_dtype == COAT_FLOAT32));
+  const bool vector = cols % kChunk == 0 && rows_aligned16(x, x_dtype, row_stride) && aligned(weight, 16) &&
+                      aligned(out, 16) && vector_residual;
+  const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+  coat_status status = COAT_SUCCESS;
+  with_io(x_dtype, vector, [&](auto io) {
+    using Io = decltype(io);
+    if constexpr (Io::kVector) {
+      if (args.out_dtype == x_dtype) status = launch_rmsnorm_stats<Io, Io>(args, save_format, cuda_stream);
+      else status = launch_rmsnorm_stats<Io, VectorIo<COAT_FLOAT32>>(args, save_format, cuda_stream);
+    } else {
+      status = launch_rmsnorm_stats<Io, ElementIo>(args, save_format, cuda_stream);
+    }
   });
   return status;
 }
@@ -542,11 +630,12 @@ coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_
 coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
                                        int64_t save_group_size, coat_saved_format saved_format, const float* rstd,
-                                       const void* weight, coat_dtype weight_dtype, const void* residual,
-                                       coat_dtype residual_dtype, void* dx, float* dweight, float* workspace,
-                                       coat_cuda_stream stream) {
+                                       const void* weight, coat_dtype weight_dtype, float weight_offset,
+                                       const void* residual, coat_dtype residual_dtype, void* dx, float* dweight,
+                                       float* workspace, coat_cuda_stream stream) {
   if (!valid_matrix(dy, rows, cols, row_stride) || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr ||
-      dweight == nullptr || !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
+      !isfinite(weight_offset) || dweight == nullptr || !coat_is_valid_group_size(save_group_size) ||
+      !valid_saved_format(saved_format) ||
       (rows > 0 && (x_saved == nullptr || x_saved_scales == nullptr || rstd == nullptr || dx == nullptr ||
                     workspace == nullptr)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -563,6 +652,7 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
   args.rstd = rstd;
   args.weight = weight;
   args.weight_dtype = weight_dtype;
+  args.weight_offset = weight_offset;
   args.lanes = static_cast<int>(coat_rmsnorm_lanes(cols));
   args.rows_per_slice = coat_rmsnorm_backward_rows_per_slice(rows, cols);
   args.slices = rows > 0 ? coat_ceil_div(rows, args.rows_per_slice) : 0;
@@ -599,11 +689,12 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
 }
 
 coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
-                                         coat_saved_format saved_format, const float* rstd, int64_t rows,
-                                         int64_t cols, const void* weight, coat_dtype weight_dtype,
+                                         coat_saved_format saved_format, const float* rstd, int64_t rows, int64_t cols,
+                                         const void* weight, coat_dtype weight_dtype, float weight_offset,
                                          const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
                                          coat_cuda_stream stream) {
-  if (rows < 0 || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr || y_scale == nullptr ||
+  if (rows < 0 || cols < 1 || cols > COAT_RMSNORM_MAX_COLS || weight == nullptr || !isfinite(weight_offset) ||
+      y_scale == nullptr ||
       !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
       (rows > 0 && (x_saved == nullptr || x_saved_scales == nullptr || rstd == nullptr || y_t == nullptr)))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -614,7 +705,8 @@ coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_
   const bool vector = cols % kChunk == 0 && vector_aligned(codes) && aligned(weight, 16);
   return with_saved_rows(vector, codes.format, [&](auto vector_codes, auto format) {
     using Saved = SavedRows<decltype(vector_codes)::value, decltype(format)::value>;
-    const RmsnormApply<Saved> op{Saved{codes, x_saved_scales, ngroups, group_shift}, rstd, weight, weight_dtype};
+    const RmsnormApply<Saved> op{Saved{codes, x_saved_scales, ngroups, group_shift}, rstd, weight, weight_dtype,
+                         weight_offset};
     return launch_apply_quantize(op, rows, static_cast<int>(cols), OutputScale::of(y_scale), y_format, nullptr, y_t,
                                  reinterpret_cast<cudaStream_t>(stream));
   });

@@ -293,7 +293,9 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const coat_qk_no
     if (lane == 0) (is_q ? a.q_rstd : a.k_rstd)[out_row] = rstd;
 #pragma unroll
     for (int i = 0; i < COAT_NORM_ACT_CHUNK; ++i)
-      if (i < count) normed[warp][col + i] = coat_rmsnorm_apply(values[i], rstd, coat_load_f32(weight, a.weight_dtype, col + i));
+      if (i < count)
+        normed[warp][col + i] = coat_rmsnorm_apply(
+            values[i], rstd, coat_rmsnorm_weight(coat_load_f32(weight, a.weight_dtype, col + i), a.weight_offset));
     __syncwarp();
 
     const int64_t cos_offset = b * r.cos_strides[0] + s * r.cos_strides[1];

@@ -8,7 +8,7 @@
 #     approximations (csrc/cuda/adamw_fast_math.cuh) are replaced by adamw_fast_math.cuh here: exact values
 #     moved by pseudo-random errors up to the PTX ISA's bounds.
 #   norm_act (csrc/cuda/rmsnorm.cu, silu_mul.cu): every output of rmsnorm_quantize / rmsnorm_requantize /
-#     rmsnorm_backward / silu_mul_quantize / silu_mul_requantize / silu_mul_backward bit for bit (see
+#     rmsnorm_backward / rmsnorm_save / silu_mul_quantize / silu_mul_requantize / silu_mul_backward bit for bit (see
 #     test_emulated_norm_act.cpp), and the fast sigmoid against coat_sigmoid (on every float it accepts with `full`,
 #     about a minute on two cores). The few hardware instructions it uses on sm_80+ (FP8 and bf16 conversions,
 #     MUFU.RCP in rcp.rn's own sequence) are replaced by the C core's functions they equal.

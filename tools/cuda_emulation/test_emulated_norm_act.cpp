@@ -2,7 +2,8 @@
 // every output with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and act*mul (silu and gelu_tanh), forward
 // (saving E4M3, FP4 and FP6),
 // requantize (with the forward's y_scale and with one that saturates, from aligned and misaligned codes) and
-// backward (without a residual gradient, and with one of dy's dtype or another), both from every saved format, over
+// backward (without a residual gradient, and with one of dy's dtype or another), both from every saved format, the
+// high-precision forward rmsnorm_save (without and with a residual stream), weight offsets 0 and 1 (Gemma), over
 // row widths of every lane count, odd widths
 // and misaligned views (the element-wise path), row strides, the three dtypes, every save group size, both FP8
 // formats, with and without the transpose, NaN / Inf / zero / subnormal / huge inputs and gates past the fast
@@ -155,12 +156,12 @@ const char* dtype_name(coat_dtype d) { return d == COAT_FLOAT32 ? "f32" : d == C
 // RMSNorm forward and backward, C core against the emulated kernels.
 void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, coat_dtype x_dtype, coat_dtype w_dtype,
                   int64_t group, coat_fp8_format format, bool transpose, int specials, float eps,
-                  const std::vector<coat_dtype>& residual_dtypes) {
-  char name[160];
-  snprintf(name, sizeof name, "rmsnorm %lldx%lld stride %lld +%d %s/%s G%lld %s%s%s eps %g sms %d",
+                  const std::vector<coat_dtype>& residual_dtypes, float weight_offset = 0.0f) {
+  char name[180];
+  snprintf(name, sizeof name, "rmsnorm %lldx%lld stride %lld +%d %s/%s G%lld %s%s%s eps %g weight_offset %g sms %d",
            (long long)rows, (long long)cols, (long long)row_stride, offset, dtype_name(x_dtype), dtype_name(w_dtype),
            (long long)group, format == COAT_E4M3 ? "e4m3" : "e5m2", transpose ? " T" : "", specials ? " specials" : "",
-           eps, emu_sms);
+           eps, weight_offset, emu_sms);
   const Matrix x = make_matrix(rows, cols, row_stride, offset, x_dtype, specials);
   const Matrix weight = make_matrix(1, cols, cols, 0, w_dtype, specials & kSpecial ? kSpecial : kPlain);
   const int64_t n = rows * cols, ngroups = (cols + group - 1) / group;
@@ -179,13 +180,13 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
   for (const coat_saved_format save : {COAT_SAVED_FP4, COAT_SAVED_FP6, COAT_SAVED_E4M3}) {
     for (Out& o : out) o.saved.assign(saved_bytes(save, rows, cols), 0xAB);
     const coat_status cpu = coat_rmsnorm_quantize_cpu(
-        x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, eps, group, save, format, out[0].y.data(),
-        out[0].y_scale.data(), transpose ? out[0].y_t.data() : nullptr, out[0].saved.data(), out[0].scales.data(),
-        out[0].rstd.data(), out[0].y_amax.data());
+        x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, weight_offset, eps, group, save, format,
+        out[0].y.data(), out[0].y_scale.data(), transpose ? out[0].y_t.data() : nullptr, out[0].saved.data(),
+        out[0].scales.data(), out[0].rstd.data(), out[0].y_amax.data());
     const coat_status gpu = coat_rmsnorm_quantize_cuda(
-        x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, eps, group, save, format, out[1].y.data(),
-        out[1].y_scale.data(), transpose ? out[1].y_t.data() : nullptr, out[1].saved.data(), out[1].scales.data(),
-        out[1].rstd.data(), out[1].y_amax.data(), nullptr);
+        x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, weight_offset, eps, group, save, format,
+        out[1].y.data(), out[1].y_scale.data(), transpose ? out[1].y_t.data() : nullptr, out[1].saved.data(),
+        out[1].scales.data(), out[1].rstd.data(), out[1].y_amax.data(), nullptr);
     CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
     if (save != COAT_SAVED_E4M3) {
       const int k = save == COAT_SAVED_FP4 ? 0 : 1;
@@ -213,10 +214,10 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
       std::vector<uint8_t> y_t[2] = {std::vector<uint8_t>(n, 0xAB), std::vector<uint8_t>(n, 0xCD)};
       const coat_status cpu_r = coat_rmsnorm_requantize_cpu(x_saved.data, saved.scales->data(), group, saved.format,
                                                             out[0].rstd.data(), rows, cols, weight.data, w_dtype,
-                                                            &y_scale, format, y_t[0].data());
+                                                            weight_offset, &y_scale, format, y_t[0].data());
       const coat_status gpu_r = coat_rmsnorm_requantize_cuda(x_saved.data, saved.scales->data(), group, saved.format,
                                                              out[0].rstd.data(), rows, cols, weight.data, w_dtype,
-                                                             &y_scale, format, y_t[1].data(), nullptr);
+                                                             weight_offset, &y_scale, format, y_t[1].data(), nullptr);
       CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", name, cpu_r, gpu_r);
       char what[64];
       snprintf(what, sizeof what, "requantized y_t from %s", format_name(saved.format));
@@ -250,15 +251,46 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
     const void* residual_data = residual ? residual->data : nullptr;
     const coat_status cpu_b = coat_rmsnorm_backward_cpu(
         dy.data, x_dtype, rows, cols, row_stride, saved.codes->data(), saved.scales->data(), group, saved.format,
-        out[0].rstd.data(), weight.data, w_dtype, residual_data, dx_dtype, grads[0].dx.data(), grads[0].dweight.data(),
-        grads[0].workspace.data());
+        out[0].rstd.data(), weight.data, w_dtype, weight_offset, residual_data, dx_dtype, grads[0].dx.data(),
+        grads[0].dweight.data(), grads[0].workspace.data());
     const coat_status gpu_b = coat_rmsnorm_backward_cuda(
         dy.data, x_dtype, rows, cols, row_stride, saved.codes->data(), saved.scales->data(), group, saved.format,
-        out[0].rstd.data(), weight.data, w_dtype, residual_data, dx_dtype, grads[1].dx.data(), grads[1].dweight.data(),
-        grads[1].workspace.data(), nullptr);
+        out[0].rstd.data(), weight.data, w_dtype, weight_offset, residual_data, dx_dtype, grads[1].dx.data(),
+        grads[1].dweight.data(), grads[1].workspace.data(), nullptr);
     CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s: status %d %d", backward_name, cpu_b, gpu_b);
     same(grads[0].dx, grads[1].dx, "dx", backward_name);
     same(grads[0].dweight, grads[1].dweight, "dweight", backward_name);
+  }
+
+  // The high-precision forward (coat_rmsnorm_save_*), without a residual and with each of `residuals` (as the
+  // residual stream): out bit for bit, and what it saves equal to the FP8 forward's (E4M3, its last save above).
+  for (size_t k = 0; k <= residuals.size(); ++k) {
+    const Matrix* residual = k > 0 ? &residuals[k - 1] : nullptr;
+    const coat_dtype out_dtype = residual ? residual->dtype : x_dtype;
+    char save_name[220];
+    snprintf(save_name, sizeof save_name, "%s save, residual %s", name, residual ? dtype_name(out_dtype) : "none");
+    struct Saved {
+      std::vector<uint8_t> out, saved;
+      std::vector<float> scales, rstd;
+    } kept[2];
+    for (Saved& o : kept) {
+      o.out.assign(n * bytes_of(out_dtype), 0xAB), o.saved.assign(n, 0xAB);
+      o.scales.assign(rows * ngroups, -1.0f), o.rstd.assign(rows, -1.0f);
+    }
+    const void* residual_data = residual ? residual->data : nullptr;
+    const coat_status cpu_s = coat_rmsnorm_save_cpu(
+        x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, weight_offset, eps, group, COAT_SAVED_E4M3,
+        residual_data, out_dtype, kept[0].out.data(), kept[0].saved.data(), kept[0].scales.data(),
+        kept[0].rstd.data());
+    const coat_status gpu_s = coat_rmsnorm_save_cuda(
+        x.data, x_dtype, rows, cols, row_stride, weight.data, w_dtype, weight_offset, eps, group, COAT_SAVED_E4M3,
+        residual_data, out_dtype, kept[1].out.data(), kept[1].saved.data(), kept[1].scales.data(),
+        kept[1].rstd.data(), nullptr);
+    CHECK(cpu_s == COAT_SUCCESS && gpu_s == COAT_SUCCESS, "%s: status %d %d", save_name, cpu_s, gpu_s);
+    same(kept[0].out, kept[1].out, "out", save_name);
+    same(kept[1].saved, out[0].saved, "x_saved vs the FP8 forward's", save_name);
+    same(kept[1].scales, out[0].scales, "x_saved_scales vs the FP8 forward's", save_name);
+    same(kept[1].rstd, out[0].rstd, "rstd vs the FP8 forward's", save_name);
   }
 }
 
@@ -685,7 +717,7 @@ int main(int argc, char** argv) {
       if (shape[1] <= 4096) residual_dtypes.push_back(i % 2 ? other : x_dtype);
       rmsnorm_case(shape[0], shape[1], stride, offset, x_dtype, w_dtype, groups[(i + variant) % 4],
                    (i + variant) % 2 ? COAT_E5M2 : COAT_E4M3, variant != 1, variant == 0 ? kSpecial : kPlain,
-                   variant == 2 ? 0.0f : 1e-6f, residual_dtypes);
+                   variant == 2 ? 0.0f : 1e-6f, residual_dtypes, i % 3 == 1 ? 1.0f : 0.0f);  // 1: Gemma's norms
     }
   }
   // Slices of several rows in the backward: 4 rows of one warp (L = 32), 2 rows of two warps (L = 64).
@@ -705,7 +737,8 @@ int main(int argc, char** argv) {
   rmsnorm_case(4, 100, 100, 0, COAT_FLOAT32, COAT_FLOAT16, 128, COAT_E4M3, true, kPlain, 1e-6f, {COAT_BFLOAT16});
   rmsnorm_case(5, 64, 64, 1, COAT_BFLOAT16, COAT_FLOAT32, 16, COAT_E4M3, true, kPlain, 1e-6f, {COAT_BFLOAT16});
   emu_sms = 2;
-  rmsnorm_case(2, 16392, 16392, 0, COAT_FLOAT16, COAT_BFLOAT16, 16, COAT_E4M3, false, kPlain, 1e-6f, {COAT_FLOAT32});
+  rmsnorm_case(2, 16392, 16392, 0, COAT_FLOAT16, COAT_BFLOAT16, 16, COAT_E4M3, false, kPlain, 1e-6f, {COAT_FLOAT32},
+               1.0f);
 
   const int64_t silu_shapes[][2] = {{5, 64},   {37, 176}, {9, 1000}, {3, 7}, {4, 100},
                                     {6, 1032}, {3, 2048}, {70, 16},  {1, 8}};

@@ -1,8 +1,9 @@
 /*
  * coat core: fused non-linear layers with FP8 outputs and FP8-saved inputs (COAT section 5, appendix G.3).
  *
- * Two layers of a Llama-style block, each as a forward/backward pair:
- *   RMSNorm:  y = x * rstd * weight,           rstd = 1 / sqrt(mean(x^2) + eps)   (per row)
+ * Two layers of a Llama-style block, each as a forward/backward pair (and RMSNorm with a high-precision output,
+ * coat_rmsnorm_save_*, for norms whose output is no GEMM input):
+ *   RMSNorm:  y = x * rstd * (weight + weight_offset),  rstd = 1 / sqrt(mean(x^2) + eps)   (per row)
  *   act*mul:  y = act(gate) * up [* smooth_scale[c]]   act = silu (SwiGLU) or gelu_tanh (GeGLU); Smooth-SwiGLU
  *                                                       when smooth_scale is given (either activation)
  * The act*mul entry points keep their coat_silu_mul_* names; `activation` picks act.
@@ -96,23 +97,53 @@ typedef enum {
 
 /** RMSNorm forward with FP8 output and FP8-saved input.
  *    rstd[r]  = 1 / sqrt(sum_c x[r,c]^2 / cols + eps)     (fp32, fixed reduction order, from the exact x)
- *    y_f32    = (x[r,c] * rstd[r]) * weight[c]           (fp32, two roundings, in this order)
+ *    w[c]     = weight[c] + weight_offset                  (fp32, one rounding: coat_rmsnorm_weight)
+ *    y_f32    = (x[r,c] * rstd[r]) * w[c]                (fp32, two roundings, in this order)
+ *  weight_offset is 0 for Llama-style norms and 1 for Gemma's, whose weight is stored as w - 1; it must be finite.
+ *  Every RMSNorm entry point below (and coat_qk_norm_rope_* in coat/rope.h) uses this w wherever it says weight;
+ *  w = weight + 0 turns a -0 weight into +0, as torch's weight.float() + 0.0 does.
  *  y, y_scale, y_t: the per-tensor FP8 output of y_f32 in `y_format` (see above); y_t may be NULL.
  *  x_saved, x_saved_scales: x saved in save_format with G = save_group_size (see "Saved inputs").
  *  x: `x_dtype`, rows x cols with row_stride; weight: `cols` contiguous elements of `weight_dtype`;
  *  rstd: `rows` fp32; y_amax: one fp32 of scratch (receives the amax of y_f32).
  *  1 <= cols <= COAT_RMSNORM_MAX_COLS; eps is added in fp32. */
-coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
-                                      int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
-                                      int64_t save_group_size, coat_saved_format save_format,
-                                      coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
-                                      uint8_t* x_saved, float* x_saved_scales, float* rstd, float* y_amax);
+coat_status coat_rmsnorm_quantize_cpu(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                                      const void* weight, coat_dtype weight_dtype, float weight_offset, float eps,
+                                      int64_t save_group_size, coat_saved_format save_format, coat_fp8_format y_format,
+                                      uint8_t* y, float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
+                                      float* rstd, float* y_amax);
 coat_status coat_rmsnorm_quantize_cuda(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols,
-                                       int64_t row_stride, const void* weight, coat_dtype weight_dtype, float eps,
-                                       int64_t save_group_size, coat_saved_format save_format,
-                                       coat_fp8_format y_format, uint8_t* y, float* y_scale, uint8_t* y_t,
-                                       uint8_t* x_saved, float* x_saved_scales, float* rstd, float* y_amax,
-                                       coat_cuda_stream stream);
+                                       int64_t row_stride, const void* weight, coat_dtype weight_dtype,
+                                       float weight_offset, float eps, int64_t save_group_size,
+                                       coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
+                                       float* y_scale, uint8_t* y_t, uint8_t* x_saved, float* x_saved_scales,
+                                       float* rstd, float* y_amax, coat_cuda_stream stream);
+
+/** RMSNorm forward with its output in high precision and its input saved for backward: for norms whose output is
+ *  no GEMM input (OLMo 2's and Gemma 3's post-norms on the attention and MLP outputs, OLMo 2's q/k norms over the
+ *  whole projection width). rstd, w and y_f32 as in coat_rmsnorm_quantize_*; then, in one pass over x,
+ *    out[r,c] = round_to(x_dtype, y_f32[r,c])                                                  without a residual
+ *    out[r,c] = round_to(residual_dtype, float(round_to(x_dtype, y_f32[r,c])) + float(residual[r,c]))  with one
+ *  (float32 throughout, y_f32 rounded once: OLMo2RMSNorm's and Gemma3RMSNorm's (w * x_f32 * rstd).to(x.dtype); with
+ *  a residual, torch's residual + norm(x), which adds 16-bit tensors in fp32 and rounds once). A NaN is stored
+ *  canonically (0x7FC00000, bf16 0x7FC0, fp16 0x7E00). A row holding +-Inf has rstd 0 and gives NaN at the Inf and
+ *  0 elsewhere (Inf * 0), as torch's formula does; a NaN row gives NaN.
+ *  x_saved, x_saved_scales and rstd are bit for bit those coat_rmsnorm_quantize_* writes (same arguments), so
+ *  coat_rmsnorm_backward_* (with the same weight_offset) is this op's backward; the residual's gradient is the
+ *  output's.
+ *  x: `x_dtype`, rows x cols with row_stride; weight: `cols` contiguous elements of `weight_dtype`; residual: NULL, or
+ *  rows*cols contiguous elements of `residual_dtype` (ignored without one); out: rows*cols contiguous elements of
+ *  `residual_dtype` with a residual, of `x_dtype` without; rstd: `rows` fp32. 1 <= cols <= COAT_RMSNORM_MAX_COLS. */
+coat_status coat_rmsnorm_save_cpu(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                                  const void* weight, coat_dtype weight_dtype, float weight_offset, float eps,
+                                  int64_t save_group_size, coat_saved_format save_format, const void* residual,
+                                  coat_dtype residual_dtype, void* out, uint8_t* x_saved, float* x_saved_scales,
+                                  float* rstd);
+coat_status coat_rmsnorm_save_cuda(const void* x, coat_dtype x_dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                                   const void* weight, coat_dtype weight_dtype, float weight_offset, float eps,
+                                   int64_t save_group_size, coat_saved_format save_format, const void* residual,
+                                   coat_dtype residual_dtype, void* out, uint8_t* x_saved, float* x_saved_scales,
+                                   float* rstd, coat_cuda_stream stream);
 
 /** Number of fp32 elements of scratch coat_rmsnorm_backward_* needs: one partial dweight row per slice
  *  of rows (see coat_rmsnorm_backward_rows_per_slice in coat/detail/norm_act_math.h). */
@@ -120,10 +151,10 @@ int64_t coat_rmsnorm_backward_workspace_size(int64_t rows, int64_t cols);
 
 /** RMSNorm backward from the saved input. With x' = decoded x_saved * scale (fp32, as coat_dequantize and
  *  coat_dequantize_fp4 give), and per row r:
- *    xhat[c] = x'[r,c] * rstd[r],   g[c] = dy[r,c] * weight[c]
+ *    xhat[c] = x'[r,c] * rstd[r],   g[c] = dy[r,c] * w[c]     (w = weight[c] + weight_offset, as the forward)
  *    dot     = sum_c g[c] * xhat[c]                         (fixed reduction order, as the forward's sum)
  *    dx[r,c] = (g[c] - xhat[c] * (dot / cols)) * rstd[r]    rounded to dy's dtype
- *    dweight[c] = sum_r dy[r,c] * xhat[c]                   (fp32, fixed order over rows)
+ *    dweight[c] = sum_r dy[r,c] * xhat[c]                   (fp32, fixed order over rows; the offset is constant)
  *  With a residual (the gradient that reaches the norm's input around it, as in x + f(norm(x))), dx is
  *  written in `residual_dtype` instead, that dx plus the residual in one fp32 addition:
  *    dx[r,c] = round_to(residual_dtype, float(round_to(dy_dtype, dx_f32[r,c])) + float(residual[r,c]))
@@ -138,14 +169,15 @@ int64_t coat_rmsnorm_backward_workspace_size(int64_t rows, int64_t cols);
 coat_status coat_rmsnorm_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                       int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
                                       int64_t save_group_size, coat_saved_format saved_format, const float* rstd,
-                                      const void* weight, coat_dtype weight_dtype, const void* residual,
-                                      coat_dtype residual_dtype, void* dx, float* dweight, float* workspace);
+                                      const void* weight, coat_dtype weight_dtype, float weight_offset,
+                                      const void* residual, coat_dtype residual_dtype, void* dx, float* dweight,
+                                      float* workspace);
 coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
                                        int64_t row_stride, const uint8_t* x_saved, const float* x_saved_scales,
                                        int64_t save_group_size, coat_saved_format saved_format, const float* rstd,
-                                       const void* weight, coat_dtype weight_dtype, const void* residual,
-                                       coat_dtype residual_dtype, void* dx, float* dweight, float* workspace,
-                                       coat_cuda_stream stream);
+                                       const void* weight, coat_dtype weight_dtype, float weight_offset,
+                                       const void* residual, coat_dtype residual_dtype, void* dx, float* dweight,
+                                       float* workspace, coat_cuda_stream stream);
 
 /** act*mul forward (SwiGLU's or GeGLU's activation) with FP8 output and FP8-saved inputs.
  *    y_f32 = (act(gate[r,c]) * up[r,c]) * smooth_scale[c]      (a factor of 1, which is exact, when
@@ -202,7 +234,7 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
 
 /** RMSNorm's FP8 transposed output recomputed from what the forward saved, so that a layer need not keep y_t
  *  for backward. With x' = decoded x_saved * scale of its group (fp32, as coat_rmsnorm_backward_* decode it):
- *    y_f32 = (x'[r,c] * rstd[r]) * weight[c]                 (coat_rmsnorm_apply, as the forward)
+ *    y_f32 = (x'[r,c] * rstd[r]) * w[c]                      (coat_rmsnorm_apply, w = weight[c] + weight_offset)
  *    y_t[c*rows + r] = fp8_encode(y_f32 / y_scale[0])        in `y_format`, NaN canonical (0x7F)
  *  y_scale is an INPUT: the one fp32 the forward wrote. y_t equals the forward's y_t bit for bit when x equals
  *  x' (x was representable in its group); otherwise a code differs from the forward's by at most what x' - x
@@ -217,11 +249,11 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
  *  cols*rows bytes. 1 <= cols <= COAT_RMSNORM_MAX_COLS; rows may be 0. */
 coat_status coat_rmsnorm_requantize_cpu(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
                                         coat_saved_format saved_format, const float* rstd, int64_t rows, int64_t cols,
-                                        const void* weight, coat_dtype weight_dtype, const float* y_scale,
-                                        coat_fp8_format y_format, uint8_t* y_t);
+                                        const void* weight, coat_dtype weight_dtype, float weight_offset,
+                                        const float* y_scale, coat_fp8_format y_format, uint8_t* y_t);
 coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_saved_scales, int64_t save_group_size,
-                                         coat_saved_format saved_format, const float* rstd, int64_t rows,
-                                         int64_t cols, const void* weight, coat_dtype weight_dtype,
+                                         coat_saved_format saved_format, const float* rstd, int64_t rows, int64_t cols,
+                                         const void* weight, coat_dtype weight_dtype, float weight_offset,
                                          const float* y_scale, coat_fp8_format y_format, uint8_t* y_t,
                                          coat_cuda_stream stream);
 

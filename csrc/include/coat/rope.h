@@ -75,7 +75,8 @@ coat_status coat_rotary_embedding_cpu(const coat_rope_args* args, int inverse);
 coat_status coat_rotary_embedding_cuda(const coat_rope_args* args, int inverse, coat_cuda_stream stream);
 
 /*
- * Per-head RMSNorm of q and k fused with RoPE (Qwen3's q_norm / k_norm before apply_rotary_pos_emb), forward.
+ * Per-head RMSNorm of q and k fused with RoPE (Qwen3's and Gemma 3's q_norm / k_norm before apply_rotary_pos_emb),
+ * forward.
  *
  * q, k, cos, sin and their layouts are those of coat_rotary_embedding_* above; head_dim is even and
  * 2 <= head_dim <= COAT_QK_NORM_MAX_HEAD_DIM. q_weight and k_weight are `head_dim` contiguous elements of
@@ -83,14 +84,14 @@ coat_status coat_rotary_embedding_cuda(const coat_rope_args* args, int inverse, 
  *   rstd   = coat_rmsnorm_rstd(sum_sq, head_dim, eps)    sum_sq in the reduction order of coat/norm_act.h's
  *                                                        RMSNorm for cols = head_dim (32 lanes of 8-element
  *                                                        chunks, coat_combine_lane_partials)
- *   n[j]   = (x[j] * rstd) * w[j]                        (coat_rmsnorm_apply, fp32)
+ *   n[j]   = (x[j] * rstd) * (w[j] + weight_offset)      (coat_rmsnorm_apply of coat_rmsnorm_weight, fp32)
  *   out    = RoPE of n by the forward formula above, rounded once to `dtype` (NaN canonical)
  * The row's rstd (NaN canonical) goes to q_rstd / k_rstd[row] and x itself, the norm's input, is saved as E4M3
  * in 1 x save_group_size groups along the row, bit for bit coat_quantize_group of q (or k) seen as a contiguous
  * [rows, head_dim] matrix: q_saved [rows * head_dim] codes, q_saved_scales [rows * ceil(head_dim / G)] fp32,
  * rows = batch * seq * heads in (b, s, head) order; likewise for k. These are exactly the x_saved,
  * x_saved_scales and rstd that coat_rmsnorm_backward_* reads with cols = head_dim, so the backward is
- * coat_rotary_embedding_* (inverse) followed by coat_rmsnorm_backward_*.
+ * coat_rotary_embedding_* (inverse) followed by coat_rmsnorm_backward_* (with the same weight_offset).
  * The output is never held in between in any dtype but fp32: one rounding, at the end.
  */
 
@@ -102,6 +103,7 @@ typedef struct {
   const void* q_weight;     /**< [head_dim], `weight_dtype` */
   const void* k_weight;     /**< [head_dim], `weight_dtype` */
   coat_dtype weight_dtype;
+  float weight_offset;      /**< added to each weight element in fp32 (coat_rmsnorm_weight): 0, 1 for Gemma; finite */
   float eps;                /**< added in fp32, finite and >= 0 */
   int64_t save_group_size;  /**< 16, 32, 64 or 128 */
   uint8_t* q_saved;         /**< [batch * seq * q_heads * head_dim] E4M3 codes */

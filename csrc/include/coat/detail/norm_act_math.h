@@ -111,6 +111,9 @@ COAT_INLINE float coat_rmsnorm_rstd(float sum_sq, int64_t cols, float eps) {
   return coat_div_rn(1.0f, coat_sqrt_rn(coat_div_rn(sum_sq, (float)cols) + eps));
 }
 
+/** The weight a norm multiplies by: the stored weight plus the offset (0, or 1 for Gemma's norms), in fp32. */
+COAT_INLINE float coat_rmsnorm_weight(float weight, float weight_offset) { return weight + weight_offset; }
+
 /** y = (x * rstd) * weight. A NaN result is made canonical (coat_canonical_nan) where it is quantized, the
  *  one place its sign would show; the amax ignores it. */
 COAT_INLINE float coat_rmsnorm_apply(float x, float rstd, float weight) { return (x * rstd) * weight; }

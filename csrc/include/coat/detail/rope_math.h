@@ -78,7 +78,8 @@ COAT_INLINE float coat_qk_norm_rope_element(int64_t j, int64_t half, float n_j, 
 COAT_INLINE int coat_qk_norm_valid_args(const coat_qk_norm_rope_args* a) {
   if (a == NULL || !coat_rope_valid_args(&a->rope) || a->rope.head_dim > COAT_QK_NORM_MAX_HEAD_DIM ||
       !coat_rope_valid_dtype(a->weight_dtype) || !coat_is_valid_group_size(a->save_group_size) ||
-      !(a->eps >= 0.0f) || a->eps > 3.4028234663852886e38f)
+      !(a->eps >= 0.0f) || a->eps > 3.4028234663852886e38f ||
+      !(a->weight_offset >= -3.4028234663852886e38f && a->weight_offset <= 3.4028234663852886e38f))
     return 0;
   const int64_t tokens = a->rope.batch * a->rope.seq;
   if (tokens > 0 && a->rope.q_heads > 0 &&
