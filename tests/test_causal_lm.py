@@ -8,8 +8,8 @@ import inspect
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaModel, MistralConfig, Phi3Config,
-                          Qwen2Config)
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, LlamaModel,
+                          MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
 
 import coat
 from coat.nn.causal_lm import FusedLossLMHead
@@ -28,8 +28,9 @@ TINY = dict(
     attn_implementation="sdpa",
 )
 # Phi-3's default pad token (32000) lies outside the tiny vocabulary.
-FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-            "phi3": functools.partial(Phi3Config, pad_token_id=0, eos_token_id=2)}
+FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+            "phi3": functools.partial(Phi3Config, pad_token_id=0, eos_token_id=2), "olmo2": Olmo2Config,
+            "gemma3": functools.partial(Gemma3TextConfig, head_dim=16, final_logit_softcapping=30.0)}
 
 
 def fused_and_unfused(family="llama", **overrides):

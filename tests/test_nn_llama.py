@@ -1,5 +1,5 @@
-"""coat.convert on tiny transformers models (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2): numerics against the BF16
-model, the bytes saved for backward against appendix D / Table 2, checkpoints, generation and errors.
+"""coat.convert on tiny transformers models (Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma 3): numerics against
+the BF16 model, the bytes saved for backward against appendix D / Table 2, checkpoints, generation and errors.
 
 Gradient bounds: a parameter's gradient in a converted model passes through the FP8 roundings of the
 chain that produced it: E5M2 output gradients (u = 2^-3, relative RMS error 0.072 each) at every linear
@@ -32,6 +32,7 @@ from transformers import (
     AutoModelForCausalLM,
     ContinuousBatchingConfig,
     DynamicCache,
+    Gemma3TextConfig,
     GenerationConfig,
     GPT2Config,
     GPT2LMHeadModel,
@@ -64,11 +65,14 @@ TINY = dict(
     max_position_embeddings=128,
     attn_implementation="sdpa",
 )
-# Qwen3's head_dim defaults to 128 whatever the hidden size: 32 here, two 16-element groups per head. Phi-3's
-# default pad and end-of-sequence tokens (32000) lie outside the tiny vocabulary.
+# Qwen3's head_dim defaults to 128 whatever the hidden size (Gemma 3's to 256): 32 here, two 16-element groups per
+# head. Phi-3's default pad and end-of-sequence tokens (32000) lie outside the tiny vocabulary. Gemma 3: one
+# sliding-window layer and one global one, as its 5:1 pattern has both.
 FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
             "qwen3": functools.partial(Qwen3Config, head_dim=32),
-            "phi3": functools.partial(Phi3Config, pad_token_id=0, eos_token_id=2), "olmo2": Olmo2Config}
+            "phi3": functools.partial(Phi3Config, pad_token_id=0, eos_token_id=2), "olmo2": Olmo2Config,
+            "gemma3": functools.partial(Gemma3TextConfig, head_dim=32, query_pre_attn_scalar=32,
+                                        layer_types=["sliding_attention", "full_attention"], sliding_window=16)}
 GRADIENT_BOUND = {("e5m2", "e4m3"): 0.2, (None, "e4m3"): 0.12, ("e5m2", "fp4"): 0.3}
 LOSS_BOUND = 0.01
 HEAD_NORM_BOUND_FACTOR = 1.5
@@ -315,6 +319,7 @@ GENERATION = {
     "qwen3": dict(eos_token_id=None, use_sliding_window=True, sliding_window=4, max_window_layers=1),
     "phi3": dict(eos_token_id=None, sliding_window=4),
     "olmo2": dict(eos_token_id=None),
+    "gemma3": dict(eos_token_id=None, sliding_window=4),
 }
 PROMPT, NEW_TOKENS = 8, 8
 # A forward through the KV cache quantizes each step's activations with per-tensor scales over that step's tokens,

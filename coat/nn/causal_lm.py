@@ -1,5 +1,5 @@
 """The fused LM head + loss for transformers' causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Phi3ForCausalLM, Olmo2ForCausalLM).
+Qwen3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, Gemma3ForCausalLM).
 
 A model given the fused loss keeps its class's identity (it becomes an instance of a subclass, e.g.
 FusedLossLlamaForCausalLM of LlamaForCausalLM) and its modules, parameters and state dict. Its forward is the
@@ -11,7 +11,9 @@ without labels, ``generate()``) nothing changes and the logits come back as befo
 The loss is transformers' ForCausalLMLoss: labels shifted by one (or ``shift_labels`` when given), ignore_index
 (-100 unless passed), the mean over the tokens not ignored, or the sum over ``num_items_in_batch`` when the
 Trainer passes it for gradient accumulation. One difference: a batch whose tokens are all ignored gives loss 0,
-not transformers' NaN (it gives 0 already when num_items_in_batch is passed).
+not transformers' NaN (it gives 0 already when num_items_in_batch is passed). A model whose config has a
+``final_logit_softcapping`` (Gemma 3) gets it in the fused loss, z' = cap * tanh(z / cap), as its forward would
+apply it to the logits.
 
 The model's own forward runs unchanged (its keywords, its cache, ``logits_to_keep``), only the LM head's result
 differs: the head is swapped for :class:`FusedLossLMHead`, the same nn.Linear (same Parameter, so tied
@@ -24,11 +26,13 @@ import functools
 
 import torch
 from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 from transformers.models.olmo2.modeling_olmo2 import Olmo2ForCausalLM
 from transformers.models.phi3.modeling_phi3 import Phi3ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 
 from coat.nn.cross_entropy import linear_cross_entropy
 
@@ -54,9 +58,11 @@ def causal_lm_loss(
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """transformers' ForCausalLMLoss on ``hidden_states @ weight.T + bias``, fused: labels [batch, seq] shifted by
-    one (the last position predicts nothing), or ``shift_labels`` as given, against hidden_states [batch, seq, H]."""
+    """transformers' ForCausalLMLoss on ``hidden_states @ weight.T + bias`` (soft-capped by ``softcap`` when given),
+    fused: labels [batch, seq] shifted by one (the last position predicts nothing), or ``shift_labels`` as given,
+    against hidden_states [batch, seq, H]."""
     if shift_labels is None:
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     if shift_labels.numel() != hidden_states.shape[:-1].numel():
@@ -71,6 +77,7 @@ def causal_lm_loss(
         bias=bias,
         ignore_index=ignore_index,
         num_items_in_batch=num_items_in_batch,
+        softcap=softcap,
     )
 
 
@@ -84,16 +91,22 @@ def _fused_loss_forward(base_forward):
         if labels is None:  # also when labels come positionally: then transformers' own loss runs
             return base_forward(self, *args, **kwargs)
         return_dict = kwargs.pop("return_dict", None)
+        softcap = getattr(self.config, "final_logit_softcapping", None)
         self.lm_head.pending_loss = {
             "labels": labels,
             "ignore_index": kwargs.get("ignore_index", -100),
             "shift_labels": kwargs.get("shift_labels"),
             "num_items_in_batch": kwargs.get("num_items_in_batch"),
+            "softcap": softcap,
         }
         try:
+            if softcap is not None:  # the fused loss caps the logits; the base forward would cap the loss
+                self.config.final_logit_softcapping = None
             outputs = base_forward(self, *args, return_dict=True, **kwargs)
         finally:
             self.lm_head.pending_loss = None
+            if softcap is not None:
+                self.config.final_logit_softcapping = softcap
         # A new output rather than assignments: ModelOutput's tuple view keeps the fields it was built with.
         outputs = type(outputs)(**{**outputs, "loss": outputs.logits, "logits": None})
         if return_dict is None:
@@ -117,7 +130,8 @@ def _fused_loss_class(base: type) -> type:
 
 FUSED_LOSS_CAUSAL_LMS = {
     base: _fused_loss_class(base)
-    for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM)
+    for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
+                 Olmo2ForCausalLM, Gemma3ForCausalLM)
 }
 
 

@@ -43,15 +43,15 @@ def _projection(parent: nn.Module, name: str):
 # cache. transformers up to 5.23 names the cache past_key_values; 5.24 renamed it cache (past_key_values stays a
 # deprecated alias until 5.40). Up to 5.23 a `cache` in **kwargs is continuous batching's paged cache, which goes
 # through to the attention function, and that updates it.
-_LAYER_PARAMETERS = {"hidden_states", "attention_mask", "position_ids", "use_cache", "position_embeddings"}
+LAYER_PARAMETERS = frozenset({"hidden_states", "attention_mask", "position_ids", "use_cache", "position_embeddings"})
 CACHE_ARGUMENTS = ("past_key_values", "cache")
 
 
-def stock_cache_argument(stock_forward) -> str | None:
+def stock_cache_argument(stock_forward, layer_parameters=LAYER_PARAMETERS) -> str | None:
     """The name a stock decoder layer's forward gives the KV cache it updates (one of CACHE_ARGUMENTS), or None
-    where its named parameters are not the ones coat's converted forward takes over."""
+    where its named parameters are not ``layer_parameters`` (those coat's converted forward takes over) and it."""
     parameters = set(inspect.signature(stock_forward).parameters) - {"self", "kwargs"}
-    return next((name for name in CACHE_ARGUMENTS if parameters == _LAYER_PARAMETERS | {name}), None)
+    return next((name for name in CACHE_ARGUMENTS if parameters == layer_parameters | {name}), None)
 
 
 class FP8DecoderLayerMixin:
@@ -59,6 +59,8 @@ class FP8DecoderLayerMixin:
 
     fp8_config: FP8Config
     cache_argument: str  # what the stock forward calls the KV cache (see stock_cache_argument)
+    # The stock forward's named parameters besides the cache (Gemma 3's has no use_cache: it goes in **kwargs).
+    layer_parameters: frozenset = LAYER_PARAMETERS
     # The layer's RMSNorm children around its two blocks (None: the family has none there): Llama's pre-norms, or
     # norms on the blocks' outputs before the residual add (OLMo 2's post-norms, coat.nn.decoder_olmo2).
     input_norm: str | None = "input_layernorm"
@@ -204,6 +206,7 @@ FP8_DECODER_LAYERS = {
 
 # Families whose layers differ from Llama's inside the attention keep their code in a module of their own,
 # which adds its layer to FP8_DECODER_LAYERS; imported here, after the mixin they subclass.
+import coat.nn.decoder_gemma3  # noqa: E402,F401
 import coat.nn.decoder_olmo2  # noqa: E402,F401
 import coat.nn.decoder_phi3  # noqa: E402,F401
 import coat.nn.decoder_qwen3  # noqa: E402,F401
@@ -212,7 +215,8 @@ import coat.nn.decoder_qwen3  # noqa: E402,F401
 def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:
     """The coat modules that replace the layer's children, as (parent, child name, replacement), built
     without touching the layer; raises a ValueError or TypeError that names what does not fit."""
-    if stock_cache_argument(type(layer).forward) is None:
+    fp8_class = FP8_DECODER_LAYERS[type(layer)]
+    if stock_cache_argument(type(layer).forward, fp8_class.layer_parameters) is None:
         parameters = ", ".join(inspect.signature(type(layer).forward).parameters)
         raise TypeError(
             f"coat.convert: cannot convert {name}: {type(layer).__name__}.forward({parameters}) is not the forward "
@@ -220,7 +224,6 @@ def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[t
             f"it would drop the arguments it does not know. Install {TRANSFORMERS_REQUIREMENT}"
         )
     attn = getattr(layer, "self_attn", None)
-    fp8_class = FP8_DECODER_LAYERS[type(layer)]
     projections = tuple(name for group in fp8_class.attention_scale_groups for name in group)
     if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in projections):
         raise ValueError(f"coat.convert: {name}.self_attn must have nn.Linear children {', '.join(projections)}")
@@ -241,5 +244,5 @@ def install_decoder_layer(layer: nn.Module, plan: list[tuple[nn.Module, str, nn.
     for parent, child_name, replacement in plan:
         setattr(parent, child_name, replacement)
     layer.fp8_config = config
-    layer.cache_argument = stock_cache_argument(type(layer).forward)
+    layer.cache_argument = stock_cache_argument(type(layer).forward, FP8_DECODER_LAYERS[type(layer)].layer_parameters)
     layer.__class__ = FP8_DECODER_LAYERS[type(layer)]

@@ -26,7 +26,7 @@ from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
 from coat.nn.decoder import FP8_DECODER_LAYERS, FP8DecoderLayerMixin, _projection
-from coat.nn.modules import Linear, _is_silu
+from coat.nn.modules import Linear, activation_name
 
 _MLP_PROJECTIONS = ("gate_up_proj", "down_proj")
 
@@ -59,7 +59,7 @@ class FP8Phi3DecoderLayer(FP8DecoderLayerMixin, Phi3DecoderLayer):
         if not all(isinstance(linear, nn.Linear) for linear in linears):
             raise TypeError(f"the Phi-3 MLP must have nn.Linear children {', '.join(_MLP_PROJECTIONS)}")
         activation = getattr(mlp, "activation_fn", None)
-        if not isinstance(activation, nn.Module) or not _is_silu(activation):
+        if not isinstance(activation, nn.Module) or activation_name(activation) != "silu":
             raise ValueError(f"{type(mlp).__name__}.activation_fn must be SiLU (hidden_act='silu'), got "
                              f"{activation!r}; the fused kernel computes SiLU(gate) * up only")
         if linears[0].out_features != 2 * linears[1].in_features:

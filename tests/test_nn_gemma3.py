@@ -1,0 +1,164 @@
+"""coat.convert on tiny Gemma 3 text models: what Gemma 3 changes from Llama ((1 + w) norms in float32; four norms
+a layer, two of them on the blocks' outputs before the residual adds; per-head q_norm / k_norm before RoPE; GeGLU
+with tanh-approximate GELU; sliding-window and global layers with their own RoPE tables; query_pre_attn_scalar; the
+embeddings scaled by sqrt(hidden); the final logit soft-cap). The families' shared checks (loss and gradients
+against BF16, generation, CUDA against the CPU) run in tests/test_nn_llama.py, whose FAMILIES include Gemma 3; the
+fused loss with the soft-cap in tests/test_causal_lm.py; bounds are explained there."""
+import copy
+
+import pytest
+import torch
+from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
+
+import coat
+from coat.nn.decoder_gemma3 import FP8Gemma3DecoderLayer
+from reference_nn import relative_error
+from test_nn_llama import FORWARD_BOUND, gradient_bound, layer_step, tiny_model, token_batch
+
+pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
+
+
+def layer_inputs(model, layer_index, batch=2, length=32, seed=3):
+    """A layer's input, its output gradient, and the RoPE tables of its layer type (local or global)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, length, model.config.hidden_size, generator=generator).bfloat16()
+    grad = torch.randn(hidden.shape, generator=generator).bfloat16()
+    layer_type = model.config.layer_types[layer_index]
+    return hidden, grad, model.model.rotary_emb(hidden, torch.arange(length)[None], layer_type)
+
+
+def perturbed_norm_weights(model):
+    """Gemma's norm weights start at 0 (the norms multiply by 1 + w): values the (1 + w) path can get wrong."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("layer_index", [0, 1], ids=["sliding", "global"])
+def test_layer_output_and_gradients_against_the_float32_layer(layer_index):
+    """A converted layer in BF16 against the unconverted one in float32, inputs and weights the same."""
+    model = perturbed_norm_weights(tiny_model("gemma3"))
+    hidden, grad, rope = layer_inputs(model, layer_index)
+    stock = copy.deepcopy(model.model.layers[layer_index]).float()
+    expected = layer_step(stock, hidden.float(), tuple(t.float() for t in rope), grad.float())
+    converted = coat.convert(model).model.layers[layer_index]
+    assert isinstance(converted, FP8Gemma3DecoderLayer)
+    actual = layer_step(converted, hidden, rope, grad)
+    names = ["output", "input grad"] + [name for name, _ in converted.named_parameters()]
+    assert len(actual) == len(expected) == len(names)
+    for name, a, e in zip(names, actual, expected):
+        bound = FORWARD_BOUND if name == "output" else gradient_bound(name, "e5m2", "e4m3")
+        assert relative_error(a.float(), e) <= bound, name
+
+
+def test_norms_multiply_by_one_plus_weight():
+    """With every norm weight -1 the (1 + w) norms output zeros: a layer is then the identity on its input (both
+    blocks end in a zeroed post-norm), which a norm without the offset would not give."""
+    model = coat.convert(tiny_model("gemma3"))
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
+            getattr(layer, name).weight.fill_(-1.0)
+    hidden, _, rope = layer_inputs(model, 0)
+    with torch.no_grad():
+        assert torch.equal(layer(hidden, attention_mask=None, position_embeddings=rope), hidden)
+
+
+def test_conversion_keeps_parameters_and_keys():
+    model = tiny_model("gemma3")
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    coat.convert(model)
+    assert list(model.state_dict()) == keys
+    assert all(p is before[name] for name, p in model.named_parameters())
+    layer = model.model.layers[0]
+    norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    assert all(isinstance(getattr(layer, name), coat.nn.RMSNorm) for name in norms)
+    assert isinstance(layer.self_attn.q_norm, coat.nn.RMSNorm) and layer.mlp.activation == "gelu_tanh"
+
+
+def test_training_steps_save_and_resume(tmp_path):
+    """A few steps, a checkpoint, and a resumed run that continues exactly as the uninterrupted one."""
+    model = coat.convert(tiny_model("gemma3").float())
+    optimizer = coat.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = token_batch("cpu")
+
+    def step(m, opt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    losses = [step(model, optimizer) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
+    continued = step(model, optimizer)
+
+    resumed = coat.convert(tiny_model("gemma3").float())
+    resumed_optimizer = coat.optim.AdamW(resumed.parameters(), lr=1e-2)
+    checkpoint = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    assert step(resumed, resumed_optimizer) == continued
+
+
+def test_torch_compile_traces_the_model_whole_with_eager_numerics():
+    model = coat.convert(tiny_model("gemma3"))
+    tokens = token_batch("cpu")
+    explanation = torch._dynamo.explain(lambda t: model(t, labels=t).loss)(tokens)
+    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
+    layer = model.model.layers[1]
+    hidden, grad, rope = layer_inputs(model, 1)
+    eager = layer_step(layer, hidden, rope, grad)
+    traced = layer_step(torch.compile(layer, fullgraph=True, backend="aot_eager"), hidden, rope, grad)
+    for expected, actual in zip(eager, traced):
+        assert torch.equal(actual, expected)
+
+
+def test_unsupported_configs_are_refused_at_convert():
+    erf_gelu = tiny_model("gemma3", hidden_activation="gelu")
+    with pytest.raises(ValueError, match="the tanh GELU"):
+        coat.convert(erf_gelu)
+    assert all(type(layer) is Gemma3DecoderLayer for layer in erf_gelu.model.layers)  # left untouched
+    wide_heads = tiny_model("gemma3", head_dim=512, query_pre_attn_scalar=512)
+    with pytest.raises(ValueError, match="head_dim 512 is above the 256"):
+        coat.convert(wide_heads)
+    assert all(type(layer) is Gemma3DecoderLayer for layer in wide_heads.model.layers)
+
+
+def test_generate_keeps_its_context():
+    """Greedy generation with the KV cache (the sliding-window layer's included) gives the logits of a full
+    forward over the generated sequence."""
+    model = coat.convert(tiny_model("gemma3", sliding_window=4)).eval()
+    tokens = token_batch("cpu", batch=1, length=8)
+    generated = model.generate(tokens, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                               return_dict_in_generate=True)
+    assert torch.equal(generated.sequences[:, :8], tokens)
+    with torch.no_grad():
+        full = model(generated.sequences[:, :-1]).logits[0, 7:]
+    assert relative_error(torch.cat(generated.logits), full) <= FORWARD_BOUND
+
+
+def test_saves_no_16_bit_activation_beyond_attention():
+    """Every norm keeps its input in FP8 1 x G groups: a layer's backward keeps no 16-bit [B, S, hidden] or
+    [B, S, heads * D] tensor but what attention keeps (q, k, v and its output) and o_proj's input."""
+    model = coat.convert(tiny_model("gemma3"))
+    layer = model.model.layers[0]
+    hidden, grad, rope = layer_inputs(model, 0)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    hidden.requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(hidden, position_embeddings=rope)
+    attention = 5  # SDPA keeps q, k, v and its output; after_attention the output as o_proj's input (as Llama's)
+    wide = [t for t in saved if t.dtype == torch.bfloat16 and t.dim() >= 3 and t.numel() >= hidden.numel() // 2]
+    assert len(wide) <= attention, [tuple(t.shape) for t in wide]
+
