@@ -48,8 +48,21 @@ Its rows carry "model": "qwen3" and go to layer-qwen3-*.json.
 heads, 10 key/value heads, intermediate 17920); default settings 5120x2048 and 5120x4096. Its rows carry
 "model": "phi3" and go to layer-phi3-*.json.
 
+--family olmo2 times an OLMo 2 decoder layer (no pre-norms; post-norms on the blocks' outputs; q/k norms over the
+whole projections): Llama-2's sizes, so hidden 4096 is the OLMo-2-7B layer (32 heads, 32 key/value heads,
+intermediate 11008); default settings 4096x2048 and 4096x4096.
+
+--family gemma3 times a Gemma 3 decoder layer ((1 + w) norms, four of them, per-head q/k norms, GeGLU): heads of
+256, half as many key/value heads, intermediate 4 x hidden, so hidden 3840 is the Gemma-3-12B layer (16 heads,
+8 key/value heads, intermediate 15360); a global-attention layer (the sliding-window layers differ only in their
+mask, which a layer timed alone does not get); default settings 3840x2048 and 3840x4096.
+
+Their rows carry "model" and go to layer-FAMILY-*.json.
+
     python benchmarks/layer.py --family qwen3
     python benchmarks/layer.py --family phi3
+    python benchmarks/layer.py --family olmo2
+    python benchmarks/layer.py --family gemma3
 """
 import copy
 import statistics
@@ -57,8 +70,10 @@ import sys
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, Phi3Config, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, Olmo2Config, Phi3Config, Qwen3Config
+from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer, Gemma3RotaryEmbedding
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer, Olmo2RotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer, Phi3RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
@@ -113,10 +128,32 @@ def phi3_config(hidden: int) -> Phi3Config:
     )
 
 
+def olmo2_config(hidden: int) -> Olmo2Config:
+    heads = max(hidden // 128, 1)
+    return Olmo2Config(hidden_size=hidden, intermediate_size=11008 * hidden // 4096, num_attention_heads=heads,
+                       num_key_value_heads=heads, attn_implementation="sdpa")
+
+
+def gemma3_config(hidden: int) -> Gemma3TextConfig:
+    heads = max(hidden // 240, 1)
+    return Gemma3TextConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=heads,
+                            num_key_value_heads=max(heads // 2, 1), head_dim=256, query_pre_attn_scalar=256,
+                            layer_types=["full_attention"], num_hidden_layers=1, attn_implementation="sdpa")
+
+
+class Gemma3GlobalRotaryEmbedding(Gemma3RotaryEmbedding):
+    """The RoPE tables of Gemma 3's global-attention layers, called as the other families' are."""
+
+    def forward(self, x, position_ids):
+        return super().forward(x, position_ids, "full_attention")
+
+
 # --family: (config of a hidden size, decoder layer, rotary embedding, default settings)
 FAMILIES = {"llama": (llama_config, LlamaDecoderLayer, LlamaRotaryEmbedding, SETTINGS),
             "qwen3": (qwen3_config, Qwen3DecoderLayer, Qwen3RotaryEmbedding, [(4096, 2048), (4096, 4096)]),
-            "phi3": (phi3_config, Phi3DecoderLayer, Phi3RotaryEmbedding, [(5120, 2048), (5120, 4096)])}
+            "phi3": (phi3_config, Phi3DecoderLayer, Phi3RotaryEmbedding, [(5120, 2048), (5120, 4096)]),
+            "olmo2": (olmo2_config, Olmo2DecoderLayer, Olmo2RotaryEmbedding, [(4096, 2048), (4096, 4096)]),
+            "gemma3": (gemma3_config, Gemma3DecoderLayer, Gemma3GlobalRotaryEmbedding, [(3840, 2048), (3840, 4096)])}
 
 
 def torchao_float8(layer: nn.Module) -> nn.Module | str:

@@ -65,10 +65,10 @@ def check_e2e(result: dict, world_size: int) -> None:
         assert ratios["all-gather"]["bf16"] == 1.0 and ratios["all-gather"]["coat-fp8-comm"] < 0.9
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "olmo2", "gemma3"])
 def test_layer_benchmark_other_families(tmp_path, family):
-    """layer.py --family qwen3 (q/k norms) or phi3 (fused qkv and gate_up weights): BF16's saved tensors beside
-    coat's in every row."""
+    """layer.py --family qwen3 (q/k norms), phi3 (fused qkv and gate_up weights), olmo2 (post-norms, full-width
+    q/k norms) or gemma3 ((1 + w) norms, four of them, GeGLU): BF16's saved tensors beside coat's in every row."""
     result = run_smoke([sys.executable], "layer", tmp_path, "--family", family, "--variants", "coat eager")
     saved = {row["layer"]: row["tensors U"] for row in result["rows"]}
     assert set(saved) == {"BF16 eager", "coat eager"} and all(row["model"] == family for row in result["rows"])

@@ -30,7 +30,7 @@ TINY = dict(
 # Phi-3's default pad token (32000) lies outside the tiny vocabulary.
 FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
             "phi3": functools.partial(Phi3Config, pad_token_id=0, eos_token_id=2), "olmo2": Olmo2Config,
-            "gemma3": functools.partial(Gemma3TextConfig, head_dim=16, final_logit_softcapping=30.0)}
+            "gemma3": functools.partial(Gemma3TextConfig, head_dim=16)}
 
 
 def fused_and_unfused(family="llama", **overrides):
@@ -76,6 +76,20 @@ def test_fused_loss_matches_transformers_loss(family, tied):
     assert (fused.lm_head.weight is fused.model.embed_tokens.weight) == tied
     tokens, labels = batch()
     assert_same_training_step(fused, unfused, tokens, labels=labels)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_final_logit_softcap(tied):
+    """Gemma's final_logit_softcapping, cap * tanh(logits / cap), goes into the fused loss (and is not applied to
+    the loss). In float32: transformers caps bf16 logits in bf16, a few roundings from the float32 cap."""
+    fused, unfused = (m.float() for m in fused_and_unfused("gemma3", final_logit_softcapping=2.0,
+                                                           tie_word_embeddings=tied))
+    tokens, labels = batch()
+    assert_same_training_step(fused, unfused, tokens, labels=labels)
+    assert fused.config.final_logit_softcapping == 2.0  # set back after the forward
+    with torch.no_grad():
+        logits = fused(tokens).logits
+    assert torch.equal(logits, unfused(tokens).logits) and logits.abs().max() <= 2.0
 
 
 def test_loss_keywords_of_transformers():
