@@ -7,9 +7,10 @@ import torch
 import reference
 
 
-def quantize_per_tensor_dequantized(x: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
-    """Per-tensor FP8 quantization (paper section 3) and back, in float64, by the bit-exact oracle."""
-    q, scale = reference.quantize_tensor(x.detach().cpu(), fp8)
+def quantize_per_tensor_dequantized(x: torch.Tensor, fp8: torch.dtype, amax=None) -> torch.Tensor:
+    """Per-tensor FP8 quantization (paper section 3) and back, in float64, by the bit-exact oracle; with the scale
+    of a given amax instead of x's own, values past it saturate."""
+    q, scale = reference.quantize_tensor(x.detach().cpu(), fp8, amax)
     return (reference.decode(q, fp8) * scale.double()).to(x.device)
 
 
@@ -74,16 +75,15 @@ class LowRankAdapter(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 # OLMo 2 with coat's quantization points, in float32 autograd (test_nn_llama.py's OLMo 2 gradient bound)
 
+# Where coat rounds: the GEMMs' inputs and weights (E4M3 per tensor), their output gradients (E5M2 per tensor), the
+# inputs the norms and SiLU*mul keep for backward (E4M3 1 x 16 groups).
 FP8_POINTS = frozenset({"inputs", "weights", "gradients", "saved"})
 
 
 def _fake_quantized(x: torch.Tensor, fp8: torch.dtype, points, point: str, amax=None) -> torch.Tensor:
     """x through per-tensor FP8 and back (with a given amax: values past it saturate), where ``point`` is one of the
     enabled quantization points; x itself otherwise."""
-    if point not in points:
-        return x
-    q, scale = reference.quantize_tensor(x.detach().cpu(), fp8, amax)
-    return (reference.decode(q, fp8) * scale.double()).to(x.dtype)
+    return quantize_per_tensor_dequantized(x, fp8, amax).to(x.dtype) if point in points else x
 
 
 def _group_saved(x: torch.Tensor, points) -> torch.Tensor:
