@@ -181,7 +181,7 @@ def test_qk_norm_rotary_embedding_weight_offset(device):
     grads = [torch.randn(o.shape, generator=g).bfloat16().to(device) for o in outputs]
 
     def oracle(q, k, qw, kw):
-        return tuple(reference_rope.qk_norm_rope(x, w, EPS, cos.cpu(), sin.cpu(), 1.0)[0].to(x.device)
+        return tuple(reference_rope.qk_norm_rope(x, w, EPS, cos.to(x.device), sin.to(x.device), 1.0)[0]
                      for x, w in ((q, qw), (k, kw)))
 
     check_against_float64(oracle, outputs, leaves, grads, 2**-7, ONE_ROUNDING_BOUND)
