@@ -52,7 +52,7 @@ from coat.compat import TRANSFORMERS_NEWEST, TRANSFORMERS_OLDEST, TRANSFORMERS_R
 from coat.nn import functional as coat_functional
 from coat.nn.decoder import FP8LlamaDecoderLayer
 from conftest import requires_cuda
-from reference_nn import LowRankAdapter, olmo2_fp8_reference_loss, relative_error
+from reference_nn import LowRankAdapter, fp8_reference_loss, relative_error
 
 pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
 
@@ -105,10 +105,13 @@ def loss_and_grads(model, tokens):
 
 
 # BF16 backward GEMMs (gradient_format=None) and FP4-kept inputs on Llama only: the other families share the
-# decoder code. OLMo 2 has its own test, test_olmo2_gradients_within_the_fp8_reference.
+# decoder code. OLMo 2 and Gemma 3 have their own test, test_gradients_within_the_fp8_reference.
+FP8_REFERENCE_FAMILIES = ("olmo2", "gemma3")
+
+
 @pytest.mark.parametrize(
     "family, gradient_format, saved_format",
-    [(family, "e5m2", "e4m3") for family in FAMILIES if family != "olmo2"]
+    [(family, "e5m2", "e4m3") for family in FAMILIES if family not in FP8_REFERENCE_FAMILIES]
     + [("llama", None, "e4m3"), ("llama", "e5m2", "fp4")],
 )
 def test_loss_and_gradients_close_to_bf16(family, gradient_format, saved_format, device):
@@ -129,11 +132,11 @@ def test_loss_and_gradients_close_to_bf16(family, gradient_format, saved_format,
         assert error <= gradient_bound(name, gradient_format, saved_format), name
 
 
-def olmo2_reference_grads(model, tokens) -> dict:
-    """The gradients of a float32 copy of an OLMo 2 model that rounds where coat does and nowhere else
-    (reference_nn.olmo2_fp8_reference_loss), on the CPU."""
+def fp8_reference_grads(model, tokens) -> dict:
+    """The gradients of a float32 copy of an OLMo 2 or Gemma 3 model that rounds where coat does and nowhere else
+    (reference_nn.fp8_reference_loss), on the CPU."""
     reference = copy.deepcopy(model).float().cpu()
-    olmo2_fp8_reference_loss(reference, tokens.cpu()).backward()
+    fp8_reference_loss(reference, tokens.cpu()).backward()
     return {name: p.grad for name, p in reference.named_parameters()}
 
 
@@ -150,29 +153,45 @@ def olmo2_reference_grads(model, tokens) -> dict:
 # check averages seeds). The reference's error splits into its FP8 forward (E4M3 inputs and weights: 0.09-0.15
 # without the E5M2 gradients) and the E5M2 gradients (0.05-0.11 alone); BF16 is 0.013 off float32. A coat bug adds
 # to the reference's error: 1.25x is the bound.
-OLMO2_SEEDS = 8
-OLMO2_REFERENCE_FACTOR = 1.25
+REFERENCE_SEEDS = 8
+REFERENCE_FACTOR = 1.25
 
 
-def test_olmo2_gradients_within_the_fp8_reference(device):
+@pytest.mark.parametrize("family", FP8_REFERENCE_FAMILIES)
+def test_fp8_reference_without_its_roundings_is_the_float32_model(family):
+    """The reference these families' gradients are bounded by, with every quantization point off, computes what the
+    stock float32 model computes: it is the family written from its formula, not a different model."""
+    model = tiny_model(family).float()
+    tokens = token_batch("cpu")
+    loss, grads = loss_and_grads(model, tokens)
+    model.zero_grad()
+    reference_loss = fp8_reference_loss(model, tokens, points=frozenset())
+    reference_loss.backward()
+    assert abs(reference_loss.item() - loss.item()) <= 1e-6 * loss.item()
+    for name, p in model.named_parameters():
+        assert relative_error(p.grad, grads[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("family", FP8_REFERENCE_FAMILIES)
+def test_gradients_within_the_fp8_reference(family, device):
     errors = {}  # parameter name -> [(coat's error, the reference's error) per seed], both against BF16
-    for seed in range(OLMO2_SEEDS):
-        model = tiny_model("olmo2", device, seed=seed)
+    for seed in range(REFERENCE_SEEDS):
+        model = tiny_model(family, device, seed=seed)
         tokens = token_batch(device, seed=seed + 1)
         converted = coat.convert(copy.deepcopy(model))
         bf16_loss, bf16_grads = loss_and_grads(model, tokens)
         fp8_loss, fp8_grads = loss_and_grads(converted, tokens)
         assert abs(fp8_loss - bf16_loss) <= LOSS_BOUND * abs(bf16_loss)
-        reference_grads = olmo2_reference_grads(model, tokens)
+        reference_grads = fp8_reference_grads(model, tokens)
         assert fp8_grads.keys() == bf16_grads.keys() == reference_grads.keys()
         for name, bf16_grad in bf16_grads.items():
             errors.setdefault(name, []).append((relative_error(fp8_grads[name], bf16_grad),
                                                 relative_error(reference_grads[name], bf16_grad.cpu())))
-    print(f"\n{'mean error against BF16 over seeds':48s}   coat reference")
+    print(f"\n{family}: {'mean error against BF16 over seeds':40s}   coat reference")
     for name, pairs in errors.items():
-        coat_error, reference_error = (sum(column) / OLMO2_SEEDS for column in zip(*pairs))
+        coat_error, reference_error = (sum(column) / REFERENCE_SEEDS for column in zip(*pairs))
         print(f"  {name:48s} {coat_error:.3f} {reference_error:.3f}")
-        assert coat_error <= OLMO2_REFERENCE_FACTOR * reference_error, name
+        assert coat_error <= REFERENCE_FACTOR * reference_error, name
 
 
 @pytest.mark.parametrize("autocast_dtype", [torch.float16, torch.bfloat16])
@@ -617,7 +636,7 @@ def test_a_decoder_layer_forward_coat_does_not_mirror_is_refused(monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "olmo2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", *FP8_REFERENCE_FAMILIES])
 def test_cuda_matches_cpu(family):
     results = []
     for device in ("cpu", "cuda"):
@@ -628,16 +647,17 @@ def test_cuda_matches_cpu(family):
     # The devices accumulate GEMMs in different orders; a last-bit difference flips the FP8 rounding of an
     # intermediate activation or gradient (an E5M2 step is 12.5-25%), so the two FP8 pipelines differ by
     # FP8 noise (0.06 to 0.11 seen on an H200), bounded like FP8 against BF16. A wrong kernel gives ~1.
-    # OLMo 2's FP8 noise is its reference's (test_olmo2_gradients_within_the_fp8_reference): two draws of it, each
-    # within 1.25x of the reference's error against BF16, differ by up to sqrt(2) times that.
-    if family == "olmo2":
+    # OLMo 2's and Gemma 3's FP8 noise is their reference's (test_gradients_within_the_fp8_reference): two draws of
+    # it, each within 1.25x of the reference's error against BF16, differ by up to sqrt(2) times that.
+    with_reference = family in FP8_REFERENCE_FAMILIES
+    if with_reference:
         _, bf16_grads = loss_and_grads(model, token_batch("cuda"))
-        reference_grads = olmo2_reference_grads(model, token_batch("cuda"))
+        reference_grads = fp8_reference_grads(model, token_batch("cuda"))
     for name, grad in cpu_grads.items():
         bound = gradient_bound(name, "e5m2", "e4m3")
-        if family == "olmo2":
+        if with_reference:
             reference_error = relative_error(reference_grads[name], bf16_grads[name].cpu())
-            bound = max(bound, math.sqrt(2) * OLMO2_REFERENCE_FACTOR * reference_error)
+            bound = max(bound, math.sqrt(2) * REFERENCE_FACTOR * reference_error)
         assert relative_error(cuda_grads[name].cpu(), grad) <= bound, name
 
 
