@@ -73,7 +73,8 @@ FAMILIES = (
            "Table 7. `GPU ms` is the GPU time of a step, `total ms` the time per step with the host's enqueueing; "
            "ratios are speed-ups against the row named (above 1 is faster). `saved U` is what the layer keeps for "
            "backward, by the allocator's count, in units of U = 2 bytes x tokens x hidden; `tensors U` counts the "
-           "saved tensors' storages alone."),
+           "saved tensors' storages alone. Rows with a `model` time that family's decoder layer at its own shape "
+           "(`layer.py --family`); the README's Llama-2-7B figures and the plot are Llama's."),
     Family("e2e", "End to end: memory and throughput", ("e2e",), ("shape", "world size", "variant", "measured", "batch"),
            ("peak GiB", "tokens/s/GPU", "state B/param", "all-gather MB/step", "reduce-scatter MB/step"),
            "A Llama-2-7B- or 13B-shaped `LlamaForCausalLM`, sequence 2048, every parameter trained "
@@ -256,6 +257,9 @@ def _span(values, fmt) -> str:
 
 LAYER_SETTING = ("model", "hidden", "seq", "batch")
 LLAMA_LAYER = {"model": None}  # the README's layer figures are Llama-2-7B's
+# layer.py --family rows the README names, at each family's default shape (hidden x 2048)
+FAMILY_LAYERS = {"qwen3": ("Qwen3-8B", 4096), "phi3": ("Phi-3-medium", 5120), "olmo2": ("OLMo-2-7B", 4096),
+                 "gemma3": ("Gemma-3-12B", 3840)}
 
 
 def readme_table(results: list[Result]) -> str:
@@ -282,6 +286,19 @@ def readme_table(results: list[Result]) -> str:
         f"{_span([row['tensors U'] for _, row in fp4], '{:.2f}')} U, "
         f"{_span([row['GPU ms'] / _sibling(r, row, 'coat eager', LAYER_SETTING)['GPU ms'] for r, row in fp4], '{:.3f}x')}",
         fp4, "layer")
+    figures, found = [], []
+    for model, (label, hidden) in FAMILY_LAYERS.items():
+        try:
+            rows_of = _latest(results, "layer", "GPU vs torchao", layer="coat eager", model=model, hidden=hidden,
+                              seq=2048)
+        except LookupError:  # not measured yet
+            continue
+        row = rows_of[0][1]
+        figures.append(f"{label} {row['GPU vs BF16']:.2f}x / {row['GPU vs torchao']:.2f}x, {row['saved U']:.1f} U")
+        found += rows_of
+    if found:
+        add("other families' decoder layers (seq 2048): GPU time against BF16 / torchao float8 (compiled); saved "
+            "activations", "; ".join(figures), found, "layer")
     opt = _latest(results, "optimizer", "GPU vs torch", optimizer="coat.optim.AdamW", params="float32", grads="float32")
     add("optimizer step, GPU time against `torch.optim.AdamW(fused=True)`; state bytes per parameter",
         f"{opt[0][1]['GPU vs torch']:.3f}x; {opt[0][1]['state B/param']:.3f} (torch: 8)", opt, "optimizer")

@@ -62,6 +62,7 @@ class Family:
     model: str
     head_dim: bool = False  # the config takes head_dim (its default does not follow hidden / heads)
     no_special_tokens: bool = False  # its default token ids lie outside the 256-byte vocabulary
+    query_scalar: bool = False  # Gemma's query_pre_attn_scalar (the attention's 1/sqrt scale) set to head_dim
 
 
 # The families coat.convert supports that --family builds; one entry each (sizes come from the preset).
@@ -69,6 +70,8 @@ FAMILIES = {
     "llama": Family("LlamaConfig", "LlamaForCausalLM"),
     "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", head_dim=True, no_special_tokens=True),
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", no_special_tokens=True),
+    "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", no_special_tokens=True),
+    "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=True, query_scalar=True),
 }
 
 
@@ -192,6 +195,8 @@ def build_model(args: argparse.Namespace, device: torch.device | str):
     extra = {}
     if family.head_dim:
         extra["head_dim"] = preset.hidden // preset.heads
+    if family.query_scalar:
+        extra["query_pre_attn_scalar"] = preset.hidden // preset.heads
     if family.no_special_tokens:  # byte tokens have no special ones
         extra.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     config = config_class(

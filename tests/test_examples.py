@@ -141,7 +141,7 @@ def test_train_llama_compute_dtype_without_measuring(train_llama, monkeypatch, c
     assert train_llama.choose_compute_dtype(args, torch.device(device)) == (getattr(torch, expected), None, None)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "olmo2", "gemma3"])
 @pytest.mark.parametrize("preset", ["tiny", "100m"])
 def test_families_build_the_preset_sizes(training_common, family, preset):
     """--family builds the preset in another family's config: the same hidden size, layers, heads and head size,
