@@ -1,5 +1,5 @@
-"""coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3 or OLMo 2 model into an FP8-trained one, in
-place."""
+"""coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model into an FP8-trained
+one, in place."""
 from __future__ import annotations
 
 import fnmatch
@@ -48,11 +48,12 @@ def convert(
     """Converts ``model`` in place to coat's FP8 precision flow and returns it.
 
     Every decoder layer (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer,
-    Phi3DecoderLayer, Olmo2DecoderLayer) gets the FP8 forward of :mod:`coat.nn.decoder`: RMSNorm, SiLU*mul and all
-    the projections in FP8, activations saved in FP8 (Qwen3's per-head q/k norms too, fused with RoPE:
-    :mod:`coat.nn.decoder_qwen3`; Phi-3's fused qkv_proj and gate_up_proj weights: :mod:`coat.nn.decoder_phi3`;
-    OLMo 2's post-norms and full-width q/k norms with 16-bit outputs and FP8-saved inputs:
-    :mod:`coat.nn.decoder_olmo2`).
+    Phi3DecoderLayer, Olmo2DecoderLayer, Gemma3DecoderLayer) gets the FP8 forward of :mod:`coat.nn.decoder`:
+    RMSNorm, SiLU*mul (GeGLU for Gemma 3) and all the projections in FP8, activations saved in FP8 (Qwen3's
+    per-head q/k norms too, fused with RoPE: :mod:`coat.nn.decoder_qwen3`; Phi-3's fused qkv_proj and gate_up_proj
+    weights: :mod:`coat.nn.decoder_phi3`; OLMo 2's post-norms and full-width q/k norms with 16-bit outputs and
+    FP8-saved inputs: :mod:`coat.nn.decoder_olmo2`; Gemma 3's (1 + w) norms, four a layer:
+    :mod:`coat.nn.decoder_gemma3`).
     Parameters are shared, not copied, so ``state_dict()`` keys and values, ``save_pretrained`` /
     ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
 
@@ -63,8 +64,8 @@ def convert(
         :class:`coat.nn.Linear`. None (the default) converts every decoder layer and nothing else.
     skip_modules: patterns of modules to leave as they are (e.g. ``["model.layers.0", "model.layers.31"]``
         to keep the first and last layers in BF16).
-    fused_loss: for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Phi3ForCausalLM, compute the loss
-        fused with the LM head (:mod:`coat.nn.causal_lm`) when labels are given: the [batch, seq, vocab] logits
+    fused_loss: for the causal LMs of these families (LlamaForCausalLM, ..., Gemma3ForCausalLM with its final
+        logit soft-cap), compute the loss fused with the LM head (:mod:`coat.nn.causal_lm`) when labels are given: the [batch, seq, vocab] logits
         are never held, and the output's logits are None then. Without labels (generate(), evaluation) the
         logits come back as before.
 
