@@ -2,7 +2,7 @@
 a layer, two of them on the blocks' outputs before the residual adds; per-head q_norm / k_norm before RoPE; GeGLU
 with tanh-approximate GELU; sliding-window and global layers with their own RoPE tables; query_pre_attn_scalar; the
 embeddings scaled by sqrt(hidden); the final logit soft-cap). The families' shared checks (loss and gradients
-against BF16, generation, CUDA against the CPU) run in tests/test_nn_llama.py, whose FAMILIES include Gemma 3; the
+against BF16, generation, training + resume, torch.compile, CUDA against the CPU) run in tests/test_nn_llama.py, whose FAMILIES include Gemma 3; the
 fused loss with the soft-cap in tests/test_causal_lm.py; bounds are explained there (Gemma 3's model-level gradients
 against a float32 model with coat's quantization points, reference_nn.fp8_reference_loss:
 test_gradients_within_the_fp8_reference)."""
@@ -15,18 +15,10 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
 import coat
 from coat.nn.decoder_gemma3 import FP8Gemma3DecoderLayer
 from reference_nn import relative_error
-from test_nn_llama import FORWARD_BOUND, gradient_bound, layer_step, tiny_model, token_batch
+from test_nn_llama import FORWARD_BOUND, gradient_bound, layer_inputs, layer_step, tiny_model
 
 pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
 
-
-def layer_inputs(model, layer_index, batch=2, length=32, seed=3):
-    """A layer's input, its output gradient, and the RoPE tables of its layer type (local or global)."""
-    generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(batch, length, model.config.hidden_size, generator=generator).bfloat16()
-    grad = torch.randn(hidden.shape, generator=generator).bfloat16()
-    layer_type = model.config.layer_types[layer_index]
-    return hidden, grad, model.model.rotary_emb(hidden, torch.arange(length)[None], layer_type)
 
 
 def perturbed_norm_weights(model):
@@ -81,44 +73,6 @@ def test_conversion_keeps_parameters_and_keys():
     assert isinstance(layer.self_attn.q_norm, coat.nn.RMSNorm) and layer.mlp.activation == "gelu_tanh"
 
 
-def test_training_steps_save_and_resume(tmp_path):
-    """A few steps, a checkpoint, and a resumed run that continues exactly as the uninterrupted one."""
-    model = coat.convert(tiny_model("gemma3").float())
-    optimizer = coat.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = token_batch("cpu")
-
-    def step(m, opt):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = m(tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
-
-    losses = [step(model, optimizer) for _ in range(3)]
-    assert losses[-1] < losses[0]
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
-    continued = step(model, optimizer)
-
-    resumed = coat.convert(tiny_model("gemma3").float())
-    resumed_optimizer = coat.optim.AdamW(resumed.parameters(), lr=1e-2)
-    checkpoint = torch.load(tmp_path / "ckpt.pt")
-    resumed.load_state_dict(checkpoint["model"])
-    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
-    assert step(resumed, resumed_optimizer) == continued
-
-
-def test_torch_compile_traces_the_model_whole_with_eager_numerics():
-    model = coat.convert(tiny_model("gemma3"))
-    tokens = token_batch("cpu")
-    explanation = torch._dynamo.explain(lambda t: model(t, labels=t).loss)(tokens)
-    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
-    layer = model.model.layers[1]
-    hidden, grad, rope = layer_inputs(model, 1)
-    eager = layer_step(layer, hidden, rope, grad)
-    traced = layer_step(torch.compile(layer, fullgraph=True, backend="aot_eager"), hidden, rope, grad)
-    for expected, actual in zip(eager, traced):
-        assert torch.equal(actual, expected)
 
 
 def test_unsupported_configs_are_refused_at_convert():
@@ -131,18 +85,6 @@ def test_unsupported_configs_are_refused_at_convert():
         coat.convert(wide_heads)
     assert all(type(layer) is Gemma3DecoderLayer for layer in wide_heads.model.layers)
 
-
-def test_generate_keeps_its_context():
-    """Greedy generation with the KV cache (the sliding-window layer's included) gives the logits of a full
-    forward over the generated sequence."""
-    model = coat.convert(tiny_model("gemma3", sliding_window=4)).eval()
-    tokens = token_batch("cpu", batch=1, length=8)
-    generated = model.generate(tokens, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
-                               return_dict_in_generate=True)
-    assert torch.equal(generated.sequences[:, :8], tokens)
-    with torch.no_grad():
-        full = model(generated.sequences[:, :-1]).logits[0, 7:]
-    assert relative_error(torch.cat(generated.logits), full) <= FORWARD_BOUND
 
 
 def test_saves_no_16_bit_activation_beyond_attention():
@@ -163,4 +105,3 @@ def test_saves_no_16_bit_activation_beyond_attention():
     attention = 5  # SDPA keeps q, k, v and its output; after_attention the output as o_proj's input (as Llama's)
     wide = [t for t in saved if t.dtype == torch.bfloat16 and t.dim() >= 3 and t.numel() >= hidden.numel() // 2]
     assert len(wide) <= attention, [tuple(t.shape) for t in wide]
-

@@ -692,29 +692,71 @@ def test_torch_compile_does_not_trace_the_autocast_query(monkeypatch):
     assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
 
 
-def test_torch_compile_traces_the_model_whole_with_eager_numerics():
+def layer_inputs(model, layer_index=0, batch=2, length=32, seed=3):
+    """A decoder layer's input, its output's gradient and its RoPE tables (Gemma 3's layer types have their own)."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, length, model.config.hidden_size, generator=generator).bfloat16()
+    grad = torch.randn(hidden.shape, generator=generator).bfloat16()
+    positions = torch.arange(length)[None]
+    rotary = model.model.rotary_emb
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return hidden, grad, rotary(hidden, positions, model.config.layer_types[layer_index])
+    return hidden, grad, rotary(hidden, positions)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torch_compile_traces_the_model_whole_with_eager_numerics(family):
     """A converted model is one graph for torch.compile: no graph break anywhere in the forward and loss
     (coat's ops are custom ops with fake implementations, its blocks autograd Functions that dynamo traces).
     A decoder layer compiled with fullgraph=True computes what eager mode does: bit for bit with AOTAutograd
-    alone; with inductor, which fuses the elementwise ops around coat's kernels (RoPE, residual adds) and
-    rounds their intermediates once instead of after every op, the inputs of the FP8 quantizers move by a bf16
-    ulp here and there, which flips some FP8 codes: the results then differ by less than one E5M2 rounding
+    alone; with inductor (Llama's layer), which fuses the elementwise ops around coat's kernels (RoPE, residual
+    adds) and rounds their intermediates once instead of after every op, the inputs of the FP8 quantizers move by
+    a bf16 ulp here and there, which flips some FP8 codes: the results then differ by less than one E5M2 rounding
     (relative RMS 0.072, see the module docstring)."""
-    model = coat.convert(tiny_model("llama"))
+    model = coat.convert(tiny_model(family))
     tokens = token_batch("cpu")
     explanation = torch._dynamo.explain(lambda t: model(t, labels=t).loss)(tokens)
     assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
     assert explanation.graph_count == 1
 
-    layer = model.model.layers[0]
-    generator = torch.Generator().manual_seed(3)
-    hidden = torch.randn(2, 32, TINY["hidden_size"], generator=generator).bfloat16()
-    grad = torch.randn(hidden.shape, generator=generator).bfloat16()
-    position_embeddings = model.model.rotary_emb(hidden, torch.arange(32)[None])
+    layer_index = len(model.model.layers) - 1  # Gemma 3's global layer; the others' layers are alike
+    layer = model.model.layers[layer_index]
+    hidden, grad, position_embeddings = layer_inputs(model, layer_index)
     eager = layer_step(layer, hidden, position_embeddings, grad)
     traced = layer_step(torch.compile(layer, fullgraph=True, backend="aot_eager"), hidden, position_embeddings, grad)
     for expected, actual in zip(eager, traced):
         assert torch.equal(actual, expected)
-    fused = layer_step(torch.compile(layer, fullgraph=True, backend="inductor"), hidden, position_embeddings, grad)
-    for expected, actual in zip(eager, fused):
-        assert relative_error(actual, expected) <= 0.072
+    if family == "llama":
+        fused = layer_step(torch.compile(layer, fullgraph=True, backend="inductor"), hidden, position_embeddings,
+                           grad)
+        for expected, actual in zip(eager, fused):
+            assert relative_error(actual, expected) <= 0.072
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_steps_save_and_resume(family, tmp_path):
+    """A few steps with coat.optim.AdamW, a checkpoint, and a resumed run that continues exactly as the
+    uninterrupted one."""
+    model = coat.convert(tiny_model(family).float())
+    optimizer = coat.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = token_batch("cpu")
+
+    def step(m, opt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    losses = [step(model, optimizer) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
+    continued = step(model, optimizer)
+
+    resumed = coat.convert(tiny_model(family).float())
+    resumed_optimizer = coat.optim.AdamW(resumed.parameters(), lr=1e-2)
+    checkpoint = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    assert step(resumed, resumed_optimizer) == continued

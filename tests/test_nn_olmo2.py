@@ -1,6 +1,6 @@
 """coat.convert on tiny OLMo 2 models: what OLMo 2 changes from Llama (no pre-norms; post-norms on the attention and
 MLP outputs before the residual adds; q_norm / k_norm over the whole q and k projections before RoPE). The families'
-shared checks (loss and gradients against BF16, generation) run in tests/test_nn_llama.py, whose FAMILIES include
+shared checks (loss and gradients, generation, training + resume, torch.compile) run in tests/test_nn_llama.py, whose FAMILIES include
 OLMo 2; bounds are explained there (OLMo 2's model-level gradients against a float32 model with coat's quantization
 points, reference_nn.fp8_reference_loss: test_gradients_within_the_fp8_reference)."""
 import copy
@@ -12,16 +12,10 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer
 import coat
 from coat.nn.decoder_olmo2 import FP8Olmo2DecoderLayer
 from reference_nn import relative_error
-from test_nn_llama import FORWARD_BOUND, GRADIENT_BOUND, layer_step, tiny_model, token_batch
+from test_nn_llama import FORWARD_BOUND, GRADIENT_BOUND, layer_inputs, layer_step, tiny_model, token_batch
 
 pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
 
-
-def layer_inputs(model, batch=2, length=32, seed=3):
-    generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(batch, length, model.config.hidden_size, generator=generator).bfloat16()
-    grad = torch.randn(hidden.shape, generator=generator).bfloat16()
-    return hidden, grad, model.model.rotary_emb(hidden, torch.arange(length)[None])
 
 
 @pytest.mark.parametrize("attention_bias", [False, True])
@@ -58,44 +52,6 @@ def test_conversion_keeps_parameters_and_keys():
                                                                               coat.nn.RMSNorm)
 
 
-def test_training_steps_save_and_resume(tmp_path):
-    """A few steps, a checkpoint, and a resumed run that continues exactly as the uninterrupted one."""
-    model = coat.convert(tiny_model("olmo2").float())
-    optimizer = coat.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = token_batch("cpu")
-
-    def step(m, opt):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = m(tokens, labels=tokens).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
-
-    losses = [step(model, optimizer) for _ in range(3)]
-    assert losses[-1] < losses[0]
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
-    continued = step(model, optimizer)
-
-    resumed = coat.convert(tiny_model("olmo2").float())
-    resumed_optimizer = coat.optim.AdamW(resumed.parameters(), lr=1e-2)
-    checkpoint = torch.load(tmp_path / "ckpt.pt")
-    resumed.load_state_dict(checkpoint["model"])
-    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
-    assert step(resumed, resumed_optimizer) == continued
-
-
-def test_torch_compile_traces_the_model_whole_with_eager_numerics():
-    model = coat.convert(tiny_model("olmo2"))
-    tokens = token_batch("cpu")
-    explanation = torch._dynamo.explain(lambda t: model(t, labels=t).loss)(tokens)
-    assert explanation.graph_break_count == 0, [b.reason for b in explanation.break_reasons]
-    layer = model.model.layers[0]
-    hidden, grad, rope = layer_inputs(model)
-    eager = layer_step(layer, hidden, rope, grad)
-    traced = layer_step(torch.compile(layer, fullgraph=True, backend="aot_eager"), hidden, rope, grad)
-    for expected, actual in zip(eager, traced):
-        assert torch.equal(actual, expected)
 
 
 def test_unsupported_configs_are_refused_at_convert():
@@ -116,17 +72,6 @@ def test_a_replaced_norm_is_refused_not_ignored():
     with pytest.raises(TypeError, match=r"post_feedforward_layernorm is now a RMSNorm, not the coat.nn.RMSNorm"):
         model(token_batch("cpu"))
 
-
-def test_generate_keeps_its_context():
-    """Greedy generation with the KV cache gives the logits of a full forward over the generated sequence."""
-    model = coat.convert(tiny_model("olmo2")).eval()
-    tokens = token_batch("cpu", batch=1, length=8)
-    generated = model.generate(tokens, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
-                               return_dict_in_generate=True)
-    assert torch.equal(generated.sequences[:, :8], tokens)
-    with torch.no_grad():
-        full = model(generated.sequences[:, :-1]).logits[0, 7:]
-    assert relative_error(torch.cat(generated.logits), full) <= FORWARD_BOUND
 
 
 def test_saves_no_16_bit_activation_beyond_attention():

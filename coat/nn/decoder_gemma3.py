@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
 
-from coat.nn.decoder import FP8_DECODER_LAYERS, LAYER_PARAMETERS, FP8DecoderLayerMixin
-from coat.nn.decoder_qwen3 import HeadNormsMixin
+from coat.nn.decoder import FP8_DECODER_LAYERS, LAYER_PARAMETERS, FP8DecoderLayerMixin, HeadNormsMixin
 
 
 class FP8Gemma3DecoderLayer(HeadNormsMixin, FP8DecoderLayerMixin, Gemma3DecoderLayer):
