@@ -704,6 +704,52 @@ def layer_inputs(model, layer_index=0, batch=2, length=32, seed=3):
     return hidden, grad, rotary(hidden, positions)
 
 
+@pytest.mark.parametrize("attention_bias", [False, True])
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_layer_with_q_k_norms_against_the_float32_layer(family, attention_bias):
+    """A converted Qwen3 or OLMo 2 layer (q/k norms, per head or over the whole projection) in BF16 against the
+    unconverted one in float32, inputs and weights the same, with and without attention biases."""
+    model = tiny_model(family, attention_bias=attention_bias)
+    if attention_bias:  # transformers initializes biases to zero: give them values the test can see
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.5)
+    hidden, grad, rope = layer_inputs(model)
+    stock = copy.deepcopy(model.model.layers[0]).float()
+    expected = layer_step(stock, hidden.float(), tuple(t.float() for t in rope), grad.float())
+    converted = coat.convert(model).model.layers[0]
+    assert type(converted).__name__ == f"FP8{type(stock).__name__}"
+    actual = layer_step(converted, hidden, rope, grad)
+    names = ["output", "input grad"] + [name for name, _ in converted.named_parameters()]
+    assert len(actual) == len(expected) == len(names)
+    for name, a, e in zip(names, actual, expected):
+        bound = FORWARD_BOUND if name == "output" else GRADIENT_BOUND["e5m2", "e4m3"]
+        assert relative_error(a.float(), e) <= bound, name
+
+
+@pytest.mark.parametrize("family", ["olmo2", "gemma3"])
+def test_post_norm_layers_save_no_16_bit_activation_beyond_attention(family):
+    """Every norm of the post-norm families keeps its input in FP8 1 x G groups: a layer's backward keeps no
+    16-bit [B, S, hidden] or [B, S, heads * D] tensor but what attention keeps (q, k, v and its output) and
+    o_proj's input."""
+    model = coat.convert(tiny_model(family))
+    layer = model.model.layers[0]
+    hidden, grad, rope = layer_inputs(model)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    hidden.requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(hidden, position_embeddings=rope)
+    attention = 5  # SDPA keeps q, k, v and its output; after_attention the output as o_proj's input (as Llama's)
+    wide = [t for t in saved if t.dtype == torch.bfloat16 and t.dim() >= 3 and t.numel() >= hidden.numel() // 2]
+    assert len(wide) <= attention, [tuple(t.shape) for t in wide]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_torch_compile_traces_the_model_whole_with_eager_numerics(family):
     """A converted model is one graph for torch.compile: no graph break anywhere in the forward and loss

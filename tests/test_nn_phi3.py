@@ -1,7 +1,7 @@
 """coat.convert on tiny Phi-3 models: what Phi-3 changes from Llama (one fused qkv_proj weight, one fused
 gate_up_proj, gate first; residual dropout; longrope), and what it refuses. The families' shared checks (loss and
-gradients against BF16, KV cache, greedy generate(), training + resume, torch.compile, CUDA against CPU) run in tests/test_nn_llama.py, whose
-FAMILIES include Phi-3; bounds are explained there."""
+gradients against BF16, KV cache, greedy generate(), training + resume, torch.compile, CUDA against CPU) run in
+tests/test_nn_llama.py, whose FAMILIES include Phi-3; bounds are explained there."""
 import copy
 
 import pytest
