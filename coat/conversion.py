@@ -66,8 +66,8 @@ def convert(
         to keep the first and last layers in BF16).
     fused_loss: for the causal LMs of these families (LlamaForCausalLM, ..., Gemma3ForCausalLM with its final
         logit soft-cap), compute the loss fused with the LM head (:mod:`coat.nn.causal_lm`) when labels are given:
-        the [batch, seq, vocab] logits are never held, and the output's logits are None then. Without labels (generate(), evaluation) the
-        logits come back as before.
+        the [batch, seq, vocab] logits are never held, and the output's logits are None then. Without labels
+        (generate(), evaluation) the logits come back as before.
 
     The LM head stays BF16 unless named in modules_to_convert: its logits feed the softmax over the
     vocabulary directly, where FP8 error shows up unfiltered in the loss (FP8 recipes, TransformerEngine's

@@ -3,9 +3,9 @@ a layer, two of them on the blocks' outputs before the residual adds; per-head q
 with tanh-approximate GELU; sliding-window and global layers with their own RoPE tables; query_pre_attn_scalar; the
 embeddings scaled by sqrt(hidden); the final logit soft-cap). The families' shared checks (loss and gradients
 against BF16, generation, training + resume, torch.compile, what is saved, CUDA against the CPU) run in
-tests/test_nn_llama.py, whose FAMILIES include Gemma 3; the fused loss with the soft-cap in tests/test_causal_lm.py; bounds are explained there (Gemma 3's model-level gradients
-against a float32 model with coat's quantization points, reference_nn.fp8_reference_loss:
-test_gradients_within_the_fp8_reference)."""
+tests/test_nn_llama.py, whose FAMILIES include Gemma 3; the fused loss with the soft-cap in tests/test_causal_lm.py;
+bounds are explained there (Gemma 3's model-level gradients against a float32 model with coat's quantization points,
+reference_nn.fp8_reference_loss: test_gradients_within_the_fp8_reference)."""
 import copy
 
 import pytest
