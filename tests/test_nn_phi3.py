@@ -19,12 +19,12 @@ from test_nn_llama import (
     GRADIENT_BOUND,
     TINY,
     expected_saved_bytes,
+    layer_inputs,
     layer_step,
     saved_activation_bytes,
     tiny_model,
     token_batch,
 )
-from test_nn_qwen3 import layer_inputs
 from test_report import LAYER_TENSORS
 
 pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
