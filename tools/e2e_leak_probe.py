@@ -1,55 +1,71 @@
 """Which tensors stay allocated on the GPU after a benchmarks/e2e_shapes.py row is freed (its "allocated before GiB").
 
+Builds, steps (trial) and frees the rows below at the Llama-3.2-1B shape, batch 2 x 2048, with and without the
+MemTracker accounting step (tracked_step), then prints what stays allocated, the largest CUDA tensors gc still sees
+and, three levels deep, what refers to them. It found MemTracker's step keeping a fused-AdamW model alive
+(benchmarks/results/e2e-shapes-memtracker-leak-NVIDIA_H200.log).
+
     python3 tools/e2e_leak_probe.py      (from the repository root, on a GPU; ~1 min on an H200)
 """
-import gc, sys, types
+import gc
+import sys
+import types
+
 import torch
+
 sys.path.insert(0, "benchmarks")
-sys.argv = ["x"]
-import e2e_shapes as es
+import e2e_shapes  # noqa: E402
 
-dev = torch.device("cuda", 0)
+ROWS = [("bf16", False), ("bf16", True), ("coat", True)]  # (variant, with the MemTracker step)
+BATCH, SEQ = 2, 2048
 
-class A: smoke = False; warmup = 2; steps = 1
 
-def live_cuda_tensors():
-    out = []
-    for o in gc.get_objects():
+def live_cuda_tensors() -> list[torch.Tensor]:
+    tensors = []
+    for obj in gc.get_objects():
         try:
-            if isinstance(o, torch.Tensor) and o.is_cuda:
-                out.append(o)
-        except Exception:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                tensors.append(obj)
+        except Exception:  # noqa: BLE001 - some objects gc tracks fail isinstance (lazy modules)
             pass
-    return out
+    return tensors
 
-def describe(t, depth=0, seen=None):
-    seen = seen or set()
-    for r in gc.get_referrers(t):
-        if id(r) in seen or isinstance(r, types.FrameType) or r is globals():
+
+def print_referrers(obj, depth: int = 0, seen: set | None = None) -> None:
+    seen = set() if seen is None else seen
+    for referrer in gc.get_referrers(obj):
+        if id(referrer) in seen or isinstance(referrer, types.FrameType) or referrer is globals():
             continue
-        seen.add(id(r))
-        s = str(r)[:160].replace("\n", " ")
-        print("   " * (depth + 1), type(r).__name__, s)
-        if depth < 3 and not isinstance(r, types.ModuleType):
-            describe(r, depth + 1, seen)
+        seen.add(id(referrer))
+        print("   " * (depth + 1), type(referrer).__name__, str(referrer)[:160].replace("\n", " "))
+        if depth < 3 and not isinstance(referrer, types.ModuleType):
+            print_referrers(referrer, depth + 1, seen)
 
-for variant, track in [("bf16", False), ("bf16", True), ("coat", True)]:
-    shape = es.SHAPES["llama3.2-1b"]
-    before = torch.cuda.memory_allocated()
-    tr = es.ShapeTraining(variant, shape, shape.make_config(False), dev)
-    tr.build()
-    es.trial(tr, 2, 2048, 2, 1)
-    if track:
-        es.tracked_step(tr, 2, 2048)
-    tr.free(); gc.collect(); torch.cuda.synchronize()
-    after = torch.cuda.memory_allocated()
-    print(f"== {variant} tracked={track}: allocated {before/2**30:.3f} -> {after/2**30:.3f} GiB", flush=True)
-    ts = live_cuda_tensors()
-    big = sorted(ts, key=lambda t: -t.untyped_storage().nbytes())[:3]
-    print("   live cuda tensors:", len(ts), "bytes", sum(t.untyped_storage().nbytes() for t in ts) / 2**30)
-    for t in big:
-        print("  tensor", tuple(t.shape), t.dtype, t.untyped_storage().nbytes() / 2**20, "MiB")
-        describe(t)
-    if after - before > 2**28 and not ts:
-        print("   no python-visible tensor holds it")
-        print(torch.cuda.memory_summary(abbreviated=True)[:3000])
+
+def main() -> None:
+    device = torch.device("cuda", 0)
+    shape = e2e_shapes.SHAPES["llama3.2-1b"]
+    for variant, tracked in ROWS:
+        before = torch.cuda.memory_allocated()
+        training = e2e_shapes.ShapeTraining(variant, shape, shape.make_config(False), device)
+        training.build()
+        e2e_shapes.trial(training, BATCH, SEQ, warmup=2, steps=1)
+        if tracked:
+            e2e_shapes.tracked_step(training, BATCH, SEQ)
+        training.free()
+        gc.collect()
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+        print(f"== {variant} tracked={tracked}: allocated {before / 2**30:.3f} -> {after / 2**30:.3f} GiB", flush=True)
+        tensors = live_cuda_tensors()
+        print("   live cuda tensors:", len(tensors), "GiB", sum(t.untyped_storage().nbytes() for t in tensors) / 2**30)
+        for tensor in sorted(tensors, key=lambda t: -t.untyped_storage().nbytes())[:3]:
+            print("  tensor", tuple(tensor.shape), tensor.dtype, tensor.untyped_storage().nbytes() / 2**20, "MiB")
+            print_referrers(tensor)
+        if after - before > 2**28 and not tensors:
+            print("   no python-visible tensor holds it")
+            print(torch.cuda.memory_summary(abbreviated=True)[:3000])
+
+
+if __name__ == "__main__":
+    main()
