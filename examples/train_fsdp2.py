@@ -194,7 +194,8 @@ def main() -> None:
     if args.coat:
         if args.saved_format == "auto":
             raise SystemExit("--saved-format auto is train_llama.py's (it captures a report step): use e4m3, fp6 or fp4")
-        coat.convert(model, saved_format=args.saved_format, fast_accum=args.fast_accum, group_size=args.group_size)
+        coat.convert(model, saved_format=args.saved_format, fast_accum=args.fast_accum, group_size=args.group_size,
+                     fused_loss=not args.unfused_loss)
     shard(model, device, args.fp8_all_gather)
     if args.fp8_reduce_scatter:
         coat.distributed.fp8_reduce_scatter(model)
@@ -231,6 +232,7 @@ def main() -> None:
     summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
                           "fp8_reduce_scatter": args.fp8_reduce_scatter, "fp8_all_gather": args.fp8_all_gather,
                           "preset": None if args.model else args.preset, "family": args.family,
+                          "fused_loss": args.coat and not args.unfused_loss,
                           "parameters": parameters,
                           "world_size": world, "batch_per_rank": args.batch, "seq": args.seq})
     if rank == 0 and summary.get("final_train_loss_last_10pct") is not None:

@@ -147,7 +147,8 @@ def main() -> None:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 weights themselves
     if args.coat:
         coat.convert(model, saved_format="fp4" if args.saved_format == "auto" else args.saved_format,
-                     fast_accum=args.fast_accum, group_size=args.group_size)
+                     fast_accum=args.fast_accum, group_size=args.group_size,
+                     fused_loss=not args.unfused_loss)
     optimizer = build_optimizer(args, model)
     scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
     data = load_text(args, tokenizer)
@@ -208,6 +209,7 @@ def main() -> None:
                           "bf16_matmul_time_ratio": bf16_time_ratio,
                           "saved_formats_chosen": saved_formats,
                           "preset": None if args.model else args.preset, "family": args.family,
+                          "fused_loss": args.coat and not args.unfused_loss,
                           "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq})
     print(f"{args.name}: held-out loss {summary['final_val_loss']:.4f}, training loss (last 10%) "
           f"{summary['final_train_loss_last_10pct']:.4f}, {summary['median_tokens_per_s']:,.0f} tokens/s"

@@ -104,6 +104,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --coat: the forward GEMMs accumulate in the tensor cores' fast FP8 accumulator, "
                              "as torchao's and TransformerEngine's do (coat.convert(fast_accum=True)); faster, "
                              "less precise")
+    parser.add_argument("--unfused-loss", action="store_true",
+                        help="with --coat: leave the LM head and loss to transformers (the full logits, then "
+                             "cross_entropy) instead of coat's fused LM head + loss (coat.convert(fused_loss=False))")
     parser.add_argument("--steps", type=int, help="optimizer steps")
     parser.add_argument("--batch", type=int, help="sequences per step (per process under torchrun)")
     parser.add_argument("--seq", type=int, help="tokens per sequence")
@@ -134,8 +137,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.eval_every = max(args.log_every, args.steps // 10 // args.log_every * args.log_every)
     if (args.bf16_weights or args.fp8_grads) and not args.coat:
         raise SystemExit("--bf16-weights and --fp8-grads are options of coat.optim.AdamW: add --coat")
-    if (args.saved_format != "e4m3" or args.fast_accum or args.group_size != 16) and not args.coat:
-        raise SystemExit("--saved-format, --group-size and --fast-accum are options of coat.convert: add --coat")
+    if (args.saved_format != "e4m3" or args.fast_accum or args.group_size != 16 or args.unfused_loss) and not args.coat:
+        raise SystemExit("--saved-format, --group-size, --fast-accum and --unfused-loss are options of coat.convert: "
+                         "add --coat")
     if args.name is None:
         variant = "coat" if args.coat else "bf16"
         if args.bf16_weights:
@@ -148,6 +152,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             variant += f"-g{args.group_size}"
         if args.fast_accum:
             variant += "-fast-accum"
+        if args.unfused_loss:
+            variant += "-unfused-loss"
         if getattr(args, "uniform_fp4", False):
             variant += "-uniform"
         if getattr(args, "fp8_reduce_scatter", False):
