@@ -779,6 +779,37 @@ def test_torch_compile_traces_the_model_whole_with_eager_numerics(family):
             assert relative_error(actual, expected) <= 0.072
 
 
+def traced_sdpa_masks(model, tokens, **kwargs) -> list[bool]:
+    """Whether each SDPA call of the graph torch.compile traces for model(tokens, labels=tokens, **kwargs) gets a
+    materialized mask (True) or is_causal=True (False); checks the compiled loss against eager's."""
+    masks = []
+
+    def backend(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.target is torch._C._nn.scaled_dot_product_attention:
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                assert (mask is None) == bool(node.kwargs.get("is_causal")), node.format_node()
+                masks.append(mask is not None)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)(tokens, labels=tokens, **kwargs).loss
+    assert torch.equal(compiled, model(tokens, labels=tokens, **kwargs).loss)
+    return masks
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_torch_compile_gives_sdpa_no_mask_when_the_batch_has_no_padding(family):
+    """transformers materializes the causal mask while tracing even where eager mode skips it, which keeps SDPA
+    from its flash kernel. A converted model traced without attention_mask, positions or cache gives SDPA
+    is_causal=True instead, except in a sliding-window layer whose window is shorter than the sequence (Gemma 3's
+    first tiny layer: window 16, 32 tokens); with an attention_mask every layer keeps transformers' mask."""
+    model = coat.convert(tiny_model(family))
+    tokens = token_batch("cpu")
+    assert traced_sdpa_masks(model, tokens) == ([True, False] if family == "gemma3" else [False, False])
+    assert traced_sdpa_masks(model, tokens, attention_mask=torch.ones_like(tokens)) == [True, True]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_steps_save_and_resume(family, tmp_path):
     """A few steps with coat.optim.AdamW, a checkpoint, and a resumed run that continues exactly as the

@@ -35,6 +35,11 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 
 from coat.nn.cross_entropy import linear_cross_entropy
+from coat.nn.decoder import CACHE_ARGUMENTS, UNPADDED_CAUSAL
+
+# The forward's arguments that can make its causal mask other than the plain lower triangle (padding, packed
+# sequences' positions, a cache that holds tokens).
+_MASK_ARGUMENTS = ("attention_mask", "position_ids", "cache_position", *CACHE_ARGUMENTS)
 
 
 class FusedLossLMHead(nn.Linear):
@@ -87,6 +92,8 @@ def _fused_loss_forward(base_forward):
 
     @functools.wraps(base_forward)
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and len(args) <= 1 and all(kwargs.get(n) is None for n in _MASK_ARGUMENTS):
+            kwargs[UNPADDED_CAUSAL] = True  # the decoder layers may skip the mask transformers builds (coat.nn.decoder)
         labels = kwargs.pop("labels", None)
         if labels is None:  # also when labels come positionally: then transformers' own loss runs
             return base_forward(self, *args, **kwargs)

@@ -46,6 +46,11 @@ def _projection(parent: nn.Module, name: str):
 # through to the attention function, and that updates it.
 LAYER_PARAMETERS = frozenset({"hidden_states", "attention_mask", "position_ids", "use_cache", "position_embeddings"})
 CACHE_ARGUMENTS = ("past_key_values", "cache")
+# A keyword coat's causal-LM forward (coat.nn.causal_lm) passes down to the decoder layers while torch.compile
+# traces a call without an attention mask, positions or cache: the causal mask is then the plain one. transformers
+# materializes it anyway while tracing (masking_utils._ignore_causal_mask_sdpa), which costs SDPA its flash kernel
+# (2.6x the attention time of eager at the Llama-3.2-1B shape); a layer told so gives SDPA is_causal=True instead.
+UNPADDED_CAUSAL = "coat_unpadded_causal"
 
 
 def stock_cache_argument(stock_forward, layer_parameters=LAYER_PARAMETERS) -> str | None:
@@ -102,6 +107,7 @@ class FP8DecoderLayerMixin:
         # in kwargs is the paged one of continuous batching, which stays in kwargs for the attention function.
         cache = kwargs.pop("cache", None) if self.cache_argument == "cache" else None
         cache = past_key_values if cache is None else cache
+        unpadded_causal = kwargs.pop(UNPADDED_CAUSAL, False)
         attn = self.self_attn
         modeling = sys.modules[type(attn).__module__]  # the model family's eager attention
         config = self.fp8_config
@@ -125,6 +131,10 @@ class FP8DecoderLayerMixin:
         sliding_window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
         if sliding_window is not None:
             attention_kwargs["sliding_window"] = sliding_window
+        # Queries as long as the keys: the cache held nothing before; a window that long masks nothing more.
+        if (unpadded_causal and implementation == "sdpa" and query.shape[-2] == key.shape[-2]
+                and (sliding_window is None or key.shape[-2] <= sliding_window)):
+            attention_mask = None  # SDPA then takes is_causal=True, the same mask
         attn_output, _ = attention_interface(
             attn,
             query,
