@@ -100,9 +100,9 @@ FAMILIES = (
     Family("kernels", "Kernels", ("quantize", "norm_act", "fp4", "rope", "linear", "gemm_algos", "layer_host_time",
                                   "cross_entropy"),
            ("family", "shape", "B,S,Hq,Hk,D", "M", "K", "N", "hidden", "seq", "batch", "gemm", "layer", "op", "pass",
-            "tokens,V,H", "variant"),
+            "tokens,V,H", "weight", "variant"),
            ("ms", "GB/s", "vs copy", "vs plain", "speedup vs eager", "TFLOP/s", "vs bf16", "torch us", "best us",
-            "host fwd ms", "host bwd ms", "step ms", "peak GiB above inputs"),
+            "host fwd ms", "host bwd ms", "step ms", "peak GiB above inputs", "chunk logits GiB"),
            "Operators on their own: the quantizers (`quantize.py`), the fused RMSNorm and SiLU*mul "
            "(`norm_act.py`), the FP4/FP6 codecs (`fp4.py`), RoPE (`rope.py`), `coat.nn.Linear` (`linear.py`), "
            "cuBLASLt's algorithms for the layer's GEMMs (`gemm_algos.py`) and the host time of a layer "
