@@ -195,9 +195,9 @@ def _day(result: Result) -> str:
 
 def _add_convergence_comparison(results: list[Result]) -> None:
     """Adds "vs BF16" to each coat run: its held-out loss against the mean of the BF16 runs of its family (--family;
-    runs from before it are Llama's), preset and seed."""
+    runs from before it are Llama's), preset, batch and seed."""
     def setting(row):
-        return row.get("family", "llama"), row["preset"], row["seed"]
+        return row.get("family", "llama"), row["preset"], row.get("batch"), row["seed"]
 
     losses: dict[tuple, list[float]] = {}
     for result in results:
@@ -260,6 +260,10 @@ LLAMA_LAYER = {"model": None}  # the README's layer figures are Llama-2-7B's
 # layer.py --family rows the README names, at each family's default shape (hidden x 2048)
 FAMILY_LAYERS = {"qwen3": ("Qwen3-8B", 4096), "phi3": ("Phi-3-medium", 5120), "olmo2": ("OLMo-2-7B", 4096),
                  "gemma3": ("Gemma-3-12B", 3840)}
+
+
+# examples/train_llama.py --family runs the README names
+CONVERGENCE_FAMILIES = {"qwen3": "Qwen3", "gemma3": "Gemma 3"}
 
 
 def readme_table(results: list[Result]) -> str:
@@ -338,6 +342,21 @@ def readme_table(results: list[Result]) -> str:
             by_seed.setdefault(row["seed"], []).append(row["vs BF16"])
         add(f"100M Llama, 2000 steps: held-out loss against BF16, {label}, every run",
             "; ".join(f"seed {seed}: {', '.join(v)}" for seed, v in by_seed.items()), runs, "convergence")
+    for family, label in CONVERGENCE_FAMILIES.items():
+        runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_llama"
+                       and r.rows[0].get("family") == family and "vs BF16" in r.rows[0]
+                       and _configuration(r.rows[0], family) is not None),
+                      key=lambda item: (item[1]["seed"], not item[1].get("fused_loss", True), item[0].date))
+        if not runs:
+            continue
+        by_seed = {}
+        for _, row in runs:
+            loss = "" if row.get("fused_loss", True) else " (transformers' loss)"
+            by_seed.setdefault(row["seed"], []).append(row["vs BF16"] + loss)
+        batches = sorted({row["batch"] for _, row in runs})
+        add(f"100M {label}, batch {', '.join(map(str, batches))} x 1024, 2000 steps: held-out loss against BF16, "
+            "FP8 defaults, every run", "; ".join(f"seed {seed}: {', '.join(v)}" for seed, v in by_seed.items()),
+            runs, "convergence")
     report = _latest(results, "report", "GPU-bound capture / off", read="after the next step", **{"rows measured": "64"})
     add(f"a `coat.report` capture: step time against a plain step (GPU time it adds, "
         f"{' and '.join(sorted({row['batch x seq'] for _, row in report}, key=lambda b: int(b.split('x')[0])))} tokens)",
@@ -345,11 +364,12 @@ def readme_table(results: list[Result]) -> str:
     return "\n".join([TABLE_BEGIN, ""] + _table(["what", "coat", "device", "source"], rows) + ["", TABLE_END])
 
 
-def _configuration(run: dict) -> tuple | None:
-    """(preset, saved_format, group_size) of a Llama coat run with the default options otherwise, else None. Runs
-    from before ``saved_format`` existed carry no such field and match nothing: their tree is superseded."""
+def _configuration(run: dict, family: str = "llama") -> tuple | None:
+    """(preset, saved_format, group_size) of a coat run of ``family`` with the default options otherwise (the
+    loss fused or not), else None. Runs from before ``saved_format`` existed carry no such field and match nothing:
+    their tree is superseded."""
     defaults = (not run.get("bf16_weights") and run.get("fp8_grads") is None and not run.get("fast_accum")
-                and not run.get("uniform_fp4") and run.get("family", "llama") == "llama")
+                and not run.get("uniform_fp4") and run.get("family", "llama") == family)
     if not run.get("coat") or not defaults or run.get("saved_format") is None:
         return None
     return run["preset"], run["saved_format"], run.get("group_size") or 16
