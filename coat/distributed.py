@@ -28,7 +28,7 @@ to FP8 as soon as it is gathered, so :func:`fp8_all_gather` quantizes the shards
 (FSDP2's fsdp_pre_all_gather / fsdp_post_all_gather extension, as torchao's float8 all-gather):
 
     every rank:   amax_local = max |W_j| over its shards of the group's weights      (coat.ops.tensor_amax)
-    all-reduce:   amax = MAX over ranks of amax_local                                (4 bytes, once per group)
+    all-reduce:   amax = MAX over ranks of amax_local              (4 bytes per group; when: see Scales below)
     every rank:   codes = fp8(W_shard / scale), scale = max(amax / FP8_MAX, 2^-126)  (coat.ops.quantize_tensors)
     all-gather:   the codes, as uint8                                                (1 byte per element)
     every rank:   the layer reads the gathered codes and the scale (coat.nn.FP8Weight): forward as they are,
@@ -38,16 +38,36 @@ to FP8 as soon as it is gathered, so :func:`fp8_all_gather` quantizes the shards
 A group is the weights that one per-tensor scale covers (:class:`coat.nn.functional.Projections`): q, k and v;
 gate and up; o; down; a lone coat.nn.Linear. Quantization is elementwise once the scale is fixed and the max
 is exact in any order, so the codes and the scale are those of the unsharded layer bit for bit: same losses,
-same gradients. The weights are cast to the policy's parameter dtype first, as FSDP2 would gather them.
-
-Bytes sent per element of a weight: 1, plus 4 per group and all-gather for its amax, against 2 for a bf16
-all-gather and 4 for float32. The amax is all-reduced inside the pre-all-gather hook, not precomputed after
-each optimizer step as torchao can: the scale then cannot be stale (after a step, a checkpoint load or any
-other change of the weights), at the price of one 4-byte all-reduce per group and gather, which costs
-latency, not bandwidth: every all-reduce makes the ranks wait for each other. The first weight of a group
-that FSDP2 gathers computes and all-reduces the amax; its siblings, gathered in the same call, reuse it.
-Each rank reads its own shards of the sibling weights, so the weights of a group must be sharded by one
+same gradients. The weights are cast to the policy's parameter dtype first, as FSDP2 would gather them; the
+amax is taken in the weights' own dtype and cast likewise (rounding is monotonic: the same bits).
+Each rank reads its own shards of a group's weights, so the weights of a group must be sharded by one
 fully_shard call (they are when decoder layers are the units).
+
+Scales
+------
+Bytes sent per element of a weight: 1, against 2 for a bf16 all-gather and 4 for float32, plus 4 per group
+for the amaxes. An all-reduce costs latency, not bandwidth (every one makes the ranks wait for each other),
+so ``fp8_all_gather(model, scales=...)`` says how many there are:
+
+    "per_unit"     (default) at each gather, the first weight of an FSDP2 unit (one fully_shard call) that
+                   FSDP2 prepares agrees the amaxes of all the unit's groups in ONE all-reduce; the unit's other
+                   weights, prepared in the same call before any is gathered, take theirs. Never stale.
+    "per_group"    one all-reduce per group and gather (as coat did first), for comparison. Never stale.
+    "precomputed"  :func:`precompute_fp8_scales` agrees every group's amax of the whole model in ONE
+                   all-reduce, after each optimizer step (:func:`precompute_fp8_scales_after_step` registers
+                   it); the gathers then run no collective. Before any precompute (the first step) the gathers
+                   agree them as "per_unit" does, and keep them.
+
+Staleness rule ("precomputed"): every write to a wrapped weight shard (an optimizer step, a state-dict load,
+an in-place edit through the parameter, its DTensor or its local tensor) is counted per weight, on each rank;
+a gather of a group written since its amax was agreed raises a RuntimeError that says to call
+precompute_fp8_scales(model) (on every rank) - no weight is gathered with a stale scale, and no rank runs a
+collective the others do not, so the error cannot deadlock. Ranks count the same writes when each holds rows
+of every weight, or when the writes go through the DTensor parameter (load_state_dict, set_model_state_dict,
+torch optimizers, in-place ops on the parameter). A rank holding no row of a weight (fewer rows than ranks)
+does not see coat.optim.AdamW's step of it, which skips empty shards: after a step without precompute such a
+rank gathers while the others raise, and waits in the all-gather until the process group's timeout (or until
+torchrun stops it). An edit of one rank's local shard alone is seen by that rank alone, likewise.
 
 The parameters keep their high-precision shards, gradients and optimizer states: FSDP2 reduce-scatters the
 gradients as before (fp8_reduce_scatter works alongside), and state dicts hold plain tensors. Everything that
@@ -82,7 +102,7 @@ class CommunicationLog:
     """Running totals of what coat's collectives sent from this rank: elements by dtype, the tensors handed to
     collectives, and the elements of the high-precision buffers they stand for. :class:`FP8ReduceScatter`:
     all-to-alls of uint8 codes and float32 scales for gradient buffers. :class:`FP8AllGather`: all-gathers of
-    uint8 codes for weight shards and 1-element all-reduces of float32 amaxes, one per group. Totals, not a
+    uint8 codes for weight shards and all-reduces of float32 amaxes, one element per group. Totals, not a
     record per call, so that a log kept for a whole run stays a few numbers."""
 
     sent: collections.Counter = field(default_factory=collections.Counter)  # torch.dtype -> elements

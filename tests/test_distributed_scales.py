@@ -120,7 +120,8 @@ def modes_train_bit_for_bit(rank: int, world_size: int, device: torch.device, ou
 
 def stale_weights(model, opt, tokens, change) -> dict:
     """``change`` done to the weights of a model gathering with precomputed scales: the error of the forward
-    after it, then whether a forward-backward-step after precompute_fp8_scales trains on, and its all-reduces."""
+    after it, then whether a forward-backward-step after precompute_fp8_scales trains on, and its all-reduces.
+    The first change is the optimizer step made before; later ones start from freshly precomputed scales."""
     change()
     try:
         model(input_ids=tokens, labels=tokens)
@@ -128,9 +129,10 @@ def stale_weights(model, opt, tokens, change) -> dict:
     except RuntimeError as exc:
         error = str(exc)
     coat.distributed.precompute_fp8_scales(model)
-    with AllReduces() as counted:
-        loss = train(model, opt, tokens)
     model.zero_grad(set_to_none=True)
+    with AllReduces() as counted:
+        loss = train(model, opt, tokens)  # leaves its gradients, for the next change
+    coat.distributed.precompute_fp8_scales(model)  # only the next change is then seen
     return {"error": error, "loss_after_precompute": loss, "all_reduces_after_precompute": counted.calls}
 
 
@@ -143,7 +145,6 @@ def precomputed_scales_refuse_stale_weights(rank: int, world_size: int, device: 
     opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     with AllReduces() as counted:  # no precompute yet: the first gathers agree the scales, one per unit
         train(model, opt, tokens)
-    model.zero_grad(set_to_none=True)
     first_step_all_reduces = counted.calls
     down_proj = model.model.layers[1].mlp.down_proj
     state = get_model_state_dict(model)
@@ -151,6 +152,8 @@ def precomputed_scales_refuse_stale_weights(rank: int, world_size: int, device: 
         "optimizer step without the hook": stale_weights(model, opt, tokens, lambda: None),
         "state dict load": stale_weights(model, opt, tokens, lambda: set_model_state_dict(model, state)),
         "in-place edit": stale_weights(model, opt, tokens, lambda: down_proj.weight.detach().mul_(0.5)),
+        "local shard edit": stale_weights(model, opt, tokens, lambda: down_proj.weight.detach().to_local().add_(1.0)),
+        "torch optimizer step": stale_weights(model, opt, tokens, torch.optim.SGD(model.parameters(), lr=LR).step),
     }
     # Rank 1 holds no row of the second weight (1 row over 2 ranks), and 16 of the first's 17 (padded).
     torch.manual_seed(0)
