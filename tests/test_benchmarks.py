@@ -75,7 +75,8 @@ def test_layer_benchmark_other_families(tmp_path, family):
     assert saved["coat eager"] * 1.8 <= saved["BF16 eager"]
 
 
-@pytest.mark.parametrize("script", ["linear", "layer", "layer_host_time", "e2e", "rope", "report", "fp4", "cross_entropy"])
+@pytest.mark.parametrize("script", ["linear", "layer", "layer_host_time", "e2e", "rope", "report", "fp4", "cross_entropy",
+                                    "fp8_collectives"])
 def test_benchmark_smoke_mode(script, tmp_path):
     result = run_smoke([sys.executable], script, tmp_path)
     assert result["summary"]["smoke"] and result["rows"]
