@@ -407,10 +407,11 @@ class FP8AllGatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self.dtype  # what FSDP2 would have gathered, and the layer quantized
         amax = self.group.agreed_amax(self.member, mesh.get_group())
-        if dtype not in (self._tensor.dtype, torch.float32):
+        if dtype not in (self._tensor.dtype, torch.float32):  # the amax of the weights cast to dtype (agree)
             amax = amax.to(dtype).float()
         # Every rank sends as many rows as FSDP2's first shard holds; the last ranks' shards are padded.
-        codes, scale = quantize_shard(self._tensor.to(dtype), amax, self.group.fp8_dtype, -(-outer_size[0] // mesh.size()))
+        padded_rows = -(-outer_size[0] // mesh.size())
+        codes, scale = quantize_shard(self._tensor.to(dtype), amax, self.group.fp8_dtype, padded_rows)
         self.group.comm.record(codes)
         return (codes,), (scale, amax, outer_size[0])
 
