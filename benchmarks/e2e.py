@@ -20,7 +20,9 @@ other:
                       (one process only: FP8 gradients need unsharded parameters)
     coat-fp8-comm     under torchrun only: coat-bf16w whose gradients FSDP2 reduce-scatters as block-scaled FP8
                       (coat.distributed.fp8_reduce_scatter) and whose projection weights it all-gathers in FP8
-                      (coat.distributed.fp8_all_gather)
+                      (coat.distributed.fp8_all_gather) with its default scales="per_unit"; --fp8-scales MODE...
+                      runs it once per mode, named coat-fp8-comm:MODE for the others ("per_group",
+                      "precomputed": then coat.distributed.precompute_fp8_scales_after_step too)
 
 A step is zero_grad, forward with the loss over the batch's own tokens, backward, optimizer step; no gradient
 checkpointing. Under torchrun every decoder layer and the root are fully_shard'ed (FSDP2), and each rank trains
@@ -62,6 +64,8 @@ Adam state), so at small batches the memory ratio tends to 1.59. A BF16 run that
     torchrun --nproc_per_node 2 benchmarks/e2e.py              (FSDP2, two GPUs)
     torchrun --nproc_per_node 2 benchmarks/e2e.py --profile --layers 8 --variants coat-bf16w coat-fp8-comm
                                                                (where the step time goes: torch.profiler tables)
+    torchrun --nproc_per_node 2 benchmarks/e2e.py --variants bf16 coat-bf16w coat-fp8-comm \
+        --fp8-scales per_group per_unit precomputed            (the FP8 all-gather's three scale modes)
     python benchmarks/e2e.py --smoke                           (CPU: checks that the script runs)
     python benchmarks/e2e.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
 """
@@ -93,6 +97,8 @@ VARIANT_COLORS = {"bf16": "tab:blue", "bf16-compiled": "tab:cyan", "torchao-comp
                   "coat": "tab:orange", "coat-compiled": "tab:red", "coat-bf16w": "tab:purple", "coat-bf16w-fp4": "tab:olive",
                   "coat-fp8-grads": "tab:brown", "coat-fp8-comm": "tab:pink"}
 BF16_WEIGHT_VARIANTS = ("coat-bf16w", "coat-bf16w-fp4", "coat-fp8-grads", "coat-fp8-comm")
+FP8_COMM = "coat-fp8-comm"
+FP8_SCALES_DEFAULT = inspect.signature(coat.distributed.fp8_all_gather).parameters["scales"].default
 SHAPES = {  # Llama-2 shapes: hidden, intermediate, heads, layers
     "7b": (4096, 11008, 32, 32),
     "13b": (5120, 13824, 40, 40),
@@ -176,9 +182,15 @@ def make_optimizer(params: list, device: torch.device, *, coat_state: bool, bf16
     return torch.optim.AdamW(params, lr=LR, fused=device.type == "cuda")
 
 
+def fp8_comm_variants(scale_modes: list[str]) -> list[str]:
+    """coat-fp8-comm once per scale mode of its FP8 all-gather: the default mode keeps the plain name."""
+    return [FP8_COMM if mode == FP8_SCALES_DEFAULT else f"{FP8_COMM}:{mode}" for mode in scale_modes]
+
+
 def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tuple:
     """The model and its optimizer. Under FSDP2 the model is built on the meta device and sharded before it
     gets memory, so that the whole model never sits on one GPU."""
+    variant, _, scales = variant.partition(":")  # coat-fp8-comm:MODE (fp8_comm_variants)
     # The bf16-weight variants are built in bfloat16, so that no float32 copy of the model ever exists.
     dtype = torch.bfloat16 if variant in BF16_WEIGHT_VARIANTS else torch.float32
     model = instantiate(LlamaForCausalLM, config, dtype, "meta" if mesh is not None else device)
@@ -194,19 +206,21 @@ def build(variant: str, config: LlamaConfig, device: torch.device, mesh) -> tupl
         for layer in model.model.layers:
             layer.compile()
     if mesh is not None:
-        if variant == "coat-fp8-comm":
-            coat.distributed.fp8_all_gather(model)  # before fully_shard
+        if variant == FP8_COMM:
+            coat.distributed.fp8_all_gather(model, **({"scales": scales} if scales else {}))  # before fully_shard
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         model.to_empty(device=device)
         initialise(model, config)
-        if variant == "coat-fp8-comm":
+        if variant == FP8_COMM:
             coat.distributed.fp8_reduce_scatter(model)
     optimizer = make_optimizer(list(model.parameters()), device, coat_state=variant.startswith("coat"),
                                bf16_weights=variant in BF16_WEIGHT_VARIANTS,
                                fp8_grads="e5m2" if variant == "coat-fp8-grads" else None)
+    if scales == "precomputed":  # inside the timed step: the hook's all-reduce is part of its cost
+        coat.distributed.precompute_fp8_scales_after_step(optimizer, model)
     return model.train(), optimizer
 
 
@@ -627,7 +641,7 @@ def plot(result_paths: list[str], png_path: str) -> None:
                 continue
             fits = row["peak GiB"] != "OOM"
             bar = memory_ax.bar(position + offset, row["peak GiB"] if fits else 0, width,
-                                color=VARIANT_COLORS[variant], label=legend_label(variant))
+                                color=VARIANT_COLORS[variant.partition(":")[0]], label=legend_label(variant))
             memory_ax.bar_label(bar, labels=[f"{row['peak GiB']:.1f}" if fits else "OOM"], fontsize=7)
     for position, (setup, rows) in enumerate(setups.items()):
         for variant, offset in offsets.items():
@@ -636,7 +650,7 @@ def plot(result_paths: list[str], png_path: str) -> None:
             row = next((r for r in rows if r["variant"] == variant and r["measured"] == "largest batch"
                         and "tokens/s/GPU" in r), None)  # a largest batch that ran out of memory when timed: OOM
             bar = speed_ax.bar(position + offset, row["tokens/s/GPU"] if row else 0, width,
-                               color=VARIANT_COLORS[variant])
+                               color=VARIANT_COLORS[variant.partition(":")[0]])
             speed_ax.bar_label(bar, labels=[f"{row['tokens/s/GPU']:,.0f}\nbatch {row['batch']}" if row else "OOM"],
                                fontsize=7)
     memory_ax.set_xticks(range(len(memory_groups)), [f"{setup}\nbatch {batch}".replace(", FSDP2", "\nFSDP2")
@@ -678,6 +692,9 @@ def main():
                    help="under torchrun: the fraction of each GPU's memory the allocator may use, on every rank")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, metavar="NAME",
                    help=f"what to train, of: {', '.join(VARIANTS)} (default: all; --smoke: {', '.join(SMOKE_VARIANTS)})")
+    p.add_argument("--fp8-scales", nargs="+", choices=coat.distributed.SCALE_MODES, default=[FP8_SCALES_DEFAULT],
+                   metavar="MODE", help="coat-fp8-comm once per scale mode of its FP8 all-gather "
+                   f"({', '.join(coat.distributed.SCALE_MODES)}; default {FP8_SCALES_DEFAULT})")
     p.add_argument("--profile", action="store_true",
                    help="instead of measuring: time and torch.profiler tables of two steps of each variant at the "
                         "first --memory-batches batch (try --layers 8)")
@@ -720,6 +737,7 @@ def main():
     config = llama_config(args.shape, args.layers, args.smoke)
 
     variants = args.variants or (SMOKE_VARIANTS if args.smoke else VARIANTS)
+    variants = [name for v in variants for name in (fp8_comm_variants(args.fp8_scales) if v == FP8_COMM else [v])]
     name = "e2e-1gpu" if world == 1 else f"e2e-fsdp2-{world}gpu"
     if args.shape != "7b":
         name = name.replace("e2e-", f"e2e-{args.shape}-")
@@ -732,7 +750,7 @@ def main():
             missing[variant] = torchao_missing()
         elif variant == "coat-fp8-grads" and mesh is not None:
             missing[variant] = "FP8 gradients need unsharded parameters (one process)"
-        elif variant == "coat-fp8-comm" and mesh is None:
+        elif variant.startswith(FP8_COMM) and mesh is None:
             missing[variant] = "FP8 reduce-scatter needs FSDP2 (torchrun)"
         if variant in missing:
             log(f"{variant}: skipped, {missing[variant]}")

@@ -32,11 +32,11 @@ def run_smoke(launcher: list[str], script: str, results_dir, *args: str) -> dict
     return json.loads(result_file.read_text())
 
 
-def check_e2e(result: dict, world_size: int) -> None:
+def check_e2e(result: dict, world_size: int, fp8_comm: tuple[str, ...] = ("coat-fp8-comm",)) -> None:
     summary = result["summary"]
     assert summary["world_size"] == world_size
     # FP8 gradients need unsharded parameters, FP8 reduce-scatter FSDP2: each is skipped with a note elsewhere
-    expected = ["bf16", "coat", "coat-fp8-grads"] if world_size == 1 else ["bf16", "coat", "coat-fp8-comm"]
+    expected = ["bf16", "coat", "coat-fp8-grads"] if world_size == 1 else ["bf16", "coat", *fp8_comm]
     assert len(summary["notes"]) == 1 and "skipped" in summary["notes"][0]
     assert [row["variant"] for row in result["rows"]] == expected
     for row in result["rows"]:
@@ -75,7 +75,8 @@ def test_layer_benchmark_other_families(tmp_path, family):
     assert saved["coat eager"] * 1.8 <= saved["BF16 eager"]
 
 
-@pytest.mark.parametrize("script", ["linear", "layer", "layer_host_time", "e2e", "rope", "report", "fp4", "cross_entropy"])
+@pytest.mark.parametrize("script", ["linear", "layer", "layer_host_time", "e2e", "rope", "report", "fp4", "cross_entropy",
+                                    "fp8_collectives"])
 def test_benchmark_smoke_mode(script, tmp_path):
     result = run_smoke([sys.executable], script, tmp_path)
     assert result["summary"]["smoke"] and result["rows"]
@@ -130,9 +131,14 @@ def test_gemm_algos_times_every_candidate_or_says_what_it_needs(tmp_path):
 def test_e2e_smoke_mode_fsdp2(tmp_path):
     """benchmarks/e2e.py under torchrun: FSDP2 on two CPU processes (gloo), meta-device build included."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    result = run_smoke(torchrun, "e2e", tmp_path)
+    result = run_smoke(torchrun, "e2e", tmp_path, "--fp8-scales", "per_unit", "precomputed")
     assert result["rows"][0]["measured"] == "smoke"
-    check_e2e(result, world_size=2)
+    check_e2e(result, world_size=2, fp8_comm=("coat-fp8-comm", "coat-fp8-comm:precomputed"))
+    # the same bytes but the amaxes: per step, one all-reduce after the optimizer step instead of one per gather
+    rows = {row["variant"]: row for row in result["rows"]}
+    precomputed, per_unit = rows["coat-fp8-comm:precomputed"], rows["coat-fp8-comm"]
+    assert precomputed["all-gather MB/step"] == per_unit["all-gather MB/step"]
+    assert 0 < precomputed["all-reduce MB/step"] < per_unit["all-reduce MB/step"]
 
 
 def test_e2e_profile_mode_prints_where_the_step_goes(tmp_path):

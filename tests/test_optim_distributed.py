@@ -589,7 +589,8 @@ def test_fsdp1_use_orig_params_matches_single_process_bit_for_bit(results):
 
 def test_fp8_all_gather_sends_fp8_codes_and_trains_bit_for_bit(results):
     # Per step, one rank's shard of every projection weight is gathered twice (forward, and backward after
-    # resharding) as uint8 codes; each gather of a group (q/k/v, o, gate/up, down) all-reduces its amax once.
+    # resharding) as uint8 codes; each gather of a layer all-reduces the amaxes of its 4 groups (q/k/v, o,
+    # gate/up, down) at once (scales="per_unit"; test_distributed_scales covers the other modes).
     for result in results["fsdp2_fp8_all_gather"]:
         assert result["after_fully_shard"].startswith("coat.distributed.fp8_all_gather must run before fully_shard")
         assert result["model_freed"]
@@ -601,7 +602,7 @@ def test_fp8_all_gather_sends_fp8_codes_and_trains_bit_for_bit(results):
             for sent in got["sent_per_step"]:
                 (codes, code_tensors), (amaxes, amax_tensors) = sent["torch.uint8"], sent["torch.float32"]
                 assert sent.keys() == {"torch.uint8", "torch.float32"}
-                assert code_tensors == 2 * 7 * 2 and amaxes == amax_tensors == 2 * 4 * 2  # 2 gathers, 2 layers
+                assert code_tensors == 2 * 7 * 2 and amaxes == 4 * amax_tensors == 4 * 2 * 2  # 2 gathers, 2 layers
                 assert codes == 2 * shard_elements
                 sent_bytes = codes + 4 * amaxes
                 high_precision_bytes = 2 * shard_elements * got["gathered_itemsize"]
