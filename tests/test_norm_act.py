@@ -60,6 +60,10 @@ from norm_act_helpers import (
 )
 
 
+# ----------------------------------------------------------------------------------------------------
+# Requantize, both ops (the bounds: the comment in tests/norm_act_helpers.py)
+
+
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=str)
 def test_requantize_saturates(device, fp8):
     """A y_scale below the one the values need saturates them to +-FP8_MAX, never NaN: a quarter of the
@@ -133,6 +137,10 @@ def test_requantize_nan_in_saved_inputs(device):
     assert out[7, 4] == 0x7F and int(((out & 0x7F) == 0x7F).sum()) == 1
 
 
+# ----------------------------------------------------------------------------------------------------
+# FP4 / FP6 copies through coat.ops's wrappers
+
+
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_fp4_and_fp6_python_wrappers(fmt):
     """coat.ops passes save_format and saved_format through; its FP4 and FP6 results equal the ops' own on the
@@ -156,6 +164,10 @@ def test_fp4_and_fp6_python_wrappers(fmt):
                  lambda: ops.silu_mul_requantize(codes, scales, codes, scales, None, y_scale, saved_format="int4")):
         with pytest.raises(ValueError, match="saved_format must be 'e4m3', 'fp4' or 'fp6', got '(fp8|int4)'"):
             call()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel paths of both ops (on CUDA every output is compared with the C core's bit for bit: run)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
