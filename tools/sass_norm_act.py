@@ -1,15 +1,15 @@
 """Instructions per element of the norm_act kernels' hot loops, counted in their SASS (no GPU needed).
 
-Compiles csrc/cuda/rmsnorm.cu and silu_mul.cu with the build's nvcc flags, disassembles them with line
-information and, for each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its main loop with
-the walker of tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks,
-finite values, gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its
-transpose (the requantize ops: vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each),
-inputs saved in E4M3, no Smooth-SwiGLU scales, rmsnorm_save without a residual; the *_fp4 and *_fp6 rows: the
-kernels instantiated for inputs saved in FP4 or FP6 (the forward ones on the fast encoder's path); silu_mul_backward_smooth: with Smooth-SwiGLU
-scales; silu_mul_backward_fp4_g128: FP4 in groups of 128, the gates' factors shared by shuffle. Counts are
-dynamic for that path (each executed SASS instruction once, branches and barriers included), divided by the
-elements a lane handles per iteration. Also prints each kernel's registers, and the blocks per SM they allow.
+Compiles csrc/cuda/rmsnorm.cu and silu_mul.cu with the build's nvcc flags, disassembles them with line information
+and, for each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its main loop with the walker of
+tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks, finite values,
+gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its transpose (the requantize ops:
+vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each), inputs saved in E4M3, no Smooth-SwiGLU
+scales, rmsnorm_save without a residual; the *_fp4 and *_fp6 rows: the kernels instantiated for inputs saved in FP4
+or FP6 (the forward ones on the fast encoder's path); silu_mul_backward_smooth: with Smooth-SwiGLU scales;
+silu_mul_backward_fp4_g128: FP4 in groups of 128, the gates' factors shared by shuffle. Counts are dynamic for that
+path (each executed SASS instruction once, branches and barriers included), divided by the elements a lane handles
+per iteration. Also prints each kernel's registers, and the blocks per SM they allow.
 
   python tools/sass_norm_act.py [--by-line KERNEL] [--arch sm_90] [--cubins RMSNORM_CUBIN SILU_MUL_CUBIN]
 
