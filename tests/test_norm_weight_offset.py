@@ -18,7 +18,7 @@ import torch
 
 import reference_norm_act as ref
 from coat import ops
-from test_norm_act import (
+from norm_act_helpers import (
     E4M3,
     E5M2,
     EPS,

@@ -21,7 +21,7 @@ import torch
 
 import reference_norm_act as ref
 from coat import ops
-from test_norm_act import EPS, activations, assert_same_bits, max_error, on_device, rows_of, run
+from norm_act_helpers import EPS, activations, assert_same_bits, max_error, on_device, rows_of, run
 
 SHAPES = [(1, 64), (97, 128), (67, 176), (9, 1000), (5, 100), (3, 7), (2, 20000), (2, 3, 2048)]
 # (x dtype, weight dtype, residual dtype or None, save group size)

@@ -14,8 +14,11 @@ the uniform-datapath instructions; divided by the 16 elements of a lane.
 
   python tools/sass_hot_path.py                      # fp32 param and grad, G = 128
   python tools/sass_hot_path.py --dtypes bf16 --group-size 16 --formats e4m3-e5m2 --by-line
+  python tools/sass_hot_path.py --cubin x.o          # an object of adamw_step.cu (nvcc -c with nvcc.flags)
 
-Needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm puts one in site-packages/nvidia/cu13/bin).
+Needs nvcc and nvdisasm (pip install nvidia-cuda-nvdisasm puts one in site-packages/nvidia/cu13/bin), and for an
+object cuobjdump (nvidia-cuda-cuobjdump), which extracts its cubin. No GPU and no built extension. The walk reads
+the line table (nvdisasm -g -gi of a -lineinfo build): a `cuobjdump -sass` listing has none and cannot be used.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = os.path.join(ROOT, "csrc", "cuda", "adamw_step.cu")
 MATH = os.path.join(ROOT, "csrc", "include", "coat", "detail", "adamw_math.h")
-NVCC_FLAGS = ["-O3", "-std=c++17", "-prec-div=true", "-prec-sqrt=true", "-ftz=false", "-fmad=false", "-lineinfo"]
+# the build's flags (-lineinfo among them: the walk reads the line table)
+NVCC_FLAGS = open(os.path.join(ROOT, "csrc", "cuda", "nvcc.flags")).read().split()
 ELEMENTS_PER_TILE_LANE = 16
 
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
@@ -112,14 +116,18 @@ def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str,
     cold_lines("if (specials) ranges = group_ranges(lane_ranges_exact(m, v)")
     cold_lines("m_out = encode<true, true>(m, m_enc", 2)
     # the dtypes not in use
-    if dtypes == "fp32":
+    if dtypes == "fp32":  # fp32 parameters are staged in shared memory and stored by the warp
         cold_lines("const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>",
                    last="out[8 * q + 2 * i + 1] = widen(")
-        cold_lines("uint2* out = reinterpret_cast<uint2*>(static_cast<uint16_t*>(data) + first + first_index);", 4)
-    else:
+        cold_lines("} else if (kVector) {", last="out[q] = make_uint2(bits[2 * q], bits[2 * q + 1]);",
+                   after=cu.find("__device__ __forceinline__ void store_params_chunk("))
+    else:  # bf16 parameters are stored by each lane, 4 elements at a time
         cold_lines("const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(data) + first);",
                    last="out[4 * q] = a.x; out[4 * q + 1] = a.y;")
-        cold_lines("float4* out = reinterpret_cast<float4*>(static_cast<float*>(data) + first + first_index);", 3)
+        cold_lines("float4* out = reinterpret_cast<float4*>(static_cast<float*>(t.param) + base);", 3)
+        cold_lines("step_param_stage[threadIdx.x / kWarpSize][stage_slot(lane_id(), chunk)] = make_float4(")
+        cold_lines("const int warp = threadIdx.x / kWarpSize;", last="__syncwarp();  // read before the next tile",
+                   after=cu.find("__device__ __forceinline__ void store_staged_params("))
     split = group_size >= 32
     if split:
         cold_lines("coat_meta m_meta, v_meta;", 7)
@@ -131,13 +139,24 @@ def rules_for(cu: Source, h: Source, dtypes: str, group_size: int, formats: str,
     tile = cu.find("__device__ __forceinline__ void step_tile(")
     loads = cu.find("if (kVector) {", tile)
     code_store = cu.find("if (kVector) {", cu.find("Codes m_out, v_out;"))
-    float4_store = cu.key("for (int q = 0; q < kStoreChunk / 4; ++q) out[q] = make_float4(")
-    uint2_store = cu.key("out[q] = make_uint2(bf16x2_bits(p[4 * q], p[4 * q + 1]), bf16x2_bits(p[4 * q + 2]")
+    update = cu.find("__device__ __forceinline__ void decode_and_update(")
+    stage = cu.key("stage_params_chunk(chunk / kStoreChunk, updated);", update)
+    chunk_store = cu.key("store_params_chunk<kVector>(t, s.options.stochastic_rounding != 0", update)
+    uint2_store = cu.key("out[q] = make_uint2(bits[2 * q], bits[2 * q + 1]);")
+    staged_store = cu.key("reinterpret_cast<float4*>(tile_params)[j] = step_param_stage[warp]")
     rules = {
         # whole lanes of an aligned tensor
         f"{cu.name}:{loads}": "to:" + cu.key("load_values_vector(t.param, t.param_dtype, span.first, p);"),
         cu.key("if (plan.vector && full)"): "to:" + cu.key("step_tile<true>(launch, i, tile, warps, slot);"),
-        cu.key("if (kVector && dtype == COAT_FLOAT32) {"): "to:" + (float4_store if dtypes == "fp32" else uint2_store),
+        # the new parameters: fp32 staged for the warp's store, bf16 stored by the lane (round to nearest)
+        cu.key("if (kVector && t.param_dtype == COAT_FLOAT32)", update):
+            "to:" + (stage if dtypes == "fp32" else chunk_store),
+        cu.key("if (kVector && t.param_dtype == COAT_FLOAT32) {"): "to:" + uint2_store,
+        cu.key("bits[i / 2] = stochastic ? param_bf16_bits("):  # its F2FP is shared with the general copy
+            "!away:" + cu.key("return stochastic ? coat_f32_to_bf16_stochastic(p, coat_rounding_bits(seed, index))"),
+        # (bf16: on to the next tile, whose code the compiler shares with the general copy)
+        cu.key("if (t.param_dtype == COAT_FLOAT32) store_staged_params("):
+            "to:" + staged_store if dtypes == "fp32" else "!to:" + cu.key("for (int slot = 0; tile < plan.tiles;"),
         f"{cu.name}:{code_store}": "to:" + cu.key("store_codes_vector(t.exp_avg, span.first, m_out);"),
         # the group's values and meta: expanded (k != 1), normal numbers
         cu.key("if (d.linear) {"): "to:" + cu.key("r.head = beta * power_of_2(head_exponent(d.exponent));"),
@@ -182,7 +201,8 @@ def walk(ins: list[dict], cold: set[str], rules: dict[str, str], loop_line: str,
     more instructions from those lines (of the next 60, up to the branch's own line), "away:LINE|LINE" toward
     fewer, "text:TEXT" toward the nearer instruction holding TEXT, or "seq:DIR,DIR,..." one per visit) after
     two defaults: away from a block that calls a slow path, away from a block whose instructions mostly come
-    from `cold` lines."""
+    from `cold` lines. A rule written "!RULE" comes before the defaults: for a branch to code that the compiler
+    shares with a cold copy, whose instructions then carry the cold copy's lines."""
     label_at = {label: k for k, i in enumerate(ins) for label in i["labels"]}
 
     def chain(i):
@@ -231,39 +251,41 @@ def walk(ins: list[dict], cold: set[str], rules: dict[str, str], loop_line: str,
 
     def decide(k, taken, fallthrough):
         i = ins[k]
-        if slow(taken) != slow(fallthrough):
-            return fallthrough if slow(taken) else taken
-        if mostly_cold(taken) != mostly_cold(fallthrough):
-            return fallthrough if mostly_cold(taken) else taken
-        for c in chain(i):
-            if c in rules:
-                rule = rules[c]
-                if rule.startswith("away:"):  # away from the lines: into the other direction
-                    rule, taken, fallthrough = "into:" + rule[5:], fallthrough, taken
-                if rule.startswith(("to:", "into:", "text:")):
-                    if rule.startswith("to:"):
-                        wanted = rule[3:].split("|")
-                        dt, df = distance(taken, wanted), distance(fallthrough, wanted)
-                    elif rule.startswith("into:"):
-                        wanted = rule[5:].split("|")
-                        dt, df = -share(taken, wanted, c), -share(fallthrough, wanted, c)
-                    else:
-                        dt, df = text_distance(taken, rule[5:]), text_distance(fallthrough, rule[5:])
-                    if dt == df:
-                        raise RuntimeError(f"rule {c}={rule} does not separate the branch at {i['addr']:#x}")
-                    return taken if dt < df else fallthrough
-                if rule.startswith("seq:"):  # one direction per visit of this branch, in order
-                    directions = rule[4:].split(",")
-                    rule = directions[min(visits[c], len(directions) - 1)]
-                    visits[c] += 1
-                if rule.startswith(("to:", "away:")):  # the direction nearer to (farther from) a source line
-                    wanted = rule.split(":", 1)[1].split("|")
-                    dt, df = distance(taken, wanted), distance(fallthrough, wanted)
-                    if dt == df:
-                        raise RuntimeError(f"rule {c}={rule} does not separate the branch at {i['addr']:#x}")
-                    return taken if (dt < df) == rule.startswith("to:") else fallthrough
-                return taken if rule == "taken" else fallthrough
-        raise RuntimeError(f"no rule for the branch at {i['addr']:#x} {i['text']} ({' <- '.join(chain(i)[:4])})")
+        c = next((c for c in chain(i) if c in rules), None)
+        if c is None or not rules[c].startswith("!"):
+            if slow(taken) != slow(fallthrough):
+                return fallthrough if slow(taken) else taken
+            if mostly_cold(taken) != mostly_cold(fallthrough):
+                return fallthrough if mostly_cold(taken) else taken
+        if c is None:
+            raise RuntimeError(f"no rule for the branch at {i['addr']:#x} {i['text']} ({' <- '.join(chain(i)[:4])})")
+        rule = rules[c].removeprefix("!")
+        if rule.startswith(("to:", "into:", "away:", "text:")):
+            if rule.startswith("to:"):
+                wanted = rule[3:].split("|")
+                dt, df = distance(taken, wanted), distance(fallthrough, wanted)
+            elif rule.startswith("into:"):  # more instructions from the lines
+                wanted = rule[5:].split("|")
+                dt, df = -share(taken, wanted, c), -share(fallthrough, wanted, c)
+            elif rule.startswith("away:"):  # fewer instructions from the lines
+                wanted = rule[5:].split("|")
+                dt, df = share(taken, wanted, c), share(fallthrough, wanted, c)
+            else:
+                dt, df = text_distance(taken, rule[5:]), text_distance(fallthrough, rule[5:])
+            if dt == df:
+                raise RuntimeError(f"rule {c}={rule} does not separate the branch at {i['addr']:#x}")
+            return taken if dt < df else fallthrough
+        if rule.startswith("seq:"):  # one direction per visit of this branch, in order
+            directions = rule[4:].split(",")
+            rule = directions[min(visits[c], len(directions) - 1)]
+            visits[c] += 1
+        if rule.startswith(("to:", "away:")):  # the direction nearer to (farther from) a source line
+            wanted = rule.split(":", 1)[1].split("|")
+            dt, df = distance(taken, wanted), distance(fallthrough, wanted)
+            if dt == df:
+                raise RuntimeError(f"rule {c}={rule} does not separate the branch at {i['addr']:#x}")
+            return taken if (dt < df) == rule.startswith("to:") else fallthrough
+        return taken if rule == "taken" else fallthrough
 
     # the back-edge: a conditional branch of loop_line to an earlier instruction, with header_line in between
     # (the widest such loop)
@@ -307,12 +329,44 @@ def tool(name: str) -> str:
             candidate = os.path.join(base, "nvidia", sub, "bin", name)
             if os.path.exists(candidate):
                 return candidate
-    sys.exit(f"{name} not found (on PATH or in site-packages/nvidia/cu*/bin)")
+    package = {"nvdisasm": " (pip install nvidia-cuda-nvdisasm)", "cuobjdump": " (pip install nvidia-cuda-cuobjdump)"}
+    sys.exit(f"{name} not found (on PATH or in site-packages/nvidia/cu*/bin){package.get(name, '')}")
+
+
+ELF_MACHINE_CUDA = 190  # e_machine of a cubin; a host object (nvcc -c) or executable holds cubins in its fatbin
+
+
+def cubin_of(path: str, arch: str, tmp: str) -> str:
+    """The cubin to disassemble: `path` itself when it is one, else the `arch` cubin that cuobjdump extracts from
+    the object or executable at `path`."""
+    with open(path, "rb") as f:
+        header = f.read(20)
+    if header[:4] != b"\x7fELF":
+        sys.exit(f"{path} is neither a cubin nor an object file: pass the cubin or the object (nvcc -c) itself; a "
+                 "`cuobjdump -sass` listing has no line information, which the walk needs")
+    if int.from_bytes(header[18:20], "little") == ELF_MACHINE_CUDA:
+        return path
+    subprocess.run([tool("cuobjdump"), "-xelf", "all", os.path.abspath(path)], check=True, cwd=tmp,
+                   capture_output=True)
+    found = sorted(name for name in os.listdir(tmp) if name.endswith(f".{arch}.cubin"))
+    if not found:
+        sys.exit(f"{path} holds no {arch} cubin (compile it with -arch={arch}, or pass --arch)")
+    return os.path.join(tmp, found[0])
+
+
+def disassemble(cubin: str) -> str:
+    """nvdisasm's listing of `cubin` with its line table (-g -gi), which the walk needs."""
+    listing = subprocess.run([tool("nvdisasm"), "-g", "-gi", "-c", cubin], check=True, capture_output=True,
+                             text=True).stdout
+    if not LINE.search(listing):
+        sys.exit(f"{cubin} has no line information: compile it with -lineinfo (csrc/cuda/nvcc.flags has it)")
+    return listing
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cubin", help="an sm_90 cubin of csrc/cuda/adamw_step.cu (default: compile one)")
+    parser.add_argument("--cubin", help="a cubin of csrc/cuda/adamw_step.cu, or an object compiled from it with "
+                        "nvcc -c (default: compile one)")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--dtypes", choices=["fp32", "bf16"], default="fp32",
                         help="param and grad dtype (fp32 / fp32 or bf16 / bf16)")
@@ -323,15 +377,16 @@ def main():
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = args.cubin
-        if cubin is None:
+        if args.cubin is None:
             cubin = os.path.join(tmp, "adamw_step.cubin")
             subprocess.run([tool("nvcc"), "-cubin", f"-arch={args.arch}", *NVCC_FLAGS,
                             "-I" + os.path.join(ROOT, "csrc", "include"), KERNEL, "-o", cubin], check=True)
-        listing = subprocess.run([tool("nvdisasm"), "-g", "-gi", "-c", cubin], check=True, capture_output=True,
-                                 text=True).stdout
-    functions = parse(listing)
-    ins = next(v for k, v in functions.items() if "fp8_adamw_step_kernel" in k)
+        else:
+            cubin = cubin_of(args.cubin, args.arch, tmp)
+        functions = parse(disassemble(cubin))
+    ins = next((v for k, v in functions.items() if "fp8_adamw_step_kernel" in k), None)
+    if ins is None:
+        sys.exit(f"no fp8_adamw_step_kernel in {args.cubin}: pass a cubin or object of csrc/cuda/adamw_step.cu")
     cu, h = Source(KERNEL), Source(MATH)
     batch_tiles = max(args.group_size // 32, 1)  # tiles per decoder batch (csrc/cuda/adamw_step.cu, DecoderBatch)
     loop_line = cu.key("for (int slot = 0; tile < plan.tiles; tile += warps")

@@ -1,19 +1,21 @@
 """Instructions per element of the norm_act kernels' hot loops, counted in their SASS (no GPU needed).
 
-Compiles csrc/cuda/rmsnorm.cu and silu_mul.cu with the build's nvcc flags, disassembles them with line
-information and, for each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its main loop with
-the walker of tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks,
-finite values, gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its
-transpose (the requantize ops: vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each),
-inputs saved in E4M3, no Smooth-SwiGLU scales; the *_fp4 and *_fp6 rows: the kernels instantiated for inputs
-saved in FP4 or FP6 (the forward ones on the fast encoder's path); silu_mul_backward_smooth: with Smooth-SwiGLU
-scales; silu_mul_backward_fp4_g128: FP4 in groups of 128, the gates' factors shared by shuffle. Counts are
-dynamic for that path (each executed SASS instruction once, branches and barriers included), divided by the
-elements a lane handles per iteration. Also prints each kernel's registers, and the blocks per SM they allow.
+Compiles csrc/cuda/rmsnorm.cu and silu_mul.cu with the build's nvcc flags, disassembles them with line information
+and, for each kernel below (bf16 inputs, the 16-byte path), walks one iteration of its main loop with the walker of
+tools/sass_hot_path.py: every conditional branch goes the way a typical iteration goes (whole chunks, finite values,
+gates >= -80, no NaN, the fast paths of the IEEE divisions, G = 16, E4M3 y with its transpose (the requantize ops:
+vector codes, y_t only), H = 4096 for RMSNorm: L = 128 lanes, 4 chunks each), inputs saved in E4M3, no Smooth-SwiGLU
+scales, rmsnorm_save without a residual; the *_fp4 and *_fp6 rows: the kernels instantiated for inputs saved in FP4
+or FP6 (the forward ones on the fast encoder's path); silu_mul_backward_smooth: with Smooth-SwiGLU scales;
+silu_mul_backward_fp4_g128: FP4 in groups of 128, the gates' factors shared by shuffle. Counts are dynamic for that
+path (each executed SASS instruction once, branches and barriers included), divided by the elements a lane handles
+per iteration. Also prints each kernel's registers, and the blocks per SM they allow.
 
   python tools/sass_norm_act.py [--by-line KERNEL] [--arch sm_90] [--cubins RMSNORM_CUBIN SILU_MUL_CUBIN]
 
-Needs nvcc, nvdisasm and cuobjdump (on the PATH, or in site-packages/nvidia/cu*/bin).
+Needs nvcc, nvdisasm and cuobjdump (on the PATH, or in site-packages/nvidia/cu*/bin: pip install
+nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump); no GPU. --cubins also takes objects (nvcc -c), whose cubins cuobjdump
+extracts.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import subprocess
 import tempfile
 import typing
 
-from sass_hot_path import NVCC_FLAGS, ROOT, Source, opcode, parse, tool, walk
+from sass_hot_path import NVCC_FLAGS, ROOT, Source, cubin_of, disassemble, opcode, parse, tool, walk
 
 # The kernels' sources: the two translation units, and the header of what they share.
 UNITS = [os.path.join(ROOT, "csrc", "cuda", name) for name in ("rmsnorm.cu", "silu_mul.cu")]
@@ -144,7 +146,7 @@ def rules_for(cu: Sources, headers: dict[str, Source], kernel: str):
     # the slow paths behind each chunk's test, and the element-by-element I/O
     chunk = Source(os.path.join(ROOT, "csrc", "cuda", "fp8_chunk.cuh"))
     cold_lines(chunk, "const uint32_t code = coat_quantize_value(kCanonicalNan")
-    cold_lines(cu, "for (int e = 0; e < kChunk; ++e) s[e] = coat_sigmoid(g[e]);")
+    cold_lines(cu, "for (int e = 0; e < kChunk; ++e) s[e] = coat_sigmoid(z[e]);")
     cold_lines(cu, "p[0] = make_uint4(pack_16bit<kDtype>(v[0], v[1]), pack_16bit<kDtype>(v[2], v[3]),",
                "pack_16bit<kDtype>(v[4], v[5]), pack_16bit<kDtype>(v[6], v[7]));")
     cold_lines(cu, "for (int e = 0; e < kChunk; ++e) v[e] = e < count ? p[e] : 0.0f;")
@@ -222,9 +224,11 @@ def rules_for(cu: Sources, headers: dict[str, Source], kernel: str):
         # no Smooth-SwiGLU scales (silu_mul_stats tests for them per chunk)
         cu.key("if (a.smooth_scale == nullptr) {"):
             to(cu, "for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, silu[e] * up[c][e]);"),
-        # a code's gate >= -80
-        cu.key("const float s = gate >= -80.0f ? sigmoid_near(gate) : coat_sigmoid(gate);"):
+        # a code's (a chunk's) sigmoid argument z(g) >= -80
+        cu.key("return z >= -80.0f ? sigmoid_near(z) : coat_sigmoid(z);"):
             to(cu, "const float p = coat_exp_reduced(fmaxf(-g, -80.0f), &n);"),
+        cu.key("if (near) {", cu.find("__device__ __forceinline__ void sigmoid_chunk(")):
+            into(cu.find("if (near) {", cu.find("__device__ __forceinline__ void sigmoid_chunk("))),
         # E4M3 y
         cu.key("codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"):
             to(cu, "codes = format == COAT_E4M3 ? encode_chunk<COAT_E4M3, true>(values, scale, reciprocal)"),
@@ -293,6 +297,9 @@ def rules_for(cu: Sources, headers: dict[str, Source], kernel: str):
             to(math, "case COAT_BFLOAT16: return coat_bf16_to_f32(coat_f32_to_bf16(dx)) + residual;"),
         cu.key("if (smooth_scale != nullptr) {"):
             "away:" + cu.key("load_chunk(smooth_scale, COAT_FLOAT32, col, count, vector, v);"),
+        # rmsnorm_save without a residual (q/k norms; the post-norms add one)
+        cu.key("if (a.residual != nullptr) {", cu.find("if constexpr (kOutput) {")):
+            "away:" + cu.key("out_io.unpack(out_io.load(row_at(a.residual, out_io.element_size(), row, a.cols)"),
     })
     # the next row or tile is loaded, and the backward's residual
     for snippet in ("next = load_row(", "next = load_tile(", "residual[k] = dx_io.load("):
@@ -323,7 +330,8 @@ def blocks_per_sm(regs: int) -> int:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cubins", nargs=2, metavar=("RMSNORM_CUBIN", "SILU_MUL_CUBIN"),
-                        help="cubins of csrc/cuda/rmsnorm.cu and silu_mul.cu (default: compile them)")
+                        help="cubins of csrc/cuda/rmsnorm.cu and silu_mul.cu, or objects compiled from them with "
+                        "nvcc -c (default: compile them)")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--by-line", choices=sorted(KERNELS), help="instructions per source line of one kernel")
     args = parser.parse_args()
@@ -336,13 +344,14 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for index, unit in enumerate(UNITS):
             if args.cubins:
-                cubin = args.cubins[index]
+                extracted = os.path.join(tmp, str(index))
+                os.mkdir(extracted)
+                cubin = cubin_of(args.cubins[index], args.arch, extracted)
             else:
                 cubin = os.path.join(tmp, os.path.basename(unit) + ".cubin")
                 subprocess.run([tool("nvcc"), "-cubin", f"-arch={args.arch}", *NVCC_FLAGS,
                                 "-I" + os.path.join(ROOT, "csrc", "include"), unit, "-o", cubin], check=True)
-            listing = subprocess.run([tool("nvdisasm"), "-g", "-gi", "-c", cubin], check=True, capture_output=True,
-                                     text=True).stdout
+            listing = disassemble(cubin)
             regs.update(registers(cubin))
             name = os.path.basename(unit)
             for mangled, function in parse(listing).items():
