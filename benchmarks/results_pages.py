@@ -332,6 +332,27 @@ def readme_table(results: list[Result]) -> str:
             f"{row['torchao-compiled']['peak GiB']:.1f}); {row['coat']['tokens/s/GPU'] / row['bf16']['tokens/s/GPU']:.2f}x "
             f"BF16, {row['coat']['tokens/s/GPU'] / row['torchao-compiled']['tokens/s/GPU']:.2f}x torchao; "
             f"{row['coat-lowmem']['peak GiB']:.1f} GiB", [f for found in models.values() for f in found], "models")
+    compiled = _latest(results, "models", "tokens/s/GPU", variant="coat-compiled", **shape)
+    eager = _sibling(compiled[0][0], compiled[0][1], "coat", ("shape", "batch", "seq"))
+    add("the same, the whole model under `torch.compile`: tokens/s against coat eager (same run); peak memory",
+        f"{compiled[0][1]['tokens/s/GPU'] / eager['tokens/s/GPU']:.2f}x; {compiled[0][1]['peak GiB']:.1f} GiB "
+        f"(eager {eager['peak GiB']:.1f})", compiled, "models")
+    for name, label in (("llama3.1-8b", "Llama-3.1-8B"), ("qwen2.5-7b", "Qwen2.5-7B")):
+        try:
+            low = _latest(results, "models", "peak GiB", variant="coat-lowmem", shape=name)
+        except LookupError:  # not measured yet
+            continue
+        result, lowmem = low[0]
+        coat_row = _sibling(result, lowmem, "coat", ("shape",))
+        figure = f"{lowmem['peak GiB']:.1f} GiB; {coat_row['peak GiB']:.1f} GiB"
+        try:
+            bf16 = _sibling(result, lowmem, "bf16", ("shape",))
+            figure += (f" (BF16 {bf16['peak GiB']:.1f} GiB, coat {coat_row['tokens/s/GPU'] / bf16['tokens/s/GPU']:.2f}x "
+                       "its tokens/s)" if isinstance(bf16.get("peak GiB"), float) else f" (BF16: {bf16['peak GiB']})")
+        except LookupError:  # a run without the BF16 row
+            pass
+        add(f"{label} shape, batch {lowmem['batch']} x {lowmem['seq']}: peak memory of the lowest-memory settings; "
+            "of coat with float32 master weights", figure, low, "models")
     for label, saved_format, group_size in (("FP8 defaults", "e4m3", 16), ("FP4-kept activations", "fp4", 16),
                                             ("FP4-kept activations, G = 128", "fp4", 128)):
         runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_llama"
