@@ -115,9 +115,12 @@ FAMILIES = (
            "without `read` come from the benchmark's earlier form, which timed a capture without reading its results."),
     Family("convergence", "Convergence", ("train_llama",), ("preset", "seed", "name"),
            ("final_val_loss", "vs BF16", "final_train_loss_last_10pct", "peak_memory_gib"),
-           "`examples/train_llama.py`: a Llama pretrained on the Python standard library's sources; `final_val_loss` "
-           "is the held-out loss (nats per byte) after the last step. `vs BF16` compares it with the mean of every "
-           "BF16 run of the same preset and seed (lower is better)."),
+           "`examples/train_llama.py`: a Llama (or the `--family` its name gives) pretrained on the Python standard "
+           "library's sources; `final_val_loss` is the held-out loss (nats per byte) after the last step. `vs BF16` "
+           "compares it with the mean of every BF16 run of the same family, preset, batch and seed (lower is "
+           "better). The Gemma 3 BF16 runs at batch 8 ended at step 1680, cut by the GPU calls' time, and left no "
+           "summary: their CSVs and logs are in `convergence-100m-families/`, as are the logs of the seed-0 runs, "
+           "whose summaries did not come back from the GPU machine."),
 )
 
 
