@@ -205,8 +205,8 @@ def test_train_llama_from_a_local_model_directory(tmp_path):
     ("--eval-every (4) must be a multiple of --log-every (3)", ["--eval-every", "4", "--log-every", "3"]),
     ("--compare: no CSV log at missing.csv", ["--compare", "missing.csv"]),
     ("--report-every needs --coat", ["--report-every", "5"]),
-    *[("--saved-format, --group-size and --fast-accum are options of coat.convert: add --coat", option)
-      for option in (["--saved-format", "fp4"], ["--group-size", "128"], ["--fast-accum"])],
+    *[("--saved-format, --group-size, --fast-accum and --unfused-loss are options of coat.convert: add --coat", option)
+      for option in (["--saved-format", "fp4"], ["--group-size", "128"], ["--fast-accum"], ["--unfused-loss"])],
     ("argument --group-size: invalid choice: 12", ["--coat", "--group-size", "12"]),
     ("--uniform-fp4 extends coat's FP4-kept activations to every saved activation: add --coat --saved-format fp4",
      ["--coat", "--uniform-fp4"]),
