@@ -4,34 +4,29 @@ FP8 gathers and like one process, runs the all-reduces it promises, and "precomp
 and without hanging, to gather weights written since their scales were agreed."""
 from __future__ import annotations
 
-import datetime
-import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import coat
 from coat.optim import AdamW
-from optim_helpers import tiny_llama
-from test_optim_distributed import (
+from distributed_helpers import (
     BACKENDS,
     LR,
-    TIMEOUT_S,
     WEIGHT_DECAY,
-    WORLD_SIZE,
     assert_all_equal,
     batches,
-    free_port,
     fully_sharded,
     local,
+    run_scenarios,
+    spawn_and_load,
 )
+from optim_helpers import tiny_llama
 
 pytestmark = pytest.mark.transformers
 
@@ -207,47 +202,13 @@ SCENARIOS = (modes_train_bit_for_bit, precomputed_scales_refuse_stale_weights)
 
 
 def worker(rank: int, world_size: int, backend: str, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-        torch.use_deterministic_algorithms(True)
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    try:
-        for scenario in SCENARIOS:
-            scenario_dir = Path(out) / scenario.__name__
-            scenario_dir.mkdir(exist_ok=True)
-            scenario(rank, world_size, device, scenario_dir)
-    finally:
-        dist.destroy_process_group()
+    run_scenarios(rank, world_size, backend, port, out, SCENARIOS)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def results(request, tmp_path_factory) -> dict[str, list[dict]]:
     """{scenario name: [rank 0's results, rank 1's]}, from one run of the workers per backend."""
-    out = tmp_path_factory.mktemp(request.param)
-    context = mp.start_processes(
-        worker, args=(WORLD_SIZE, request.param, free_port(), str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"the {request.param} workers did not finish in {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return {
-        scenario.__name__: [
-            torch.load(out / scenario.__name__ / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)
-        ]
-        for scenario in SCENARIOS
-    }
+    return spawn_and_load(worker, request.param, tmp_path_factory.mktemp(request.param), SCENARIOS)
 
 
 # --- tests --------------------------------------------------------------------------------------------------

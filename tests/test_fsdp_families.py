@@ -11,34 +11,21 @@ covers coat.optim.AdamW's shards).
 from __future__ import annotations
 
 import copy
-import datetime
-import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 import coat
+from distributed_helpers import WORLD_SIZE, fully_sharded, local, run_scenarios, spawn_and_load
 from test_nn_llama import FAMILIES, tiny_model, token_batch
 
 pytestmark = pytest.mark.transformers
 
-WORLD_SIZE = 2
-TIMEOUT_S = 240
 STEPS = 3
 FSDP_FAMILIES = [family for family in FAMILIES if family not in ("llama", "mistral", "qwen2")]  # those three:
 # tests/test_optim_distributed.py (Llama) and the shared decoder layer
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def train(model, tokens: list[torch.Tensor]) -> list[float]:
@@ -58,9 +45,7 @@ def run_family(family: str, rank: int, mesh, gather_in_fp8: bool) -> dict:
     model = copy.deepcopy(reference)
     if gather_in_fp8:
         communication = coat.distributed.fp8_all_gather(model)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_sharded(model, mesh)
     tokens = [token_batch("cpu")] * STEPS  # one batch, so that the loss falls step after step
     result = {"losses": train(model, tokens), "reference_losses": train(reference, tokens)}
     result["compared"] = {
@@ -72,40 +57,21 @@ def run_family(family: str, rank: int, mesh, gather_in_fp8: bool) -> dict:
     return result
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def families(rank: int, world_size: int, device: torch.device, out: Path) -> None:
+    mesh = init_device_mesh(device.type, (world_size,))
+    results = {(family, fp8): run_family(family, rank, mesh, fp8) for family in FSDP_FAMILIES for fp8 in (False, True)}
+    torch.save(results, out / f"rank{rank}.pt")
 
 
-def worker(rank: int, port: int, out: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)  # the same CPU kernels, the same sums, in both ranks and in the reference
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    try:
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        results = {(family, fp8): run_family(family, rank, mesh, fp8) for family in FSDP_FAMILIES
-                   for fp8 in (False, True)}
-        torch.save(results, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, world_size: int, backend: str, port: int, out: str) -> None:
+    run_scenarios(rank, world_size, backend, port, out, (families,))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("fsdp-families")
-    context = mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD_SIZE, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"the workers did not finish in {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+    """Each rank's {(family, gathered in FP8): its results}; gloo only (no NCCL run of these yet)."""
+    return spawn_and_load(worker, "gloo", tmp_path_factory.mktemp("fsdp-families"), (families,),
+                          weights_only=False)["families"]
 
 
 @pytest.mark.parametrize("gather_in_fp8", [False, True], ids=["bf16-gather", "fp8-all-gather"])

@@ -9,20 +9,11 @@ import torch
 
 from coat.data import stdlib_tokens
 from coat.optim import AdamW
-from optim_helpers import text_batches, tiny_llama
+from optim_helpers import one_thread, text_batches, tiny_llama  # noqa: F401 (one_thread: an autouse fixture)
 
 pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
 
 STEPS, BATCH, CONTEXT = 200, 16, 64
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster than two, and keeps the run time steady on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def train_and_evaluate(make_optimizer) -> float:

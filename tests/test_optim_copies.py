@@ -11,14 +11,7 @@ import pytest
 import torch
 
 from coat.optim import AdamW
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from optim_helpers import one_thread  # noqa: F401 (an autouse fixture)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

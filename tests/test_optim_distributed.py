@@ -11,11 +11,7 @@ FSDP1. The documented grouping rules then predict the sharded run exactly, and t
 from __future__ import annotations
 
 import copy
-import datetime
 import gc
-import os
-import socket
-import time
 import weakref
 from pathlib import Path
 
@@ -23,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -40,47 +35,23 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import coat
 from coat import ops
 from coat.optim import AdamW
-from coat.data import stdlib_tokens
-from optim_helpers import text_batches, tiny_llama
+from distributed_helpers import (
+    BACKENDS,
+    LR,
+    WEIGHT_DECAY,
+    WORLD_SIZE,
+    assert_all_equal,
+    batches,
+    fully_sharded,
+    local,
+    run_scenarios,
+    spawn_and_load,
+)
+from optim_helpers import one_thread, tiny_llama  # noqa: F401 (one_thread: an autouse fixture)
 
 pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
 
-WORLD_SIZE = 2
-TIMEOUT_S = 240  # a worker stuck in a collective fails the test instead of blocking CI
-LR, WEIGHT_DECAY = 1e-2, 0.1
 STATE_KEYS = ("exp_avg", "exp_avg_meta", "exp_avg_sq", "exp_avg_sq_meta")
-
-BACKENDS = [
-    pytest.param("gloo", id="gloo-cpu"),
-    pytest.param(
-        "nccl",
-        id="nccl-cuda",
-        marks=pytest.mark.skipif(
-            torch.cuda.device_count() < 2 or not coat.built_with_cuda(), reason="needs 2 CUDA devices"
-        ),
-    ),
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster than two, and keeps the run time steady on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def batches(steps: int) -> list[torch.Tensor]:
-    return text_batches(stdlib_tokens(200_000), steps, batch=4, context=32, seed=1)
 
 
 def train_step(model, opt, tokens, pieces=()):
@@ -93,12 +64,6 @@ def train_step(model, opt, tokens, pieces=()):
     opt.step()
     model.zero_grad(set_to_none=True)  # the reference's own 1-D parameters are not in its optimizer
     return loss.item()
-
-
-def fully_sharded(model, mesh, **options):
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, **options)
-    return fully_shard(model, mesh=mesh, **options)
 
 
 def fp8_gathered(model):
@@ -445,31 +410,7 @@ SCENARIOS = (
 
 
 def worker(rank: int, world_size: int, backend: str, port: int, out: str) -> None:
-    """Runs every scenario in one pair of processes: starting them (torch, transformers) costs more than
-    the scenarios themselves. Each writes its results under out/<scenario name>/."""
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)  # same CPU kernels, same sums, in the workers and in the reference
-    if backend == "nccl":
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-        torch.use_deterministic_algorithms(True)
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    try:
-        for scenario in SCENARIOS:
-            scenario_dir = Path(out) / scenario.__name__
-            scenario_dir.mkdir(exist_ok=True)
-            scenario(rank, world_size, device, scenario_dir)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    run_scenarios(rank, world_size, backend, port, out, SCENARIOS)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -477,30 +418,8 @@ def results(request, tmp_path_factory) -> dict[str, list[dict]]:
     """{scenario name: [rank 0's results, rank 1's]}, from one run of the workers per backend, and under
     "checkpoint" the directory of the scenario dcp_resume's checkpoint."""
     out = tmp_path_factory.mktemp(request.param)
-    context = mp.start_processes(
-        worker, args=(WORLD_SIZE, request.param, free_port(), str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"the {request.param} workers did not finish in {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-    loaded = {
-        scenario.__name__: [
-            torch.load(out / scenario.__name__ / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)
-        ]
-        for scenario in SCENARIOS
-    }
+    loaded = spawn_and_load(worker, request.param, out, SCENARIOS)
     return {**loaded, "checkpoint": out / dcp_resume.__name__ / "checkpoint"}
-
-
-def assert_all_equal(compared: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    differing = [name for name, (a, b) in compared.items() if a.shape != b.shape or not torch.equal(bits(a), bits(b))]
-    assert not differing, f"{len(differing)} of {len(compared)} tensors differ, e.g. {differing[:5]}"
 
 
 # --- tests --------------------------------------------------------------------------------------------------
