@@ -22,6 +22,7 @@
 #include "coat/detail/quantize_math.h"
 #include "coat/detail/rope_math.h"
 #include "coat/rope.h"
+#include "fp8_chunk.cuh"
 #include "launch.cuh"
 
 namespace coat {
@@ -246,7 +247,8 @@ void launch_for_table_dtype(coat_dtype table_dtype, const RopeParams& p, const L
 }
 
 // ---------------------------------------------------------------------------------------------------
-// coat_qk_norm_rope: one warp per (token, head) row, lane l holding the row's chunk l (elements [8l, 8l + 8),
+// coat_qk_norm_rope, general path (any dtype, head_dim and alignment): one warp per (token, head) row, lane l
+// holding the row's chunk l (elements [8l, 8l + 8),
 // the chunk of lane l in coat/detail/rope_math.h's reduction order). The row's sum of squares is the xor
 // butterfly of coat_combine_lane_partials; each lane writes its normalized fp32 values to the warp's row of
 // shared memory, from which every lane reads its elements' RoPE partners (j + h or j - h, in any lane); the
@@ -324,6 +326,158 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kernel(const coat_qk_no
   }
 }
 
+
+// coat_qk_norm_rope, 16-byte path (qk_norm_vector_path: 16-bit q and k, head_dim a multiple of 16, aligned rows
+// and tables). A row takes P lanes, the power of two >= head_dim / 8, so 32 / P rows share a warp; lane l of a
+// row holds its chunk l as in the general kernel. The xor butterfly over the P lanes then adds the same partials
+// in the same order (the general kernel's wider offsets only add the +0 of lanes past the row), so every output
+// bit is the general kernel's. A slot of P lanes takes a token and kQkHeadsPerItem of its heads: it loads their
+// rows with 16-byte loads before it normalizes the first, and the token's table chunks once; the RoPE partner
+// of chunk l (head_dim / 2 columns away) comes from lane l +- head_dim / 16 by a shuffle. Loops and shuffles
+// are uniform over the warp; rows past the tensor compute on zeros and store nothing.
+
+constexpr int kQkHeadsPerItem = 4;
+
+/** A whole chunk by 16-byte loads where `load`, else zeros without an access. */
+template <typename S>
+__device__ __forceinline__ void load_whole_chunk(Chunk<S>& chunk, const S* __restrict__ source, bool load) {
+  if (load) load_chunk<true>(chunk, source, kChunk);
+  else load_chunk<false>(chunk, source, 0);
+}
+
+template <coat_dtype kDtype>
+__device__ __forceinline__ uint4 pack_row_chunk(const float y[kChunk]) {
+  bool nan = false;
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) nan |= y[e] != y[e];
+  uint32_t words[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w)
+    words[w] = nan ? pack_16bit<kDtype>(y[2 * w], y[2 * w + 1]) : pack_16bit_not_nan<kDtype>(y[2 * w], y[2 * w + 1]);
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+template <coat_dtype kDtype, coat_dtype kTableDtype>
+__global__ void __launch_bounds__(kThreads) qk_norm_rope_vector_kernel(const coat_qk_norm_rope_args a, int row_lanes) {
+  using T = typename Element<kDtype>::Storage;
+  using U = typename Element<kTableDtype>::Storage;
+  const coat_rope_args& r = a.rope;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot_lane = lane & (row_lanes - 1), slots_per_warp = 32 / row_lanes;
+  const int dim = static_cast<int>(r.head_dim), half = dim / 2, chunks = dim / kChunk;
+  const bool in_row = slot_lane < chunks;
+  const int col = slot_lane * kChunk, partner_col = col < half ? col + half : col - half;
+  const int partner_lane = in_row ? lane - slot_lane + partner_col / kChunk : lane;
+  const int group_lanes = min(static_cast<int>(a.save_group_size) / kChunk, row_lanes);
+  const int64_t ngroups = coat_ceil_div(dim, a.save_group_size);
+  const int64_t heads = r.q_heads + r.k_heads, head_items = coat_ceil_div(heads, kQkHeadsPerItem);
+  const int64_t items = r.batch * r.seq * head_items;
+
+  float q_weight[kChunk], k_weight[kChunk];
+#pragma unroll
+  for (int e = 0; e < kChunk; ++e) {
+    q_weight[e] = in_row && r.q_heads > 0
+                      ? coat_rmsnorm_weight(coat_load_f32(a.q_weight, a.weight_dtype, col + e), a.weight_offset) : 0.0f;
+    k_weight[e] = in_row && r.k_heads > 0
+                      ? coat_rmsnorm_weight(coat_load_f32(a.k_weight, a.weight_dtype, col + e), a.weight_offset) : 0.0f;
+  }
+
+  const int64_t items_per_sweep = int64_t{gridDim.x} * kQkNormWarps * slots_per_warp;
+  for (int64_t warp_item = (int64_t{blockIdx.x} * kQkNormWarps + warp) * slots_per_warp; warp_item < items;
+       warp_item += items_per_sweep) {
+    const int64_t item = warp_item + lane / row_lanes;
+    const bool item_valid = item < items;
+    const int64_t token = item_valid ? item / head_items : 0;
+    const int64_t first_head = item_valid ? (item - token * head_items) * kQkHeadsPerItem : heads;
+    const int64_t b = token / r.seq, s = token - b * r.seq;
+
+    Chunk<T> x[kQkHeadsPerItem];
+#pragma unroll
+    for (int i = 0; i < kQkHeadsPerItem; ++i) {
+      const int64_t head = first_head + i;
+      const bool is_q = head < r.q_heads;
+      const int64_t local = is_q ? head : head - r.q_heads;
+      const int64_t* strides = is_q ? r.q_strides : r.k_strides;
+      const T* row = static_cast<const T*>(is_q ? r.q : r.k) + b * strides[0] + s * strides[1] + local * strides[2];
+      load_whole_chunk(x[i], row + col, in_row && head < heads);
+    }
+    Chunk<U> cos_own, cos_partner, sin_own, sin_partner;
+    const U* cos_row = static_cast<const U*>(r.cos) + b * r.cos_strides[0] + s * r.cos_strides[1];
+    const U* sin_row = static_cast<const U*>(r.sin) + b * r.sin_strides[0] + s * r.sin_strides[1];
+    const bool any_row = in_row && first_head < heads;
+    load_whole_chunk(cos_own, cos_row + col, any_row);
+    load_whole_chunk(cos_partner, cos_row + partner_col, any_row);
+    load_whole_chunk(sin_own, sin_row + col, any_row);
+    load_whole_chunk(sin_partner, sin_row + partner_col, any_row);
+
+#pragma unroll
+    for (int i = 0; i < kQkHeadsPerItem; ++i) {
+      const int64_t head = first_head + i;
+      const bool valid = in_row && head < heads, is_q = head < r.q_heads;
+      const int64_t local_heads = is_q ? r.q_heads : r.k_heads;
+      const int64_t out_row = token * local_heads + (is_q ? head : head - r.q_heads);
+      float values[kChunk], partial = 0.0f, amax = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) {
+        values[e] = Element<kDtype>::to_f32(x[i].e[e]);
+        partial = partial + values[e] * values[e];
+        amax = amax_step(amax, values[e]);
+      }
+      for (int offset = row_lanes / 2; offset > 0; offset >>= 1)
+        partial = partial + __shfl_xor_sync(kQkFullMask, partial, offset);
+      const float rstd = coat_canonical_nan(coat_rmsnorm_rstd(partial, dim, a.eps));
+      if (valid && slot_lane == 0) (is_q ? a.q_rstd : a.k_rstd)[out_row] = rstd;
+
+      float normed[kChunk], partner[kChunk], y[kChunk];
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) normed[e] = coat_rmsnorm_apply(values[e], rstd, is_q ? q_weight[e] : k_weight[e]);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e) partner[e] = __shfl_sync(kQkFullMask, normed[e], partner_lane);
+#pragma unroll
+      for (int e = 0; e < kChunk; ++e)
+        y[e] = coat_qk_norm_rope_element(
+            col + e, half, normed[e], partner[e], Element<kTableDtype>::to_f32(cos_own.e[e]),
+            Element<kTableDtype>::to_f32(cos_partner.e[e]), Element<kTableDtype>::to_f32(sin_own.e[e]),
+            Element<kTableDtype>::to_f32(sin_partner.e[e]));
+      if (valid)
+        *reinterpret_cast<uint4*>(static_cast<T*>(is_q ? r.q_out : r.k_out) + out_row * dim + col) =
+            pack_row_chunk<kDtype>(y);
+
+      for (int mask = group_lanes >> 1; mask > 0; mask >>= 1)
+        amax = fmaxf(amax, __shfl_xor_sync(kQkFullMask, amax, mask));
+      const float scale = scale_from_amax<COAT_E4M3>(amax);
+      const Codes codes = encode_chunk<COAT_E4M3, false>(values, scale, reciprocal_of_normal(scale));
+      if (valid) {
+        *reinterpret_cast<uint2*>((is_q ? a.q_saved : a.k_saved) + out_row * dim + col) = make_uint2(codes.lo, codes.hi);
+        if (col % a.save_group_size == 0)
+          (is_q ? a.q_saved_scales : a.k_saved_scales)[out_row * ngroups + col / a.save_group_size] = scale;
+      }
+    }
+  }
+}
+
+/** Whether coat_qk_norm_rope can take the 16-byte path: 16-bit q and k, whole chunks in each half of a row, and
+ *  every row and table chunk 16-byte aligned (the codes 8-byte aligned). */
+bool qk_norm_vector_path(const coat_qk_norm_rope_args& a) {
+  const coat_rope_args& r = a.rope;
+  if (r.dtype == COAT_FLOAT32 || r.head_dim % (2 * kChunk) != 0) return false;
+  if (!vector_path(r)) return false;
+  for (const void* pointer : {static_cast<const void*>(a.q_saved), static_cast<const void*>(a.k_saved)})
+    if (!is_aligned(pointer, 8)) return false;
+  return true;
+}
+
+template <coat_dtype kDtype>
+void launch_qk_norm_vector(const coat_qk_norm_rope_args& a, dim3 grid, int row_lanes, cudaStream_t stream) {
+  if (a.rope.table_dtype == COAT_BFLOAT16) {
+    qk_norm_rope_vector_kernel<kDtype, COAT_BFLOAT16><<<grid, kThreads, 0, stream>>>(a, row_lanes);
+  } else if (a.rope.table_dtype == COAT_FLOAT16) {
+    qk_norm_rope_vector_kernel<kDtype, COAT_FLOAT16><<<grid, kThreads, 0, stream>>>(a, row_lanes);
+  } else {
+    qk_norm_rope_vector_kernel<kDtype, COAT_FLOAT32><<<grid, kThreads, 0, stream>>>(a, row_lanes);
+  }
+}
+
 }  // namespace
 }  // namespace device
 }  // namespace coat
@@ -381,9 +535,19 @@ coat_status coat_qk_norm_rope_cuda(const coat_qk_norm_rope_args* args, coat_cuda
   using namespace coat::device;
   if (!coat_qk_norm_valid_args(args)) return COAT_ERROR_INVALID_ARGUMENT;
   const coat_rope_args& r = args->rope;
-  const int64_t rows = r.batch * r.seq * (r.q_heads + r.k_heads);
+  const int64_t heads = r.q_heads + r.k_heads, rows = r.batch * r.seq * heads;
   if (rows == 0) return COAT_SUCCESS;
+  const cudaStream_t cuda_stream = as_cuda_stream(stream);
+  if (qk_norm_vector_path(*args)) {
+    int row_lanes = 1;
+    while (row_lanes < r.head_dim / kChunk) row_lanes *= 2;
+    const int64_t items = r.batch * r.seq * ceil_div(heads, kQkHeadsPerItem);
+    const dim3 grid(clamp_grid(ceil_div(items, kThreads / row_lanes), kMaxGridX));
+    if (r.dtype == COAT_BFLOAT16) launch_qk_norm_vector<COAT_BFLOAT16>(*args, grid, row_lanes, cuda_stream);
+    else launch_qk_norm_vector<COAT_FLOAT16>(*args, grid, row_lanes, cuda_stream);
+    return launch_status();
+  }
   const dim3 grid(clamp_grid(ceil_div(rows, kQkNormWarps), kMaxGridX));
-  qk_norm_rope_kernel<<<grid, kThreads, 0, as_cuda_stream(stream)>>>(*args);
+  qk_norm_rope_kernel<<<grid, kThreads, 0, cuda_stream>>>(*args);
   return launch_status();
 }
