@@ -345,6 +345,8 @@ __device__ __forceinline__ void load_whole_chunk(Chunk<S>& chunk, const S* __res
   else load_chunk<false>(chunk, source, 0);
 }
 
+/** A chunk of outputs rounded to kDtype as coat_store_as rounds them: by cvt.rn pairs, or by coat's conversions
+ *  (NaN canonical) when the chunk holds a NaN. */
 template <coat_dtype kDtype>
 __device__ __forceinline__ uint4 pack_row_chunk(const float y[kChunk]) {
   bool nan = false;
