@@ -267,3 +267,18 @@ def fp8_reference_loss(model, tokens: torch.Tensor, points=FP8_POINTS) -> torch.
     if getattr(config, "final_logit_softcapping", None) is not None:
         logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def moe_experts(x, top_k_index, top_k_weights, gate_up, down, activation="silu"):
+    """transformers' experts: y_t = sum_j w_tj down_e(act(gate_e(x_t)) * up_e(x_t)) with e = top_k_index[t, j],
+    gate_up_proj [E, 2I, H] (the gate's rows first) and down_proj [E, H, I]; one expert at a time, as transformers'
+    eager loop."""
+    out = torch.zeros_like(x)
+    inter = down.shape[2]
+    for expert in range(gate_up.shape[0]):
+        token, choice = torch.where(top_k_index == expert)
+        if token.numel() == 0:
+            continue
+        mlp = swiglu_mlp(x[token], gate_up[expert, :inter], gate_up[expert, inter:], down[expert], activation)
+        out = out.index_add(0, token, mlp * top_k_weights[token, choice, None])
+    return out

@@ -1,0 +1,277 @@
+"""FP8 mixture-of-experts MLPs: transformers' experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], the
+layout of its experts interface) computed in COAT's precision flow, with FP8 grouped GEMMs.
+
+For tokens x [T, H] routed to experts ``top_k_index`` [T, k] with weights ``top_k_weights`` [T, k]:
+
+    y_t = sum_j w_tj * down_e(SiLU(gate_e(x_t)) * up_e(x_t)),   e = top_k_index[t, j]
+
+    x_q          = FP8(x), one per-tensor scale (group scaling, as coat's linear layers): quantized once,
+                   before the permutation, so the routed copies are bytes moved, not quantized again
+    rows         = x_q permuted by expert, each expert's rows padded with zeros to a multiple of 16
+                   (ROW_ALIGNMENT: the FP8 grouped GEMM's offsets must be), the last expert's group running to
+                   a row count fixed by T, k and E alone (no host sync: the padded size is static)
+    gate, up     = grouped GEMM of rows with FP8(gate_up_proj) (one per-tensor scale over all experts)
+    act          = SiLU(gate) * up in FP8, coat.ops.silu_mul_quantize: gate and up saved in 1 x G groups
+    o            = grouped GEMM of act with FP8(down_proj)
+    y            = the k rows of each token gathered back and weighted: one batched [1, k] x [k, H] product
+
+The grouped GEMMs are torch._scaled_grouped_mm on GPUs with FP8 grouped GEMMs (sm90), fp32 accumulation; on
+CPUs and other GPUs the FP8 values are multiplied in float32 with torch._grouped_mm and both scales applied
+after, the same products (the CPU path of coat.nn.functional.fp8_gemm). No Python loop runs over the experts.
+
+Saved for backward: x itself (the router reads the same tensor and keeps it: saving it costs nothing more)
+with its amax, so that backward re-creates the forward's FP8 copy bit for bit; gate and up in 1 x G groups
+(``config.saved_format``) and the product's scale; the routing (padded row of each choice, offsets) and weights;
+the weights' amaxes. Backward:
+
+    g_r     = dy_t for each row r of token t (unweighted), FP8 (``config.gradient_format``)
+    dact'   = grouped GEMM of g with down_proj (transposed per expert)   the unweighted gradient of act
+    dw_tj   = <dact'_r, act_r>  = <dy_t, o_r>, the routing weight's gradient (act recomputed in FP8)
+    ddown_e = sum_r (w_r g_r)^T act_r                                    2-D x 2-D grouped GEMM over row groups
+    dact    = w_r dact'_r  -> SiLU*mul backward kernel -> dgate, dup
+    dx_rows = grouped GEMM of [dgate, dup] with gate_up_proj; dgate_up_e = sum_r [dgate, dup]_r^T x_r
+    dx_t    = sum_j dx_rows[r(t, j)]
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from coat import ops
+from coat.nn.config import AMAX_GROUP_SIZE, FP8Config
+from coat.nn.functional import (
+    _device_has_fp8_gemm,
+    _no_autocast,
+    _save,
+    _saved,
+    output_dtype,
+    quantize_per_tensor,
+)
+
+# The FP8 grouped GEMM reads each group's rows from an offset that must be a multiple of 16 (16 bytes of FP8).
+ROW_ALIGNMENT = 16
+
+
+class Routing(NamedTuple):
+    """Where each (token, choice) goes among the padded, expert-sorted rows of the grouped GEMMs."""
+
+    rows: int  # padded row count, static: round_up(T * k + (ROW_ALIGNMENT - 1) * E, ROW_ALIGNMENT)
+    offsets: torch.Tensor  # int32 [E], the end of each expert's rows; the last is ``rows``
+    dest: torch.Tensor  # int64 [T * k], the row of choice j of token t at t * k + j
+    row_token: torch.Tensor  # int64 [rows], the token of each row; T for a padding row
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """The padded row layout of :class:`Routing` for ``top_k_index`` [T, k] (expert ids in [0, num_experts)).
+    Rows of one expert keep the tokens' order (a stable sort), so the layout is deterministic."""
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))  # static shape, unlike bincount
+    aligned = (counts + ROW_ALIGNMENT - 1) // ROW_ALIGNMENT * ROW_ALIGNMENT
+    aligned_starts = aligned.cumsum(0) - aligned
+    starts = counts.cumsum(0) - counts
+    experts_sorted, order = torch.sort(flat, stable=True)
+    position = torch.arange(flat.numel(), device=flat.device)
+    dest = torch.empty_like(order)
+    dest[order] = aligned_starts[experts_sorted] + position - starts[experts_sorted]
+    rows = -(-(flat.numel() + (ROW_ALIGNMENT - 1) * num_experts) // ROW_ALIGNMENT) * ROW_ALIGNMENT
+    row_token = torch.full((rows,), tokens, dtype=torch.int64, device=flat.device)
+    row_token[dest] = position // k
+    offsets = (aligned_starts + aligned).to(torch.int32)
+    offsets[-1] = rows  # the padding at the end belongs to the last expert: zero rows, zero products
+    return Routing(rows, offsets, dest, row_token)
+
+
+def permute_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """x [T, C] (any dtype, FP8 included) -> [rows, C], row r = x[row_token[r]], zeros for padding rows."""
+    tokens = x.shape[0]
+    data = x.view(torch.uint8) if x.element_size() == 1 else x  # FP8 rows move as bytes
+    out = data.index_select(0, routing.row_token.clamp(max=tokens - 1))
+    out.masked_fill_((routing.row_token == tokens).unsqueeze(1), 0)
+    return out.view(x.dtype)
+
+
+def _per_expert_transposed(w_q: torch.Tensor, experts: int) -> torch.Tensor:
+    """FP8 [E * N, K] codes of E matrices [N, K] -> [E, K, N] contiguous (byte copies, exact)."""
+    n, k = w_q.shape[0] // experts, w_q.shape[1]
+    return w_q.view(torch.uint8).view(experts, n, k).transpose(1, 2).contiguous().view(w_q.dtype)
+
+
+def grouped_fp8_gemm(a, a_scale, b, b_scale, offsets, out_dtype, fast_accum: bool = False) -> torch.Tensor:
+    """``out[r] = (a[r] * a_scale) @ (b[e] * b_scale)^T`` for each row r of group e (rows offsets[e-1] to
+    offsets[e]); a [M, K] FP8 row-major, b [E, N, K] FP8 contiguous, scales 0-d float32. Returns [M, N]."""
+    if not _device_has_fp8_gemm(a.device):
+        # FP8 products are exact in float32; the scales are applied after, as the GEMM applies them.
+        with _no_autocast(a.device):
+            out = torch._grouped_mm(a.float(), b.float().transpose(-2, -1), offs=offsets)
+            return (out * (a_scale * b_scale)).to(out_dtype)
+    _check_gemm_shape(a.shape[1], b.shape[1])
+    scale_a = a_scale.reshape(1).expand(a.shape[0]).contiguous()
+    scale_b = b_scale.reshape(1, 1).expand(b.shape[0], b.shape[1]).contiguous()
+    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), scale_a, scale_b, offs=offsets, out_dtype=out_dtype,
+                                    use_fast_accum=fast_accum)
+
+
+def grouped_fp8_gemm_wgrad(g_t, g_scale, x_t, x_scale, offsets, out_dtype) -> torch.Tensor:
+    """``out[e] = (g_t[:, group e] * g_scale) @ (x_t[:, group e] * x_scale)^T``, the weight gradients of every
+    expert: g_t [N, M] and x_t [K, M] FP8 row-major (the transposed gradient and input), groups along M.
+    Returns [E, N, K]; an expert without rows gets zeros."""
+    if not _device_has_fp8_gemm(g_t.device):
+        with _no_autocast(g_t.device):
+            out = torch._grouped_mm(g_t.float(), x_t.float().t(), offs=offsets)
+            return (out * (g_scale * x_scale)).to(out_dtype)
+    _check_gemm_shape(g_t.shape[0], x_t.shape[0])
+    experts = offsets.shape[0]
+    scale_a = g_scale.reshape(1).expand(experts * g_t.shape[0]).contiguous()
+    scale_b = x_scale.reshape(1).expand(experts * x_t.shape[0]).contiguous()
+    out = torch._scaled_grouped_mm(g_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=out_dtype)
+    # An empty group is a zero-length contraction, which the GEMM may leave unwritten.
+    group_rows = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    return torch.where(group_rows.view(-1, 1, 1) > 0, out, 0)
+
+
+def _check_gemm_shape(*sizes: int) -> None:
+    if any(size % 16 for size in sizes):
+        raise ValueError(f"coat experts: the FP8 grouped GEMM needs the hidden and intermediate sizes to be "
+                         f"multiples of 16, got {sizes}; leave such layers unconverted (skip_modules)")
+
+
+def _combine(o: torch.Tensor, routing: Routing, weights: torch.Tensor, out_dtype) -> torch.Tensor:
+    """y_t = sum_j w_tj o[row(t, j)]: one batched [1, k] x [k, H] product, fp32 accumulation."""
+    tokens, k = weights.shape
+    gathered = o.index_select(0, routing.dest).view(tokens, k, o.shape[1])
+    with _no_autocast(o.device):
+        return torch.bmm(weights.to(o.dtype).unsqueeze(1), gathered).squeeze(1).to(out_dtype)
+
+
+def _rows_weights(weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """The routing weight of each padded row (0 for padding), float32 [rows]."""
+    out = weights.new_zeros(routing.rows, dtype=torch.float32)
+    out[routing.dest] = weights.reshape(-1).float()
+    return out
+
+
+def _quantized_experts(weight: torch.Tensor, fp8, amax=None):
+    """[E, N, K] -> FP8 codes [E * N, K] with one per-tensor scale over all experts, and that scale."""
+    q, scale, _ = ops.quantize_tensors([weight.reshape(-1, weight.shape[-1])], fp8, dim=0, amax=amax)
+    return q, scale
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    """See the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, top_k_index, top_k_weights, gate_up, down, config: FP8Config, out_dtype, activation: str):
+        experts, inter = gate_up.shape[0], down.shape[2]
+        routing = route(top_k_index, experts)
+        fp8 = config.forward_dtype
+        x_amax = ops.tensor_amax([x])
+        x_q, x_scale, _ = quantize_per_tensor(x, fp8, amax=x_amax)
+        gate_up_amax, down_amax = ops.tensor_amax([gate_up.reshape(-1, gate_up.shape[-1])]), ops.tensor_amax(
+            [down.reshape(-1, down.shape[-1])])
+        w_q, w_scale = _quantized_experts(gate_up, fp8, gate_up_amax)
+        h = grouped_fp8_gemm(permute_rows(x_q, routing), x_scale, w_q.view(gate_up.shape), w_scale, routing.offsets,
+                             out_dtype, config.fast_accum)
+        act_q, act_scale, _, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(
+            h[:, :inter], h[:, inter:], None, save_group_size=config.group_size, amax_group_size=AMAX_GROUP_SIZE,
+            format=fp8, save_format=config.saved_format, activation=activation,
+        )
+        del h
+        w_q, w_scale = _quantized_experts(down, fp8, down_amax)
+        o = grouped_fp8_gemm(act_q, act_scale, w_q.view(down.shape), w_scale, routing.offsets, out_dtype,
+                             config.fast_accum)
+        y = _combine(o, routing, top_k_weights, out_dtype)
+        _save(ctx, x=x, x_amax=x_amax, weights=top_k_weights, offsets=routing.offsets, dest=routing.dest,
+              row_token=routing.row_token, gate_saved=gate_saved, gate_scales=gate_scales, up_saved=up_saved,
+              up_scales=up_scales, act_scale=act_scale, gate_up_amax=gate_up_amax, down_amax=down_amax,
+              gate_up=gate_up, down=down)
+        ctx.config, ctx.rows, ctx.out_dtype, ctx.activation = config, routing.rows, out_dtype, activation
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        saved = _saved(ctx)
+        config, out_dtype = ctx.config, ctx.out_dtype
+        routing = Routing(ctx.rows, saved["offsets"], saved["dest"], saved["row_token"])
+        x, gate_up, down, weights = saved["x"], saved["gate_up"], saved["down"], saved["weights"]
+        experts, hidden, inter = down.shape
+        need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:5]
+        fp8, grad_fp8 = config.forward_dtype, config.gradient_dtype
+        grad_y = grad_y.contiguous()
+        rows_weights = _rows_weights(weights, routing)
+
+        act_q_t = ops.silu_mul_requantize(
+            saved["gate_saved"], saved["gate_scales"], saved["up_saved"], saved["up_scales"], None,
+            saved["act_scale"], config.group_size, fp8, saved_format=config.saved_format, cols=inter,
+            activation=ctx.activation,
+        )
+        # The down projection: the unweighted output gradient of each row, its dgrad, the routing weights'
+        # gradient, the weighted rows' wgrad.
+        g_q, g_scale, _ = quantize_per_tensor(grad_y, grad_fp8)
+        down_t_q, down_scale = _quantized_experts(down, fp8, saved["down_amax"])
+        grad_act = grouped_fp8_gemm(permute_rows(g_q, routing), g_scale, _per_expert_transposed(down_t_q, experts),
+                                    down_scale, routing.offsets, out_dtype)
+        grad_weights = None
+        if need_weights:
+            act = ops.dequantize(act_q_t, saved["act_scale"], None, grad_act.dtype).t()
+            with _no_autocast(grad_act.device):
+                grad_rows_weights = torch.linalg.vecdot(grad_act, act, dim=1).float()
+            del act
+            grad_weights = grad_rows_weights.index_select(0, routing.dest).view_as(weights).to(weights.dtype)
+        grad_down = None
+        if need_down:
+            weighted = permute_rows(grad_y, routing) * rows_weights.to(grad_y.dtype).unsqueeze(1)
+            _, gw_scale, gw_q_t = quantize_per_tensor(weighted, grad_fp8, rowwise=False, columnwise=True)
+            del weighted
+            grad_down = grouped_fp8_gemm_wgrad(gw_q_t, gw_scale, act_q_t, saved["act_scale"], routing.offsets,
+                                               down.dtype)
+        del act_q_t
+        grad_act.mul_(rows_weights.to(grad_act.dtype).unsqueeze(1))
+
+        grad_gate, grad_up, grad_amax = ops.silu_mul_backward(
+            grad_act, saved["gate_saved"], saved["gate_scales"], saved["up_saved"], saved["up_scales"], None,
+            config.group_size, saved_format=config.saved_format, activation=ctx.activation,
+        )
+        del grad_act
+        g2_q, g2_scale, g2_q_t = ops.quantize_tensors([grad_gate, grad_up], grad_fp8, dim=1, amax=grad_amax,
+                                                      rowwise=need_x, columnwise=need_gate_up)
+        del grad_gate, grad_up
+        grad_x = grad_gate_up = None
+        if need_gate_up:
+            x_q, x_scale, _ = quantize_per_tensor(x, fp8, amax=saved["x_amax"])
+            x_rows_t = permute_rows(x_q, routing).view(torch.uint8).t().contiguous().view(fp8)
+            grad_gate_up = grouped_fp8_gemm_wgrad(g2_q_t, g2_scale, x_rows_t, x_scale, routing.offsets,
+                                                  gate_up.dtype)
+        if need_x:
+            gate_up_q, gate_up_scale = _quantized_experts(gate_up, fp8, saved["gate_up_amax"])
+            grad_rows = grouped_fp8_gemm(g2_q, g2_scale, _per_expert_transposed(gate_up_q, experts), gate_up_scale,
+                                         routing.offsets, out_dtype)
+            tokens, k = weights.shape
+            grad_x = grad_rows.index_select(0, routing.dest).view(tokens, k, hidden).sum(1, dtype=torch.float32)
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, None, grad_weights, grad_gate_up, grad_down, None, None, None
+
+
+def fp8_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, config: FP8Config = FP8Config(), *, activation: str = "silu") -> torch.Tensor:
+    """transformers' experts forward (``gate_up_proj`` [E, 2I, H] with the gate's rows first, ``down_proj``
+    [E, H, I], ``act_fn`` SiLU or gelu_tanh) in FP8, see the module docstring: x [T, H], top_k_index [T, k]
+    (int), top_k_weights [T, k] -> [T, H]. Differentiable in x, the routing weights and both weights."""
+    if x.dim() != 2 or top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != x.shape[0]:
+        raise ValueError(f"coat fp8_experts: expects x [T, H], top_k_index and top_k_weights [T, k], got "
+                         f"{tuple(x.shape)}, {tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
+    experts, hidden = gate_up.shape[0], x.shape[1]
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[2] != hidden or down.shape[:2] != (experts, hidden) \
+            or gate_up.shape[1] != 2 * down.shape[2]:
+        raise ValueError(f"coat fp8_experts: expects gate_up [E, 2I, {hidden}] and down [E, {hidden}, I], got "
+                         f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
+    if config.gradient_dtype is None:
+        raise ValueError("coat fp8_experts: gradient_format=None (BF16 backward GEMMs) is not supported for experts; "
+                         "use 'e5m2' or 'e4m3'")
+    if config.smooth_swiglu:
+        raise ValueError("coat fp8_experts: smooth_swiglu is not supported for experts (its per-channel scale "
+                         "would be per expert)")
+    ops._checked_activation(activation, "coat.nn.experts.fp8_experts")
+    x = x if x.stride(-1) == 1 and x.is_contiguous() else x.contiguous()
+    return _ExpertsFunction.apply(x, top_k_index, top_k_weights, gate_up, down, config, output_dtype(x), activation)
