@@ -1,5 +1,7 @@
 """The fused LM head + loss for transformers' causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, Gemma3ForCausalLM).
+Qwen3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, Gemma3ForCausalLM; the mixtures of experts Qwen3MoeForCausalLM,
+Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, with the router's auxiliary loss added as their forward
+adds it when ``output_router_logits``).
 
 A model given the fused loss keeps its class's identity (it becomes an instance of a subclass, e.g.
 FusedLossLlamaForCausalLM of LlamaForCausalLM) and its modules, parameters and state dict. Its forward is the
@@ -29,10 +31,14 @@ from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
+from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM
 from transformers.models.olmo2.modeling_olmo2 import Olmo2ForCausalLM
+from transformers.models.olmoe.modeling_olmoe import OlmoeForCausalLM
 from transformers.models.phi3.modeling_phi3 import Phi3ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 
 from coat.nn.cross_entropy import linear_cross_entropy
 from coat.nn.decoder import CACHE_ARGUMENTS, UNPADDED_CAUSAL
@@ -114,8 +120,12 @@ def _fused_loss_forward(base_forward):
             self.lm_head.pending_loss = None
             if softcap is not None:
                 self.config.final_logit_softcapping = softcap
+        loss = outputs.logits
+        aux_loss = getattr(outputs, "aux_loss", None)
+        if aux_loss is not None:  # MoE models: the router's load-balancing loss, added as their forward adds it
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
         # A new output rather than assignments: ModelOutput's tuple view keeps the fields it was built with.
-        outputs = type(outputs)(**{**outputs, "loss": outputs.logits, "logits": None})
+        outputs = type(outputs)(**{**outputs, "loss": loss, "logits": None})
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
         return outputs if return_dict else outputs.to_tuple()
@@ -138,7 +148,8 @@ def _fused_loss_class(base: type) -> type:
 FUSED_LOSS_CAUSAL_LMS = {
     base: _fused_loss_class(base)
     for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
-                 Olmo2ForCausalLM, Gemma3ForCausalLM)
+                 Olmo2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
+                 OlmoeForCausalLM)
 }
 
 

@@ -23,13 +23,9 @@ from coat.ops import RMSNORM_MAX_COLS
 _PROJECTION_NORMS = ("q_norm", "k_norm")
 
 
-class FP8Olmo2DecoderLayer(FP8DecoderLayerMixin, Olmo2DecoderLayer):
-    """An Olmo2DecoderLayer converted by coat.convert."""
-
-    input_norm = None
-    mlp_norm = None
-    attention_post_norm = "post_attention_layernorm"
-    mlp_post_norm = "post_feedforward_layernorm"
+class ProjectionNormsMixin:
+    """RMSNorms over the whole q and k projections (q_norm [Hq * D], k_norm [Hk * D]) before RoPE, with 16-bit
+    outputs and FP8-saved inputs: OLMo 2's, and OLMoE's (coat.nn.decoder_moe)."""
 
     def _position_queries_keys(self, query, key, cos, sin):
         q_norm, k_norm = (converted_child(self.self_attn, name, RMSNorm) for name in _PROJECTION_NORMS)
@@ -46,12 +42,21 @@ class FP8Olmo2DecoderLayer(FP8DecoderLayerMixin, Olmo2DecoderLayer):
         norms = [RMSNorm.from_rmsnorm(getattr(attn, name), config) for name in _PROJECTION_NORMS]
         widths = [attn.q_proj.out_features, attn.k_proj.out_features]
         if any(norm.weight.shape[0] != width for norm, width in zip(norms, widths)):
-            raise ValueError(f"OLMo 2's q_norm and k_norm must span the q and k projections ({widths}), got "
+            raise ValueError(f"q_norm and k_norm must span the q and k projections ({widths}), got "
                              f"{[tuple(norm.weight.shape) for norm in norms]}")
         if max(widths) > RMSNORM_MAX_COLS:
-            raise ValueError(f"OLMo 2's q/k projections are {max(widths)} wide, above the {RMSNORM_MAX_COLS} that "
+            raise ValueError(f"the q/k projections are {max(widths)} wide, above the {RMSNORM_MAX_COLS} that "
                              "coat's RMSNorm kernels take; leave such layers unconverted (skip_modules)")
         return [(attn, name, norm) for name, norm in zip(_PROJECTION_NORMS, norms)]
+
+
+class FP8Olmo2DecoderLayer(ProjectionNormsMixin, FP8DecoderLayerMixin, Olmo2DecoderLayer):
+    """An Olmo2DecoderLayer converted by coat.convert."""
+
+    input_norm = None
+    mlp_norm = None
+    attention_post_norm = "post_attention_layernorm"
+    mlp_post_norm = "post_feedforward_layernorm"
 
 
 FP8_DECODER_LAYERS[Olmo2DecoderLayer] = FP8Olmo2DecoderLayer

@@ -98,13 +98,27 @@ def _per_expert_transposed(w_q: torch.Tensor, experts: int) -> torch.Tensor:
     return w_q.view(torch.uint8).view(experts, n, k).transpose(1, 2).contiguous().view(w_q.dtype)
 
 
+@torch.library.custom_op("coat::grouped_mm_float32", mutates_args=())
+def grouped_mm_float32(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm of float32 operands, where no FP8 grouped GEMM exists: a custom op, because torch's meta
+    implementation (what torch.compile traces with) admits bfloat16 only, while the CPU kernel computes float32."""
+    return torch._grouped_mm(a, b, offs=offsets)
+
+
+@grouped_mm_float32.register_fake
+def _grouped_mm_float32_fake(a, b, offsets):
+    if b.dim() == 3:  # [M, K] x [E, K, N]
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(offsets.shape[0], a.shape[0], b.shape[1])  # [N, M] x [M, K], groups along M
+
+
 def grouped_fp8_gemm(a, a_scale, b, b_scale, offsets, out_dtype, fast_accum: bool = False) -> torch.Tensor:
     """``out[r] = (a[r] * a_scale) @ (b[e] * b_scale)^T`` for each row r of group e (rows offsets[e-1] to
     offsets[e]); a [M, K] FP8 row-major, b [E, N, K] FP8 contiguous, scales 0-d float32. Returns [M, N]."""
     if not _device_has_fp8_gemm(a.device):
         # FP8 products are exact in float32; the scales are applied after, as the GEMM applies them.
         with _no_autocast(a.device):
-            out = torch._grouped_mm(a.float(), b.float().transpose(-2, -1), offs=offsets)
+            out = grouped_mm_float32(a.float(), b.float().transpose(-2, -1), offsets)
             return (out * (a_scale * b_scale)).to(out_dtype)
     _check_gemm_shape(a.shape[1], b.shape[1])
     scale_a = a_scale.reshape(1).expand(a.shape[0]).contiguous()
@@ -119,7 +133,7 @@ def grouped_fp8_gemm_wgrad(g_t, g_scale, x_t, x_scale, offsets, out_dtype) -> to
     Returns [E, N, K]; an expert without rows gets zeros."""
     if not _device_has_fp8_gemm(g_t.device):
         with _no_autocast(g_t.device):
-            out = torch._grouped_mm(g_t.float(), x_t.float().t(), offs=offsets)
+            out = grouped_mm_float32(g_t.float(), x_t.float().t(), offsets)
             return (out * (g_scale * x_scale)).to(out_dtype)
     _check_gemm_shape(g_t.shape[0], x_t.shape[0])
     experts = offsets.shape[0]
