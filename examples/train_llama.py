@@ -54,6 +54,7 @@ from training_common import (
     build_model,
     build_optimizer,
     cosine_schedule,
+    expert_token_shares,
     held_out_loss,
     load_text,
     parameter_count,
@@ -201,7 +202,8 @@ def main() -> None:
             log.record(done, train_loss, scheduler.get_last_lr()[0],
                        (lambda: held_out_loss(model, validation, device, autocast).item()) if evaluate else None)
 
-    summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
+    shares = expert_token_shares(model, validation, device, autocast)
+    summary = log.finish({"expert_token_shares": shares, "coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
                           "fp8_grads": args.fp8_grads, "saved_format": args.saved_format, "group_size": args.group_size,
                           "fast_accum": args.fast_accum,
                           "uniform_fp4": args.uniform_fp4,
@@ -214,6 +216,9 @@ def main() -> None:
     print(f"{args.name}: held-out loss {summary['final_val_loss']:.4f}, training loss (last 10%) "
           f"{summary['final_train_loss_last_10pct']:.4f}, {summary['median_tokens_per_s']:,.0f} tokens/s"
           + (f", peak memory {summary['peak_memory_gib']:.2f} GiB" if summary["peak_memory_gib"] else ""))
+    if shares is not None:
+        print(f"{args.name}: held-out share of the routed tokens per expert, smallest-largest per MoE layer: "
+              + ", ".join(f"{min(layer):.3f}-{max(layer):.3f}" for layer in shares))
     print(f"log: {log.csv_path}, summary: {log.summary_path}")
     with contextlib.suppress(ValueError):
         args.compare.remove(log.csv_path)

@@ -63,6 +63,8 @@ class Family:
     head_dim: bool = False  # the config takes head_dim (its default does not follow hidden / heads)
     no_special_tokens: bool = False  # its default token ids lie outside the 256-byte vocabulary
     query_scalar: bool = False  # Gemma's query_pre_attn_scalar (the attention's 1/sqrt scale) set to head_dim
+    experts: str | None = None  # a mixture of experts: the config field of its expert count
+    expert_width: str = "intermediate_size"  # the config field of an expert's intermediate size
 
 
 # The families coat.convert supports that --family builds; one entry each (sizes come from the preset).
@@ -72,7 +74,13 @@ FAMILIES = {
     "phi3": Family("Phi3Config", "Phi3ForCausalLM", no_special_tokens=True),
     "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", no_special_tokens=True),
     "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=True, query_scalar=True),
+    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", head_dim=True, no_special_tokens=True,
+                        experts="num_experts", expert_width="moe_intermediate_size"),
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM", no_special_tokens=True, experts="num_local_experts"),
 }
+# The mixtures of experts: every MLP is EXPERTS experts of a quarter of the preset's intermediate width, TOP_K a
+# token (half the dense MLP's compute), with the router's load-balancing loss (Switch Transformer's coefficient).
+EXPERTS, TOP_K, EXPERT_WIDTH_DIVISOR, ROUTER_AUX_LOSS_COEF = 8, 2, 4, 0.01
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -205,10 +213,15 @@ def build_model(args: argparse.Namespace, device: torch.device | str):
         extra["query_pre_attn_scalar"] = preset.hidden // preset.heads
     if family.no_special_tokens:  # byte tokens have no special ones
         extra.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    intermediate = {"intermediate_size": preset.intermediate}
+    if family.experts:
+        intermediate[family.expert_width] = preset.intermediate // EXPERT_WIDTH_DIVISOR
+        extra.update({family.experts: EXPERTS}, num_experts_per_tok=TOP_K, output_router_logits=True,
+                     router_aux_loss_coef=ROUTER_AUX_LOSS_COEF)
     config = config_class(
         vocab_size=256,
         hidden_size=preset.hidden,
-        intermediate_size=preset.intermediate,
+        **intermediate,
         num_hidden_layers=preset.layers,
         num_attention_heads=preset.heads,
         num_key_value_heads=preset.kv_heads,
@@ -326,6 +339,26 @@ def held_out_loss(model, batches: list[torch.Tensor], device: torch.device, auto
             total += model(input_ids=batch, labels=batch).loss.float()
     model.train()
     return total / len(batches)
+
+
+@torch.no_grad()
+def expert_token_shares(model, batches: list[torch.Tensor], device: torch.device, autocast) -> list[list[float]] | None:
+    """For a mixture of experts, the share of the routed choices each expert receives on ``batches``, per MoE layer
+    ([layers][experts], each row summing to 1; None for a dense model): a router that collapses shows as one share
+    near 1 and the rest near 0."""
+    top_k = getattr(model.config, "num_experts_per_tok", None)
+    if top_k is None:
+        return None
+    model.eval()
+    counts = None
+    for batch in batches:
+        with autocast():
+            router_logits = model(input_ids=batch.to(device), output_router_logits=True).router_logits
+        chosen = [torch.bincount(logits.topk(top_k, dim=-1).indices.flatten(), minlength=logits.shape[-1])
+                  for logits in router_logits]
+        counts = chosen if counts is None else [a + b for a, b in zip(counts, chosen)]
+    model.train()
+    return [(layer / layer.sum()).tolist() for layer in counts]
 
 
 # ----------------------------------------------------------------------------------------- logging, plot

@@ -76,7 +76,7 @@ def test_layer_benchmark_other_families(tmp_path, family):
 
 
 @pytest.mark.parametrize("script", ["linear", "layer", "layer_host_time", "e2e", "rope", "report", "fp4", "cross_entropy",
-                                    "fp8_collectives"])
+                                    "fp8_collectives", "moe"])
 def test_benchmark_smoke_mode(script, tmp_path):
     result = run_smoke([sys.executable], script, tmp_path)
     assert result["summary"]["smoke"] and result["rows"]
