@@ -8,6 +8,10 @@ weights; transformers' LlamaForCausalLM / Qwen2ForCausalLM built from a config, 
                   500000; batch 1 x 8192
     qwen2.5-7b    hidden 3584, 28 layers, 28 / 4 heads, intermediate 18944, vocabulary 152064, q/k/v bias,
                   untied, rope theta 1e6; batch 1 x 4096
+    olmoe-1b-7b   OlmoeForCausalLM, 6.9B: hidden 2048, 16 layers, 16 heads, 64 experts of intermediate 1024, top 8,
+                  vocabulary 50304; batch 1 x 4096
+    qwen2-moe-a2.7b  Qwen2MoeForCausalLM, 14.3B: hidden 2048, 24 layers, 16 heads, 60 experts of intermediate 1408,
+                  top 4, a shared expert of 5632, vocabulary 151936; batch 1 x 4096
 
 Variants (rows), each a whole training step: zero_grad, forward with labels (the loss over the batch's own
 tokens), backward, optimizer step; float32 master weights under torch.autocast(bfloat16) unless said otherwise,
@@ -72,7 +76,16 @@ import traceback
 import warnings
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
 
 import coat
 
@@ -123,6 +136,21 @@ SHAPES = {
         hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
         vocab_size=152064, tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6,
         max_position_embeddings=32768), batch=1, seq=4096, smoke=_tiny(4, 2, tied=False)),
+    # Mixtures of experts: transformers' grouped_mm experts in the BF16 rows, the router's auxiliary loss on.
+    "olmoe-1b-7b": Shape(OlmoeForCausalLM, OlmoeConfig, dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024,
+        num_experts=64, num_experts_per_tok=8, vocab_size=50304, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        max_position_embeddings=4096, output_router_logits=True, router_aux_loss_coef=0.01,
+        experts_implementation="grouped_mm"), batch=1, seq=4096,
+        smoke=dict(_tiny(4, 4, tied=False), num_experts=8, num_experts_per_tok=2, output_router_logits=True)),
+    "qwen2-moe-a2.7b": Shape(Qwen2MoeForCausalLM, Qwen2MoeConfig, dict(
+        hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+        intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+        num_experts_per_tok=4, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=8192, output_router_logits=True, router_aux_loss_coef=0.001,
+        experts_implementation="grouped_mm"), batch=1, seq=4096,
+        smoke=dict(_tiny(4, 4, tied=False), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+                   shared_expert_intermediate_size=256, output_router_logits=True)),
 }
 
 
