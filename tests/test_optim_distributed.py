@@ -48,6 +48,7 @@ from distributed_helpers import (
     spawn_and_load,
 )
 from optim_helpers import one_thread, tiny_llama  # noqa: F401 (one_thread: an autouse fixture)
+from test_nn_llama import tiny_model
 
 pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
 
@@ -177,10 +178,21 @@ def dcp_resume_fp8_all_gather(rank: int, world_size: int, device: torch.device, 
     resume_from_dcp(rank, world_size, device, out, prepare=fp8_gathered, **BF16_STOCHASTIC)
 
 
-def resume_from_dcp(rank, world_size, device, out, dtype=torch.float32, prepare=lambda model: model, **options) -> None:
+def dcp_resume_moe(rank: int, world_size: int, device: torch.device, out: Path) -> None:
+    """A converted Qwen2-MoE (3-D expert weights sharded by expert, a shared expert, its [1, H] gate on one rank)."""
+    resume_from_dcp(rank, world_size, device, out, build=moe_model, **BF16_STOCHASTIC)
+
+
+def moe_model(seed: int) -> torch.nn.Module:
+    return coat.convert(tiny_model("qwen2_moe", seed=seed, vocab_size=256))
+
+
+def resume_from_dcp(rank, world_size, device, out, dtype=torch.float32, prepare=lambda model: model, build=None,
+                    **options) -> None:
+    build = build or (lambda seed: tiny_llama(seed=seed))
     data = batches(6)
     mesh = init_device_mesh(device.type, (world_size,))
-    model = fully_sharded(prepare(tiny_llama(seed=0).to(device, dtype)), mesh)
+    model = fully_sharded(prepare(build(0).to(device, dtype)), mesh)
     opt = AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **options)
     for tokens in data[:3]:
         train_step(model, opt, tokens.to(device))
@@ -192,7 +204,7 @@ def resume_from_dcp(rank, world_size, device, out, dtype=torch.float32, prepare=
 
     # A new model (another initialisation) and optimizer, resumed from the checkpoint as FSDP2 users do.
     # another rounding seed too: the checkpoint's must win
-    resumed_model = fully_sharded(prepare(tiny_llama(seed=123).to(device, dtype)), mesh)
+    resumed_model = fully_sharded(prepare(build(123).to(device, dtype)), mesh)
     resumed_opt = AdamW(resumed_model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **{**options, "rounding_seed": 99})
     state = {"model": get_model_state_dict(resumed_model), "optim": get_optimizer_state_dict(resumed_model, resumed_opt)}
     dcp.load(state, checkpoint_id=out / "checkpoint")
@@ -405,6 +417,7 @@ SCENARIOS = (
     fsdp2_bf16_stochastic_matches_single_process,
     dcp_resume,
     dcp_resume_bf16_stochastic,
+    dcp_resume_moe,
     fsdp1_matches_single_process,
 )
 
@@ -455,8 +468,9 @@ def test_fp8_reduce_scatter_sends_fp8_and_tracks_the_exact_gradients(results):
         assert result["losses"][-1] < result["losses"][0]
 
 
-def test_dcp_checkpoint_resumes_bf16_stochastic_rounding_bit_for_bit(results):
-    for result in results["dcp_resume_bf16_stochastic"]:
+@pytest.mark.parametrize("scenario", ["dcp_resume_bf16_stochastic", "dcp_resume_moe"])
+def test_dcp_checkpoint_resumes_bf16_stochastic_rounding_bit_for_bit(results, scenario):
+    for result in results[scenario]:
         assert result["resumed_losses"] == result["uninterrupted_losses"]
         assert all(t.dtype == torch.bfloat16 for name, t in result["resumed"].items() if "/" not in name)
         assert_all_equal({name: (t, result["resumed"][name]) for name, t in result["uninterrupted"].items()})
