@@ -24,7 +24,7 @@ with its amax, so that backward re-creates the forward's FP8 copy bit for bit; g
 (``config.saved_format``) and the product's scale; the routing (padded row of each choice, offsets) and weights;
 the weights' amaxes. Backward:
 
-    g_r     = dy_t for each row r of token t (unweighted), FP8 (``config.gradient_format``)
+    g_r     = dy_t for each row r of token t (unweighted), E4M3 (GRADIENT_DTYPE)
     dact'   = grouped GEMM of g with down_proj (transposed per expert)   the unweighted gradient of act
     dw_tj   = <dact'_r, act_r>  = <dy_t, o_r>, the routing weight's gradient (act recomputed in FP8)
     ddown_e = sum_r (w_r g_r)^T act_r                                    2-D x 2-D grouped GEMM over row groups
@@ -51,6 +51,10 @@ from coat.nn.functional import (
 
 # The FP8 grouped GEMM reads each group's rows from an offset that must be a multiple of 16 (16 bytes of FP8).
 ROW_ALIGNMENT = 16
+# torch's FP8 grouped GEMM multiplies E4M3 operands only, so the experts' output gradients are E4M3 (per tensor,
+# as torchao's MoE recipe has them, row-wise there) whatever the layer's gradient_format; on every device, so that
+# the CPU computes what the GPU does.
+GRADIENT_DTYPE = torch.float8_e4m3fn
 
 
 class Routing(NamedTuple):
@@ -211,7 +215,7 @@ class _ExpertsFunction(torch.autograd.Function):
         x, gate_up, down, weights = saved["x"], saved["gate_up"], saved["down"], saved["weights"]
         experts, hidden, inter = down.shape
         need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:5]
-        fp8, grad_fp8 = config.forward_dtype, config.gradient_dtype
+        fp8, grad_fp8 = config.forward_dtype, GRADIENT_DTYPE
         grad_y = grad_y.contiguous()
         rows_weights = _rows_weights(weights, routing)
 
