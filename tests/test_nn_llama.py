@@ -521,7 +521,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     model = coat.convert(tiny_model("llama"))
     tokens = token_batch("cpu")
     _, plain = loss_and_grads(model, tokens)
-    model.gradient_checkpointing_enable()
+    # transformers 5.25 renamed gradient_checkpointing_enable, now a deprecated alias, activation_checkpointing_enable.
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     model.train()
     _, checkpointed = loss_and_grads(model, tokens)
     assert all(torch.equal(plain[name], checkpointed[name]) for name in plain)
