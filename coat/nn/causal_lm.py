@@ -99,7 +99,7 @@ def _fused_loss_forward(base_forward):
         if torch.compiler.is_compiling() and len(args) <= 1 and all(kwargs.get(n) is None for n in _MASK_ARGUMENTS):
             kwargs[UNPADDED_CAUSAL] = True  # the decoder layers may skip the mask transformers builds (coat.nn.decoder)
         if kwargs.get("labels") is None or not self.training:
-            # Eval mode (or labels passed positionally): the stock forward, logits and transformers' loss on them.
+            # No labels (or positional ones), or eval mode: the stock forward, its logits and transformers' loss.
             return base_forward(self, *args, **kwargs)
         labels = kwargs.pop("labels")
         return_dict = kwargs.pop("return_dict", None)
