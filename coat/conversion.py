@@ -65,9 +65,10 @@ def convert(
     skip_modules: patterns of modules to leave as they are (e.g. ``["model.layers.0", "model.layers.31"]``
         to keep the first and last layers in BF16).
     fused_loss: for the causal LMs of these families (LlamaForCausalLM, ..., Gemma3ForCausalLM with its final
-        logit soft-cap), compute the loss fused with the LM head (:mod:`coat.nn.causal_lm`) when labels are given:
-        the [batch, seq, vocab] logits are never held, and the output's logits are None then. Without labels
-        (generate(), evaluation) the logits come back as before.
+        logit soft-cap), compute the loss fused with the LM head (:mod:`coat.nn.causal_lm`) when labels are given
+        in training mode: the [batch, seq, vocab] logits are never held, and the output's logits are None then.
+        In eval mode (the Trainer's evaluate()) and without labels (generate()) the logits come back as before,
+        with labels the loss too, both as the stock model computes them.
 
     The LM head stays BF16 unless named in modules_to_convert: its logits feed the softmax over the
     vocabulary directly, where FP8 error shows up unfiltered in the loss (FP8 recipes, TransformerEngine's

@@ -1,7 +1,8 @@
-"""coat.convert's fused LM head + loss (coat/nn/causal_lm.py) on tiny transformers causal LMs: with labels, the
-loss and every gradient against the same converted model with fused_loss=False (transformers' own loss on its
-logits); the logits None then and as before without labels; transformers' loss keywords (num_items_in_batch as
-the Trainer passes it, shift_labels, ignore_index); tied and untied embeddings; generate(); torch.compile."""
+"""coat.convert's fused LM head + loss (coat/nn/causal_lm.py) on tiny transformers causal LMs: with labels in
+training mode, the loss and every gradient against the same converted model with fused_loss=False (transformers'
+own loss on its logits); the logits None then, and as before without labels or in eval mode; transformers' loss
+keywords (num_items_in_batch as the Trainer passes it, shift_labels, ignore_index); tied and untied embeddings;
+generate(); torch.compile. The Trainer's evaluate() on a converted model: tests/test_optim_trainer.py."""
 import copy
 import functools
 import inspect
@@ -114,6 +115,27 @@ def test_without_labels_logits_come_back_as_before():
     assert len(as_tuple) == len(want) - 1  # the tuple leaves the None logits out
     torch.testing.assert_close(as_tuple[0], want[0], rtol=1e-4, atol=1e-4)
     assert fused.lm_head.pending_loss is None
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_eval_mode_returns_the_logits_and_loss_of_the_stock_head(family):
+    """In eval mode (the Trainer's evaluate()) labels leave the logits in the output, with transformers' loss on
+    them: bit for bit those of the same converted model with fused_loss=False (the stock head and loss); Gemma 3's
+    logits soft-capped as its stock forward caps them. Back in training mode the logits are dropped again."""
+    softcap = {"final_logit_softcapping": 2.0} if family == "gemma3" else {}
+    fused, unfused = fused_and_unfused(family, **softcap)
+    tokens, labels = batch()
+    fused.eval(), unfused.eval()
+    with torch.no_grad():
+        out, want = fused(tokens, labels=labels), unfused(tokens, labels=labels)
+        as_tuple = fused(tokens, labels=labels, return_dict=False)
+    assert out.logits.shape == (2, 24, TINY["vocab_size"])
+    assert torch.equal(out.logits, want.logits) and torch.equal(out.loss, want.loss)
+    assert len(as_tuple) == len(want.to_tuple()) and torch.equal(as_tuple[1], want.logits)
+    if softcap:
+        assert out.logits.abs().max() <= 2.0
+    fused.train()
+    assert fused(tokens, labels=labels).logits is None
 
 
 def test_generate_is_unaffected():

@@ -21,8 +21,10 @@ import contextlib
 import copy
 import functools
 import inspect
+import logging
 import math
 import pathlib
+import re
 import sys
 import tomllib
 import warnings
@@ -30,6 +32,7 @@ import warnings
 import pytest
 import torch
 from packaging.requirements import Requirement
+from packaging.version import Version
 from transformers import (
     AutoModelForCausalLM,
     ContinuousBatchingConfig,
@@ -51,6 +54,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.utils import logging as transformers_logging
 
 import coat
 from coat.compat import TRANSFORMERS_NEWEST, TRANSFORMERS_OLDEST, TRANSFORMERS_REQUIREMENT
@@ -466,6 +470,49 @@ def test_logits_through_the_kv_cache_match_the_full_forward(family):
     assert relative_error(cached, stock_full) <= FORWARD_BOUND  # as close to the BF16 model as the full forward
 
 
+def cache_notices(model, tokens, keyword) -> tuple[list[str], torch.Tensor]:
+    """The deprecation notices of a prefill and a step through the KV cache passed as ``keyword`` (FutureWarning
+    and DeprecationWarning messages, transformers' logged warnings), the class name written as the stock
+    model's; and the step's logits."""
+    transformers_logging.warning_once.cache_clear()  # each model logs its notices afresh
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = transformers_logging.get_logger()  # transformers' root logger, which does not propagate
+    logger.addHandler(handler)
+    cache = DynamicCache(config=model.config)
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            model(tokens[:, :-1], use_cache=True, **{keyword: cache})
+            logits = model(tokens[:, -1:], use_cache=True, **{keyword: cache}).logits
+    finally:
+        logger.removeHandler(handler)
+    notices = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    notices += [record.getMessage() for record in records if record.levelno >= logging.WARNING]
+    stock_name = type(model).__mro__[1].__name__ if type(model).__name__.startswith("FusedLoss") else None
+    return [n.replace(type(model).__name__, stock_name) if stock_name else n for n in notices], logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_kv_cache_by_either_name_with_no_notice_of_coats_own(family):
+    """From transformers 5.24 the KV cache is ``cache``, and ``past_key_values`` a deprecated alias (a FutureWarning
+    from the forwards that take it, a logged notice from the outputs). A converted model takes the cache by every
+    name the installed release's forward takes, with the same logits, and gives the stock model's notices: none
+    by the release's own name, transformers' own for the deprecated one (coat passes neither name on itself)."""
+    stock = tiny_model(family, **GENERATION[family]).eval()
+    model = coat.convert(copy.deepcopy(stock))
+    tokens = token_batch("cpu", length=PROMPT + 1)
+    keywords = ["cache", "past_key_values"] if cache_keyword(model) == "cache" else ["past_key_values"]
+    step_logits = []
+    for keyword in keywords:
+        notices, logits = cache_notices(model, tokens, keyword)
+        assert notices == cache_notices(stock, tokens, keyword)[0], keyword
+        step_logits.append(logits)
+    assert cache_notices(model, tokens, cache_keyword(model))[0] == []
+    assert all(torch.equal(logits, step_logits[0]) for logits in step_logits)
+
+
 def prompt_batch(batch: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(2)
     return torch.randint(1, TINY["vocab_size"], (batch, PROMPT), generator=generator)  # no pad token (0)
@@ -525,7 +572,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     model = coat.convert(tiny_model("llama"))
     tokens = token_batch("cpu")
     _, plain = loss_and_grads(model, tokens)
-    model.gradient_checkpointing_enable()
+    # transformers 5.25 renamed gradient_checkpointing_enable, now a deprecated alias, activation_checkpointing_enable.
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     model.train()
     _, checkpointed = loss_and_grads(model, tokens)
     assert all(torch.equal(plain[name], checkpointed[name]) for name in plain)
@@ -642,12 +690,20 @@ def test_a_tied_lm_head_is_refused_with_how_to_untie_it():
     loss_and_grads(model, token_batch("cpu"))
 
 
-def test_pyproject_extras_require_the_supported_transformers_releases():
-    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+def test_pyproject_and_docs_state_the_supported_transformers_releases():
+    """coat.compat's range, as pyproject.toml's extras require it and the README and the guide state it (the
+    files that moving the newest end changes, docs/design.md)."""
+    root = pathlib.Path(__file__).parents[1]
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
     supported = Requirement(TRANSFORMERS_REQUIREMENT)
     for extra in ("examples", "test", "bench"):
         requirements = [Requirement(r) for r in pyproject["project"]["optional-dependencies"][extra]]
         assert [r.specifier for r in requirements if r.name == "transformers"] == [supported.specifier], extra
+    supported_row = f"| transformers | {TRANSFORMERS_OLDEST} to {TRANSFORMERS_NEWEST} for `coat.convert` "
+    for page in ("README.md", "docs/guide/install.md"):
+        assert supported_row in (root / page).read_text(), page
+    checked = f"older than {TRANSFORMERS_OLDEST} is refused, newer than {TRANSFORMERS_NEWEST} converts with a warning"
+    assert checked in " ".join((root / "docs/guide/convert.md").read_text().split())
 
 
 @pytest.fixture
@@ -667,12 +723,15 @@ def test_convert_refuses_an_older_transformers_and_warns_for_a_newer_one(install
 
     model = tiny_model("llama")
     installed_transformers("5.16.1")
-    with pytest.raises(ImportError, match=r"needs transformers 5\.17\.0 or newer, and 5\.16\.1 is installed: "
-                                          r"pip install 'transformers>=5\.17\.0,<=5\.24\.0'"):
+    with pytest.raises(ImportError, match=re.escape(f"needs transformers {TRANSFORMERS_OLDEST} or newer, and 5.16.1 is "
+                                                    f"installed: pip install '{TRANSFORMERS_REQUIREMENT}'")):
         coat.convert(model)
     assert all(type(layer) is LlamaDecoderLayer for layer in model.model.layers)
-    installed_transformers("5.25.0")
-    with pytest.warns(UserWarning, match=r"tested with transformers 5\.17\.0 to 5\.24\.0, and 5\.25\.0 is installed"):
+    newer = Version(TRANSFORMERS_NEWEST)
+    newer = f"{newer.major}.{newer.minor + 1}.0"
+    installed_transformers(newer)
+    with pytest.warns(UserWarning, match=re.escape(f"tested with transformers {TRANSFORMERS_OLDEST} to "
+                                                   f"{TRANSFORMERS_NEWEST}, and {newer} is installed")):
         coat.convert(model)
     assert all(isinstance(layer, FP8LlamaDecoderLayer) for layer in model.model.layers)
 
@@ -689,7 +748,8 @@ def test_a_decoder_layer_forward_coat_does_not_mirror_is_refused(monkeypatch):
     monkeypatch.setattr(LlamaDecoderLayer, "forward", forward_with_a_new_argument)
     model = tiny_model("llama")
     with pytest.raises(TypeError, match=r"LlamaDecoderLayer.forward\(.*cache_position, kwargs\) is not the forward "
-                                        r"of transformers 5\.17\.0 to 5\.24\.0.*Install transformers>="):
+                                        rf"of transformers {re.escape(TRANSFORMERS_OLDEST)} to "
+                                        rf"{re.escape(TRANSFORMERS_NEWEST)}.*Install transformers>="):
         coat.convert(model)
     assert all(type(layer) is LlamaDecoderLayer for layer in model.model.layers)
 

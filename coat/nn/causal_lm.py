@@ -5,12 +5,16 @@ adds it when ``output_router_logits``).
 
 A model given the fused loss keeps its class's identity (it becomes an instance of a subclass, e.g.
 FusedLossLlamaForCausalLM of LlamaForCausalLM) and its modules, parameters and state dict. Its forward is the
-transformers forward, with one change when ``labels`` are given (as a keyword, as the Trainer passes them):
-the LM head computes the loss with :func:`coat.nn.functional.linear_cross_entropy` instead of the logits, so
-the [batch, seq, vocab] logits never exist, and the output's ``logits`` is None. Without labels (evaluation
-without labels, ``generate()``) nothing changes and the logits come back as before.
+transformers forward, with one change in training mode when ``labels`` are given (as a keyword, as the Trainer
+passes them): the LM head computes the loss with :func:`coat.nn.functional.linear_cross_entropy` instead of the
+logits, so the [batch, seq, vocab] logits never exist, and the output's ``logits`` is None. In eval mode
+(``model.eval()``, as the Trainer's ``evaluate()`` sets it) and without labels (``generate()``) nothing changes:
+the stock forward returns the logits, and with labels transformers' loss on them (soft-capped first where the
+config says so), the stock model's values exactly. That loss costs nothing more once the logits exist, where
+the fused loss would compute the head's GEMM a second time; evaluation with labels holds the logits, as the
+stock model's does (Liger-Kernel's rule: logits dropped only in training).
 
-The loss is transformers' ForCausalLMLoss: labels shifted by one (or ``shift_labels`` when given), ignore_index
+The fused loss is transformers' ForCausalLMLoss: labels shifted by one (or ``shift_labels`` when given), ignore_index
 (-100 unless passed), the mean over the tokens not ignored, or the sum over ``num_items_in_batch`` when the
 Trainer passes it for gradient accumulation. One difference: a batch whose tokens are all ignored gives loss 0,
 not transformers' NaN (it gives 0 already when num_items_in_batch is passed). A model whose config has a
@@ -100,9 +104,10 @@ def _fused_loss_forward(base_forward):
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling() and len(args) <= 1 and all(kwargs.get(n) is None for n in _MASK_ARGUMENTS):
             kwargs[UNPADDED_CAUSAL] = True  # the decoder layers may skip the mask transformers builds (coat.nn.decoder)
-        labels = kwargs.pop("labels", None)
-        if labels is None:  # also when labels come positionally: then transformers' own loss runs
+        if kwargs.get("labels") is None or not self.training:
+            # No labels (or positional ones), or eval mode: the stock forward, its logits and transformers' loss.
             return base_forward(self, *args, **kwargs)
+        labels = kwargs.pop("labels")
         return_dict = kwargs.pop("return_dict", None)
         softcap = getattr(self.config, "final_logit_softcapping", None)
         self.lm_head.pending_loss = {
