@@ -15,6 +15,7 @@ require torch>=2.11 like the source tree.
 """
 import glob
 import os
+import sys
 
 import torch
 from setuptools import setup
@@ -40,9 +41,28 @@ def build_with_cuda():
     if CUDA_HOME is None:
         print("coat: nvcc not found (set CUDA_HOME), building the CPU-only extension")
         return False
+    check_cuda_headers(CUDA_HOME)
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
         os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     return True
+
+
+def check_cuda_headers(cuda_home):
+    """A CUDA build needs the toolkit's headers in CUDA_HOME/include. Unless CUDA_HOME is set, torch takes the
+    folder above the bin/ of the nvcc on the PATH, and an nvcc wrapper outside the toolkit (/usr/local/bin/nvcc)
+    gives one without them: stop before the compiler fails, saying what to set. nvcc is there, so a CUDA build
+    is meant: a CPU-only fallback would only show on the GPU."""
+    header = "cuda_runtime_api.h"
+    searched = [os.path.join(cuda_home, "include"), os.environ.get("CUDA_INC_PATH")]  # as torch's include_paths
+    if any(folder and os.path.isfile(os.path.join(folder, header)) for folder in searched):
+        return
+    usual = "/usr/local/cuda"
+    hint = f" (here: CUDA_HOME={usual})" if os.path.isfile(os.path.join(usual, "include", header)) else ""
+    raise SystemExit(
+        f"coat: this torch has CUDA {torch.version.cuda} and nvcc was found, but CUDA_HOME={cuda_home} has no "
+        f"include/{header}. Set CUDA_HOME to the CUDA toolkit's folder, the one with bin/nvcc and include/{header}"
+        f"{hint}, or COAT_FORCE_CPU=1 to build the CPU-only extension."
+    )
 
 
 C_SOURCES = sources("csrc/common.c") + sources("csrc/cpu/*.c")
@@ -55,7 +75,17 @@ C_FLAGS = ["-std=c99", "-O3", "-fPIC", "-fopenmp", "-Wall", "-Wextra"]
 
 
 class BuildCoat(BuildExtension):
-    """Compiles the C99 core with the C compiler, then the rest with torch's BuildExtension."""
+    """Compiles the C99 core with the C compiler, then the rest with torch's BuildExtension.
+
+    The objects go to build/temp.<platform>-<python>/ in the source tree, also for an editable install
+    (setuptools would use a new temporary folder each time): with ninja, which torch uses when it is on
+    the PATH, a rebuild then compiles only what changed (a source, a header, or a compile command: another
+    torch, CUDA or flags) and links. The C core is compiled each time (about 2 s)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        build = self.get_finalized_command("build")
+        self.build_temp = os.path.join(ROOT, "build", f"temp.{build.plat_name}-{sys.implementation.cache_tag}")
 
     def build_extensions(self):
         objects = self.compiler.compile(
@@ -101,4 +131,5 @@ def requirements():
     return [torch_requirement, "tqdm"]
 
 
-setup(ext_modules=[extension()], cmdclass={"build_ext": BuildCoat}, install_requires=requirements())
+if __name__ == "__main__":  # as pip's backend and `python setup.py` run it; tests import it
+    setup(ext_modules=[extension()], cmdclass={"build_ext": BuildCoat}, install_requires=requirements())

@@ -56,8 +56,14 @@ def test_train_llama_bf16_and_coat_logs_and_plot(tmp_path):
     run([script, *QUICK, "--out", "runs"], tmp_path)
     completed = run([script, *QUICK, "--out", "runs", "--coat", "--compare", "runs/tiny-bf16.csv"], tmp_path)
     assert "held-out loss" in completed.stdout
+    # 6 steps of 4 x 64 tokens, and the text: 300,000 bytes less the held-out fiftieth
+    assert "6 steps of 4 x 64 tokens on cpu: 1,536 tokens trained, drawn from 0.3M tokens of training text" \
+        in completed.stdout.splitlines()[0]
     runs = tmp_path / "runs"
     bf16, fp8 = read_csv(runs / "tiny-bf16.csv"), read_csv(runs / "tiny-coat.csv")
+    bf16_loss, fp8_loss = float(bf16[-1]["val_loss"]), float(fp8[-1]["val_loss"])
+    assert (f"held-out loss: tiny-coat {fp8_loss:.4f} (step 6), tiny-bf16 {bf16_loss:.4f} (step 6): "
+            f"tiny-coat {fp8_loss - bf16_loss:+.4f} ({(fp8_loss - bf16_loss) / bf16_loss:+.2%})") in completed.stdout
     assert [row["step"] for row in fp8] == [str(step) for step in range(1, 7)]
     for rows in (bf16, fp8):
         assert all(math.isfinite(float(row["train_loss"])) and float(row["tokens_per_s"]) > 0 for row in rows)
