@@ -4,14 +4,20 @@ The C core (csrc/common.c, csrc/cpu/*.c) is compiled as C99 with the plain C com
 the extension; the ATen bindings (csrc/bindings/*.cpp) and, in CUDA builds, the CUDA core
 (csrc/cuda/*.cu) go through torch's BuildExtension.
 
+CPU or CUDA: a CUDA build where torch has CUDA and nvcc is found (CUDA_HOME, or the nvcc on the PATH),
+otherwise a CPU-only one, saying why. Where nvcc is found but CUDA_HOME/include lacks the toolkit's headers,
+the build stops with what to set (check_cuda_headers) rather than fall back to CPU or fail in the compiler.
+
 Switches (environment variables):
   COAT_FORCE_CPU=1          build without CUDA even when torch and nvcc support it
   TORCH_CUDA_ARCH_LIST      GPU architectures to compile for, e.g. "9.0" or "8.9;9.0". Defaults to the
                             visible GPUs' architectures, or "9.0" (H100/H200) when none is visible.
 
-The extension records the torch (and CUDA) version it is compiled against; `import coat` warns when the
-running torch differs. A wheel (build_backend.build_wheel) requires that torch release; editable installs
-require torch>=2.11 like the source tree.
+The objects stay in build/temp.<platform>-<python>/ (BuildCoat), so that with ninja a rebuild compiles only
+what changed. The extension records the torch (and CUDA) version it is compiled against; `import coat` warns
+when the running torch differs. A wheel (build_backend.build_wheel) requires that torch release; editable
+installs require torch>=2.11 like the source tree. build_backend.py refuses builds that cannot see the
+torch they must compile against (pip's build isolation).
 """
 import glob
 import os
@@ -84,6 +90,9 @@ class BuildCoat(BuildExtension):
 
     def finalize_options(self):
         super().finalize_options()
+        # setuptools skips an extension whose .cpp/.cu files are older than it, blind to the headers, the C
+        # core and torch: always link, and let ninja choose what to compile (torch forces this with ninja too).
+        self.force = True
         build = self.get_finalized_command("build")
         self.build_temp = os.path.join(ROOT, "build", f"temp.{build.plat_name}-{sys.implementation.cache_tag}")
 

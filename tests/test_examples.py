@@ -119,6 +119,23 @@ def test_train_llama_computes_in_float32_on_a_cpu_without_native_bf16(tmp_path, 
     assert training_common.compute_note(str(tmp_path / "forced" / "tiny-bf16.csv")) is None
 
 
+def test_compare_prints_both_held_out_losses_and_the_difference(training_common, tmp_path, capsys):
+    def write_log(name: str, val_losses: list) -> str:
+        path = str(tmp_path / f"{name}.csv")
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, training_common.CSV_COLUMNS)
+            writer.writeheader()
+            writer.writerows({"step": step, "train_loss": 3.0, "val_loss": val} for step, val in enumerate(val_losses, 1))
+        return path
+
+    this = write_log("tiny-coat", [2.6, 2.5, None])
+    training_common.print_comparison([write_log("tiny-bf16", [2.2, None, 2.0]), write_log("cut-short", [None])], this)
+    assert capsys.readouterr().out.splitlines() == [
+        "held-out loss: tiny-coat 2.5000 (step 2), tiny-bf16 2.0000 (step 3): tiny-coat +0.5000 (+25.00%)",
+        "held-out loss: no comparison of tiny-coat with cut-short: cut-short has no held-out loss in its log",
+    ]
+
+
 @pytest.mark.parametrize("ratio, expected", [(0.2, "bfloat16"), (2.9, "bfloat16"), (3.1, "float32"), (80.0, "float32")])
 @pytest.mark.parametrize("use_coat", [False, True], ids=["baseline", "coat"])
 def test_train_llama_chooses_float32_where_bf16_matmuls_are_slow(train_llama, monkeypatch, ratio, expected, use_coat):
