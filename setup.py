@@ -53,13 +53,19 @@ def build_with_cuda():
     return True
 
 
+# Where the C++ compiler looks without being told, besides torch's include_paths, CPATH and CPLUS_INCLUDE_PATH.
+COMPILER_INCLUDE_DIRS = ("/usr/include", "/usr/local/include")
+
+
 def check_cuda_headers(cuda_home):
     """A CUDA build needs the toolkit's headers in CUDA_HOME/include. Unless CUDA_HOME is set, torch takes the
     folder above the bin/ of the nvcc on the PATH, and an nvcc wrapper outside the toolkit (/usr/local/bin/nvcc)
     gives one without them: stop before the compiler fails, saying what to set. nvcc is there, so a CUDA build
     is meant: a CPU-only fallback would only show on the GPU."""
     header = "cuda_runtime_api.h"
-    searched = [os.path.join(cuda_home, "include"), os.environ.get("CUDA_INC_PATH")]  # as torch's include_paths
+    searched = [os.path.join(cuda_home, "include"), os.environ.get("CUDA_INC_PATH"), *COMPILER_INCLUDE_DIRS]
+    for variable in ("CPATH", "CPLUS_INCLUDE_PATH"):
+        searched += os.environ.get(variable, "").split(os.pathsep)
     if any(folder and os.path.isfile(os.path.join(folder, header)) for folder in searched):
         return
     usual = "/usr/local/cuda"

@@ -203,7 +203,9 @@ def test_a_cuda_build_without_the_toolkit_headers_stops_before_compiling(tmp_pat
     spec = importlib.util.spec_from_file_location("coat_setup", os.path.join(ROOT, "setup.py"))
     setup_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(setup_module)  # defines the functions; setup() runs only as __main__
-    monkeypatch.delenv("CUDA_INC_PATH", raising=False)
+    for variable in ("CUDA_INC_PATH", "CPATH", "CPLUS_INCLUDE_PATH"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(setup_module, "COMPILER_INCLUDE_DIRS", ())  # a system-wide toolkit would answer for tmp_path
     with pytest.raises(SystemExit, match=f"CUDA_HOME={tmp_path} has no include/cuda_runtime_api.h.*COAT_FORCE_CPU=1"):
         setup_module.check_cuda_headers(str(tmp_path))
     (tmp_path / "include").mkdir()
