@@ -1,14 +1,85 @@
-"""coat's PEP 517 build backend: setuptools.build_meta, except that a wheel's metadata requires the torch
-release the wheel's extension is compiled against (setup.py's requirements()); editable installs keep
-torch>=2.11. The metadata pip prepares for a wheel and the wheel itself must agree (PEP 517), so both hooks
-set the switch."""
+"""coat's PEP 517 build backend: setuptools.build_meta, with two changes.
+
+1. coat's extension must be compiled against the torch it will run with. pip's build isolation (pip without
+   --no-build-isolation) builds in an environment of its own, into which it would install the newest torch it
+   finds: the compiler then fails on a CUDA build that does not match the machine, or the wheel replaces the
+   installed torch with that one. So torch is not a static build requirement ([build-system] in
+   pyproject.toml) but what the get_requires hooks return, which front ends call to fill an isolated
+   environment, and these hooks stop first, with the command that works, where the build cannot see the
+   torch it must use (isolation_refusal): an editable install anywhere, and any install in pip's isolation.
+   A wheel built for elsewhere (`python -m build`) gets torch from its front end.
+2. A wheel's metadata requires the torch release the wheel's extension is compiled against (setup.py's
+   requirements()); editable installs keep torch>=2.11. The metadata pip prepares for a wheel and the wheel
+   itself must agree (PEP 517), so both hooks set the switch.
+"""
 import contextlib
+import importlib.metadata
+import importlib.util
 import os
+import site
+import sys
 
 from setuptools import build_meta
 from setuptools.build_meta import *  # noqa: F401,F403 (every other hook, as setuptools defines it)
 
 PIN_TORCH_ENV = "COAT_BUILDING_WHEEL"  # read by setup.py
+TORCH_REQUIREMENT = "torch>=2.11"  # as setup.py's requirements() for an editable install
+
+
+def isolation_refusal(editable, build_sees_torch, pip_isolated, environment_torch):
+    """Why this build must not go on, or None when it may.
+
+    build_sees_torch: torch is importable where the build runs (no isolation, or a front end told to add it).
+    pip_isolated: pip's build isolation hides the site-packages of the environment it installs into.
+    environment_torch: the torch release installed there, if pip_isolated and there is one."""
+    if build_sees_torch or not (editable or pip_isolated):
+        return None  # e.g. `python -m build`: a wheel for elsewhere, built against the torch the front end gives it
+    rerun = ("run the same pip command with --no-build-isolation (uv pip takes the same flag), e.g. "
+             f"`pip install --no-build-isolation {'-e .' if editable else '.'}`")
+    cpu_torch = "(on a CPU: pip install torch==2.13.0)"
+    if environment_torch:
+        return (f"coat: coat's extension must be compiled against the torch it runs with, torch {environment_torch} "
+                "here, and pip's build isolation hides it from the build (pip would compile against the newest torch "
+                f"it finds, and install that one). Instead, {rerun}.")
+    if pip_isolated:
+        return (f"coat: coat's extension must be compiled against the torch it runs with, and none is installed "
+                f"here. Install torch first {cpu_torch}, then {rerun}.")
+    return ("coat: an editable install compiles coat's extension against the installed torch, and this build sees "
+            "none: the front end builds in an environment of its own, or torch is not installed. Install torch "
+            f"first if it is missing {cpu_torch}, then {rerun}.")
+
+
+def hidden_site_packages():
+    """This interpreter's site-packages folders that are missing from sys.path: pip's build isolation runs the
+    backend with the interpreter it installs for, and drops them from its path."""
+    on_path = {os.path.normcase(os.path.realpath(path)) for path in sys.path}
+    return [path for path in site.getsitepackages()
+            if os.path.isdir(path) and os.path.normcase(os.path.realpath(path)) not in on_path]
+
+
+def torch_release(folders):
+    """The version of the torch installed in these site-packages folders, or None."""
+    for distribution in importlib.metadata.distributions(name="torch", path=folders):
+        return distribution.version
+    return None
+
+
+def _build_requirements(editable):
+    hidden = hidden_site_packages()
+    refusal = isolation_refusal(editable, importlib.util.find_spec("torch") is not None, bool(hidden),
+                                torch_release(hidden))
+    if refusal:
+        raise SystemExit(refusal)
+    # setuptools' own hooks would run setup.py, which imports torch; it asks for nothing beyond torch.
+    return [TORCH_REQUIREMENT]
+
+
+def get_requires_for_build_editable(config_settings=None):
+    return _build_requirements(editable=True)
+
+
+def get_requires_for_build_wheel(config_settings=None):
+    return _build_requirements(editable=False)
 
 
 @contextlib.contextmanager

@@ -4,17 +4,24 @@ The C core (csrc/common.c, csrc/cpu/*.c) is compiled as C99 with the plain C com
 the extension; the ATen bindings (csrc/bindings/*.cpp) and, in CUDA builds, the CUDA core
 (csrc/cuda/*.cu) go through torch's BuildExtension.
 
+CPU or CUDA: a CUDA build where torch has CUDA and nvcc is found (CUDA_HOME, or the nvcc on the PATH),
+otherwise a CPU-only one, saying why. Where nvcc is found but CUDA_HOME/include lacks the toolkit's headers,
+the build stops with what to set (check_cuda_headers) rather than fall back to CPU or fail in the compiler.
+
 Switches (environment variables):
   COAT_FORCE_CPU=1          build without CUDA even when torch and nvcc support it
   TORCH_CUDA_ARCH_LIST      GPU architectures to compile for, e.g. "9.0" or "8.9;9.0". Defaults to the
                             visible GPUs' architectures, or "9.0" (H100/H200) when none is visible.
 
-The extension records the torch (and CUDA) version it is compiled against; `import coat` warns when the
-running torch differs. A wheel (build_backend.build_wheel) requires that torch release; editable installs
-require torch>=2.11 like the source tree.
+The objects stay in build/temp.<platform>-<python>/ (BuildCoat), so that with ninja a rebuild compiles only
+what changed. The extension records the torch (and CUDA) version it is compiled against; `import coat` warns
+when the running torch differs. A wheel (build_backend.build_wheel) requires that torch release; editable
+installs require torch>=2.11 like the source tree. build_backend.py refuses builds that cannot see the
+torch they must compile against (pip's build isolation).
 """
 import glob
 import os
+import sys
 
 import torch
 from setuptools import setup
@@ -40,9 +47,34 @@ def build_with_cuda():
     if CUDA_HOME is None:
         print("coat: nvcc not found (set CUDA_HOME), building the CPU-only extension")
         return False
+    check_cuda_headers(CUDA_HOME)
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
         os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     return True
+
+
+# Where the C++ compiler looks without being told, besides torch's include_paths, CPATH and CPLUS_INCLUDE_PATH.
+COMPILER_INCLUDE_DIRS = ("/usr/include", "/usr/local/include")
+
+
+def check_cuda_headers(cuda_home):
+    """A CUDA build needs the toolkit's headers in CUDA_HOME/include. Unless CUDA_HOME is set, torch takes the
+    folder above the bin/ of the nvcc on the PATH, and an nvcc wrapper outside the toolkit (/usr/local/bin/nvcc)
+    gives one without them: stop before the compiler fails, saying what to set. nvcc is there, so a CUDA build
+    is meant: a CPU-only fallback would only show on the GPU."""
+    header = "cuda_runtime_api.h"
+    searched = [os.path.join(cuda_home, "include"), os.environ.get("CUDA_INC_PATH"), *COMPILER_INCLUDE_DIRS]
+    for variable in ("CPATH", "CPLUS_INCLUDE_PATH"):
+        searched += os.environ.get(variable, "").split(os.pathsep)
+    if any(folder and os.path.isfile(os.path.join(folder, header)) for folder in searched):
+        return
+    usual = "/usr/local/cuda"
+    hint = f" (here: CUDA_HOME={usual})" if os.path.isfile(os.path.join(usual, "include", header)) else ""
+    raise SystemExit(
+        f"coat: this torch has CUDA {torch.version.cuda} and nvcc was found, but CUDA_HOME={cuda_home} has no "
+        f"include/{header}. Set CUDA_HOME to the CUDA toolkit's folder, the one with bin/nvcc and include/{header}"
+        f"{hint}, or COAT_FORCE_CPU=1 to build the CPU-only extension."
+    )
 
 
 C_SOURCES = sources("csrc/common.c") + sources("csrc/cpu/*.c")
@@ -55,7 +87,20 @@ C_FLAGS = ["-std=c99", "-O3", "-fPIC", "-fopenmp", "-Wall", "-Wextra"]
 
 
 class BuildCoat(BuildExtension):
-    """Compiles the C99 core with the C compiler, then the rest with torch's BuildExtension."""
+    """Compiles the C99 core with the C compiler, then the rest with torch's BuildExtension.
+
+    The objects go to build/temp.<platform>-<python>/ in the source tree, also for an editable install
+    (setuptools would use a new temporary folder each time): with ninja, which torch uses when it is on
+    the PATH, a rebuild then compiles only what changed (a source, a header, or a compile command: another
+    torch, CUDA or flags) and links. The C core is compiled each time (about 2 s)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        # setuptools skips an extension whose .cpp/.cu files are older than it, blind to the headers, the C
+        # core and torch: always link, and let ninja choose what to compile (torch forces this with ninja too).
+        self.force = True
+        build = self.get_finalized_command("build")
+        self.build_temp = os.path.join(ROOT, "build", f"temp.{build.plat_name}-{sys.implementation.cache_tag}")
 
     def build_extensions(self):
         objects = self.compiler.compile(
@@ -101,4 +146,5 @@ def requirements():
     return [torch_requirement, "tqdm"]
 
 
-setup(ext_modules=[extension()], cmdclass={"build_ext": BuildCoat}, install_requires=requirements())
+if __name__ == "__main__":  # as pip's backend and `python setup.py` run it; tests import it
+    setup(ext_modules=[extension()], cmdclass={"build_ext": BuildCoat}, install_requires=requirements())

@@ -8,7 +8,8 @@ other:
     bf16-compiled     the same with every decoder layer under torch.compile
     torchao-compiled  torchao float8 training (convert_to_float8_training, tensorwise scaling; the LM head
                       stays BF16, as in coat) with every decoder layer under torch.compile, the same optimizer
-                      as bf16 (skipped, with a note, when torchao is not installed: pip install -e ".[bench]")
+                      as bf16 (skipped, with a note, when torchao is not installed:
+                      pip install --no-build-isolation -e ".[bench]")
     coat              the same model after coat.convert (FP8 decoder layers, activations saved in FP8), the same
                       master weights and autocast / policy, coat.optim.AdamW (FP8 moments)
     coat-compiled     coat with every decoder layer under torch.compile
@@ -148,7 +149,7 @@ def torchao_missing() -> str | None:
     try:
         import torchao.float8  # noqa: F401
     except ImportError as error:
-        return f"torchao is not installed ({error.name}): pip install -e '.[bench]'"
+        return f"torchao is not installed ({error.name}): pip install --no-build-isolation -e '.[bench]'"
     return None
 
 

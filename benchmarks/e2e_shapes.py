@@ -23,7 +23,7 @@ decoder layer, as in benchmarks/e2e.py): the question is whether a compiled coat
                       with fused_linear_cross_entropy=True on the model): the logits never materialized. Its other
                       kernels (RoPE, RMSNorm, SwiGLU) stay off: they patch transformers' modules for every model
                       of the process, the other rows' included. Skipped without a GPU or Liger-Kernel
-                      (pip install -e ".[bench]")
+                      (pip install --no-build-isolation -e ".[bench]")
     coat              coat.convert (FP8 decoder layers, activations saved in FP8) with its fused LM head +
                       cross-entropy where coat.convert has the fused_loss option; coat.optim.AdamW (FP8 moments)
     coat-unfused      coat.convert(fused_loss=False): transformers' loss, so that the fused loss's gain shows
@@ -34,7 +34,7 @@ decoder layer, as in benchmarks/e2e.py): the question is whether a compiled coat
     coat-compiled     coat, compiled
     bf16-compiled     bf16, compiled
     torchao-compiled  torchao float8 training (tensorwise scaling, LM head BF16), compiled; the bf16 optimizer
-                      (skipped, with a note, without torchao: pip install -e ".[bench]")
+                      (skipped, with a note, without torchao: pip install --no-build-isolation -e ".[bench]")
     liger-compiled    liger, compiled
 
 For each row, on a fresh model: peak GiB and reserved GiB (torch.cuda.max_memory_allocated / _reserved over
@@ -164,7 +164,7 @@ def liger_missing(device: torch.device) -> str | None:
     try:
         import liger_kernel.transformers  # noqa: F401
     except ImportError as error:
-        return f"Liger-Kernel is not importable ({error}): pip install -e '.[bench]'"
+        return f"Liger-Kernel is not importable ({error}): pip install --no-build-isolation -e '.[bench]'"
     if device.type != "cuda":
         return "Liger-Kernel's Triton kernels need a CUDA GPU"
     return None

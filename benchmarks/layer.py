@@ -6,7 +6,7 @@ attention). Every run times, in one process on the same inputs:
     BF16 compiled       the same under torch.compile
     torchao compiled    torchao float8 training (convert_to_float8_training, tensorwise scaling) under
                         torch.compile, the FP8 layer a user would pick instead; the row says so when
-                        torchao is not installed (pip install -e ".[bench]")
+                        torchao is not installed (pip install --no-build-isolation -e ".[bench]")
     coat eager          the layer after coat.convert
     coat compiled       the same under torch.compile
     coat fast-accum eager   coat.convert(fast_accum=True): the forward GEMMs accumulate as torchao's do (the
@@ -161,7 +161,7 @@ def torchao_float8(layer: nn.Module) -> nn.Module | str:
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as error:
-        return f"torchao is not installed ({error.name}): pip install -e '.[bench]'"
+        return f"torchao is not installed ({error.name}): pip install --no-build-isolation -e '.[bench]'"
     return convert_to_float8_training(layer)
 
 

@@ -7,8 +7,8 @@
    the host's time per call with the GPU kept busy (_common.host_us_per_call). TFLOP/s = 2 M N K / GPU ms.
 2. Layers, forward and forward+backward (input and weight gradients): torch.nn.Linear in BF16 (the
    baseline), torchao's float8 Linear (convert_to_float8_training, tensorwise scaling) under torch.compile
-   (the peer a user would pick instead; the row says so when torchao is not installed: pip install -e
-   ".[bench]"), and coat.nn.Linear with E5M2 gradients and FP8 backward GEMMs (coat's default) and with BF16
+   (the peer a user would pick instead; the row says so when torchao is not installed: pip install
+   --no-build-isolation -e ".[bench]"), and coat.nn.Linear with E5M2 gradients and FP8 backward GEMMs (coat's default) and with BF16
    backward GEMMs.
 
     python benchmarks/linear.py            (a CUDA GPU with FP8 tensor cores: H100/H200)
@@ -58,7 +58,7 @@ def torchao_float8_linear(reference: torch.nn.Linear, device):
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as error:
-        return f"torchao is not installed ({error.name}): pip install -e '.[bench]'"
+        return f"torchao is not installed ({error.name}): pip install --no-build-isolation -e '.[bench]'"
     if torch.device(device).type != "cuda":
         return "torchao float8 needs a CUDA GPU"
     return compile_for_fixed_shapes(convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(reference))))

@@ -55,6 +55,7 @@ from training_common import (
     held_out_loss,
     load_text,
     parameter_count,
+    print_comparison,
     resolve,
     training_step,
     try_plot,
@@ -239,7 +240,9 @@ def main() -> None:
         print(f"{args.name}: training loss (last 10%) {summary['final_train_loss_last_10pct']:.4f}"
               + (f", held-out {summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else "")
               + f", {summary['median_tokens_per_s']:,.0f} tokens/s over {world} processes")
-        try_plot([path for path in args.compare if path != log.csv_path] + [log.csv_path], log.csv_path[:-4] + ".png")
+        compared = [path for path in args.compare if path != log.csv_path]
+        print_comparison(compared, log.csv_path)
+        try_plot(compared + [log.csv_path], log.csv_path[:-4] + ".png")
     # Every rank waits for rank 0's plot: a rank that tears gloo down while a peer is still connected can abort
     # at exit ("terminate called without an active exception", seen on torch 2.13 CPU).
     dist.barrier()

@@ -58,6 +58,7 @@ from training_common import (
     held_out_loss,
     load_text,
     parameter_count,
+    print_comparison,
     resolve,
     training_step,
     try_plot,
@@ -99,6 +100,10 @@ def parse_arguments() -> argparse.Namespace:
         raise SystemExit("--coat on a GPU needs coat built with CUDA: pip install --no-build-isolation -e . "
                          "with nvcc on the PATH (coat.built_with_cuda() is False)")
     return args
+
+
+def token_count(tokens: int) -> str:
+    return f"{tokens / 1e6:.1f}M" if tokens >= 100_000 else f"{tokens:,}"
 
 
 def bf16_matmul_time_ratio(repeats: int = 3) -> float:
@@ -157,8 +162,9 @@ def main() -> None:
     bf16 = compute_dtype == torch.bfloat16
     print(f"{args.name}: {parameter_count(model) / 1e6:.1f}M parameters, "
           f"{'coat FP8' if args.coat else 'baseline'} with {'bf16 autocast' if bf16 else 'float32 compute'}, "
-          f"{data.train.numel() / 1e6:.1f}M training tokens, {args.steps} steps of {args.batch} x {args.seq} "
-          f"tokens on {device}")
+          f"{args.steps} steps of {args.batch} x {args.seq} tokens on {device}: "
+          f"{token_count(args.steps * args.batch * args.seq)} tokens trained, drawn from "
+          f"{token_count(data.train.numel())} tokens of training text")
     if compute_note:
         print(f"{args.name}: {compute_note} (a bf16 matrix product took {bf16_time_ratio:.0f}x as long as a "
               "float32 one); --compute-dtype bfloat16 runs bf16 autocast anyway")
@@ -222,6 +228,7 @@ def main() -> None:
     print(f"log: {log.csv_path}, summary: {log.summary_path}")
     with contextlib.suppress(ValueError):
         args.compare.remove(log.csv_path)
+    print_comparison(args.compare, log.csv_path)
     try_plot(args.compare + [log.csv_path], log.csv_path[: -len(".csv")] + ".png")
     if report is not None:
         report.finish()

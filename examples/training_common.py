@@ -132,7 +132,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs", help="directory for the CSV log, the summary JSON and the plot")
     parser.add_argument("--name", help="run name, the file names in --out (default: PRESET-bf16 or PRESET-coat)")
     parser.add_argument("--compare", nargs="*", default=[], metavar="CSV",
-                        help="CSV logs of other runs to draw in the same plot")
+                        help="CSV logs of other runs: their last held-out losses are printed beside this run's, "
+                             "with the difference, and drawn in the same plot")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -469,6 +470,28 @@ def read_log(path: str) -> list[dict]:
 
     with open(path, newline="") as f:
         return [{key: number(value) for key, value in row.items()} for row in csv.DictReader(f)]
+
+
+def final_held_out(csv_path: str) -> tuple[int, float] | None:
+    """(step, held-out loss) of the last row of a CSV log that has one; None if no row has."""
+    evaluated = [row for row in read_log(csv_path) if row["val_loss"] is not None]
+    return (evaluated[-1]["step"], evaluated[-1]["val_loss"]) if evaluated else None
+
+
+def print_comparison(compared: list[str], csv_path: str) -> None:
+    """For each --compare CSV log, both runs' last held-out losses and this run's difference from the other's."""
+    name = os.path.splitext(os.path.basename(csv_path))[0]
+    this = final_held_out(csv_path)
+    for path in compared:
+        other_name = os.path.splitext(os.path.basename(path))[0]
+        other = final_held_out(path)
+        if this is None or other is None:
+            print(f"held-out loss: no comparison of {name} with {other_name}: "
+                  f"{name if this is None else other_name} has no held-out loss in its log")
+            continue
+        difference = this[1] - other[1]
+        print(f"held-out loss: {name} {this[1]:.4f} (step {this[0]}), {other_name} {other[1]:.4f} (step {other[0]}): "
+              f"{name} {difference:+.4f} ({difference / other[1]:+.2%})")
 
 
 def compute_note(csv_path: str) -> str | None:

@@ -130,11 +130,13 @@ def check_against_oracle(x, codes, meta, group_size, fmt, expand, meta_rate=0.01
 
 
 def quantizer_cases():
+    cases = []
     for i, shape in enumerate(SHAPES):
         for j, (fmt, expand) in enumerate([("e4m3", True), ("e5m2", True), ("e4m3", False), ("e5m2", False)]):
             group_size = GROUP_SIZES[(i + j) % len(GROUP_SIZES)]
-            yield pytest.param(shape, fmt, expand, group_size,
-                               id=f"{shape_id(shape)}-{fmt}-{'expand' if expand else 'plain'}-g{group_size}")
+            cases.append(pytest.param(shape, fmt, expand, group_size,
+                                      id=f"{shape_id(shape)}-{fmt}-{'expand' if expand else 'plain'}-g{group_size}"))
+    return cases
 
 
 @pytest.mark.parametrize("shape,fmt,expand,group_size", quantizer_cases())

@@ -38,10 +38,13 @@ def fmt(request) -> str:
 
 
 def block_cases():
+    cases = []
     for i, shape in enumerate(SHAPES):
         for j, dtype in enumerate(INPUT_DTYPES):
             block_size = BLOCK_SIZES[(i + j) % len(BLOCK_SIZES)]
-            yield pytest.param(shape, dtype, block_size, id=f"{shape_id(shape)}-{DTYPE_NAMES[dtype]}-b{block_size}")
+            cases.append(pytest.param(shape, dtype, block_size,
+                                      id=f"{shape_id(shape)}-{DTYPE_NAMES[dtype]}-b{block_size}"))
+    return cases
 
 
 def check_blocks(run, x, fmt, block_size):

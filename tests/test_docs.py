@@ -66,6 +66,15 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
                 raise AssertionError(f"the python block at {_name(page)}:{line} fails: {error!r}") from error
 
 
+def test_the_readme_training_example_prints_its_loss(tmp_path, monkeypatch, capsys):
+    """A reader who runs the README's "In a training script" example sees that it worked."""
+    monkeypatch.chdir(tmp_path)
+    (code,) = [code for lang, code, _, _ in blocks(ROOT / "README.md") if lang == "python" and "coat.optim.AdamW" in code]
+    namespace: dict = {"__name__": "__docs__"}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert capsys.readouterr().out == f"loss {namespace['loss'].item():.3f}\n"
+
+
 @pytest.mark.parametrize("page,line,reason", NOT_RUN_BLOCKS, ids=[f"{_name(p)}:{n}" for p, n, _ in NOT_RUN_BLOCKS])
 def test_blocks_marked_not_run(page, line, reason):
     pytest.skip(f"{_name(page)}:{line} not run: {reason}")

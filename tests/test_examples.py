@@ -56,8 +56,14 @@ def test_train_llama_bf16_and_coat_logs_and_plot(tmp_path):
     run([script, *QUICK, "--out", "runs"], tmp_path)
     completed = run([script, *QUICK, "--out", "runs", "--coat", "--compare", "runs/tiny-bf16.csv"], tmp_path)
     assert "held-out loss" in completed.stdout
+    # 6 steps of 4 x 64 tokens, and the text: 300,000 bytes less the held-out fiftieth
+    assert "6 steps of 4 x 64 tokens on cpu: 1,536 tokens trained, drawn from 0.3M tokens of training text" \
+        in completed.stdout.splitlines()[0]
     runs = tmp_path / "runs"
     bf16, fp8 = read_csv(runs / "tiny-bf16.csv"), read_csv(runs / "tiny-coat.csv")
+    bf16_loss, fp8_loss = float(bf16[-1]["val_loss"]), float(fp8[-1]["val_loss"])
+    assert (f"held-out loss: tiny-coat {fp8_loss:.4f} (step 6), tiny-bf16 {bf16_loss:.4f} (step 6): "
+            f"tiny-coat {fp8_loss - bf16_loss:+.4f} ({(fp8_loss - bf16_loss) / bf16_loss:+.2%})") in completed.stdout
     assert [row["step"] for row in fp8] == [str(step) for step in range(1, 7)]
     for rows in (bf16, fp8):
         assert all(math.isfinite(float(row["train_loss"])) and float(row["tokens_per_s"]) > 0 for row in rows)
@@ -111,6 +117,23 @@ def test_train_llama_computes_in_float32_on_a_cpu_without_native_bf16(tmp_path, 
     summary = json.loads((tmp_path / "forced" / "tiny-bf16.json").read_text())
     assert summary["compute_dtype"] == "bfloat16" and summary["compute_note"] is None
     assert training_common.compute_note(str(tmp_path / "forced" / "tiny-bf16.csv")) is None
+
+
+def test_compare_prints_both_held_out_losses_and_the_difference(training_common, tmp_path, capsys):
+    def write_log(name: str, val_losses: list) -> str:
+        path = str(tmp_path / f"{name}.csv")
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, training_common.CSV_COLUMNS)
+            writer.writeheader()
+            writer.writerows({"step": step, "train_loss": 3.0, "val_loss": val} for step, val in enumerate(val_losses, 1))
+        return path
+
+    this = write_log("tiny-coat", [2.6, 2.5, None])
+    training_common.print_comparison([write_log("tiny-bf16", [2.2, None, 2.0]), write_log("cut-short", [None])], this)
+    assert capsys.readouterr().out.splitlines() == [
+        "held-out loss: tiny-coat 2.5000 (step 2), tiny-bf16 2.0000 (step 3): tiny-coat +0.5000 (+25.00%)",
+        "held-out loss: no comparison of tiny-coat with cut-short: cut-short has no held-out loss in its log",
+    ]
 
 
 @pytest.mark.parametrize("ratio, expected", [(0.2, "bfloat16"), (2.9, "bfloat16"), (3.1, "float32"), (80.0, "float32")])

@@ -1,7 +1,10 @@
 """coat._native: a missing or broken extension, and CUDA tensors on a CPU-only build, give errors that say
 how to fix them; an extension built against another torch warns; a wheel requires the torch it was built
-against."""
+against; a build that cannot see the torch it must compile against (pip's build isolation) or a CUDA build
+without the toolkit's headers stops at once with what to do."""
 import importlib
+import importlib.metadata
+import importlib.util
 import os
 import subprocess
 import sys
@@ -149,3 +152,62 @@ def test_a_wheel_requires_the_torch_it_was_built_against_and_an_editable_install
     assert f"Requires-Dist: torch=={public_version}\n" in wheel_metadata("prepare_metadata_for_build_wheel",
                                                                          tmp_path / "wheel")
     assert "Requires-Dist: torch>=2.11\n" in wheel_metadata("prepare_metadata_for_build_editable", tmp_path / "editable")
+
+
+@pytest.fixture
+def build_backend(monkeypatch):
+    monkeypatch.syspath_prepend(ROOT)
+    return importlib.import_module("build_backend")
+
+
+@pytest.mark.parametrize("editable, build_sees_torch, pip_isolated, environment_torch, expected", [
+    (True, True, False, None, None),  # --no-build-isolation
+    (False, True, False, None, None),
+    (False, False, False, None, None),  # python -m build: a wheel for elsewhere, pinned to the torch it got
+    (True, False, True, "2.13.0+cpu", "torch 2.13.0+cpu here, and pip's build isolation hides it"),
+    (False, False, True, "2.13.0+cpu", "torch 2.13.0+cpu here, and pip's build isolation hides it"),
+    (True, False, True, None, "none is installed here. Install torch first (on a CPU: pip install torch==2.13.0)"),
+    (False, False, True, None, "none is installed here. Install torch first (on a CPU: pip install torch==2.13.0)"),
+    (True, False, False, None, "the front end builds in an environment of its own, or torch is not installed"),
+], ids=["editable", "wheel", "python-m-build", "pip-isolated-editable", "pip-isolated-wheel",
+        "pip-isolated-editable-no-torch", "pip-isolated-wheel-no-torch", "other-front-end-editable"])
+def test_a_build_that_cannot_see_its_torch_stops_with_the_command_that_works(
+        build_backend, editable, build_sees_torch, pip_isolated, environment_torch, expected):
+    refusal = build_backend.isolation_refusal(editable, build_sees_torch, pip_isolated, environment_torch)
+    if expected is None:
+        assert refusal is None
+    else:
+        assert expected in refusal
+        assert f"pip install --no-build-isolation {'-e .' if editable else '.'}`" in refusal
+
+
+def get_requires(hook: str, hide_site_packages: bool) -> subprocess.CompletedProcess:
+    """A get_requires hook of the build backend in a fresh interpreter, where torch is not imported. pip's build
+    isolation runs it with the installing interpreter, whose site-packages it drops from sys.path."""
+    hide = ("hidden = {os.path.realpath(p) for p in site.getsitepackages()}; "
+            "sys.path[:] = [p for p in sys.path if os.path.realpath(p) not in hidden]; ") if hide_site_packages else ""
+    script = f"import os, site, sys, build_backend; {hide}print(build_backend.{hook}())"
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+
+
+@pytest.mark.parametrize("hook", ["get_requires_for_build_editable", "get_requires_for_build_wheel"])
+def test_the_backend_finds_the_torch_that_pip_isolation_hides(hook):
+    assert get_requires(hook, hide_site_packages=False).stdout.strip() == "['torch>=2.11']"
+    isolated = get_requires(hook, hide_site_packages=True)
+    assert isolated.returncode == 1 and not isolated.stdout
+    assert f"torch {importlib.metadata.version('torch')} here, and pip's build isolation hides it" in isolated.stderr
+
+
+def test_a_cuda_build_without_the_toolkit_headers_stops_before_compiling(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("coat_setup", os.path.join(ROOT, "setup.py"))
+    setup_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_module)  # defines the functions; setup() runs only as __main__
+    for variable in ("CUDA_INC_PATH", "CPATH", "CPLUS_INCLUDE_PATH"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(setup_module, "COMPILER_INCLUDE_DIRS", ())  # a system-wide toolkit would answer for tmp_path
+    with pytest.raises(SystemExit, match=f"CUDA_HOME={tmp_path} has no include/cuda_runtime_api.h.*COAT_FORCE_CPU=1"):
+        setup_module.check_cuda_headers(str(tmp_path))
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda_runtime_api.h").touch()
+    setup_module.check_cuda_headers(str(tmp_path))

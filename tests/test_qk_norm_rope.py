@@ -52,9 +52,11 @@ def check_against_oracle(q, k, q_weight, k_weight, cos, sin, outputs, group_size
 
 
 def shape_cases():
+    cases = []
     for i, shape in enumerate(SHAPES):
         for j, dtypes in enumerate(DTYPES):
-            yield pytest.param(shape, *dtypes, (i + j) % 2 == 1, id=f"{'x'.join(map(str, shape))}-{j}")
+            cases.append(pytest.param(shape, *dtypes, (i + j) % 2 == 1, id=f"{'x'.join(map(str, shape))}-{j}"))
+    return cases
 
 
 @pytest.mark.parametrize("shape, dtype, weight_dtype, table_dtype, batch_tables", shape_cases())

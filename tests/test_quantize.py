@@ -45,17 +45,23 @@ def random_input(shape, dtype, rng) -> torch.Tensor:
 def quantizer_cases():
     """Each shape with every (input dtype, format) pair; the group size rotates so that each shape meets
     every group size and each (dtype, format, group size) triple occurs."""
+    cases = []
     for i, shape in enumerate(SHAPES):
         for j, (dtype, fmt) in enumerate(itertools.product(INPUT_DTYPES, FORMATS)):
             group_size = GROUP_SIZES[(i + j) % len(GROUP_SIZES)]
-            yield pytest.param(shape, dtype, fmt, group_size, id=f"{shape_id(shape)}-{DTYPE_NAMES[dtype]}-{fmt}-g{group_size}")
+            cases.append(pytest.param(shape, dtype, fmt, group_size,
+                                      id=f"{shape_id(shape)}-{DTYPE_NAMES[dtype]}-{fmt}-g{group_size}"))
+    return cases
 
 
 def amax_cases():
+    cases = []
     for i, shape in enumerate(SHAPES):
         for j, dtype in enumerate(INPUT_DTYPES):
             group_size = GROUP_SIZES[(i + j) % len(GROUP_SIZES)]
-            yield pytest.param(shape, dtype, group_size, id=f"{shape_id(shape)}-{DTYPE_NAMES[dtype]}-g{group_size}")
+            cases.append(pytest.param(shape, dtype, group_size,
+                                      id=f"{shape_id(shape)}-{DTYPE_NAMES[dtype]}-g{group_size}"))
+    return cases
 
 
 def transposed_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -181,12 +187,15 @@ def test_quantize_tensors_equals_quantize_tensor_of_the_concatenation(run, rng, 
 
 
 def dequantize_cases():
+    cases = []
     granularities = (*GROUP_SIZES, None)  # None: one per-tensor scale
     for i, shape in enumerate(SHAPES):
         for j, (fmt, dtype) in enumerate(itertools.product(FORMATS, (torch.float32, torch.bfloat16))):
             group_size = granularities[(i + j) % len(granularities)]
             name = f"g{group_size}" if group_size else "tensor"
-            yield pytest.param(shape, fmt, dtype, group_size, id=f"{shape_id(shape)}-{fmt}-{DTYPE_NAMES[dtype]}-{name}")
+            cases.append(pytest.param(shape, fmt, dtype, group_size,
+                                      id=f"{shape_id(shape)}-{fmt}-{DTYPE_NAMES[dtype]}-{name}"))
+    return cases
 
 
 def random_scales(shape, rng) -> torch.Tensor:

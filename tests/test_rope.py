@@ -120,11 +120,13 @@ DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
 
 
 def shape_cases():
+    cases = []
     for i, shape in enumerate(SHAPES):
         for j, (dtype, table_dtype) in enumerate(DTYPE_PAIRS):
             table_batch = shape[0] if (i + j) % 2 else 1
-            yield pytest.param(shape, dtype, table_dtype, table_batch,
-                               id=f"{'x'.join(map(str, shape))}-{NAMES[dtype]}-{NAMES[table_dtype]}-cb{table_batch}")
+            cases.append(pytest.param(shape, dtype, table_dtype, table_batch,
+                                      id=f"{'x'.join(map(str, shape))}-{NAMES[dtype]}-{NAMES[table_dtype]}-cb{table_batch}"))
+    return cases
 
 
 @pytest.mark.parametrize("shape, dtype, table_dtype, table_batch", shape_cases())
