@@ -55,6 +55,8 @@ ROW_ALIGNMENT = 16
 # as torchao's MoE recipe has them, row-wise there) whatever the layer's gradient_format; on every device, so that
 # the CPU computes what the GPU does.
 GRADIENT_DTYPE = torch.float8_e4m3fn
+# ... and writes bfloat16 only: a float32 result (a float32 master weight's gradient) is that, widened.
+GEMM_OUT_DTYPE = torch.bfloat16
 
 
 class Routing(NamedTuple):
@@ -127,8 +129,9 @@ def grouped_fp8_gemm(a, a_scale, b, b_scale, offsets, out_dtype, fast_accum: boo
     _check_gemm_shape(a.shape[1], b.shape[1])
     scale_a = a_scale.reshape(1).expand(a.shape[0]).contiguous()
     scale_b = b_scale.reshape(1, 1).expand(b.shape[0], b.shape[1]).contiguous()
-    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), scale_a, scale_b, offs=offsets, out_dtype=out_dtype,
-                                    use_fast_accum=fast_accum)
+    out = torch._scaled_grouped_mm(a, b.transpose(-2, -1), scale_a, scale_b, offs=offsets, out_dtype=GEMM_OUT_DTYPE,
+                                   use_fast_accum=fast_accum)
+    return out.to(out_dtype)
 
 
 def grouped_fp8_gemm_wgrad(g_t, g_scale, x_t, x_scale, offsets, out_dtype) -> torch.Tensor:
@@ -143,7 +146,7 @@ def grouped_fp8_gemm_wgrad(g_t, g_scale, x_t, x_scale, offsets, out_dtype) -> to
     experts = offsets.shape[0]
     scale_a = g_scale.reshape(1).expand(experts * g_t.shape[0]).contiguous()
     scale_b = x_scale.reshape(1).expand(experts * x_t.shape[0]).contiguous()
-    out = torch._scaled_grouped_mm(g_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=out_dtype)
+    out = torch._scaled_grouped_mm(g_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=GEMM_OUT_DTYPE).to(out_dtype)
     # An empty group is a zero-length contraction, which the GEMM may leave unwritten.
     group_rows = torch.diff(offsets, prepend=offsets.new_zeros(1))
     return torch.where(group_rows.view(-1, 1, 1) > 0, out, 0)
