@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from coat import ops
+from coat.ops.norm_act import _checked_activation
 from coat.nn import _capture
 from coat.nn.config import FP8Config
 from coat.nn.functional import (
@@ -272,7 +273,7 @@ def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config =
     (OLMo 2), the MLP reads x (:func:`swiglu_mlp`). ``post_norm``: (weight, eps, weight_offset) of a norm on the
     MLP's output, x + RMSNorm(MLP(..)) with the add in the norm's kernel and its input saved in FP8 groups
     (:func:`rms_norm_save`; OLMo 2, Gemma 3)."""
-    ops._checked_activation(activation, "coat.nn.functional.mlp_residual")
+    _checked_activation(activation, "coat.nn.functional.mlp_residual")
     add_residual = post_norm is None  # else the post-norm's kernel adds x
     if norm_weight is None:
         out = swiglu_mlp(x, gate, up, down, config, activation=activation)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from coat import ops
+from coat.ops.norm_act import _checked_activation
 from coat.nn import _capture
 from coat.nn.config import AMAX_GROUP_SIZE, FP8Config
 from coat.nn.fp8_weight import FP8Weight, transposed_codes
@@ -749,7 +750,7 @@ def swiglu_mlp(x: torch.Tensor, gate, up, down, config: FP8Config = FP8Config(),
     ``activation`` "silu" (SwiGLU) or "gelu_tanh" (GeGLU, as Gemma's MLP)."""
     flat_params = (*gate, *up, *down)
     out_dtype = output_dtype(x)
-    ops._checked_activation(activation, "coat.nn.functional.swiglu_mlp")
+    _checked_activation(activation, "coat.nn.functional.swiglu_mlp")
     if _needs_autograd(x, *flat_params):
         return _SwiGLUMLPFunction.apply(x, config, out_dtype, activation, *flat_params)
     x_q, x_scale, _ = quantize_per_tensor(_matrix(x), config.forward_dtype)

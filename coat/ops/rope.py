@@ -1,10 +1,5 @@
-"""Norm ops beside coat.ops (which re-exports them): RMSNorm with a high-precision output (post-norms, OLMo 2's q/k
-norms) and the per-head q/k RMSNorm fused with RoPE.
-
-They take ``weight_offset`` as the RMSNorm ops of coat.ops do: the norm multiplies by ``weight + weight_offset``
-(float32), 0 for Llama-style norms and 1 for Gemma's ``(1 + weight)``.
-"""
-
+"""Rotary position embedding, alone or fused with the per-head RMSNorm of q and k (Qwen3's and Gemma 3's q_norm /
+k_norm); csrc/include/coat/rope.h states the formulas, layouts and limits."""
 from __future__ import annotations
 
 import math
@@ -12,68 +7,51 @@ import math
 import torch
 
 from coat._native import check_device_supported
-from coat.ops import (
-    _check_named_group_size,
-    _check_rmsnorm_cols,
-    _checked_saved_format,
-    _grouped,
-    _rotary_embedding_fake,
-    _saved_codes,
-    _saved_format_name,
-)
+from coat.ops._checks import check_group_size, grouped
+
+__all__ = ["ROPE_MAX_HEAD_DIM", "rotary_embedding", "QK_NORM_MAX_HEAD_DIM", "qk_norm_rope"]
+
+ROPE_MAX_HEAD_DIM = 1024
 
 
-# RMSNorm with its output in high precision (csrc/include/coat/norm_act.h's coat_rmsnorm_save).
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q and k in one kernel, in transformers' rotate_half convention. With h = D / 2, per row x of
+    q or k and the tables c = cos[b, s], s = sin[b, s] of its position::
 
+        forward:  out[j] = x[j]*c[j] - x[j+h]*s[j]   (j < h),   x[j]*c[j] + x[j-h]*s[j]   (j >= h)
+        inverse:  out[j] = x[j]*c[j] + x[j+h]*s[j+h] (j < h),   x[j]*c[j] - x[j-h]*s[j-h] (j >= h)
 
-def rmsnorm_save(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    *,
-    residual: torch.Tensor | None = None,
-    save_group_size: int = 16,
-    save_format: str = "e4m3",
-    weight_offset: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """RMSNorm whose output stays in high precision while its input is saved in FP8 for backward: for norms whose
-    output is no GEMM input (OLMo 2's and Gemma 3's post-norms, OLMo 2's q/k norms). One pass over x::
+    The forward is ``x * cos + rotate_half(x) * sin`` (transformers' ``apply_rotary_pos_emb`` with q, k laid
+    out [B, S, H, D]); ``inverse=True`` is its adjoint for any tables, i.e. the backward: given the gradients
+    of the outputs it returns those of q and k. Computed in float32 (each product, then the sum, rounded to
+    float32, no FMA) and rounded once to the output dtype: on float32 inputs the bits of PyTorch's eager
+    formula. NaN and Inf propagate as the formula says (Inf * 0 and Inf - Inf give NaN).
 
-        rstd = 1 / sqrt(mean(x^2) + eps)                  float32, as rmsnorm_quantize
-        out  = ((x * rstd) * (weight + weight_offset)).to(x.dtype)              float32, rounded once
-        out  = residual + that                            with ``residual``: added in float32, rounded once to its dtype
-
-    which is OLMo2RMSNorm / Gemma3RMSNorm (``weight_offset=1``), and with a residual torch's ``residual + norm(x)``.
-    ``residual``: x's shape, contiguous (float32 / bfloat16 / float16); the output then has its dtype.
-    Returns ``(out, x_saved, x_saved_scales, rstd)``; the last three are bit for bit what :func:`rmsnorm_quantize`
-    saves (``save_format`` as there), so :func:`rmsnorm_backward` with the same ``weight_offset`` is the backward.
-    A row holding +-Inf gives NaN at the Inf and 0 elsewhere; NaN is stored canonically.
+    q: [B, S, Hq, D], k: [B, S, Hk, D] (Hq may differ from Hk), both float32, bfloat16 or float16 of one
+    dtype, D even and at most 1024. cos, sin: [B or 1, S, D] (what transformers' rotary embedding returns;
+    batch 1 broadcasts), float32 / bfloat16 / float16, possibly another dtype than q's. Every tensor needs a
+    contiguous last dimension; any other strides are read in place, e.g. q and k as column slices of one
+    [B*S, (Hq + 2 Hk) * D] GEMM output viewed as [B, S, H, D]. Returns contiguous (q_out, k_out) of q's and
+    k's shapes in q's dtype.
     """
-    check_device_supported(x, "coat.ops.rmsnorm_save")
-    return torch.ops.coat.rmsnorm_save(
-        x, weight, eps, save_group_size, residual, _checked_saved_format(save_format, "save_format", "rmsnorm_save"),
-        weight_offset,
-    )
+    check_device_supported(q, "coat.ops.rotary_embedding")
+    return torch.ops.coat.rotary_embedding(q, k, cos, sin, inverse)
 
 
-@torch.library.register_fake("coat::rmsnorm_save")
-def _rmsnorm_save_fake(x, weight, eps, save_group_size, residual=None, save_format="e4m3", weight_offset=0.0):
-    op = "coat.rmsnorm_save"
-    saved = _saved_format_name(save_format, "save_format", op)
-    _check_named_group_size(save_group_size, "save_group_size", op)
-    _check_rmsnorm_cols(x, "x", op)
-    if residual is not None and residual.shape != x.shape:
-        raise RuntimeError(f"{op}: residual has shape {tuple(residual.shape)} but x has shape {tuple(x.shape)}; "
-                           "it must have x's shape")
-    return (
-        x.new_empty(x.shape, dtype=x.dtype if residual is None else residual.dtype),
-        _saved_codes(x, saved),
-        _grouped(x, save_group_size),
-        x.new_empty((math.prod(x.shape[:-1]),), dtype=torch.float32),
-    )
+@torch.library.register_fake("coat::rotary_embedding")
+def _rotary_embedding_fake(q, k, cos, sin, inverse=False):
+    op = "coat.rotary_embedding"
+    if q.dim() != 4 or k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise RuntimeError(f"{op}: q and k must be [batch, seq, heads, head_dim] with the same batch, seq and "
+                           f"head_dim, got {tuple(q.shape)} and {tuple(k.shape)}")
+    head_dim = q.shape[3]
+    if head_dim % 2 != 0 or not 2 <= head_dim <= ROPE_MAX_HEAD_DIM:
+        raise RuntimeError(f"{op}: head_dim (the last dimension of q and k) must be even and between 2 and "
+                           f"{ROPE_MAX_HEAD_DIM}, got {head_dim}")
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
-
-# Per-head RMSNorm of q and k fused with RoPE (Qwen3's and Gemma 3's q_norm / k_norm; csrc/include/coat/rope.h).
 
 QK_NORM_MAX_HEAD_DIM = 256
 
@@ -104,7 +82,7 @@ def qk_norm_rope(
 def _qk_norm_rope_fake(q, k, q_weight, k_weight, eps, cos, sin, save_group_size, weight_offset=0.0):
     op = "coat.qk_norm_rope"
     _rotary_embedding_fake(q, k, cos, sin)
-    _check_named_group_size(save_group_size, "save_group_size", op)
+    check_group_size(save_group_size, op, "save_group_size")
     if q.shape[3] > QK_NORM_MAX_HEAD_DIM:
         raise RuntimeError(f"{op}: head_dim (the last dimension of q and k) must be even and between 2 and "
                            f"{QK_NORM_MAX_HEAD_DIM}, got {q.shape[3]}")
@@ -114,6 +92,6 @@ def _qk_norm_rope_fake(q, k, q_weight, k_weight, eps, cos, sin, save_group_size,
                                f"{tuple(weight.shape)}")
     outputs = []
     for x in (q, k):
-        outputs.append((x.new_empty(x.shape, dtype=torch.float8_e4m3fn), _grouped(x, save_group_size),
+        outputs.append((x.new_empty(x.shape, dtype=torch.float8_e4m3fn), grouped(x, save_group_size),
                         x.new_empty((math.prod(x.shape[:3]),), dtype=torch.float32)))
     return (q.new_empty(q.shape), k.new_empty(k.shape), *outputs[0], *outputs[1])
