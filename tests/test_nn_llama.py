@@ -57,8 +57,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.utils import logging as transformers_logging
 
 import coat
+import coat.nn.gemm
 from coat.compat import TRANSFORMERS_NEWEST, TRANSFORMERS_OLDEST, TRANSFORMERS_REQUIREMENT
-from coat.nn import functional as coat_functional
 from coat.nn.decoder import FP8LlamaDecoderLayer
 from conftest import requires_cuda
 from reference_nn import LowRankAdapter, fp8_reference_loss, relative_error
@@ -795,7 +795,7 @@ def test_torch_compile_does_not_trace_the_autocast_query(monkeypatch):
     replaced by a function dynamo must not trace, as 2.11 sees the builtin; the model still compiles whole."""
     query = torch.amp.is_autocast_available
     monkeypatch.setattr(torch.amp, "is_autocast_available", torch._dynamo.disable(lambda device_type: query(device_type)))
-    monkeypatch.setattr(coat_functional, "_AUTOCAST_AVAILABLE", {})
+    monkeypatch.setattr(coat.nn.gemm, "_AUTOCAST_AVAILABLE", {})
     torch._dynamo.reset()
     model = coat.convert(tiny_model("llama"))
     tokens = token_batch("cpu")

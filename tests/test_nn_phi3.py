@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer
 
 import coat
+import coat.nn.gemm
 from coat.nn import functional as coat_functional
 from coat.nn.causal_lm import FusedLossLMHead
 from coat.nn.decoder_phi3 import FP8Phi3DecoderLayer
@@ -70,7 +71,7 @@ def test_fused_weights_get_their_gradient_in_one_piece(monkeypatch):
         shapes.append((a.shape[0], b_t.shape[0]))
         return gemm(a, a_scale, b_t, *args, **kwargs)
 
-    monkeypatch.setattr(coat_functional, "fp8_gemm", counted)
+    monkeypatch.setattr(coat.nn.gemm, "fp8_gemm", counted)  # what Projections calls
     layer_step(layer, hidden, rope, grad)
     config, tokens = model.config, hidden.shape[0] * hidden.shape[1]
     head, hidden_size, inter = 16, config.hidden_size, config.intermediate_size

@@ -1,18 +1,17 @@
 """The decoder blocks of coat's FP8 precision flow (paper appendix G.1), from the building blocks of
-:mod:`coat.nn.functional` (which re-exports them): RMSNorm and the q/k/v projections, the attention output's
-projection and residual, the MLP and its residual, each optionally with the post-norms and (1 + w) norms of
-OLMo 2 and Gemma 3; RoPE, alone or fused with per-head q/k norms. Their docstrings say what each saves."""
+:mod:`coat.nn.gemm` and :mod:`coat.nn.layers` (:mod:`coat.nn.functional` re-exports them all): RMSNorm and the
+q/k/v projections, the attention output's projection and residual, the MLP and its residual, each optionally
+with the post-norms and (1 + w) norms of OLMo 2 and Gemma 3; RoPE, alone or fused with per-head q/k norms.
+Their docstrings say what each saves."""
 from __future__ import annotations
 
 import torch
 
 from coat import ops
-from coat.ops.norm_act import _checked_activation
 from coat.nn import _capture
 from coat.nn.config import FP8Config
-from coat.nn.functional import (
-    Projections,
-    _matrix,
+from coat.nn.gemm import Projections, _matrix, output_dtype, quantize_per_tensor
+from coat.nn.layers import (
     _named_params,
     _needs_autograd,
     _pairs,
@@ -27,11 +26,10 @@ from coat.nn.functional import (
     _saved,
     _swiglu_backward,
     _swiglu_forward,
-    output_dtype,
-    quantize_per_tensor,
     rms_norm_save,
     swiglu_mlp,
 )
+from coat.ops.norm_act import _checked_activation
 
 
 class _BeforeAttentionFunction(torch.autograd.Function):

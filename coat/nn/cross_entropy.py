@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from coat import ops
 from coat._native import check_device_supported
-from coat.nn.functional import _autocast_available
+from coat.nn.gemm import _autocast_available
 
 REDUCTIONS = ("mean", "sum")
 STRATEGIES = ("forward", "recompute")

@@ -40,14 +40,8 @@ import torch
 
 from coat import ops
 from coat.nn.config import AMAX_GROUP_SIZE, FP8Config
-from coat.nn.functional import (
-    _device_has_fp8_gemm,
-    _no_autocast,
-    _save,
-    _saved,
-    output_dtype,
-    quantize_per_tensor,
-)
+from coat.nn.gemm import _device_has_fp8_gemm, _no_autocast, output_dtype, quantize_per_tensor
+from coat.nn.layers import _save, _saved
 
 # The FP8 grouped GEMM reads each group's rows from an offset that must be a multiple of 16 (16 bytes of FP8).
 ROW_ALIGNMENT = 16
