@@ -13,7 +13,7 @@ import coat
 import coat.nn.gemm
 from coat.nn import functional as coat_functional
 from coat.nn.causal_lm import FusedLossLMHead
-from coat.nn.decoder_phi3 import FP8Phi3DecoderLayer
+from coat.nn.families.phi3 import FP8Phi3DecoderLayer
 from reference_nn import relative_error
 from test_nn_llama import (
     FORWARD_BOUND,

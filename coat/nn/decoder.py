@@ -241,11 +241,11 @@ FP8_DECODER_LAYERS = {
 
 # Families whose layers differ from Llama's inside the attention keep their code in a module of their own,
 # which adds its layer to FP8_DECODER_LAYERS; imported here, after the mixin they subclass.
-import coat.nn.decoder_gemma3  # noqa: E402,F401
-import coat.nn.decoder_moe  # noqa: E402,F401
-import coat.nn.decoder_olmo2  # noqa: E402,F401
-import coat.nn.decoder_phi3  # noqa: E402,F401
-import coat.nn.decoder_qwen3  # noqa: E402,F401
+import coat.nn.families.gemma3  # noqa: E402,F401
+import coat.nn.families.moe  # noqa: E402,F401
+import coat.nn.families.olmo2  # noqa: E402,F401
+import coat.nn.families.phi3  # noqa: E402,F401
+import coat.nn.families.qwen3  # noqa: E402,F401
 
 
 def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:

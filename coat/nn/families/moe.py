@@ -23,7 +23,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLaye
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
 from coat.nn.decoder import FP8_DECODER_LAYERS, LAYER_PARAMETERS, FP8DecoderLayerMixin, HeadNormsMixin
-from coat.nn.decoder_olmo2 import ProjectionNormsMixin
+from coat.nn.families.olmo2 import ProjectionNormsMixin
 from coat.nn.experts import fp8_experts
 from coat.nn.modules import RMSNorm, SwiGLUMLP, activation_name, converted_child
 
