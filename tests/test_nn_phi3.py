@@ -100,7 +100,7 @@ def test_conversion_keeps_parameters_and_keys():
 def test_saved_activations_are_llamas():
     """q, k and v are tensors of their own (three GEMMs on the fused weight's row blocks), so the converted layer
     saves what a Llama layer of the same shape saves: a view of one joint qkv output kept by attention would keep
-    q and k a second time (see coat.nn.decoder_phi3)."""
+    q and k a second time (see coat.nn.families.phi3)."""
     batch, length = 2, 32
     model = tiny_model("phi3")
     hidden = torch.randn(batch, length, TINY["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
