@@ -6,7 +6,7 @@
     phi3     Phi-3: fused qkv_proj and gate_up_proj weights
     olmo2    OLMo 2: post-norms, full-width q/k norms with 16-bit outputs
     gemma3   Gemma 3: (1 + w) norms, four a layer, and GeGLU
-    moe      Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: their dense family's attention, the sparse MLP through coat.nn.experts
+    moe      Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: their dense family's attention, the sparse MLP in coat.nn.experts
 
 Importing this package imports every family, so that the registry is complete: coat.convert does so after it has
 checked the transformers release (coat.compat), since the family modules import transformers' decoder layers. A new
