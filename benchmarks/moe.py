@@ -1,7 +1,7 @@
 """The MoE block of a decoder layer, forward + backward: h + experts(router(RMSNorm(h))), at Mixtral-8x7B's shape
 (hidden 4096, 8 experts, top 2, intermediate 14336) and Qwen3-30B-A3B's (hidden 2048, 128 experts, top 8,
 intermediate 768), 16k tokens: transformers' block with its grouped_mm experts in BF16, the same compiled, and
-coat's converted layer (coat.nn.decoder_moe). GPU time (CUDA events, median after warm-up) and the bytes the
+coat's converted layer (coat.nn.families.moe). GPU time (CUDA events, median after warm-up) and the bytes the
 block saves for backward (parameters excluded), with ratios against BF16.
 
 torchao's FP8 MoE training prototype (torchao.prototype.moe_training) swaps nn.Parameter expert weights for its

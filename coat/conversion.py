@@ -50,10 +50,10 @@ def convert(
     Every decoder layer (LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer, Qwen3DecoderLayer,
     Phi3DecoderLayer, Olmo2DecoderLayer, Gemma3DecoderLayer) gets the FP8 forward of :mod:`coat.nn.decoder`:
     RMSNorm, SiLU*mul (GeGLU for Gemma 3) and all the projections in FP8, activations saved in FP8 (Qwen3's
-    per-head q/k norms too, fused with RoPE: :mod:`coat.nn.decoder_qwen3`; Phi-3's fused qkv_proj and gate_up_proj
-    weights: :mod:`coat.nn.decoder_phi3`; OLMo 2's post-norms and full-width q/k norms with 16-bit outputs and
-    FP8-saved inputs: :mod:`coat.nn.decoder_olmo2`; Gemma 3's (1 + w) norms, four a layer:
-    :mod:`coat.nn.decoder_gemma3`).
+    per-head q/k norms too, fused with RoPE: :mod:`coat.nn.families.qwen3`; Phi-3's fused qkv_proj and gate_up_proj
+    weights: :mod:`coat.nn.families.phi3`; OLMo 2's post-norms and full-width q/k norms with 16-bit outputs and
+    FP8-saved inputs: :mod:`coat.nn.families.olmo2`; Gemma 3's (1 + w) norms, four a layer:
+    :mod:`coat.nn.families.gemma3`).
     Parameters are shared, not copied, so ``state_dict()`` keys and values, ``save_pretrained`` /
     ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
 
@@ -81,8 +81,8 @@ def convert(
     than SiLU, Qwen3 head_dim above 256 or unequal q/k norm eps, Phi-3 partial_rotary_factor < 1 (coat's RoPE
     kernel rotates the whole head) or resid_pdrop > 0 (the fused residual additions apply no dropout).
     """
-    check_transformers_version()  # before coat.nn.decoder imports transformers' decoder layers
-    from coat.nn.decoder import FP8_DECODER_LAYERS, install_decoder_layer, plan_decoder_layer
+    check_transformers_version()  # before coat.nn.families imports transformers' decoder layers
+    from coat.nn.families import FP8_DECODER_LAYERS, install_decoder_layer, plan_decoder_layer
 
     config = FP8Config(
         group_size=group_size,

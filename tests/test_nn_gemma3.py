@@ -13,7 +13,7 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
 
 import coat
-from coat.nn.decoder_gemma3 import FP8Gemma3DecoderLayer
+from coat.nn.families.gemma3 import FP8Gemma3DecoderLayer
 from reference_nn import relative_error
 from test_nn_llama import FORWARD_BOUND, gradient_bound, layer_inputs, layer_step, tiny_model
 

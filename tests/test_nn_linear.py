@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import coat.nn
-import coat.nn.functional as coat_functional
+import coat.nn.gemm
 from conftest import requires_cuda
 from reference_nn import quantize_per_tensor_dequantized, relative_error
 
@@ -190,12 +190,12 @@ def test_fallback_without_fp8_gemm_matches_scaled_mm(device, monkeypatch):
     CPU implementation, slow on torch 2.11, which coat does not use), so results agree to BF16 rounding."""
     if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("torch._scaled_mm needs FP8 tensor cores on a GPU")
-    assert coat_functional._device_has_fp8_gemm(torch.device(device)) == (device == "cuda")
+    assert coat.nn.gemm._device_has_fp8_gemm(torch.device(device)) == (device == "cuda")
     x, _, _, grad_y, layer = make_case((13, 40, 24), device)
-    monkeypatch.setattr(coat_functional, "_device_has_fp8_gemm", lambda device: True)
+    monkeypatch.setattr(coat.nn.gemm, "_device_has_fp8_gemm", lambda device: True)
     with_gemm = run_layer(layer, x, grad_y)
     layer.zero_grad()
-    monkeypatch.setattr(coat_functional, "_device_has_fp8_gemm", lambda device: False)
+    monkeypatch.setattr(coat.nn.gemm, "_device_has_fp8_gemm", lambda device: False)
     without_gemm = run_layer(layer, x, grad_y)
     for a, b in zip(with_gemm, without_gemm):
         # Summation-order differences are relative to the terms' magnitudes, not to a result that cancels.

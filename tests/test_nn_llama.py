@@ -57,9 +57,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.utils import logging as transformers_logging
 
 import coat
+import coat.nn.gemm
 from coat.compat import TRANSFORMERS_NEWEST, TRANSFORMERS_OLDEST, TRANSFORMERS_REQUIREMENT
-from coat.nn import functional as coat_functional
-from coat.nn.decoder import FP8LlamaDecoderLayer
+from coat.nn.families.llama import FP8LlamaDecoderLayer
 from conftest import requires_cuda
 from reference_nn import LowRankAdapter, fp8_reference_loss, relative_error
 
@@ -75,7 +75,7 @@ TINY = dict(
     max_position_embeddings=128,
     attn_implementation="sdpa",
 )
-# The mixtures of experts (coat.nn.decoder_moe): 8 experts of width 32, top 2, the router's auxiliary loss on;
+# The mixtures of experts (coat.nn.families.moe): 8 experts of width 32, top 2, the router's auxiliary loss on;
 # Qwen3-MoE's first layer dense (mlp_only_layers), Qwen2-MoE with its shared expert.
 MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.01)
 MOE_FAMILIES = {
@@ -795,7 +795,7 @@ def test_torch_compile_does_not_trace_the_autocast_query(monkeypatch):
     replaced by a function dynamo must not trace, as 2.11 sees the builtin; the model still compiles whole."""
     query = torch.amp.is_autocast_available
     monkeypatch.setattr(torch.amp, "is_autocast_available", torch._dynamo.disable(lambda device_type: query(device_type)))
-    monkeypatch.setattr(coat_functional, "_AUTOCAST_AVAILABLE", {})
+    monkeypatch.setattr(coat.nn.gemm, "_AUTOCAST_AVAILABLE", {})
     torch._dynamo.reset()
     model = coat.convert(tiny_model("llama"))
     tokens = token_batch("cpu")

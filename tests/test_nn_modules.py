@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import coat.nn
 import coat.nn.functional as coat_functional
+import coat.nn.gemm
 import reference_nn as reference
 from conftest import requires_cuda
 from reference_nn import LowRankAdapter, quantize_per_tensor_dequantized, relative_error
@@ -62,7 +63,7 @@ def gemm_calls(monkeypatch):
         calls.append((a, a_scale, b_t, b_scale, out))
         return out
 
-    monkeypatch.setattr(coat_functional, "fp8_gemm", recording_gemm)
+    monkeypatch.setattr(coat.nn.gemm, "fp8_gemm", recording_gemm)  # what Projections calls
     return calls
 
 

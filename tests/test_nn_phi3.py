@@ -10,9 +10,10 @@ from transformers import LlamaConfig
 from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer
 
 import coat
+import coat.nn.gemm
 from coat.nn import functional as coat_functional
 from coat.nn.causal_lm import FusedLossLMHead
-from coat.nn.decoder_phi3 import FP8Phi3DecoderLayer
+from coat.nn.families.phi3 import FP8Phi3DecoderLayer
 from reference_nn import relative_error
 from test_nn_llama import (
     FORWARD_BOUND,
@@ -70,7 +71,7 @@ def test_fused_weights_get_their_gradient_in_one_piece(monkeypatch):
         shapes.append((a.shape[0], b_t.shape[0]))
         return gemm(a, a_scale, b_t, *args, **kwargs)
 
-    monkeypatch.setattr(coat_functional, "fp8_gemm", counted)
+    monkeypatch.setattr(coat.nn.gemm, "fp8_gemm", counted)  # what Projections calls
     layer_step(layer, hidden, rope, grad)
     config, tokens = model.config, hidden.shape[0] * hidden.shape[1]
     head, hidden_size, inter = 16, config.hidden_size, config.intermediate_size
@@ -99,7 +100,7 @@ def test_conversion_keeps_parameters_and_keys():
 def test_saved_activations_are_llamas():
     """q, k and v are tensors of their own (three GEMMs on the fused weight's row blocks), so the converted layer
     saves what a Llama layer of the same shape saves: a view of one joint qkv output kept by attention would keep
-    q and k a second time (see coat.nn.decoder_phi3)."""
+    q and k a second time (see coat.nn.families.phi3)."""
     batch, length = 2, 32
     model = tiny_model("phi3")
     hidden = torch.randn(batch, length, TINY["hidden_size"], dtype=torch.bfloat16, requires_grad=True)

@@ -1,7 +1,8 @@
 """The decoder blocks of coat's FP8 precision flow (paper appendix G.1), from the building blocks of
-:mod:`coat.nn.functional` (which re-exports them): RMSNorm and the q/k/v projections, the attention output's
-projection and residual, the MLP and its residual, each optionally with the post-norms and (1 + w) norms of
-OLMo 2 and Gemma 3; RoPE, alone or fused with per-head q/k norms. Their docstrings say what each saves."""
+:mod:`coat.nn.gemm` and :mod:`coat.nn.layers` (:mod:`coat.nn.functional` re-exports them all): RMSNorm and the
+q/k/v projections, the attention output's projection and residual, the MLP and its residual, each optionally
+with the post-norms and (1 + w) norms of OLMo 2 and Gemma 3; RoPE, alone or fused with per-head q/k norms.
+Their docstrings say what each saves."""
 from __future__ import annotations
 
 import torch
@@ -9,9 +10,8 @@ import torch
 from coat import ops
 from coat.nn import _capture
 from coat.nn.config import FP8Config
-from coat.nn.functional import (
-    Projections,
-    _matrix,
+from coat.nn.gemm import Projections, _matrix, output_dtype, quantize_per_tensor
+from coat.nn.layers import (
     _named_params,
     _needs_autograd,
     _pairs,
@@ -26,11 +26,10 @@ from coat.nn.functional import (
     _saved,
     _swiglu_backward,
     _swiglu_forward,
-    output_dtype,
-    quantize_per_tensor,
     rms_norm_save,
     swiglu_mlp,
 )
+from coat.ops.norm_act import _checked_activation
 
 
 class _BeforeAttentionFunction(torch.autograd.Function):
@@ -272,7 +271,7 @@ def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config =
     (OLMo 2), the MLP reads x (:func:`swiglu_mlp`). ``post_norm``: (weight, eps, weight_offset) of a norm on the
     MLP's output, x + RMSNorm(MLP(..)) with the add in the norm's kernel and its input saved in FP8 groups
     (:func:`rms_norm_save`; OLMo 2, Gemma 3)."""
-    ops._checked_activation(activation, "coat.nn.functional.mlp_residual")
+    _checked_activation(activation, "coat.nn.functional.mlp_residual")
     add_residual = post_norm is None  # else the post-norm's kernel adds x
     if norm_weight is None:
         out = swiglu_mlp(x, gate, up, down, config, activation=activation)

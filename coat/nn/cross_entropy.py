@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from coat import ops
-from coat.nn.functional import _autocast_available
+from coat._native import check_device_supported
+from coat.nn.gemm import _autocast_available
 
 REDUCTIONS = ("mean", "sum")
 STRATEGIES = ("forward", "recompute")
@@ -252,7 +253,7 @@ def linear_cross_entropy(
         raise ValueError(f"{op}: softcap must be > 0 (or None for none), got {softcap}")
     if z_loss < 0:
         raise ValueError(f"{op}: z_loss must be >= 0, got {z_loss}")
-    ops.check_device_supported(hidden, op)
+    check_device_supported(hidden, op)
     labels = labels.reshape(-1).to(hidden.device)
     ops.check_labels(labels, weight.shape[0], ignore_index, op)
     hidden = hidden.reshape(-1, hidden.shape[-1])

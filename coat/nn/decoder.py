@@ -1,5 +1,5 @@
-"""The FP8 forward of transformers' Llama-style decoder layers (Llama, Mistral, Qwen2; Qwen3 in decoder_qwen3,
-Phi-3 in decoder_phi3).
+"""The FP8 forward of transformers' Llama-style decoder layers, the base of every family that coat.convert converts
+(:mod:`coat.nn.families`: Llama, Mistral and Qwen2 use it as it is, Qwen3, Phi-3, OLMo 2 and Gemma 3 change parts).
 
 A converted layer runs the precision flow of the paper (appendix G.1) as three blocks from
 :mod:`coat.nn.functional`, with coat's fused RoPE kernel, around transformers' own KV cache and attention
@@ -24,11 +24,7 @@ import sys
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
-from coat.compat import TRANSFORMERS_NEWEST, TRANSFORMERS_OLDEST, TRANSFORMERS_REQUIREMENT
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
 from coat.nn.modules import Linear, RMSNorm, SwiGLUMLP, converted_child
@@ -68,7 +64,7 @@ class FP8DecoderLayerMixin:
     # The stock forward's named parameters besides the cache (Gemma 3's has no use_cache: it goes in **kwargs).
     layer_parameters: frozenset = LAYER_PARAMETERS
     # The layer's RMSNorm children around its two blocks (None: the family has none there): Llama's pre-norms, or
-    # norms on the blocks' outputs before the residual add (OLMo 2's post-norms, coat.nn.decoder_olmo2).
+    # norms on the blocks' outputs before the residual add (OLMo 2's post-norms, coat.nn.families.olmo2).
     input_norm: str | None = "input_layernorm"
     mlp_norm: str | None = "post_attention_layernorm"
     attention_post_norm: str | None = None
@@ -219,66 +215,3 @@ class HeadNormsMixin:
         if norms[0].eps != norms[1].eps:  # one kernel normalizes both
             raise ValueError(f"q_norm and k_norm must share one eps, got {norms[0].eps} and {norms[1].eps}")
         return [(attn, name, norm) for name, norm in zip(HEAD_NORMS, norms)]
-
-
-class FP8LlamaDecoderLayer(FP8DecoderLayerMixin, LlamaDecoderLayer):
-    """A LlamaDecoderLayer converted by coat.convert."""
-
-
-class FP8MistralDecoderLayer(FP8DecoderLayerMixin, MistralDecoderLayer):
-    """A MistralDecoderLayer converted by coat.convert."""
-
-
-class FP8Qwen2DecoderLayer(FP8DecoderLayerMixin, Qwen2DecoderLayer):
-    """A Qwen2DecoderLayer converted by coat.convert."""
-
-
-FP8_DECODER_LAYERS = {
-    LlamaDecoderLayer: FP8LlamaDecoderLayer,
-    MistralDecoderLayer: FP8MistralDecoderLayer,
-    Qwen2DecoderLayer: FP8Qwen2DecoderLayer,
-}
-
-# Families whose layers differ from Llama's inside the attention keep their code in a module of their own,
-# which adds its layer to FP8_DECODER_LAYERS; imported here, after the mixin they subclass.
-import coat.nn.decoder_gemma3  # noqa: E402,F401
-import coat.nn.decoder_moe  # noqa: E402,F401
-import coat.nn.decoder_olmo2  # noqa: E402,F401
-import coat.nn.decoder_phi3  # noqa: E402,F401
-import coat.nn.decoder_qwen3  # noqa: E402,F401
-
-
-def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:
-    """The coat modules that replace the layer's children, as (parent, child name, replacement), built
-    without touching the layer; raises a ValueError or TypeError that names what does not fit."""
-    fp8_class = FP8_DECODER_LAYERS[type(layer)]
-    if stock_cache_argument(type(layer).forward, fp8_class.layer_parameters) is None:
-        parameters = ", ".join(inspect.signature(type(layer).forward).parameters)
-        raise TypeError(
-            f"coat.convert: cannot convert {name}: {type(layer).__name__}.forward({parameters}) is not the forward "
-            f"of transformers {TRANSFORMERS_OLDEST} to {TRANSFORMERS_NEWEST}, which coat's converted layer mirrors; "
-            f"it would drop the arguments it does not know. Install {TRANSFORMERS_REQUIREMENT}"
-        )
-    attn = getattr(layer, "self_attn", None)
-    projections = tuple(name for group in fp8_class.attention_scale_groups for name in group)
-    if attn is None or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in projections):
-        raise ValueError(f"coat.convert: {name}.self_attn must have nn.Linear children {', '.join(projections)}")
-    try:
-        return [
-            *((attn, p, Linear.from_linear(getattr(attn, p), config)) for p in projections),
-            *((layer, n, RMSNorm.from_rmsnorm(getattr(layer, n), config)) for n in fp8_class.norm_names()),
-            *fp8_class.plan_mlp(layer, config),
-            *fp8_class.plan_family_children(layer, config),
-        ]
-    except (TypeError, ValueError) as error:
-        raise type(error)(f"coat.convert: cannot convert {name}: {error}") from error
-
-
-def install_decoder_layer(layer: nn.Module, plan: list[tuple[nn.Module, str, nn.Module]], config: FP8Config) -> None:
-    """Puts the planned modules in place and gives the layer its FP8 forward. Parameters are shared with
-    the replaced modules, not copied, so the state dict and any optimizer keep working."""
-    for parent, child_name, replacement in plan:
-        setattr(parent, child_name, replacement)
-    layer.fp8_config = config
-    layer.cache_argument = stock_cache_argument(type(layer).forward, FP8_DECODER_LAYERS[type(layer)].layer_parameters)
-    layer.__class__ = FP8_DECODER_LAYERS[type(layer)]

@@ -40,14 +40,9 @@ import torch
 
 from coat import ops
 from coat.nn.config import AMAX_GROUP_SIZE, FP8Config
-from coat.nn.functional import (
-    _device_has_fp8_gemm,
-    _no_autocast,
-    _save,
-    _saved,
-    output_dtype,
-    quantize_per_tensor,
-)
+from coat.nn.gemm import _device_has_fp8_gemm, _no_autocast, output_dtype, quantize_per_tensor
+from coat.nn.layers import _save, _saved
+from coat.ops.norm_act import _checked_activation
 
 # The FP8 grouped GEMM reads each group's rows from an offset that must be a multiple of 16 (16 bytes of FP8).
 ROW_ALIGNMENT = 16
@@ -293,6 +288,6 @@ def fp8_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
     if config.smooth_swiglu:
         raise ValueError("coat fp8_experts: smooth_swiglu is not supported for experts (its per-channel scale "
                          "would be per expert)")
-    ops._checked_activation(activation, "coat.nn.experts.fp8_experts")
+    _checked_activation(activation, "coat.nn.experts.fp8_experts")
     x = x if x.stride(-1) == 1 and x.is_contiguous() else x.contiguous()
     return _ExpertsFunction.apply(x, top_k_index, top_k_weights, gate_up, down, config, output_dtype(x), activation)

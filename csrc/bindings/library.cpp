@@ -1,5 +1,6 @@
 // The coat operator library: every schema in one place, and the Python module that loads it.
-// Kernels are registered per family (quantize.cpp, adamw.cpp, ...); fake implementations live in coat/ops.py.
+// Kernels are registered per family (quantize.cpp, adamw.cpp, ...); fake implementations live beside the Python
+// ops, in the family's module of coat/ops/.
 #include <Python.h>
 #include <torch/library.h>
 

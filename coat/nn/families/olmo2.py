@@ -16,7 +16,8 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer
 
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
-from coat.nn.decoder import FP8_DECODER_LAYERS, FP8DecoderLayerMixin
+from coat.nn.decoder import FP8DecoderLayerMixin
+from coat.nn.families.registry import register_decoder_layer
 from coat.nn.modules import RMSNorm, converted_child
 from coat.ops import RMSNORM_MAX_COLS
 
@@ -25,7 +26,7 @@ _PROJECTION_NORMS = ("q_norm", "k_norm")
 
 class ProjectionNormsMixin:
     """RMSNorms over the whole q and k projections (q_norm [Hq * D], k_norm [Hk * D]) before RoPE, with 16-bit
-    outputs and FP8-saved inputs: OLMo 2's, and OLMoE's (coat.nn.decoder_moe)."""
+    outputs and FP8-saved inputs: OLMo 2's, and OLMoE's (coat.nn.families.moe)."""
 
     def _position_queries_keys(self, query, key, cos, sin):
         q_norm, k_norm = (converted_child(self.self_attn, name, RMSNorm) for name in _PROJECTION_NORMS)
@@ -59,4 +60,4 @@ class FP8Olmo2DecoderLayer(ProjectionNormsMixin, FP8DecoderLayerMixin, Olmo2Deco
     mlp_post_norm = "post_feedforward_layernorm"
 
 
-FP8_DECODER_LAYERS[Olmo2DecoderLayer] = FP8Olmo2DecoderLayer
+register_decoder_layer(Olmo2DecoderLayer, FP8Olmo2DecoderLayer)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-from coat.nn.decoder import FP8_DECODER_LAYERS, FP8DecoderLayerMixin, HeadNormsMixin
+from coat.nn.decoder import FP8DecoderLayerMixin, HeadNormsMixin
+from coat.nn.families.registry import register_decoder_layer
 
 
 class FP8Qwen3DecoderLayer(HeadNormsMixin, FP8DecoderLayerMixin, Qwen3DecoderLayer):
     """A Qwen3DecoderLayer converted by coat.convert."""
 
 
-FP8_DECODER_LAYERS[Qwen3DecoderLayer] = FP8Qwen3DecoderLayer
+register_decoder_layer(Qwen3DecoderLayer, FP8Qwen3DecoderLayer)

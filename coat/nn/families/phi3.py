@@ -25,7 +25,8 @@ from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer
 
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
-from coat.nn.decoder import FP8_DECODER_LAYERS, FP8DecoderLayerMixin, _projection
+from coat.nn.decoder import FP8DecoderLayerMixin, _projection
+from coat.nn.families.registry import register_decoder_layer
 from coat.nn.modules import Linear, activation_name
 
 _MLP_PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -86,4 +87,4 @@ class FP8Phi3DecoderLayer(FP8DecoderLayerMixin, Phi3DecoderLayer):
         return []
 
 
-FP8_DECODER_LAYERS[Phi3DecoderLayer] = FP8Phi3DecoderLayer
+register_decoder_layer(Phi3DecoderLayer, FP8Phi3DecoderLayer)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
 
-from coat.nn.decoder import FP8_DECODER_LAYERS, LAYER_PARAMETERS, FP8DecoderLayerMixin, HeadNormsMixin
+from coat.nn.decoder import LAYER_PARAMETERS, FP8DecoderLayerMixin, HeadNormsMixin
+from coat.nn.families.registry import register_decoder_layer
 
 
 class FP8Gemma3DecoderLayer(HeadNormsMixin, FP8DecoderLayerMixin, Gemma3DecoderLayer):
@@ -31,4 +32,4 @@ class FP8Gemma3DecoderLayer(HeadNormsMixin, FP8DecoderLayerMixin, Gemma3DecoderL
     norm_weight_offset = 1.0
 
 
-FP8_DECODER_LAYERS[Gemma3DecoderLayer] = FP8Gemma3DecoderLayer
+register_decoder_layer(Gemma3DecoderLayer, FP8Gemma3DecoderLayer)

@@ -22,8 +22,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLaye
 
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
-from coat.nn.decoder import FP8_DECODER_LAYERS, LAYER_PARAMETERS, FP8DecoderLayerMixin, HeadNormsMixin
-from coat.nn.decoder_olmo2 import ProjectionNormsMixin
+from coat.nn.decoder import LAYER_PARAMETERS, FP8DecoderLayerMixin, HeadNormsMixin
+from coat.nn.families.olmo2 import ProjectionNormsMixin
+from coat.nn.families.registry import register_decoder_layer
 from coat.nn.experts import fp8_experts
 from coat.nn.modules import RMSNorm, SwiGLUMLP, activation_name, converted_child
 
@@ -117,9 +118,7 @@ class FP8OlmoeDecoderLayer(SparseMoEMixin, ProjectionNormsMixin, FP8DecoderLayer
         return super().plan_family_children(layer, config)
 
 
-FP8_DECODER_LAYERS.update({
-    Qwen3MoeDecoderLayer: FP8Qwen3MoeDecoderLayer,
-    Qwen2MoeDecoderLayer: FP8Qwen2MoeDecoderLayer,
-    MixtralDecoderLayer: FP8MixtralDecoderLayer,
-    OlmoeDecoderLayer: FP8OlmoeDecoderLayer,
-})
+register_decoder_layer(Qwen3MoeDecoderLayer, FP8Qwen3MoeDecoderLayer)
+register_decoder_layer(Qwen2MoeDecoderLayer, FP8Qwen2MoeDecoderLayer)
+register_decoder_layer(MixtralDecoderLayer, FP8MixtralDecoderLayer)
+register_decoder_layer(OlmoeDecoderLayer, FP8OlmoeDecoderLayer)

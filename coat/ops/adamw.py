@@ -1,6 +1,12 @@
-"""The FP8 AdamW ops beside coat.ops (which re-exports them): the fused AdamW step over FP8 optimizer states, the
-conversion of states to and from float32, and their statistics (csrc/include/coat/adamw.h states every formula;
-coat.ops's module docstring summarises the state layout).
+"""The FP8 AdamW ops: the fused AdamW step over FP8 optimizer states, the conversion of states to and from
+float32, and their statistics (csrc/include/coat/adamw.h states every formula).
+
+A state is FP8 codes of its parameter's shape plus bf16 meta of shape ``(*shape[:-1], ceil(shape[-1] / G), 3)``,
+one (scale, k, C) per 1 x G group of the last dimension (G = 128 by default: 2 + 12/G bytes per parameter for m
+and v). Dynamic range expansion quantizes ``y = sign(x) * (|x| / C)**k`` with C the geometric mean of the group's
+smallest and largest nonzero magnitudes and k, clamped to [1/2, 64], chosen so that the group's range fills the
+format's; :func:`fp8_adamw_step` dequantizes, runs one AdamW step and re-quantizes, fused, over a list of
+parameters; :func:`quantize_expanded` / :func:`dequantize_expanded` convert states to and from float32.
 """
 
 from __future__ import annotations
@@ -8,7 +14,11 @@ from __future__ import annotations
 import torch
 
 from coat._native import check_device_supported
-from coat.ops import _check_group_size, fp8_dtype
+from coat.ops._checks import check_group_size, fp8_dtype
+
+__all__ = [
+    "adamw_scalars", "fp8_adamw_step", "quantize_expanded", "dequantize_expanded", "MOMENT_STATS", "moment_stats",
+]
 
 
 def adamw_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, float, float]:
@@ -126,22 +136,22 @@ def _expanded_meta(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def _fp8_adamw_step_fake(params, grads, exp_avgs, exp_avg_metas, exp_avg_sqs, exp_avg_sq_metas, beta1, beta2,
                          eps, decay_factor, step_size, bias_correction2_sqrt, group_size, expand_m, expand_v,
                          rounding_seeds=None):
-    _check_group_size(group_size, "coat.fp8_adamw_step")
+    check_group_size(group_size, "coat.fp8_adamw_step")
 
 
 @torch.library.register_fake("coat::quantize_expanded")
 def _quantize_expanded_fake(x, group_size, fp8_dtype, expand):
-    _check_group_size(group_size, "coat.quantize_expanded")
+    check_group_size(group_size, "coat.quantize_expanded")
     return x.new_empty(x.shape, dtype=fp8_dtype), _expanded_meta(x, group_size)
 
 
 @torch.library.register_fake("coat::moment_stats")
 def _moment_stats_fake(codes, metas, group_size, rows):
-    _check_group_size(group_size, "coat.moment_stats")
+    check_group_size(group_size, "coat.moment_stats")
     return codes[0].new_empty((len(codes), len(MOMENT_STATS)), dtype=torch.float64)
 
 
 @torch.library.register_fake("coat::dequantize_expanded")
 def _dequantize_expanded_fake(codes, meta, group_size):
-    _check_group_size(group_size, "coat.dequantize_expanded")
+    check_group_size(group_size, "coat.dequantize_expanded")
     return codes.new_empty(codes.shape, dtype=torch.float32)
