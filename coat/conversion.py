@@ -83,6 +83,7 @@ def convert(
     """
     check_transformers_version()  # before coat.nn.families imports transformers' decoder layers
     from coat.nn.families import FP8_DECODER_LAYERS, install_decoder_layer, plan_decoder_layer
+    from coat.nn.families.registry import UNSUPPORTED_DECODER_LAYERS
 
     config = FP8Config(
         group_size=group_size,
@@ -97,6 +98,10 @@ def convert(
     if any(isinstance(module, converted_classes) for _, module in named):
         raise ValueError(f"coat.convert: {type(model).__name__} is already converted")
     decoder_layers = [(name, module) for name, module in named if type(module) in FP8_DECODER_LAYERS]
+    refused = next((type(m).__name__ for _, m in named if type(m).__name__ in UNSUPPORTED_DECODER_LAYERS), None)
+    if refused is not None:
+        raise ValueError(f"coat.convert: {type(model).__name__} is built from {refused}s, which coat does not convert "
+                         f"(the model is left as it is): {UNSUPPORTED_DECODER_LAYERS[refused]}")
     if not decoder_layers:
         supported = ", ".join(cls.__name__ for cls in FP8_DECODER_LAYERS)
         raise ValueError(

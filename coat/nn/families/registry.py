@@ -16,6 +16,20 @@ from coat.nn.modules import Linear, RMSNorm
 FP8_DECODER_LAYERS: dict[type[nn.Module], type[nn.Module]] = {}
 
 
+#: decoder layers of models coat refuses by name, with the reason (class names: nothing of theirs is imported)
+UNSUPPORTED_DECODER_LAYERS: dict[str, str] = {
+    "GptOssDecoderLayer": "gpt-oss's experts compute a clamped SwiGLU with biases (not SiLU(gate) * up) and its "
+                          "attention adds learned sinks to the softmax; coat's fused SiLU*mul and its attention plan "
+                          "compute neither",
+    "DeepseekV3DecoderLayer": "DeepSeek-V3's multi-head latent attention (low-rank q and kv projections with their own "
+                              "norms and a RoPE on a separate part of the head) is not the q/k/v attention coat's "
+                              "plan converts",
+    "DeepseekV2DecoderLayer": "DeepSeek-V2's multi-head latent attention (low-rank q and kv projections with their own "
+                              "norms and a RoPE on a separate part of the head) is not the q/k/v attention coat's "
+                              "plan converts",
+}
+
+
 def register_decoder_layer(stock_class: type[nn.Module], fp8_class: type[nn.Module]) -> None:
     """Makes coat.convert turn layers of ``stock_class`` into ``fp8_class``: a subclass of it and of
     :class:`coat.nn.decoder.FP8DecoderLayerMixin`, which gives it the FP8 forward."""
