@@ -92,6 +92,13 @@ FAMILIES = (
            "`coat-lowmem` adds bf16 weights, FP8 gradients and FP4-kept activations in 1 x 128 blocks. "
            "`body kept` and `head+loss kept` split what the forward keeps for backward between the decoder layers "
            "and the LM head with its loss."),
+    Family("moe", "Mixture-of-experts block", ("moe",), ("shape", "variant"),
+           ("tokens", "fwd+bwd ms", "vs bf16", "saved MiB", "saved vs bf16"),
+           "`benchmarks/moe.py`: a decoder layer's MoE block, forward + backward (h + experts(router(RMSNorm(h)))), at "
+           "Mixtral-8x7B's shape (8 experts, top 2) and Qwen3-30B-A3B's (128 experts, top 8), 16k tokens: "
+           "transformers' block with its `grouped_mm` experts in BF16, the same compiled, and coat's converted layer. "
+           "`fwd+bwd ms` is the median time of a step between CUDA events; `saved MiB` what the block keeps for "
+           "backward, parameters excluded."),
     Family("optimizer", "Optimizer step", ("optimizer", "optimizer_error"), ("optimizer", "params", "rounding", "grads", "first", "second"),
            ("step ms", "GPU ms", "host ms", "state B/param", "step vs torch", "GPU vs torch", "mse"),
            "`benchmarks/optimizer.py`: one step over a 1.1B-parameter Llama's parameters against "
@@ -265,6 +272,7 @@ FAMILY_LAYERS = {"qwen3": ("Qwen3-8B", 4096), "phi3": ("Phi-3-medium", 5120), "o
                  "gemma3": ("Gemma-3-12B", 3840)}
 
 
+MOE_BLOCKS = {"mixtral-8x7b": "Mixtral-8x7B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}  # benchmarks/moe.py's shapes
 # examples/train_llama.py --family runs the README names
 CONVERGENCE_FAMILIES = {"qwen3": "Qwen3", "gemma3": "Gemma 3"}
 
@@ -356,6 +364,22 @@ def readme_table(results: list[Result]) -> str:
             pass
         add(f"{label} shape, batch {lowmem['batch']} x {lowmem['seq']}: peak memory of the lowest-memory settings; "
             "of coat with float32 master weights", figure, low, "models")
+    blocks = {shape: _latest(results, "moe", "vs bf16", shape=shape, variant="coat")
+              for shape in ("mixtral-8x7b", "qwen3-30b-a3b")}
+    figures = []
+    for shape, found in blocks.items():
+        result, row = found[0]
+        compiled = _sibling(result, row, "bf16 grouped_mm compiled", ("shape",))
+        figures.append(f"{MOE_BLOCKS[shape]} {row['vs bf16']:.2f}x / {row['vs bf16'] / compiled['vs bf16']:.2f}x, "
+                       f"{row['saved vs bf16']:.2f}x")
+    add("MoE block forward + backward, 16k tokens: time against BF16 `grouped_mm` experts / their `torch.compile`; "
+        "saved activations against BF16", "; ".join(figures), [f for found in blocks.values() for f in found], "moe")
+    olmoe = _latest(results, "models", "peak GiB", variant="coat-lowmem", shape="olmoe-1b-7b")
+    result, lowmem = olmoe[0]
+    bf16 = _sibling(result, lowmem, "bf16", ("shape",))
+    add(f"OLMoE-1B-7B shape (6.9B parameters, 64 experts), batch {lowmem['batch']} x {lowmem['seq']}: peak memory and "
+        "tokens/s of the lowest-memory settings", f"{lowmem['peak GiB']:.1f} GiB, {lowmem['tokens/s/GPU']:,.0f} "
+        f"tokens/s (BF16: {bf16['peak GiB']})", olmoe, "models")
     for label, saved_format, group_size in (("FP8 defaults", "e4m3", 16), ("FP4-kept activations", "fp4", 16),
                                             ("FP4-kept activations, G = 128", "fp4", 128)):
         runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_llama"
