@@ -245,7 +245,8 @@ def test_e2e_shapes_smoke_mode(tmp_path):
     result = run_smoke([sys.executable], "e2e_shapes", tmp_path)
     summary = result["summary"]
     assert {"device", "torch", "date", "command"} <= result.keys()
-    assert summary["smoke"] and summary["shapes"] == ["llama3.2-1b", "llama3.1-8b", "qwen2.5-7b"]
+    assert summary["smoke"] and summary["shapes"] == ["llama3.2-1b", "llama3.1-8b", "qwen2.5-7b", "olmoe-1b-7b",
+                                                      "qwen2-moe-a2.7b"]
     assert set(summary["versions"]) == {"transformers", "torchao", "liger-kernel", "triton"}
     fused = "fused_loss" in inspect.signature(coat.convert).parameters
     assert summary["coat_convert_has_fused_loss"] == fused
