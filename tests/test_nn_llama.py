@@ -438,10 +438,13 @@ GENERATION = {
     "phi3": dict(eos_token_id=None, sliding_window=4),
     "olmo2": dict(eos_token_id=None),
     "gemma3": dict(eos_token_id=None, sliding_window=4),
-    "qwen3_moe": dict(eos_token_id=None),
-    "qwen2_moe": dict(eos_token_id=None, use_sliding_window=True, sliding_window=4, max_window_layers=1),
-    "mixtral": dict(eos_token_id=None, sliding_window=4),
-    "olmoe": dict(eos_token_id=None),
+    # Without the routers' logits: transformers 5.17 computes the auxiliary loss in generate() against the whole
+    # attention mask and fails at the first cached step, the stock model as well (5.24 does not).
+    "qwen3_moe": dict(eos_token_id=None, output_router_logits=False),
+    "qwen2_moe": dict(eos_token_id=None, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                      output_router_logits=False),
+    "mixtral": dict(eos_token_id=None, sliding_window=4, output_router_logits=False),
+    "olmoe": dict(eos_token_id=None, output_router_logits=False),
 }
 PROMPT, NEW_TOKENS = 8, 8
 # A forward through the KV cache quantizes each step's activations with per-tensor scales over that step's tokens,
