@@ -1,5 +1,5 @@
-"""coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model into an FP8-trained
-one, in place."""
+"""coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model, or a vision-language
+model built on one (LLaVA, Gemma 3, Qwen2.5-VL, Qwen3-VL), into an FP8-trained one, in place."""
 from __future__ import annotations
 
 import fnmatch
@@ -56,6 +56,10 @@ def convert(
     :mod:`coat.nn.decoder_gemma3`).
     Parameters are shared, not copied, so ``state_dict()`` keys and values, ``save_pretrained`` /
     ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
+    Vision-language models (LlavaForConditionalGeneration with a Llama, Mistral or Qwen2 language model,
+    Gemma3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration) get their
+    language model's decoder layers converted the same way (Qwen2.5-VL's and Qwen3-VL's, with multimodal rotary
+    positions: :mod:`coat.nn.decoder_vlm`); the vision tower and the projector stay as they are.
 
     group_size, forward_format, gradient_format, smooth_swiglu, saved_format, fast_accum: see
         :class:`coat.nn.FP8Config`.
@@ -65,9 +69,9 @@ def convert(
     skip_modules: patterns of modules to leave as they are (e.g. ``["model.layers.0", "model.layers.31"]``
         to keep the first and last layers in BF16).
     fused_loss: for the causal LMs of these families (LlamaForCausalLM, ..., Gemma3ForCausalLM with its final
-        logit soft-cap), compute the loss fused with the LM head (:mod:`coat.nn.causal_lm`) when labels are given:
-        the [batch, seq, vocab] logits are never held, and the output's logits are None then. Without labels
-        (generate(), evaluation) the logits come back as before.
+        logit soft-cap) and the vision-language models above, compute the loss fused with the LM head
+        (:mod:`coat.nn.causal_lm`) when labels are given: the [batch, seq, vocab] logits are never held, and the
+        output's logits are None then. Without labels (generate(), evaluation) the logits come back as before.
 
     The LM head stays BF16 unless named in modules_to_convert: its logits feed the softmax over the
     vocabulary directly, where FP8 error shows up unfiltered in the loss (FP8 recipes, TransformerEngine's

@@ -246,6 +246,7 @@ import coat.nn.decoder_moe  # noqa: E402,F401
 import coat.nn.decoder_olmo2  # noqa: E402,F401
 import coat.nn.decoder_phi3  # noqa: E402,F401
 import coat.nn.decoder_qwen3  # noqa: E402,F401
+import coat.nn.decoder_vlm  # noqa: E402,F401
 
 
 def plan_decoder_layer(layer: nn.Module, name: str, config: FP8Config) -> list[tuple[nn.Module, str, nn.Module]]:
