@@ -29,6 +29,7 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
     SiglipVisionConfig,
 )
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
 from transformers.models.qwen3_vl import modeling_qwen3_vl
 
@@ -39,7 +40,7 @@ from coat.nn.decoder import FP8_DECODER_LAYERS
 from reference_nn import relative_error
 from test_causal_lm import assert_same_training_step
 from test_nn_llama import (CACHED_BOUND, FORWARD_BOUND, GRADIENT_BOUND, LOSS_BOUND, TINY, cache_keyword,
-                           gradient_bound)
+                           gradient_bound, tiny_model)
 
 pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
 
@@ -426,3 +427,91 @@ def test_configurations_the_plan_does_not_cover_are_refused():
         qwen3_vl_config(Qwen3VLMoeConfig, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
     with pytest.raises(ValueError, match=r"Qwen2_5_VLDecoderLayer.*Qwen3VLMoeForConditionalGeneration has none"):
         coat.convert(moe)
+
+
+def vision_side_linears(model) -> dict:
+    """The qualified names and types of the linear layers (nn.Linear and its subclasses) on the vision side."""
+    return {f"model.{part}.{name}": type(module) for part, child in model.model.named_children()
+            if part != "language_model" for name, module in child.named_modules()
+            if isinstance(module, torch.nn.Linear)}
+
+
+@pytest.mark.parametrize("name", MAIN_VLMS)
+def test_vision_linears_converts_the_vision_towers_and_projectors_linear_layers(name):
+    model = tiny_vlm(name)
+    stock = vision_side_linears(model)
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    coat.convert(model, vision_linears=True)
+    converted = vision_side_linears(model)
+    assert converted.keys() == stock.keys()
+    plain = [n for n, cls in stock.items() if cls is torch.nn.Linear]
+    assert plain and all(converted[n] is coat.nn.Linear for n in plain)
+    # nn.MultiheadAttention's output projection (SigLIP's pooling head) is read by its weight: left as it is.
+    assert all(converted[n] is cls for n, cls in stock.items() if cls is not torch.nn.Linear)
+    assert list(model.state_dict()) == keys and all(p is before[n] for n, p in model.named_parameters())
+    assert all(type(layer) in FP8_DECODER_LAYERS.values() for layer in language_model(model).layers)
+    assert type(model.lm_head) is FusedLossLMHead
+
+
+def vision_side_step(model, name, images, upstream=None):
+    """The image features (the outputs of image_feature_modules) and the vision side's gradients for the loss
+    sum(features * upstream), upstream random unless given: the vision side on its own, the same gradient
+    arriving in both models."""
+    features = []
+    hooks = [m.register_forward_hook(lambda module, args, output: features.append(output))
+             for m in image_feature_modules(model)]
+    model.zero_grad()
+    grid = {"image_grid_thw": images["image_grid_thw"]} if name in QWEN_VLMS else {}
+    try:
+        model.model.get_image_features(images["pixel_values"], **grid)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if upstream is None:
+        generator = torch.Generator().manual_seed(5)
+        upstream = [torch.randn(f.shape, generator=generator).to(f.dtype) for f in features]
+    sum((f * u).float().sum() for f, u in zip(features, upstream)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return [f.detach() for f in features], upstream, grads
+
+
+# The key projection's bias of CLIP's and SigLIP's attention adds the same amount to every logit of a query, which
+# the softmax ignores: its gradient is zero in exact arithmetic, and in both models rounding noise.
+NO_GRADIENT = ".self_attn.k_proj.bias"
+
+
+@pytest.mark.parametrize("name", MAIN_VLMS)
+def test_fp8_vision_side_close_to_bf16(name):
+    """With vision_linears, the vision side's image features within the forward bound of the BF16 ones and its
+    gradients (the same gradient arriving at the features) within the text models' bounds: the towers here are two
+    layers deep, as the text models; the whole model's loss within theirs too."""
+    model = tiny_vlm(name)
+    converted = coat.convert(copy.deepcopy(model), vision_linears=True)
+    tokens, labels, images = image_batch(name)
+    bf16_features, upstream, bf16_grads = vision_side_step(model, name, images)
+    fp8_features, _, fp8_grads = vision_side_step(converted, name, images, upstream)
+    for fp8, bf16 in zip(fp8_features, bf16_features, strict=True):
+        assert relative_error(fp8, bf16) <= FORWARD_BOUND
+    assert fp8_grads.keys() == bf16_grads.keys()
+    for n, bf16_grad in bf16_grads.items():
+        if not n.endswith(NO_GRADIENT):
+            error = relative_error(fp8_grads[n], bf16_grad)
+            print(f"  {n:64s} {error:.3f}")
+            assert error <= GRADIENT_BOUND["e5m2", "e4m3"], n
+    fp8_loss, _ = loss_and_grads(converted, tokens, labels, images)
+    bf16_loss, _ = loss_and_grads(model, tokens, labels, images)
+    assert abs(fp8_loss - bf16_loss) <= LOSS_BOUND * abs(bf16_loss)
+
+
+def test_vision_linears_follow_skip_modules_and_need_a_known_vision_side():
+    model = coat.convert(tiny_vlm("qwen2_5_vl"), vision_linears=True, skip_modules=["model.visual.merger.*"])
+    linears = vision_side_linears(model)
+    assert {cls for n, cls in linears.items() if n.startswith("model.visual.merger.")} == {torch.nn.Linear}
+    assert {cls for n, cls in linears.items() if n.startswith("model.visual.blocks.")} == {coat.nn.Linear}
+
+    text_only = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"vision_linears=True converts the vision side of .*LlamaForCausalLM is "
+                                         r"none of them.*modules_to_convert"):
+        coat.convert(text_only, vision_linears=True)
+    assert all(type(layer) is LlamaDecoderLayer for layer in text_only.model.layers)  # left untouched
