@@ -77,8 +77,9 @@ def convert(
     vision_linears: for the vision-language models above, also turn every ``torch.nn.Linear`` of the vision tower
         and the projector (attention and MLP projections, the projector's or patch merger's linears) into
         :class:`coat.nn.Linear`, FP8 GEMMs that keep their input in FP8 for backward (:mod:`coat.nn.vision`);
-        skip_modules applies to them by their names (``"model.visual.merger.*"``). Off by default: the vision side stays as it is, BF16 or frozen as a recipe
-        keeps it. Refused for a model whose vision side coat does not know.
+        skip_modules applies to them by their names (``"model.visual.merger.*"``). Off by default: the vision
+        side stays as it is, BF16 or frozen as a recipe keeps it. Refused for a model whose vision side coat does
+        not know.
 
     The LM head stays BF16 unless named in modules_to_convert: its logits feed the softmax over the
     vocabulary directly, where FP8 error shows up unfiltered in the loss (FP8 recipes, TransformerEngine's

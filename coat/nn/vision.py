@@ -2,9 +2,9 @@
 puts through FP8 GEMMs: every ``torch.nn.Linear`` of the vision tower and of the projector becomes a
 :class:`coat.nn.Linear` (attention's q/k/v and output projections, the MLP's, the projector's or patch merger's),
 sharing its parameters. Subclasses of nn.Linear are left out: nn.MultiheadAttention's output projection (in
-SigLIP's pooling head) is read by its weight, not called. Everything else there stays as transformers computes it: the patch embedding (a
-convolution), LayerNorms, activations (GELU, Qwen2.5-VL's gated SiLU), attention, Gemma 3's projector (a matrix
-product with a plain parameter, not a linear layer).
+SigLIP's pooling head) is read by its weight, not called. Everything else there stays as transformers computes
+it: the patch embedding (a convolution), LayerNorms, activations (GELU, Qwen2.5-VL's gated SiLU), attention,
+Gemma 3's projector (a matrix product with a plain parameter, not a linear layer).
 
 This module imports transformers (the releases of coat.compat); coat.convert imports it on use.
 """
