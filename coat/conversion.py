@@ -1,5 +1,5 @@
-"""coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model into an FP8-trained
-one, in place."""
+"""coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model, or a vision-language
+model built on one (LLaVA, Gemma 3, Qwen2.5-VL, Qwen3-VL), into an FP8-trained one, in place."""
 from __future__ import annotations
 
 import fnmatch
@@ -44,6 +44,7 @@ def convert(
     modules_to_convert: Sequence[str] | None = None,
     skip_modules: Sequence[str] = (),
     fused_loss: bool = True,
+    vision_linears: bool = False,
 ) -> nn.Module:
     """Converts ``model`` in place to coat's FP8 precision flow and returns it.
 
@@ -56,6 +57,11 @@ def convert(
     :mod:`coat.nn.families.gemma3`).
     Parameters are shared, not copied, so ``state_dict()`` keys and values, ``save_pretrained`` /
     ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
+    Vision-language models (LlavaForConditionalGeneration with a Llama, Mistral or Qwen2 language model,
+    Gemma3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration) get their
+    language model's decoder layers converted the same way (Qwen2.5-VL's and Qwen3-VL's, with multimodal rotary
+    positions: :mod:`coat.nn.families.vlm`); the vision tower and the projector stay as they are unless
+    vision_linears is True.
 
     group_size, forward_format, gradient_format, smooth_swiglu, saved_format, fast_accum: see
         :class:`coat.nn.FP8Config`.
@@ -65,10 +71,16 @@ def convert(
     skip_modules: patterns of modules to leave as they are (e.g. ``["model.layers.0", "model.layers.31"]``
         to keep the first and last layers in BF16).
     fused_loss: for the causal LMs of these families (LlamaForCausalLM, ..., Gemma3ForCausalLM with its final
-        logit soft-cap), compute the loss fused with the LM head (:mod:`coat.nn.causal_lm`) when labels are given
-        in training mode: the [batch, seq, vocab] logits are never held, and the output's logits are None then.
-        In eval mode (the Trainer's evaluate()) and without labels (generate()) the logits come back as before,
-        with labels the loss too, both as the stock model computes them.
+        logit soft-cap) and the vision-language models above, compute the loss fused with the LM head
+        (:mod:`coat.nn.causal_lm`) when labels are given in training mode: the [batch, seq, vocab] logits are never
+        held, and the output's logits are None then. In eval mode (the Trainer's evaluate()) and without labels
+        (generate()) the logits come back as before, with labels the loss too, both as the stock model computes them.
+    vision_linears: for the vision-language models above, also turn every ``torch.nn.Linear`` of the vision tower
+        and the projector (attention and MLP projections, the projector's or patch merger's linears) into
+        :class:`coat.nn.Linear`, FP8 GEMMs that keep their input in FP8 for backward (:mod:`coat.nn.vision`);
+        skip_modules applies to them by their names (``"model.visual.merger.*"``). Off by default: the vision
+        side stays as it is, BF16 or frozen as a recipe keeps it. Refused for a model whose vision side coat does
+        not know.
 
     The LM head stays BF16 unless named in modules_to_convert: its logits feed the softmax over the
     vocabulary directly, where FP8 error shows up unfiltered in the loss (FP8 recipes, TransformerEngine's
@@ -124,7 +136,13 @@ def convert(
             for name, module in named
             if isinstance(module, nn.Linear) and not name.startswith(inside_layers) and selected(name)
         ]
-        _refuse_tied_weights(model, linears)
+    if vision_linears:
+        from coat.nn.vision import vision_linears as find_vision_linears
+
+        converted = {name for name, _ in linears}
+        linears += [(name, linear) for name, linear in find_vision_linears(model)
+                    if name not in converted and not _matches(name, skip_modules)]
+    _refuse_tied_weights(model, linears)
 
     # Build every replacement first, so that a layer that does not fit leaves the model untouched.
     plans = [(layer, plan_decoder_layer(layer, name, config)) for name, layer in layers]

@@ -1,7 +1,10 @@
 """The fused LM head + loss for transformers' causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, Gemma3ForCausalLM; the mixtures of experts Qwen3MoeForCausalLM,
 Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, with the router's auxiliary loss added as their forward
-adds it when ``output_router_logits``).
+adds it when ``output_router_logits``) and vision-language models (LlavaForConditionalGeneration,
+Gemma3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration: the LM head
+on the top model, the loss transformers' own, over every position whose label is not ignore_index; a data set
+ignores the image tokens by labelling them -100, as with transformers' loss).
 
 A model given the fused loss keeps its class's identity (it becomes an instance of a subclass, e.g.
 FusedLossLlamaForCausalLM of LlamaForCausalLM) and its modules, parameters and state dict. Its forward is the
@@ -32,24 +35,27 @@ import functools
 
 import torch
 from torch import nn
-from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM
+from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
+from transformers.models.llava.modeling_llava import LlavaForConditionalGeneration
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM
 from transformers.models.olmo2.modeling_olmo2 import Olmo2ForCausalLM
 from transformers.models.olmoe.modeling_olmoe import OlmoeForCausalLM
 from transformers.models.phi3.modeling_phi3 import Phi3ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
 
 from coat.nn.cross_entropy import linear_cross_entropy
 from coat.nn.decoder import CACHE_ARGUMENTS, UNPADDED_CAUSAL
 
 # The forward's arguments that can make its causal mask other than the plain lower triangle (padding, packed
-# sequences' positions, a cache that holds tokens).
-_MASK_ARGUMENTS = ("attention_mask", "position_ids", "cache_position", *CACHE_ARGUMENTS)
+# sequences' positions, a cache that holds tokens, Gemma 3's image tokens attending to each other both ways).
+_MASK_ARGUMENTS = ("attention_mask", "position_ids", "cache_position", "token_type_ids", *CACHE_ARGUMENTS)
 
 
 class FusedLossLMHead(nn.Linear):
@@ -154,7 +160,8 @@ FUSED_LOSS_CAUSAL_LMS = {
     base: _fused_loss_class(base)
     for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
                  Olmo2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
-                 OlmoeForCausalLM)
+                 OlmoeForCausalLM, LlavaForConditionalGeneration, Gemma3ForConditionalGeneration,
+                 Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration)
 }
 
 

@@ -7,13 +7,14 @@
     olmo2    OLMo 2: post-norms, full-width q/k norms with 16-bit outputs
     gemma3   Gemma 3: (1 + w) norms, four a layer, and GeGLU
     moe      Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: their dense family's attention, the sparse MLP in coat.nn.experts
+    vlm      Qwen2.5-VL's and Qwen3-VL's text layers (LLaVA's and Gemma 3's are llama's and gemma3's)
 
 Importing this package imports every family, so that the registry is complete: coat.convert does so after it has
 checked the transformers release (coat.compat), since the family modules import transformers' decoder layers. A new
 family is a module here that subclasses FP8DecoderLayerMixin, calls register_decoder_layer, and is imported below.
 """
 # Each registers its layers; in this order, the order in which coat.convert's messages name them.
-from coat.nn.families import llama, qwen3, phi3, olmo2, gemma3, moe  # noqa: F401
+from coat.nn.families import llama, qwen3, phi3, olmo2, gemma3, moe, vlm  # noqa: F401
 from coat.nn.families.registry import (
     FP8_DECODER_LAYERS,
     install_decoder_layer,

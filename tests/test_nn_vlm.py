@@ -1,0 +1,517 @@
+"""coat.convert on tiny vision-language models: LLaVA (with a Llama, Mistral or Qwen2 language model), Gemma 3,
+Qwen2.5-VL and Qwen3-VL (coat/nn/families/vlm.py). The language model's decoder layers convert as their dense
+families' do, the vision tower and projector stay as they are, and the fused LM head + loss is installed on the
+top model. Inputs are built as the processors build them: each image's placeholder tokens in the text, pixel values
+of the vision tower's shape, Gemma 3's token_type_ids and the Qwen models' mm_token_type_ids and image_grid_thw.
+Bounds are those of tests/test_nn_llama.py, which explains them."""
+import contextlib
+import copy
+import functools
+
+import pytest
+import torch
+from transformers import (
+    CLIPVisionConfig,
+    DynamicCache,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    MistralConfig,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Config,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
+    SiglipVisionConfig,
+)
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+import coat
+from coat.nn import functional as coat_functional
+from coat.nn.causal_lm import FusedLossLMHead
+from coat.nn.families import FP8_DECODER_LAYERS
+from reference_nn import relative_error
+from test_causal_lm import assert_same_training_step
+from test_nn_llama import (CACHED_BOUND, FORWARD_BOUND, GRADIENT_BOUND, LOSS_BOUND, TINY, cache_keyword,
+                           gradient_bound, tiny_model)
+
+pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
+
+TEXT = {name: value for name, value in TINY.items() if name != "attn_implementation"}
+# Token ids of the tiny vocabulary (128): text tokens from 1 to 95 (0 is generate()'s pad token here), the
+# processors' special tokens above.
+IMAGE, IMAGE_START, IMAGE_END, VIDEO = 100, 101, 102, 103
+TEXT_TOKENS = 96
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+# LLaVA and Gemma 3: 32 x 32 images in 8 x 8 patches, 16 of them; LLaVA gives the language model every patch but
+# CLIP's class token, Gemma 3 pools them 2 x 2 into mm_tokens_per_image = 4.
+IMAGE_SIZE, PATCH = 32, 8
+# Qwen: a 16 x 16 image in 4 x 4 patches (a 4 x 4 grid, the frame repeated to temporal_patch_size = 2, as the
+# processor does), merged 2 x 2 into 4 tokens; M-RoPE sections of 2 + 3 + 3 = head_dim / 2 (head_dim 16), Qwen3-VL's
+# interleaved over head_dim 32.
+QWEN_GRID, QWEN_PATCH, QWEN_TEMPORAL = 4, 4, 2
+QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
+                   patch_size=QWEN_PATCH, spatial_merge_size=2, temporal_patch_size=QWEN_TEMPORAL)
+QWEN_TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=IMAGE_START,
+                   vision_end_token_id=IMAGE_END)
+QWEN_TEXT = dict(TEXT, bos_token_id=None, eos_token_id=None)  # the defaults lie outside the tiny vocabulary
+
+
+def llava_config(text_config):
+    vision = CLIPVisionConfig(**VISION, image_size=IMAGE_SIZE, patch_size=PATCH)
+    return LlavaConfig(vision_config=vision, text_config=text_config(**TEXT), image_token_id=IMAGE,
+                       vision_feature_layer=-1)
+
+
+def gemma3_config(**text):
+    vision = SiglipVisionConfig(**VISION, image_size=IMAGE_SIZE, patch_size=PATCH)
+    text = Gemma3TextConfig(**{**TEXT, **text}, head_dim=32, query_pre_attn_scalar=32, sliding_window=16,
+                            layer_types=["sliding_attention", "full_attention"])
+    return Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=4, image_token_id=IMAGE,
+                        boi_token_id=IMAGE_START, eoi_token_id=IMAGE_END)
+
+
+def qwen2_5_vl_config(**text):
+    rope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
+    vision = dict(QWEN_VISION, window_size=16, fullatt_block_indexes=[1])
+    text = {**QWEN_TEXT, "rope_parameters": rope, **text}
+    return Qwen2_5_VLConfig(vision_config=vision, text_config=text, **QWEN_TOKENS)
+
+
+def qwen3_vl_config(config_class=Qwen3VLConfig, **text):
+    rope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[6, 5, 5], mrope_interleaved=True)
+    vision = dict(QWEN_VISION, num_position_embeddings=QWEN_GRID ** 2, deepstack_visual_indexes=[0])
+    text = {**QWEN_TEXT, "head_dim": 32, "rope_parameters": rope, **text}
+    return config_class(vision_config=vision, text_config=text, **QWEN_TOKENS)
+
+
+VLMS = {
+    "llava_llama": (LlavaForConditionalGeneration, functools.partial(llava_config, LlamaConfig)),
+    "llava_mistral": (LlavaForConditionalGeneration, functools.partial(llava_config, MistralConfig)),
+    "llava_qwen2": (LlavaForConditionalGeneration, functools.partial(llava_config, Qwen2Config)),
+    "gemma3": (Gemma3ForConditionalGeneration, gemma3_config),
+    "qwen2_5_vl": (Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config),
+    "qwen3_vl": (Qwen3VLForConditionalGeneration, qwen3_vl_config),
+}
+# One LLaVA stands for the three where what is checked does not depend on the language model's family.
+MAIN_VLMS = ["llava_llama", "gemma3", "qwen2_5_vl", "qwen3_vl"]
+QWEN_VLMS = ["qwen2_5_vl", "qwen3_vl"]
+
+
+def tiny_vlm(name, seed=0, **text):
+    """A randomly initialized BF16 model. Gemma 3's projector starts at zero (transformers' initialization), which
+    would hide the images from the language model: drawn at random here. Its post-norm gains (1 + w) are set to
+    0.1: test_nn_llama.py explains how gains of 1 on these random models amplify the FP8-rounded block outputs
+    beyond the bounds (it checks Gemma 3's layers against an FP8 reference instead); at 0.1 the bounds apply."""
+    model_class, config = VLMS[name]
+    torch.manual_seed(seed)
+    model = model_class._from_config(config(**text), attn_implementation="sdpa", dtype=torch.bfloat16)
+    if name == "gemma3":
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)
+            for layer in model.model.language_model.layers:
+                layer.post_attention_layernorm.weight.fill_(-0.9)
+                layer.post_feedforward_layernorm.weight.fill_(-0.9)
+    return model
+
+
+def image_tokens(name) -> int:
+    if name.startswith("llava"):
+        return (IMAGE_SIZE // PATCH) ** 2
+    return 4
+
+
+def image_batch(name, batch=2, length=32, prompt=3, seed=1):
+    """(input_ids, labels, image inputs): random text with one image per sample after ``prompt`` text tokens, its
+    placeholder tokens (between start and end tokens where the processor puts them), labels -100 there."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, TEXT_TOKENS, (batch, length), generator=generator)
+    count = image_tokens(name)
+    if name.startswith("llava"):
+        tokens[:, prompt:prompt + count] = IMAGE
+    else:
+        tokens[:, prompt] = IMAGE_START
+        tokens[:, prompt + 1:prompt + 1 + count] = IMAGE
+        tokens[:, prompt + 1 + count] = IMAGE_END
+    is_image = tokens == IMAGE
+    if name in QWEN_VLMS:
+        patches = torch.randn(batch * QWEN_GRID ** 2, 3 * QWEN_TEMPORAL * QWEN_PATCH ** 2, generator=generator)
+        grids = torch.tensor([[1, QWEN_GRID, QWEN_GRID]] * batch)
+        images = dict(pixel_values=patches.to(torch.bfloat16), image_grid_thw=grids, mm_token_type_ids=is_image.int())
+    else:
+        pixels = torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
+        images = dict(pixel_values=pixels.to(torch.bfloat16))
+        if name == "gemma3":
+            images["token_type_ids"] = is_image.long()
+    return tokens, tokens.masked_fill(is_image, -100), images
+
+
+def loss_and_grads(model, tokens, labels, images):
+    model.zero_grad()
+    loss = model(tokens, labels=labels, **images).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def language_model(model):
+    return model.model.language_model
+
+
+def vision_side(model):
+    """The vision tower and the projector: every child of the multimodal model but the language model."""
+    return [child for name, child in model.model.named_children() if name != "language_model"]
+
+
+@pytest.mark.parametrize("name", VLMS)
+def test_conversion_keeps_parameters_and_keys(name):
+    model = tiny_vlm(name)
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    vision_modules = [type(m) for part in vision_side(model) for m in part.modules()]
+    coat.convert(model)
+    assert list(model.state_dict()) == keys
+    assert all(p is before[n] for n, p in model.named_parameters())
+    layers = language_model(model).layers
+    assert all(type(layer) in FP8_DECODER_LAYERS.values() for layer in layers)
+    assert [type(m) for part in vision_side(model) for m in part.modules()] == vision_modules  # left as they are
+    assert type(model.lm_head) is FusedLossLMHead
+    assert type(model).__name__ == f"FusedLoss{VLMS[name][0].__name__}"
+
+
+def image_feature_modules(model):
+    """The modules whose outputs the language model reads from the vision side: the projector (Qwen: the merger;
+    Qwen3-VL's DeepStack mergers too, whose outputs are added to the first layers' outputs)."""
+    if hasattr(model.model, "multi_modal_projector"):
+        return [model.model.multi_modal_projector]
+    visual = model.model.visual
+    return [visual.merger, *getattr(visual, "deepstack_merger_list", [])]
+
+
+@contextlib.contextmanager
+def image_feature_gradients(model, received: dict, replacements: dict | None = None):
+    """Records in ``received`` the gradients that reach the image features in backward, by module index; with
+    ``replacements``, the vision side backpropagates those instead."""
+    def record(index):
+        def on_gradient(grad):
+            received[index] = grad
+            return None if replacements is None else replacements[index]
+        return lambda module, args, output: output.register_hook(on_gradient) and None
+
+    hooks = [m.register_forward_hook(record(i)) for i, m in enumerate(image_feature_modules(model))]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def is_vision_side(name: str) -> bool:
+    return name.startswith(("model.vision_tower.", "model.visual.", "model.multi_modal_projector."))
+
+
+@pytest.mark.parametrize("name", VLMS)
+def test_loss_and_gradients_close_to_bf16(name):
+    """Labels -100 at the image tokens, as SFT data sets them. The language model's gradients and the gradient it
+    sends the image features within the bounds of the text models. The vision side (BF16, as it was) computes the
+    stock backward of the gradient it receives, bit for bit: the stock model's vision side, given the converted
+    language model's gradient at the image features, gives the converted model's vision-side gradients. (Those are
+    further from BF16 than the text's, 0.1-0.4 on these models: they sum the errors of 4 to 16 image tokens' rows
+    through the vision tower's norms and attention; BF16's own are 0.01-0.02 from float32.)"""
+    model = tiny_vlm(name)
+    converted = coat.convert(copy.deepcopy(model))
+    tokens, labels, images = image_batch(name)
+    fp8_features, bf16_features, replayed = {}, {}, {}
+    with image_feature_gradients(converted, fp8_features):
+        fp8_loss, fp8_grads = loss_and_grads(converted, tokens, labels, images)
+    with image_feature_gradients(model, bf16_features):
+        bf16_loss, bf16_grads = loss_and_grads(model, tokens, labels, images)
+    with image_feature_gradients(model, replayed, replacements=fp8_features):
+        _, replayed_grads = loss_and_grads(model, tokens, labels, images)
+    print(f"\n{name}: loss {fp8_loss.item():.4f} vs BF16 {bf16_loss.item():.4f}")
+    assert abs(fp8_loss - bf16_loss) <= LOSS_BOUND * abs(bf16_loss)
+    assert fp8_grads.keys() == bf16_grads.keys()
+    assert fp8_features.keys() == bf16_features.keys() == set(range(len(image_feature_modules(model))))
+    for index, bf16_grad in bf16_features.items():
+        error = relative_error(fp8_features[index], bf16_grad)
+        print(f"  {'image features ' + str(index):64s} {error:.3f}")
+        assert error <= GRADIENT_BOUND["e5m2", "e4m3"]
+    vision = [n for n in bf16_grads if is_vision_side(n)]
+    assert vision and all(torch.equal(fp8_grads[n], replayed_grads[n]) for n in vision)
+    for n, bf16_grad in bf16_grads.items():
+        if not is_vision_side(n):
+            error = relative_error(fp8_grads[n], bf16_grad)
+            print(f"  {n:64s} {error:.3f}")
+            assert error <= gradient_bound(n, "e5m2", "e4m3"), n
+
+
+def mrope_tables(positions, inv_freq, sections, interleaved):
+    """M-RoPE's cos and sin [B, S, D] in float64, from its definition: frequency j takes the angle of the position
+    stream (temporal 0, height 1, width 2) that mrope_section assigns it, contiguous sections (Qwen2.5-VL) or
+    every third frequency (Qwen3-VL: j % 3 = 1 height, 2 width, up to 3 x their section; the rest temporal)."""
+    half = inv_freq.shape[0]
+    if interleaved:
+        streams = [j % 3 if j % 3 and j < 3 * sections[j % 3] else 0 for j in range(half)]
+    else:
+        streams = [stream for stream, size in enumerate(sections) for _ in range(size)]
+    angles = torch.stack([positions[s].double() * inv_freq[j].double() for j, s in enumerate(streams)], dim=-1)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("name", QWEN_VLMS)
+def test_mrope_rotation_matches_transformers(name):
+    """The three position streams of an image differ; the text model's rotary module merges them into the table of
+    M-RoPE's definition; coat's RoPE kernel rotates by that table what transformers' attention computes, bit for bit
+    in float32 (tests/test_rope.py: one rounding per product and sum, as the eager formula)."""
+    model = tiny_vlm(name).float()
+    tokens, _, images = image_batch(name)
+    positions, _ = model.model.get_rope_index(tokens, mm_token_type_ids=images["mm_token_type_ids"],
+                                              image_grid_thw=images["image_grid_thw"])
+    assert positions.shape == (3, *tokens.shape)
+    assert not torch.equal(positions[1], positions[2]) and not torch.equal(positions[0], positions[1])
+    rotary = language_model(model).rotary_emb
+    hidden = torch.zeros(*tokens.shape, TEXT["hidden_size"])
+    cos, sin = rotary(hidden, positions)
+    sections = model.config.text_config.rope_parameters["mrope_section"]
+    want_cos, want_sin = mrope_tables(positions, rotary.inv_freq, sections, interleaved=name == "qwen3_vl")
+    torch.testing.assert_close(cos.double(), want_cos, rtol=0, atol=2e-6)
+    torch.testing.assert_close(sin.double(), want_sin, rtol=0, atol=2e-6)
+
+    attn = language_model(model).layers[0].self_attn
+    generator = torch.Generator().manual_seed(3)
+    heads = (*tokens.shape, -1, attn.head_dim)
+    query = torch.randn(*tokens.shape, attn.q_proj.out_features, generator=generator).view(heads)
+    key = torch.randn(*tokens.shape, attn.k_proj.out_features, generator=generator).view(heads)
+    modeling = {"qwen2_5_vl": modeling_qwen2_5_vl, "qwen3_vl": modeling_qwen3_vl}[name]
+    want_query, want_key = modeling.apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+    rotated_query, rotated_key = coat_functional.rotary_embedding(query, key, cos, sin)
+    assert torch.equal(rotated_query, want_query.transpose(1, 2))
+    assert torch.equal(rotated_key, want_key.transpose(1, 2))
+
+
+@pytest.mark.parametrize("name", QWEN_VLMS)
+def test_position_ids_of_three_and_four_streams(name):
+    """Positions passed in as the Qwen models take them: [3, B, S] (temporal, height, width), or [4, B, S] with the
+    text positions first (packed sequences); the layers see the text positions, the rotary tables all three."""
+    stock = tiny_vlm(name)
+    converted = coat.convert(copy.deepcopy(stock))
+    tokens, _, images = image_batch(name)
+    positions, _ = stock.model.get_rope_index(tokens, mm_token_type_ids=images["mm_token_type_ids"],
+                                              image_grid_thw=images["image_grid_thw"])
+    text_positions = torch.arange(tokens.shape[1]).expand(1, *tokens.shape)
+    with torch.no_grad():
+        for position_ids in (positions, torch.cat([text_positions, positions])):
+            fp8, bf16 = (m(tokens, position_ids=position_ids, **images).logits.float() for m in (converted, stock))
+            assert relative_error(fp8, bf16) <= FORWARD_BOUND
+
+
+@pytest.mark.parametrize("name", MAIN_VLMS)
+def test_fused_loss_with_image_tokens_matches_transformers_loss(name):
+    """The fused LM head + loss against transformers' loss on the same converted model's logits: the image tokens'
+    labels -100, so they are ignored as transformers ignores them; the same shift by one."""
+    model = tiny_vlm(name)
+    unfused = coat.convert(copy.deepcopy(model), fused_loss=False)
+    fused = coat.convert(model)
+    assert type(unfused.lm_head) is torch.nn.Linear
+    tokens, labels, images = image_batch(name)
+    assert_same_training_step(fused, unfused, tokens, labels=labels, **images)
+    with torch.no_grad():  # without labels, the logits as before
+        assert torch.equal(fused(tokens, **images).logits, unfused(tokens, **images).logits)
+
+
+def test_compiled_gemma3_keeps_its_image_tokens_attending_both_ways():
+    """Under torch.compile a converted causal LM called without a mask, positions or cache gives SDPA is_causal
+    instead of the mask transformers builds (coat.nn.causal_lm); Gemma 3's image tokens attend to each other both
+    ways, which the mask it builds from token_type_ids says, so with token_type_ids the mask is kept."""
+    model = coat.convert(tiny_vlm("gemma3"))
+    tokens, _, images = image_batch("gemma3")
+    with torch.no_grad():
+        compiled = torch.compile(lambda: model(tokens, **images).logits, backend="aot_eager")()
+        assert torch.equal(compiled, model(tokens, **images).logits)
+
+
+PROMPT, NEW_TOKENS = 24, 6  # the prompt holds the image (LLaVA's 16 tokens from the fourth) and text after it
+
+
+def prompt_images(name, images, length):
+    """The image inputs for a sequence of ``length`` tokens that starts with the prompt of image_batch: the
+    token-type rows padded with text (0) past the prompt."""
+    return {key: torch.nn.functional.pad(value, (0, length - value.shape[1])) if key.endswith("token_type_ids")
+            else value for key, value in images.items()}
+
+
+@pytest.mark.parametrize("name", MAIN_VLMS)
+def test_logits_through_the_kv_cache_match_the_full_forward(name):
+    """The image in the prefill, then one text token at a time through the cache (the Qwen models continue the
+    image's positions by the rope deltas of the prefill)."""
+    stock = tiny_vlm(name).eval()
+    model = coat.convert(copy.deepcopy(stock))
+    tokens, _, images = image_batch(name, length=PROMPT + NEW_TOKENS)
+    prefill = {key: value[:, :PROMPT] if key.endswith("token_type_ids") else value for key, value in images.items()}
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = [model(tokens[:, :PROMPT], use_cache=True, **{cache_keyword(model): cache}, **prefill).logits]
+        for position in range(PROMPT, tokens.shape[1]):
+            step = model(tokens[:, position:position + 1], use_cache=True, **{cache_keyword(model): cache})
+            logits.append(step.logits)
+        full, stock_full = (m(tokens, **images).logits for m in (model, stock))
+    cached = torch.cat(logits, dim=1)
+    assert cache.get_seq_length() == tokens.shape[1]
+    assert relative_error(cached, full) <= CACHED_BOUND
+    assert relative_error(cached, stock_full) <= FORWARD_BOUND
+
+
+@pytest.mark.parametrize("name", MAIN_VLMS)
+def test_greedy_generate_with_an_image(name):
+    """generate() with an image: the new tokens' logits (through the KV cache) are those of the full forward over
+    the generated sequence, image included, within the bound of the text models."""
+    model = coat.convert(tiny_vlm(name)).eval()
+    tokens, _, images = image_batch(name, length=PROMPT)
+    generated = model.generate(tokens, **images, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                               eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    sequences = generated.sequences
+    assert sequences.shape == (2, PROMPT + NEW_TOKENS) and torch.equal(sequences[:, :PROMPT], tokens)
+    context = sequences[:, :-1]
+    with torch.no_grad():
+        full = model(context, **prompt_images(name, images, context.shape[1])).logits[:, PROMPT - 1:]
+    assert relative_error(torch.stack(generated.logits, dim=1), full) <= CACHED_BOUND
+
+
+@pytest.mark.parametrize("name", MAIN_VLMS)
+def test_save_pretrained_round_trip(name, tmp_path):
+    """A converted model's checkpoint is the stock model's: loaded by the stock class and converted again, it
+    computes the same logits."""
+    converted = coat.convert(tiny_vlm(name))
+    converted.save_pretrained(tmp_path)
+    reloaded = coat.convert(VLMS[name][0].from_pretrained(tmp_path, dtype=torch.bfloat16))
+    assert reloaded.state_dict().keys() == converted.state_dict().keys()
+    assert all(torch.equal(v, converted.state_dict()[k]) for k, v in reloaded.state_dict().items())
+    tokens, _, images = image_batch(name)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens, **images).logits, converted(tokens, **images).logits)
+
+
+def test_qwen3_vl_layer_keeps_the_stock_order_of_arguments():
+    """Qwen3-VL's text decoder layer takes position_embeddings second: a positional call means the same to the
+    converted layer."""
+    model = tiny_vlm("qwen3_vl")
+    hidden = torch.randn(2, 8, TEXT["hidden_size"], dtype=torch.bfloat16)
+    rope = language_model(model).rotary_emb(hidden, torch.arange(8).expand(3, 2, 8))
+    layer = language_model(model).layers[0]
+    with torch.no_grad():
+        stock = layer(hidden, rope, None)
+        coat.convert(model)
+        assert relative_error(layer(hidden, rope, None).float(), stock.float()) <= FORWARD_BOUND
+
+
+def test_configurations_the_plan_does_not_cover_are_refused():
+    """Refused with the model untouched: the families' own limits, named by the layer (an MLP activation other than
+    SiLU, head_dim above the fused q/k norm kernel's 256), and Qwen3-VL-MoE, whose text layers coat does not
+    convert."""
+    gelu = tiny_vlm("qwen2_5_vl", hidden_act="gelu")
+    with pytest.raises(ValueError, match=r"cannot convert model\.language_model\.layers\.0: .*SiLU"):
+        coat.convert(gelu)
+    assert not any(type(layer) in FP8_DECODER_LAYERS.values() for layer in language_model(gelu).layers)
+    wide = tiny_vlm("qwen3_vl", head_dim=288)
+    with pytest.raises(ValueError, match=r"layers\.0: head_dim 288 is above the 256 .*skip_modules"):
+        coat.convert(wide)
+    torch.manual_seed(0)
+    moe = Qwen3VLMoeForConditionalGeneration._from_config(
+        qwen3_vl_config(Qwen3VLMoeConfig, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    with pytest.raises(ValueError, match=r"Qwen2_5_VLDecoderLayer.*Qwen3VLMoeForConditionalGeneration has none"):
+        coat.convert(moe)
+
+
+def vision_side_linears(model) -> dict:
+    """The qualified names and types of the linear layers (nn.Linear and its subclasses) on the vision side."""
+    return {f"model.{part}.{name}": type(module) for part, child in model.model.named_children()
+            if part != "language_model" for name, module in child.named_modules()
+            if isinstance(module, torch.nn.Linear)}
+
+
+@pytest.mark.parametrize("name", MAIN_VLMS)
+def test_vision_linears_converts_the_vision_towers_and_projectors_linear_layers(name):
+    model = tiny_vlm(name)
+    stock = vision_side_linears(model)
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    coat.convert(model, vision_linears=True)
+    converted = vision_side_linears(model)
+    assert converted.keys() == stock.keys()
+    plain = [n for n, cls in stock.items() if cls is torch.nn.Linear]
+    assert plain and all(converted[n] is coat.nn.Linear for n in plain)
+    # nn.MultiheadAttention's output projection (SigLIP's pooling head) is read by its weight: left as it is.
+    assert all(converted[n] is cls for n, cls in stock.items() if cls is not torch.nn.Linear)
+    assert list(model.state_dict()) == keys and all(p is before[n] for n, p in model.named_parameters())
+    assert all(type(layer) in FP8_DECODER_LAYERS.values() for layer in language_model(model).layers)
+    assert type(model.lm_head) is FusedLossLMHead
+
+
+def vision_side_step(model, name, images, upstream=None):
+    """The image features (the outputs of image_feature_modules) and the vision side's gradients for the loss
+    sum(features * upstream), upstream random unless given: the vision side on its own, the same gradient
+    arriving in both models."""
+    features = []
+    hooks = [m.register_forward_hook(lambda module, args, output: features.append(output))
+             for m in image_feature_modules(model)]
+    model.zero_grad()
+    grid = {"image_grid_thw": images["image_grid_thw"]} if name in QWEN_VLMS else {}
+    try:
+        model.model.get_image_features(images["pixel_values"], **grid)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if upstream is None:
+        generator = torch.Generator().manual_seed(5)
+        upstream = [torch.randn(f.shape, generator=generator).to(f.dtype) for f in features]
+    sum((f * u).float().sum() for f, u in zip(features, upstream)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return [f.detach() for f in features], upstream, grads
+
+
+# The key projection's bias of CLIP's and SigLIP's attention adds the same amount to every logit of a query, which
+# the softmax ignores: its gradient is zero in exact arithmetic, and in both models rounding noise.
+NO_GRADIENT = ".self_attn.k_proj.bias"
+
+
+@pytest.mark.parametrize("name", MAIN_VLMS)
+def test_fp8_vision_side_close_to_bf16(name):
+    """With vision_linears, the vision side's image features within the forward bound of the BF16 ones and its
+    gradients (the same gradient arriving at the features) within the text models' bounds: the towers here are two
+    layers deep, as the text models; the whole model's loss within theirs too."""
+    model = tiny_vlm(name)
+    converted = coat.convert(copy.deepcopy(model), vision_linears=True)
+    tokens, labels, images = image_batch(name)
+    bf16_features, upstream, bf16_grads = vision_side_step(model, name, images)
+    fp8_features, _, fp8_grads = vision_side_step(converted, name, images, upstream)
+    for fp8, bf16 in zip(fp8_features, bf16_features, strict=True):
+        assert relative_error(fp8, bf16) <= FORWARD_BOUND
+    assert fp8_grads.keys() == bf16_grads.keys()
+    for n, bf16_grad in bf16_grads.items():
+        if not n.endswith(NO_GRADIENT):
+            error = relative_error(fp8_grads[n], bf16_grad)
+            print(f"  {n:64s} {error:.3f}")
+            assert error <= GRADIENT_BOUND["e5m2", "e4m3"], n
+    fp8_loss, _ = loss_and_grads(converted, tokens, labels, images)
+    bf16_loss, _ = loss_and_grads(model, tokens, labels, images)
+    assert abs(fp8_loss - bf16_loss) <= LOSS_BOUND * abs(bf16_loss)
+
+
+def test_vision_linears_follow_skip_modules_and_need_a_known_vision_side():
+    model = coat.convert(tiny_vlm("qwen2_5_vl"), vision_linears=True, skip_modules=["model.visual.merger.*"])
+    linears = vision_side_linears(model)
+    assert {cls for n, cls in linears.items() if n.startswith("model.visual.merger.")} == {torch.nn.Linear}
+    assert {cls for n, cls in linears.items() if n.startswith("model.visual.blocks.")} == {coat.nn.Linear}
+
+    text_only = tiny_model("llama")
+    with pytest.raises(ValueError, match=r"vision_linears=True converts the vision side of .*LlamaForCausalLM is "
+                                         r"none of them.*modules_to_convert"):
+        coat.convert(text_only, vision_linears=True)
+    assert all(type(layer) is LlamaDecoderLayer for layer in text_only.model.layers)  # left untouched
