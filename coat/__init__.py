@@ -4,8 +4,9 @@ coat.ops holds the FP8 operators: group and per-tensor quantization, dequantizat
 and SiLU*mul layers with FP8 outputs and FP8-saved inputs, and the fused FP8 AdamW step with dynamic range
 expansion.
 coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear, RMSNorm, SwiGLUMLP), and
-coat.convert(model) converts a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model, or a
-vision-language model built on one (LLaVA, Gemma 3, Qwen2.5-VL, Qwen3-VL), to the FP8 precision flow.
+coat.convert(model) converts a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model, a mixture
+of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: FP8 experts in coat.nn.experts), or a vision-language model built
+on one of the dense families (LLaVA, Gemma 3, Qwen2.5-VL, Qwen3-VL), to the FP8 precision flow.
 coat.optim.AdamW is a drop-in for torch.optim.AdamW that keeps both moments in FP8.
 coat.report.QuantizationReport measures what quantization does to each tensor of a converted model during
 training: amax, flushed and saturated shares, relative error, the optimizer's expansion exponents.

@@ -55,6 +55,9 @@ def convert(
     weights: :mod:`coat.nn.families.phi3`; OLMo 2's post-norms and full-width q/k norms with 16-bit outputs and
     FP8-saved inputs: :mod:`coat.nn.families.olmo2`; Gemma 3's (1 + w) norms, four a layer:
     :mod:`coat.nn.families.gemma3`).
+    The mixtures of experts (Qwen3MoeDecoderLayer, Qwen2MoeDecoderLayer, MixtralDecoderLayer, OlmoeDecoderLayer)
+    get their dense family's attention and FP8 experts (:mod:`coat.nn.families.moe`, :mod:`coat.nn.experts`);
+    gpt-oss and DeepSeek-V2/V3 are refused by name.
     Parameters are shared, not copied, so ``state_dict()`` keys and values, ``save_pretrained`` /
     ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
     Vision-language models (LlavaForConditionalGeneration with a Llama, Mistral or Qwen2 language model,
