@@ -4,9 +4,14 @@ intermediate 768), 16k tokens: transformers' block with its grouped_mm experts i
 coat's converted layer (coat.nn.families.moe). GPU time (CUDA events, median after warm-up) and the bytes the
 block saves for backward (parameters excluded), with ratios against BF16.
 
-torchao's FP8 MoE training prototype (torchao.prototype.moe_training) swaps nn.Parameter expert weights for its
-own tensor subclass inside torchtitan-style MoE modules; running it on transformers' experts is not done here (see
-benchmarks/NOTES.md)."""
+torchao's FP8 MoE training prototype (torchao 0.18, torchao.prototype.moe_training) cannot run on transformers'
+experts as they are: its FP8 grouped GEMM needs every expert's token group padded to a multiple of 16 rows, its
+padding option asserts "not yet supported", and transformers' grouped_mm experts pass unpadded groups (its
+parameter swap also intercepts torch._grouped_mm only, while transformers calls torch.nn.functional.grouped_mm
+where torch has it, so the swapped experts would silently stay BF16). The "torchao fp8 rowwise" row is therefore
+transformers' block with its experts computed by torchao's differentiable FP8 row-wise grouped GEMM
+(_to_fp8_rowwise_then_scaled_grouped_mm) on rows grouped and padded to 16 by coat's routing (what torchtitan's
+token-group padding does), SiLU*mul and the weighting in BF16: torchao's recipe at its best on this block."""
 from __future__ import annotations
 
 import copy
@@ -18,7 +23,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
 
 import coat
-from _common import compile_for_fixed_shapes, parser, print_table, time_ms, write_results
+from coat.nn import experts as coat_experts
+from _common import compile_for_fixed_shapes, kernel_profile, parser, print_table, time_ms, write_results
 
 SHAPES = {
     "mixtral-8x7b": (MixtralConfig, MixtralDecoderLayer,
@@ -55,6 +61,35 @@ def stock_block(layer):
     return block
 
 
+def torchao_missing() -> str | None:
+    try:
+        import torchao.prototype.moe_training  # noqa: F401
+    except ImportError as error:
+        return f"torchao is not installed ({error.name}): pip install --no-build-isolation -e '.[bench]'"
+    return None
+
+
+def torchao_block(layer):
+    """The block with torchao's FP8 row-wise grouped GEMM for the experts (see the module docstring)."""
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm as fp8_grouped_mm
+
+    mlp, experts = layer.mlp, layer.mlp.experts
+
+    def block(h):
+        normed = layer.post_attention_layernorm(h)
+        flat = normed.reshape(-1, normed.shape[-1])
+        _, weights, index = mlp.gate(flat)
+        routing = coat_experts.route(index, experts.gate_up_proj.shape[0])
+        rows = coat_experts.permute_rows(flat, routing)
+        gate_up = fp8_grouped_mm(rows, experts.gate_up_proj.transpose(-2, -1), routing.offsets,
+                                 pad_token_groups_for_grouped_mm=False)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = fp8_grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(-2, -1), routing.offsets,
+                             pad_token_groups_for_grouped_mm=False)
+        return h + coat_experts.combine(out, routing, weights, h.dtype).view(h.shape)
+    return block
+
+
 def saved_bytes(fn, h, parameters) -> int:
     """Bytes of the distinct storages autograd saves in fn(h), parameters excluded."""
     storages = {}
@@ -71,7 +106,7 @@ def saved_bytes(fn, h, parameters) -> int:
     return sum(storages.values())
 
 
-def block_rows(name, shape, device, tokens, warmup, repeat):
+def block_rows(name, shape, device, tokens, warmup, repeat, profile=False):
     config_class, layer_class, fields = shape
     stock = block_layer(config_class, layer_class, fields, device)
     converted = copy.deepcopy(stock)
@@ -79,8 +114,12 @@ def block_rows(name, shape, device, tokens, warmup, repeat):
     variants = {
         "bf16 grouped_mm": stock_block(stock),
         "bf16 grouped_mm compiled": compile_for_fixed_shapes(stock_block(stock)) if device == "cuda" else None,
+        "torchao fp8 rowwise": torchao_block(stock) if device == "cuda" and torchao_missing() is None else None,
         "coat": converted._mlp_residual,
     }
+    missing = {"bf16 grouped_mm compiled": "torch.compile is timed on the GPU only",
+               "torchao fp8 rowwise": "torchao's FP8 grouped GEMM runs on CUDA GPUs only" if device != "cuda"
+               else torchao_missing()}
     h = torch.randn(*tokens, fields["hidden_size"], device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(h)
 
@@ -93,12 +132,14 @@ def block_rows(name, shape, device, tokens, warmup, repeat):
     rows = []
     for variant, fn in variants.items():
         if fn is None:
-            rows.append({"shape": name, "variant": variant, "missing": "torch.compile is timed on the GPU only"})
+            rows.append({"shape": name, "variant": variant, "missing": missing[variant]})
             continue
         layer = converted if variant == "coat" else stock
         ms = time_ms(lambda: step(fn, layer), warmup, repeat, device)
         rows.append({"shape": name, "tokens": h.shape[0] * h.shape[1], "variant": variant, "fwd+bwd ms": ms,
                      "saved MiB": saved_bytes(fn, h, list(layer.parameters())) / 2**20})
+        if profile:
+            rows[-1]["profile"] = kernel_profile(lambda: step(fn, layer), steps=3)
     base = rows[0]
     for row in rows:
         if "missing" not in row:
@@ -111,6 +152,7 @@ def main():
     p = parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="a tiny shape on the CPU, one run each")
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    p.add_argument("--profile", action="store_true", help="print each row's kernels per step (torch.profiler, GPU)")
     args = p.parse_args()
     if args.smoke:
         device, tokens, shapes, args.warmup, args.repeat = "cpu", SMOKE_TOKENS, SMOKE_SHAPES, 1, 1
@@ -120,12 +162,21 @@ def main():
         device, tokens, shapes = "cuda", TOKENS, {name: SHAPES[name] for name in args.shapes}
     rows = []
     for name, shape in shapes.items():
-        rows += block_rows(name, shape, device, tokens, args.warmup, args.repeat)
+        rows += block_rows(name, shape, device, tokens, args.warmup, args.repeat, args.profile and device == "cuda")
         if device == "cuda":
             torch.cuda.empty_cache()
     print_table(rows, ["shape", "tokens", "variant", "fwd+bwd ms", "vs bf16", "saved MiB", "saved vs bf16", "missing"])
+    for row in rows:
+        if "profile" in row:
+            print(f"\n{row['shape']} {row['variant']}: kernels per step (torch.profiler, 3 steps)")
+            print_table(row["profile"]["kernels"][:25], ["kernel", "class", "calls", "us"])
+            print({k: v for k, v in row["profile"].items() if k != "kernels"})
     coat_rows = {row["shape"]: row for row in rows if row["variant"] == "coat"}
+    torchao_ms = {row["shape"]: row["fwd+bwd ms"] for row in rows if row["variant"] == "torchao fp8 rowwise"
+                  and "missing" not in row}
     summary = {"smoke": args.smoke, **{f"{shape}_speedup": row["vs bf16"] for shape, row in coat_rows.items()},
+               **{f"{shape}_vs_torchao": torchao_ms[shape] / row["fwd+bwd ms"] for shape, row in coat_rows.items()
+                  if shape in torchao_ms},
                **{f"{shape}_saved_ratio": row["saved vs bf16"] for shape, row in coat_rows.items()}}
     path = write_results(args.results_dir, "moe-smoke" if args.smoke else "moe", rows, summary)
     print(f"wrote {path}")

@@ -153,6 +153,11 @@ def image_batch(name, batch=2, length=32, prompt=3, seed=1):
     return tokens, tokens.masked_fill(is_image, -100), images
 
 
+def on_device(device, tokens, labels, images):
+    """The inputs of image_batch moved to ``device``."""
+    return tokens.to(device), labels.to(device), {key: value.to(device) for key, value in images.items()}
+
+
 def loss_and_grads(model, tokens, labels, images):
     model.zero_grad()
     loss = model(tokens, labels=labels, **images).loss
@@ -217,16 +222,16 @@ def is_vision_side(name: str) -> bool:
 
 
 @pytest.mark.parametrize("name", VLMS)
-def test_loss_and_gradients_close_to_bf16(name):
+def test_loss_and_gradients_close_to_bf16(name, device):
     """Labels -100 at the image tokens, as SFT data sets them. The language model's gradients and the gradient it
     sends the image features within the bounds of the text models. The vision side (BF16, as it was) computes the
     stock backward of the gradient it receives, bit for bit: the stock model's vision side, given the converted
     language model's gradient at the image features, gives the converted model's vision-side gradients. (Those are
     further from BF16 than the text's, 0.1-0.4 on these models: they sum the errors of 4 to 16 image tokens' rows
     through the vision tower's norms and attention; BF16's own are 0.01-0.02 from float32.)"""
-    model = tiny_vlm(name)
+    model = tiny_vlm(name).to(device)
     converted = coat.convert(copy.deepcopy(model))
-    tokens, labels, images = image_batch(name)
+    tokens, labels, images = on_device(device, *image_batch(name))
     fp8_features, bf16_features, replayed = {}, {}, {}
     with image_feature_gradients(converted, fp8_features):
         fp8_loss, fp8_grads = loss_and_grads(converted, tokens, labels, images)
@@ -369,11 +374,11 @@ def test_logits_through_the_kv_cache_match_the_full_forward(name):
 
 
 @pytest.mark.parametrize("name", MAIN_VLMS)
-def test_greedy_generate_with_an_image(name):
+def test_greedy_generate_with_an_image(name, device):
     """generate() with an image: the new tokens' logits (through the KV cache) are those of the full forward over
     the generated sequence, image included, within the bound of the text models."""
-    model = coat.convert(tiny_vlm(name)).eval()
-    tokens, _, images = image_batch(name, length=PROMPT)
+    model = coat.convert(tiny_vlm(name).to(device)).eval()
+    tokens, _, images = on_device(device, *image_batch(name, length=PROMPT))
     generated = model.generate(tokens, **images, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                                eos_token_id=None, output_logits=True, return_dict_in_generate=True)
     sequences = generated.sequences
@@ -470,7 +475,7 @@ def vision_side_step(model, name, images, upstream=None):
             hook.remove()
     if upstream is None:
         generator = torch.Generator().manual_seed(5)
-        upstream = [torch.randn(f.shape, generator=generator).to(f.dtype) for f in features]
+        upstream = [torch.randn(f.shape, generator=generator).to(f.device, f.dtype) for f in features]
     sum((f * u).float().sum() for f, u in zip(features, upstream)).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return [f.detach() for f in features], upstream, grads
@@ -482,13 +487,13 @@ NO_GRADIENT = ".self_attn.k_proj.bias"
 
 
 @pytest.mark.parametrize("name", MAIN_VLMS)
-def test_fp8_vision_side_close_to_bf16(name):
+def test_fp8_vision_side_close_to_bf16(name, device):
     """With vision_linears, the vision side's image features within the forward bound of the BF16 ones and its
     gradients (the same gradient arriving at the features) within the text models' bounds: the towers here are two
     layers deep, as the text models; the whole model's loss within theirs too."""
-    model = tiny_vlm(name)
+    model = tiny_vlm(name).to(device)
     converted = coat.convert(copy.deepcopy(model), vision_linears=True)
-    tokens, labels, images = image_batch(name)
+    tokens, labels, images = on_device(device, *image_batch(name))
     bf16_features, upstream, bf16_grads = vision_side_step(model, name, images)
     fp8_features, _, fp8_grads = vision_side_step(converted, name, images, upstream)
     for fp8, bf16 in zip(fp8_features, bf16_features, strict=True):

@@ -153,7 +153,7 @@ def _check_gemm_shape(*sizes: int) -> None:
                          f"multiples of 16, got {sizes}; leave such layers unconverted (skip_modules)")
 
 
-def _combine(o: torch.Tensor, routing: Routing, weights: torch.Tensor, out_dtype) -> torch.Tensor:
+def combine(o: torch.Tensor, routing: Routing, weights: torch.Tensor, out_dtype) -> torch.Tensor:
     """y_t = sum_j w_tj o[row(t, j)]: one batched [1, k] x [k, H] product, fp32 accumulation."""
     tokens, k = weights.shape
     gathered = o.index_select(0, routing.dest).view(tokens, k, o.shape[1])
@@ -197,7 +197,7 @@ class _ExpertsFunction(torch.autograd.Function):
         w_q, w_scale = _quantized_experts(down, fp8, down_amax)
         o = grouped_fp8_gemm(act_q, act_scale, w_q.view(down.shape), w_scale, routing.offsets, out_dtype,
                              config.fast_accum)
-        y = _combine(o, routing, top_k_weights, out_dtype)
+        y = combine(o, routing, top_k_weights, out_dtype)
         _save(ctx, x=x, x_amax=x_amax, weights=top_k_weights, offsets=routing.offsets, dest=routing.dest,
               row_token=routing.row_token, gate_saved=gate_saved, gate_scales=gate_scales, up_saved=up_saved,
               up_scales=up_scales, act_scale=act_scale, gate_up_amax=gate_up_amax, down_amax=down_amax,
