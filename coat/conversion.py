@@ -41,6 +41,7 @@ def convert(
     smooth_swiglu: bool = False,
     saved_format: str = "e4m3",
     fast_accum: bool = False,
+    experts_fast_accum: bool = True,
     modules_to_convert: Sequence[str] | None = None,
     skip_modules: Sequence[str] = (),
     fused_loss: bool = True,
@@ -66,7 +67,7 @@ def convert(
     positions: :mod:`coat.nn.families.vlm`); the vision tower and the projector stay as they are unless
     vision_linears is True.
 
-    group_size, forward_format, gradient_format, smooth_swiglu, saved_format, fast_accum: see
+    group_size, forward_format, gradient_format, smooth_swiglu, saved_format, fast_accum, experts_fast_accum: see
         :class:`coat.nn.FP8Config`.
     modules_to_convert: fnmatch patterns of qualified module names (``"model.layers.*"``, ``"lm_head"``);
         the matching decoder layers are converted, and matching ``nn.Linear`` modules outside them become
@@ -107,6 +108,7 @@ def convert(
         smooth_swiglu=smooth_swiglu,
         saved_format=saved_format,
         fast_accum=fast_accum,
+        experts_fast_accum=experts_fast_accum,
     )
     converted_classes = tuple(FP8_DECODER_LAYERS.values())
     named = list(model.named_modules())

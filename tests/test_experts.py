@@ -50,6 +50,7 @@ def test_route_layout():
         group = routing.row_token[starts[expert]:ends[expert]].tolist()
         assert group[:len(tokens_of_expert)] == tokens_of_expert
         assert all(token == tokens for token in group[len(tokens_of_expert):])
+    assert routing.padding.tolist() == (routing.row_token == tokens).nonzero()[:, 0].tolist()
 
 
 def test_permute_rows_moves_fp8_bytes_and_zeroes_padding():

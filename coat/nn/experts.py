@@ -15,9 +15,12 @@ For tokens x [T, H] routed to experts ``top_k_index`` [T, k] with weights ``top_
     o            = grouped GEMM of act with FP8(down_proj)
     y            = the k rows of each token gathered back and weighted: one batched [1, k] x [k, H] product
 
-The grouped GEMMs are torch._scaled_grouped_mm on GPUs with FP8 grouped GEMMs (sm90), fp32 accumulation; on
-CPUs and other GPUs the FP8 values are multiplied in float32 with torch._grouped_mm and both scales applied
-after, the same products (the CPU path of coat.nn.functional.fp8_gemm). No Python loop runs over the experts.
+The grouped GEMMs are torch._scaled_grouped_mm on GPUs with FP8 grouped GEMMs (sm90), in the tensor cores' fast
+accumulation unless ``config.experts_fast_accum`` is False (then with fp32 promotion, which ran slower than BF16 at
+small experts); on CPUs and other GPUs the FP8 values are multiplied in float32 with torch._grouped_mm and both
+scales applied after, the same products (the CPU path of coat.nn.functional.fp8_gemm). No Python loop runs over
+the experts. Transposed operands (each expert's weight, the routed input for the weight gradient) come from the
+quantizer's transposed output, never from a byte transpose.
 
 Saved for backward: x itself (the router reads the same tensor and keeps it: saving it costs nothing more)
 with its amax, so that backward re-creates the forward's FP8 copy bit for bit; gate and up in 1 x G groups
@@ -61,6 +64,7 @@ class Routing(NamedTuple):
     offsets: torch.Tensor  # int32 [E], the end of each expert's rows; the last is ``rows``
     dest: torch.Tensor  # int64 [T * k], the row of choice j of token t at t * k + j
     row_token: torch.Tensor  # int64 [rows], the token of each row; T for a padding row
+    padding: torch.Tensor  # int64 [rows - T * k], the padding rows
 
 
 def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
@@ -81,22 +85,17 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     row_token[dest] = position // k
     offsets = (aligned_starts + aligned).to(torch.int32)
     offsets[-1] = rows  # the padding at the end belongs to the last expert: zero rows, zero products
-    return Routing(rows, offsets, dest, row_token)
+    # The rows - T * k padding rows (a count fixed by T, k and E): the stable sort puts them first.
+    padding = torch.sort((row_token != tokens).to(torch.uint8), stable=True).indices[:rows - flat.numel()]
+    return Routing(rows, offsets, dest, row_token, padding)
 
 
 def permute_rows(x: torch.Tensor, routing: Routing) -> torch.Tensor:
     """x [T, C] (any dtype, FP8 included) -> [rows, C], row r = x[row_token[r]], zeros for padding rows."""
-    tokens = x.shape[0]
     data = x.view(torch.uint8) if x.element_size() == 1 else x  # FP8 rows move as bytes
-    out = data.index_select(0, routing.row_token.clamp(max=tokens - 1))
-    out.masked_fill_((routing.row_token == tokens).unsqueeze(1), 0)
-    return out.view(x.dtype)
-
-
-def _per_expert_transposed(w_q: torch.Tensor, experts: int) -> torch.Tensor:
-    """FP8 [E * N, K] codes of E matrices [N, K] -> [E, K, N] contiguous (byte copies, exact)."""
-    n, k = w_q.shape[0] // experts, w_q.shape[1]
-    return w_q.view(torch.uint8).view(experts, n, k).transpose(1, 2).contiguous().view(w_q.dtype)
+    out = data.index_select(0, routing.row_token.clamp(max=x.shape[0] - 1))
+    # Only the few padding rows are written again (a mask over every row would cost a pass over all of them).
+    return out.index_fill_(0, routing.padding, 0).view(x.dtype)
 
 
 @torch.library.custom_op("coat::grouped_mm_float32", mutates_args=())
@@ -129,7 +128,7 @@ def grouped_fp8_gemm(a, a_scale, b, b_scale, offsets, out_dtype, fast_accum: boo
     return out.to(out_dtype)
 
 
-def grouped_fp8_gemm_wgrad(g_t, g_scale, x_t, x_scale, offsets, out_dtype) -> torch.Tensor:
+def grouped_fp8_gemm_wgrad(g_t, g_scale, x_t, x_scale, offsets, out_dtype, fast_accum: bool = False) -> torch.Tensor:
     """``out[e] = (g_t[:, group e] * g_scale) @ (x_t[:, group e] * x_scale)^T``, the weight gradients of every
     expert: g_t [N, M] and x_t [K, M] FP8 row-major (the transposed gradient and input), groups along M.
     Returns [E, N, K]; an expert without rows gets zeros."""
@@ -141,7 +140,8 @@ def grouped_fp8_gemm_wgrad(g_t, g_scale, x_t, x_scale, offsets, out_dtype) -> to
     experts = offsets.shape[0]
     scale_a = g_scale.reshape(1).expand(experts * g_t.shape[0]).contiguous()
     scale_b = x_scale.reshape(1).expand(experts * x_t.shape[0]).contiguous()
-    out = torch._scaled_grouped_mm(g_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=GEMM_OUT_DTYPE).to(out_dtype)
+    out = torch._scaled_grouped_mm(g_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=GEMM_OUT_DTYPE,
+                                   use_fast_accum=fast_accum).to(out_dtype)
     # An empty group is a zero-length contraction, which the GEMM may leave unwritten.
     group_rows = torch.diff(offsets, prepend=offsets.new_zeros(1))
     return torch.where(group_rows.view(-1, 1, 1) > 0, out, 0)
@@ -168,10 +168,16 @@ def _rows_weights(weights: torch.Tensor, routing: Routing) -> torch.Tensor:
     return out
 
 
-def _quantized_experts(weight: torch.Tensor, fp8, amax=None):
-    """[E, N, K] -> FP8 codes [E * N, K] with one per-tensor scale over all experts, and that scale."""
+def _quantized_experts(weight: torch.Tensor, fp8, amax, transposed: bool = False):
+    """[E, N, K] -> FP8 codes with one per-tensor scale over all experts, and that scale: [E, N, K], or with
+    ``transposed`` each expert's transpose, [E, K, N] (the experts side by side as one [N, E * K] matrix, whose
+    transposed codes the quantizer writes: no byte transpose after it)."""
+    if transposed:
+        _, scale, q_t = ops.quantize_tensors(list(weight.unbind(0)), fp8, dim=1, amax=amax, rowwise=False,
+                                             columnwise=True)
+        return q_t.view(weight.shape[0], weight.shape[2], weight.shape[1]), scale
     q, scale, _ = ops.quantize_tensors([weight.reshape(-1, weight.shape[-1])], fp8, dim=0, amax=amax)
-    return q, scale
+    return q.view(weight.shape), scale
 
 
 class _ExpertsFunction(torch.autograd.Function):
@@ -187,19 +193,18 @@ class _ExpertsFunction(torch.autograd.Function):
         gate_up_amax, down_amax = ops.tensor_amax([gate_up.reshape(-1, gate_up.shape[-1])]), ops.tensor_amax(
             [down.reshape(-1, down.shape[-1])])
         w_q, w_scale = _quantized_experts(gate_up, fp8, gate_up_amax)
-        h = grouped_fp8_gemm(permute_rows(x_q, routing), x_scale, w_q.view(gate_up.shape), w_scale, routing.offsets,
-                             out_dtype, config.fast_accum)
+        h = grouped_fp8_gemm(permute_rows(x_q, routing), x_scale, w_q, w_scale, routing.offsets, out_dtype,
+                             config.experts_fast_accum)
         act_q, act_scale, _, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(
             h[:, :inter], h[:, inter:], None, save_group_size=config.group_size, amax_group_size=AMAX_GROUP_SIZE,
             format=fp8, save_format=config.saved_format, activation=activation,
         )
         del h
         w_q, w_scale = _quantized_experts(down, fp8, down_amax)
-        o = grouped_fp8_gemm(act_q, act_scale, w_q.view(down.shape), w_scale, routing.offsets, out_dtype,
-                             config.fast_accum)
+        o = grouped_fp8_gemm(act_q, act_scale, w_q, w_scale, routing.offsets, out_dtype, config.experts_fast_accum)
         y = combine(o, routing, top_k_weights, out_dtype)
         _save(ctx, x=x, x_amax=x_amax, weights=top_k_weights, offsets=routing.offsets, dest=routing.dest,
-              row_token=routing.row_token, gate_saved=gate_saved, gate_scales=gate_scales, up_saved=up_saved,
+              row_token=routing.row_token, padding=routing.padding, gate_saved=gate_saved, gate_scales=gate_scales, up_saved=up_saved,
               up_scales=up_scales, act_scale=act_scale, gate_up_amax=gate_up_amax, down_amax=down_amax,
               gate_up=gate_up, down=down)
         ctx.config, ctx.rows, ctx.out_dtype, ctx.activation = config, routing.rows, out_dtype, activation
@@ -209,9 +214,10 @@ class _ExpertsFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         saved = _saved(ctx)
         config, out_dtype = ctx.config, ctx.out_dtype
-        routing = Routing(ctx.rows, saved["offsets"], saved["dest"], saved["row_token"])
+        routing = Routing(ctx.rows, saved["offsets"], saved["dest"], saved["row_token"], saved["padding"])
+        fast_accum = config.experts_fast_accum
         x, gate_up, down, weights = saved["x"], saved["gate_up"], saved["down"], saved["weights"]
-        experts, hidden, inter = down.shape
+        hidden, inter = down.shape[1:]
         need_x, _, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:5]
         fp8, grad_fp8 = config.forward_dtype, GRADIENT_DTYPE
         grad_y = grad_y.contiguous()
@@ -225,9 +231,9 @@ class _ExpertsFunction(torch.autograd.Function):
         # The down projection: the unweighted output gradient of each row, its dgrad, the routing weights'
         # gradient, the weighted rows' wgrad.
         g_q, g_scale, _ = quantize_per_tensor(grad_y, grad_fp8)
-        down_t_q, down_scale = _quantized_experts(down, fp8, saved["down_amax"])
-        grad_act = grouped_fp8_gemm(permute_rows(g_q, routing), g_scale, _per_expert_transposed(down_t_q, experts),
-                                    down_scale, routing.offsets, out_dtype)
+        down_t_q, down_scale = _quantized_experts(down, fp8, saved["down_amax"], transposed=True)
+        grad_act = grouped_fp8_gemm(permute_rows(g_q, routing), g_scale, down_t_q, down_scale, routing.offsets,
+                                    out_dtype, fast_accum)
         grad_weights = None
         if need_weights:
             act = ops.dequantize(act_q_t, saved["act_scale"], None, grad_act.dtype).t()
@@ -241,7 +247,7 @@ class _ExpertsFunction(torch.autograd.Function):
             _, gw_scale, gw_q_t = quantize_per_tensor(weighted, grad_fp8, rowwise=False, columnwise=True)
             del weighted
             grad_down = grouped_fp8_gemm_wgrad(gw_q_t, gw_scale, act_q_t, saved["act_scale"], routing.offsets,
-                                               down.dtype)
+                                               down.dtype, fast_accum)
         del act_q_t
         grad_act.mul_(rows_weights.to(grad_act.dtype).unsqueeze(1))
 
@@ -255,14 +261,15 @@ class _ExpertsFunction(torch.autograd.Function):
         del grad_gate, grad_up
         grad_x = grad_gate_up = None
         if need_gate_up:
-            x_q, x_scale, _ = quantize_per_tensor(x, fp8, amax=saved["x_amax"])
-            x_rows_t = permute_rows(x_q, routing).view(torch.uint8).t().contiguous().view(fp8)
+            # The forward's FP8 rows, transposed by the quantizer (the same codes: the same values and amax).
+            _, x_scale, x_rows_t = quantize_per_tensor(permute_rows(x, routing), fp8, rowwise=False, columnwise=True,
+                                                       amax=saved["x_amax"])
             grad_gate_up = grouped_fp8_gemm_wgrad(g2_q_t, g2_scale, x_rows_t, x_scale, routing.offsets,
-                                                  gate_up.dtype)
+                                                  gate_up.dtype, fast_accum)
         if need_x:
-            gate_up_q, gate_up_scale = _quantized_experts(gate_up, fp8, saved["gate_up_amax"])
-            grad_rows = grouped_fp8_gemm(g2_q, g2_scale, _per_expert_transposed(gate_up_q, experts), gate_up_scale,
-                                         routing.offsets, out_dtype)
+            gate_up_t_q, gate_up_scale = _quantized_experts(gate_up, fp8, saved["gate_up_amax"], transposed=True)
+            grad_rows = grouped_fp8_gemm(g2_q, g2_scale, gate_up_t_q, gate_up_scale, routing.offsets, out_dtype,
+                                         fast_accum)
             tokens, k = weights.shape
             grad_x = grad_rows.index_select(0, routing.dest).view(tokens, k, hidden).sum(1, dtype=torch.float32)
             grad_x = grad_x.to(x.dtype)
