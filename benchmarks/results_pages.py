@@ -366,14 +366,23 @@ def readme_table(results: list[Result]) -> str:
             "of coat with float32 master weights", figure, low, "models")
     blocks = {shape: _latest(results, "moe", "vs bf16", shape=shape, variant="coat")
               for shape in ("mixtral-8x7b", "qwen3-30b-a3b")}
-    figures = []
+    figures, with_torchao = [], True
     for shape, found in blocks.items():
         result, row = found[0]
         compiled = _sibling(result, row, "bf16 grouped_mm compiled", ("shape",))
-        figures.append(f"{MOE_BLOCKS[shape]} {row['vs bf16']:.2f}x / {row['vs bf16'] / compiled['vs bf16']:.2f}x, "
-                       f"{row['saved vs bf16']:.2f}x")
-    add("MoE block forward + backward, 16k tokens: time against BF16 `grouped_mm` experts / their `torch.compile`; "
-        "saved activations against BF16", "; ".join(figures), [f for found in blocks.values() for f in found], "moe")
+        figure = f"{MOE_BLOCKS[shape]} {row['vs bf16']:.2f}x / {row['vs bf16'] / compiled['vs bf16']:.2f}x"
+        try:
+            torchao = _sibling(result, row, "torchao fp8 rowwise", ("shape",)).get("vs bf16")
+        except LookupError:  # a run from before the torchao row
+            torchao = None
+        if torchao is None:  # ... or without torchao
+            with_torchao = False
+        else:
+            figure += f" / {row['vs bf16'] / torchao:.2f}x"
+        figures.append(f"{figure}, {row['saved vs bf16']:.2f}x")
+    add("MoE block forward + backward, 16k tokens: time against BF16 `grouped_mm` experts / their `torch.compile`"
+        + (" / torchao's FP8 row-wise grouped GEMM" if with_torchao else "") + "; saved activations against BF16",
+        "; ".join(figures), [f for found in blocks.values() for f in found], "moe")
     olmoe = _latest(results, "models", "peak GiB", variant="coat-lowmem", shape="olmoe-1b-7b")
     result, lowmem = olmoe[0]
     bf16 = _sibling(result, lowmem, "bf16", ("shape",))
