@@ -1,7 +1,8 @@
 """The MoE block of a decoder layer, forward + backward: h + experts(router(RMSNorm(h))), at Mixtral-8x7B's shape
 (hidden 4096, 8 experts, top 2, intermediate 14336) and Qwen3-30B-A3B's (hidden 2048, 128 experts, top 8,
 intermediate 768), 16k tokens: transformers' block with its grouped_mm experts in BF16, the same compiled, and
-coat's converted layer (coat.nn.families.moe). GPU time (CUDA events, median after warm-up) and the bytes the
+coat's converted layer (coat.nn.families.moe), eager and compiled (torch.compile fuses the routing glue around
+coat's ops). GPU time (CUDA events, median after warm-up) and the bytes the
 block saves for backward (parameters excluded), with ratios against BF16.
 
 torchao's FP8 MoE training prototype (torchao 0.18, torchao.prototype.moe_training) cannot run on transformers'
@@ -116,8 +117,10 @@ def block_rows(name, shape, device, tokens, warmup, repeat, profile=False):
         "bf16 grouped_mm compiled": compile_for_fixed_shapes(stock_block(stock)) if device == "cuda" else None,
         "torchao fp8 rowwise": torchao_block(stock) if device == "cuda" and torchao_missing() is None else None,
         "coat": converted._mlp_residual,
+        "coat compiled": compile_for_fixed_shapes(converted._mlp_residual) if device == "cuda" else None,
     }
     missing = {"bf16 grouped_mm compiled": "torch.compile is timed on the GPU only",
+               "coat compiled": "torch.compile is timed on the GPU only",
                "torchao fp8 rowwise": "torchao's FP8 grouped GEMM runs on CUDA GPUs only" if device != "cuda"
                else torchao_missing()}
     h = torch.randn(*tokens, fields["hidden_size"], device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -134,8 +137,12 @@ def block_rows(name, shape, device, tokens, warmup, repeat, profile=False):
         if fn is None:
             rows.append({"shape": name, "variant": variant, "missing": missing[variant]})
             continue
-        layer = converted if variant == "coat" else stock
-        ms = time_ms(lambda: step(fn, layer), warmup, repeat, device)
+        layer = converted if variant.startswith("coat") else stock
+        try:
+            ms = time_ms(lambda: step(fn, layer), warmup, repeat, device)
+        except Exception as error:  # a compile failure is a finding to record, not the end of the run
+            rows.append({"shape": name, "variant": variant, "missing": f"{type(error).__name__}: {error}"[:300]})
+            continue
         rows.append({"shape": name, "tokens": h.shape[0] * h.shape[1], "variant": variant, "fwd+bwd ms": ms,
                      "saved MiB": saved_bytes(fn, h, list(layer.parameters())) / 2**20})
         if profile:
