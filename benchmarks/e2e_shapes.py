@@ -67,7 +67,6 @@ e2e-shapes-SHAPE-DEVICE.json and .png, after every row, so that a run cut short 
     python benchmarks/e2e_shapes.py --smoke                             (CPU, tiny shapes: checks that it runs)
     python benchmarks/e2e_shapes.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
 """
-import dataclasses
 import importlib.metadata
 import inspect
 import os
@@ -76,82 +75,24 @@ import traceback
 import warnings
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    OlmoeConfig,
-    OlmoeForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-)
+from transformers import Qwen2ForCausalLM
 
 import coat
+from coat.nn.vision import vision_linears
 
 from _common import RESULTS_DIR, compile_for_fixed_shapes, kernel_profile, parser, print_table, write_results
+from _model_shapes import SHAPES, SMOKE_BATCH, SMOKE_SEQ, Shape, VisionLanguageShape
 from e2e import GIB, Training, instantiate, make_optimizer, timed_steps, torchao_float8, torchao_missing, trial
 
 # Eager rows first, so that a run cut short keeps them; coat-compiled next, the question the compiled rows answer.
-VARIANTS = ("bf16", "liger", "coat", "coat-unfused", "coat-lowmem", "coat-compiled", "bf16-compiled",
+VARIANTS = ("bf16", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem", "coat-compiled", "bf16-compiled",
             "torchao-compiled", "liger-compiled")
-SMOKE_VARIANTS = ("bf16", "liger", "coat", "coat-unfused", "coat-lowmem")  # compiling on the CPU takes minutes
+# compiling on the CPU takes minutes
+SMOKE_VARIANTS = ("bf16", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem")
 VARIANT_COLORS = {"bf16": "tab:blue", "bf16-compiled": "tab:cyan", "torchao-compiled": "tab:green",
                   "liger": "tab:gray", "liger-compiled": "silver", "coat": "tab:orange", "coat-compiled": "tab:red",
-                  "coat-unfused": "tab:brown", "coat-lowmem": "tab:purple"}
-SMOKE_BATCH, SMOKE_SEQ = 2, 32
+                  "coat-vision": "tab:pink", "coat-unfused": "tab:brown", "coat-lowmem": "tab:purple"}
 PROFILE_KERNELS = 40  # the kernels of --profile kept per row, most time first
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    model_class: type
-    config_class: type
-    config: dict  # the model's configuration
-    batch: int
-    seq: int
-    smoke: dict  # the tiny configuration of --smoke: the same family, embedding tying and head grouping
-
-    def make_config(self, smoke: bool):
-        return self.config_class(**(self.smoke if smoke else self.config), attn_implementation="sdpa",
-                                 use_cache=False)  # training: no KV cache
-
-
-def _tiny(heads: int, kv_heads: int, tied: bool) -> dict:
-    # hidden and intermediate multiples of 128, for coat-lowmem's 1 x 128 blocks; a vocabulary 8x the hidden size
-    return dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                intermediate_size=256, vocab_size=1024, tie_word_embeddings=tied)
-
-
-SHAPES = {
-    "llama3.2-1b": Shape(LlamaForCausalLM, LlamaConfig, dict(
-        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
-        vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=131072), batch=8, seq=2048, smoke=_tiny(4, 1, tied=True)),
-    "llama3.1-8b": Shape(LlamaForCausalLM, LlamaConfig, dict(
-        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-        vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=131072), batch=1, seq=8192, smoke=_tiny(4, 1, tied=False)),
-    "qwen2.5-7b": Shape(Qwen2ForCausalLM, Qwen2Config, dict(  # Qwen2's q, k and v projections have a bias
-        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
-        vocab_size=152064, tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=32768), batch=1, seq=4096, smoke=_tiny(4, 2, tied=False)),
-    # Mixtures of experts: transformers' grouped_mm experts in the BF16 rows, the router's auxiliary loss on.
-    "olmoe-1b-7b": Shape(OlmoeForCausalLM, OlmoeConfig, dict(
-        hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024,
-        num_experts=64, num_experts_per_tok=8, vocab_size=50304, tie_word_embeddings=False, rms_norm_eps=1e-5,
-        max_position_embeddings=4096, output_router_logits=True, router_aux_loss_coef=0.01,
-        experts_implementation="grouped_mm"), batch=1, seq=4096,
-        smoke=dict(_tiny(4, 4, tied=False), num_experts=8, num_experts_per_tok=2, output_router_logits=True)),
-    "qwen2-moe-a2.7b": Shape(Qwen2MoeForCausalLM, Qwen2MoeConfig, dict(
-        hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
-        intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
-        num_experts_per_tok=4, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        max_position_embeddings=8192, output_router_logits=True, router_aux_loss_coef=0.001,
-        experts_implementation="grouped_mm"), batch=1, seq=4096,
-        smoke=dict(_tiny(4, 4, tied=False), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                   shared_expert_intermediate_size=256, output_router_logits=True)),
-}
 
 
 def convert_has_fused_loss() -> bool:
@@ -170,9 +111,22 @@ def liger_missing(device: torch.device) -> str | None:
     return None
 
 
+def shape_excludes(variant: str, shape: Shape) -> str | None:
+    """Why the variant does not apply to the shape, or None."""
+    vision_language = isinstance(shape, VisionLanguageShape)
+    if variant == "coat-vision" and not vision_language:
+        return "a text model has no vision side to convert"
+    if variant.startswith("liger") and vision_language:
+        return ("not wired for vision-language models (Liger-Kernel's Qwen2.5-VL patch replaces the model's whole "
+                "forward, untried against this transformers release)")
+    return None
+
+
 def coat_options(variant: str) -> dict:
     """coat.convert's options of a coat variant; fused_loss set explicitly wherever coat.convert has it."""
     options = {"saved_format": "fp4", "group_size": 128} if variant == "coat-lowmem" else {}
+    if variant == "coat-vision":
+        options["vision_linears"] = True
     if convert_has_fused_loss():
         options["fused_loss"] = variant != "coat-unfused"
     return options
@@ -194,7 +148,9 @@ def build(variant: str, shape: Shape, config, device: torch.device) -> tuple:
     if variant.startswith("coat"):
         coat.convert(model, **coat_options(variant))
     elif variant.startswith("torchao"):
-        torchao_float8(model)
+        # the language model's linears: those coat.convert converts by default (vision_linears=False)
+        vision = vision_linears(model) if isinstance(shape, VisionLanguageShape) else []
+        torchao_float8(model, keep_bf16=[name for name, _ in vision])
     elif variant.startswith("liger"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
 
@@ -211,13 +167,18 @@ def build(variant: str, shape: Shape, config, device: torch.device) -> tuple:
 
 
 class ShapeTraining(Training):
-    """benchmarks/e2e.py's training step on one GPU, of a shape's model, that also notes what each forward
-    leaves allocated and whether it returned logits."""
+    """benchmarks/e2e.py's training step on one GPU, of a shape's model (at --smoke's tiny size with smoke) on
+    the shape's inputs, that also notes what each forward leaves allocated and whether it returned logits."""
 
-    def __init__(self, variant: str, shape: Shape, config, device: torch.device):
-        super().__init__(variant, config, device, mesh=None, rank=0)
-        self.shape = shape
+    def __init__(self, variant: str, shape: Shape, device: torch.device, smoke: bool = False):
+        super().__init__(variant, shape.make_config(smoke), device, mesh=None, rank=0)
+        self.shape, self.smoke = shape, smoke
         self.forward_kept_bytes = self.logits_returned = None
+
+    def tokens(self, batch: int, seq: int) -> dict:
+        """The model's keyword arguments for a step (Shape.inputs), on the device."""
+        inputs = self.shape.inputs(self.config, batch, seq, self.smoke, self.generator)
+        return {name: tensor.to(self.device) for name, tensor in inputs.items()}
 
     def build(self) -> None:
         self.free()
@@ -228,10 +189,11 @@ class ShapeTraining(Training):
             torch._dynamo.reset()  # the compile caches refer to the model
         super().free()
 
-    def forward(self, ids: torch.Tensor):
+    def forward(self, inputs: dict):
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
-        output = super().forward(ids)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            output = self.model(**inputs)
         if cuda:
             self.forward_kept_bytes = torch.cuda.memory_allocated(self.device) - before
         self.logits_returned = output.logits is not None
@@ -239,8 +201,9 @@ class ShapeTraining(Training):
 
 
 def tracked_step(training: ShapeTraining, batch: int, seq: int) -> dict:
-    """One more step under MemTracker (an eager model): what the body and what the LM head and loss keep for
-    backward, and the live tensors at the step's peak by kind, in GiB, and the phase the peak fell in."""
+    """One more step under MemTracker (an eager model): what the body (of a vision-language model, the vision side
+    too) and what the LM head and loss keep for backward, what the vision side keeps, and the live tensors at the
+    step's peak by kind, in GiB, and the phase the peak fell in."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
     ids = training.tokens(batch, seq)
@@ -264,7 +227,7 @@ def tracked_step(training: ShapeTraining, batch: int, seq: int) -> dict:
         phase = "backward"
     else:
         phase = "optimizer step"
-    return {
+    parts = {
         "body kept GiB": (total(body, _ModState.POST_FW) - total(root, _ModState.PRE_FW)) / GIB,
         "head+loss kept GiB": (total(root, _ModState.POST_FW) - total(body, _ModState.POST_FW)) / GIB,
         "tracked peak GiB": peak["Total"] / GIB,
@@ -272,6 +235,10 @@ def tracked_step(training: ShapeTraining, batch: int, seq: int) -> dict:
         "peak temporaries GiB": (peak[_MemRefType.TEMP] + peak[_MemRefType.OTH]) / GIB,
         "peak in": phase,
     }
+    if isinstance(training.shape, VisionLanguageShape):
+        vision = body.visual  # Qwen2.5-VL's vision tower with its patch merger
+        parts["vision kept GiB"] = (total(vision, _ModState.POST_FW) - total(vision, _ModState.PRE_FW)) / GIB
+    return parts
 
 
 def error_text(error: BaseException) -> str:
@@ -282,9 +249,11 @@ def error_text(error: BaseException) -> str:
 def measure(variant: str, shape_name: str, batch: int, seq: int, args, device: torch.device) -> dict:
     """One row: the variant's step at the shape, on a fresh model."""
     shape = SHAPES[shape_name]
-    training = ShapeTraining(variant, shape, shape.make_config(args.smoke), device)
+    training = ShapeTraining(variant, shape, device, args.smoke)
     row = {"shape": shape_name, "variant": variant, "batch": batch, "seq": seq, "loss": loss_kind(variant),
            "compiled": variant.endswith("compiled")}
+    if isinstance(shape, VisionLanguageShape):  # of the seq tokens of each sample
+        row["image tokens"] = shape.image_tokens(args.smoke)
     if device.type == "cuda":  # what the rows before left allocated: taken out of this row's peaks below
         row["allocated before GiB"] = torch.cuda.memory_allocated(device) / GIB
     result = error = None
@@ -464,15 +433,26 @@ def main():
     missing = {v: why for v, why in missing.items() if why}
     for variant, why in missing.items():
         print(f"{variant}: skipped, {why}", flush=True)
+    sizes = {}  # shape -> (batch, seq)
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        sizes[shape_name] = (SMOKE_BATCH if args.smoke else args.batch or shape.batch,
+                             SMOKE_SEQ if args.smoke else args.seq or shape.seq)
+        least = shape.image_tokens(args.smoke) + 3  # the image between its start and end tokens, and some text
+        if sizes[shape_name][1] < least:
+            p.error(f"--seq {sizes[shape_name][1]} leaves {shape_name} no text beside its image: give at least {least}")
+        for variant in variants:
+            why = shape_excludes(variant, shape)
+            if why and variant not in missing:
+                missing[f"{variant} on {shape_name}"] = why
+                print(f"{variant} on {shape_name}: skipped, {why}", flush=True)
 
     name = "e2e-shapes-smoke" if args.smoke else "e2e-shapes-" + "+".join(shapes)
     rows = []
     for shape_name in shapes:
-        shape = SHAPES[shape_name]
-        batch = SMOKE_BATCH if args.smoke else args.batch or shape.batch
-        seq = SMOKE_SEQ if args.smoke else args.seq or shape.seq
+        batch, seq = sizes[shape_name]
         for variant in variants:
-            if variant not in missing:
+            if variant not in missing and f"{variant} on {shape_name}" not in missing:
                 rows.append(measure(variant, shape_name, batch, seq, args, device))
                 # after every row, so that a run cut short keeps what it measured
                 path = write_results(args.results_dir, name, rows, summarize(rows, args, missing))
@@ -483,7 +463,7 @@ def main():
 
     columns = ["shape", "variant", "batch", "seq", "loss", "logits returned", "peak GiB", "reserved GiB", "step ms",
                "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "fwd kept GiB", "body kept GiB",
-               "head+loss kept GiB", "peak activations GiB", "peak temporaries GiB", "peak in"]
+               "vision kept GiB", "head+loss kept GiB", "peak activations GiB", "peak temporaries GiB", "peak in"]
     print_table(rows, columns)
     for row in rows:
         if "profile" in row:
