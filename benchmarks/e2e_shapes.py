@@ -1,6 +1,7 @@
 """Whole training steps of today's model shapes on one GPU, whose 128k-152k vocabularies make the logits and the
-loss a large share of the memory (benchmarks/e2e.py trains a Llama-2 shape with a 32k vocabulary). Random
-weights; transformers' LlamaForCausalLM / Qwen2ForCausalLM built from a config, nothing downloaded:
+loss a large share of the memory (benchmarks/e2e.py trains a Llama-2 shape with a 32k vocabulary), and supervised
+fine-tuning steps of vision-language models, an image in every sample. Random weights; transformers' classes
+(LlamaForCausalLM, Qwen2ForCausalLM, ...) built from a config (benchmarks/_model_shapes.py), nothing downloaded:
 
     llama3.2-1b   hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192, vocabulary 128256, tied
                   embeddings, rope theta 500000; batch 8 x sequence 2048
@@ -12,57 +13,85 @@ weights; transformers' LlamaForCausalLM / Qwen2ForCausalLM built from a config, 
                   vocabulary 50304; batch 1 x 4096
     qwen2-moe-a2.7b  Qwen2MoeForCausalLM, 14.3B: hidden 2048, 24 layers, 16 heads, 60 experts of intermediate 1408,
                   top 4, a shared expert of 5632, vocabulary 151936; batch 1 x 4096
+    qwen2.5-vl-3b Qwen2_5_VLForConditionalGeneration, 3.75B, Qwen2.5-VL-3B-Instruct's configuration: a language
+                  model of hidden 2048, 36 layers, 16 / 2 heads, intermediate 11008, vocabulary 151936, tied, rope
+                  theta 1e6 in M-RoPE sections 16 / 24 / 24 (3.09B); a vision tower of 32 blocks, hidden 1280, 16
+                  heads, SwiGLU intermediate 3420, attention within windows of 8 x 8 patches but in blocks 7, 15,
+                  23 and 31, and a merger of each 2 x 2 patches into one token of the language model's width
+                  (0.67B). Batch 1 x 4096: in each sample an 896 x 896-pixel image (64 x 64 patches of 14 x 14
+                  pixels x 2 frames, 1,024 tokens after the merger), then 3,072 text tokens (the image's start and
+                  end tokens among them); labels -100 at the image tokens, as an SFT collator sets them; random
+                  pixel values; the model computes the three M-RoPE position streams (get_rope_index)
+    qwen2.5-vl-7b Qwen2.5-VL-7B-Instruct's configuration, 8.29B: qwen2.5-7b's language model (7.62B, untied) with
+                  M-RoPE, and the same vision tower, merging into width 3584; the same samples
 
 Variants (rows), each a whole training step: zero_grad, forward with labels (the loss over the batch's own
 tokens), backward, optimizer step; float32 master weights under torch.autocast(bfloat16) unless said otherwise,
 SDPA attention, no gradient checkpointing. "compiled" is one torch.compile of the whole model (not of each
-decoder layer, as in benchmarks/e2e.py): the question is whether a compiled coat model is as fast as eager.
+decoder layer, as in benchmarks/e2e.py): the question is whether a compiled coat model is as fast as eager. (A
+vision-language model compiles into several graphs: the M-RoPE positions and the vision tower's windows are
+computed from host-side lists, where Dynamo breaks the graph.)
 
     bf16              torch.optim.AdamW(fused=True); transformers' loss (logits materialized, upcast to float32)
     liger             bf16 with Liger-Kernel's fused linear cross-entropy (apply_liger_kernel_to_llama / _qwen2
                       with fused_linear_cross_entropy=True on the model): the logits never materialized. Its other
                       kernels (RoPE, RMSNorm, SwiGLU) stay off: they patch transformers' modules for every model
                       of the process, the other rows' included. Skipped without a GPU or Liger-Kernel
-                      (pip install --no-build-isolation -e ".[bench]")
+                      (pip install --no-build-isolation -e ".[bench]"), and for the vision-language shapes
     coat              coat.convert (FP8 decoder layers, activations saved in FP8) with its fused LM head +
-                      cross-entropy where coat.convert has the fused_loss option; coat.optim.AdamW (FP8 moments)
+                      cross-entropy where coat.convert has the fused_loss option; coat.optim.AdamW (FP8 moments).
+                      A vision-language model's vision side stays BF16, as coat.convert leaves it by default
+    coat-vision       coat with coat.convert(vision_linears=True): the vision tower's and the merger's linears too
+                      run FP8 GEMMs and keep their inputs in FP8 (vision-language shapes only)
     coat-unfused      coat.convert(fused_loss=False): transformers' loss, so that the fused loss's gain shows
                       (skipped where coat.convert has no fused_loss: coat's rows use that loss already)
     coat-lowmem       coat's lowest memory: bfloat16 weights, no float32 master copy (coat.optim.AdamW rounds each
                       update stochastically), FP8 (E5M2) gradients, the inputs of RMSNorm and SiLU*mul saved as
-                      FP4 in 1 x 128 blocks (saved_format="fp4", group_size=128), the fused loss where available
+                      FP4 in 1 x 128 blocks (saved_format="fp4", group_size=128), the fused loss where available;
+                      a vision-language model's vision side in BF16, as in coat
     coat-compiled     coat, compiled
     bf16-compiled     bf16, compiled
-    torchao-compiled  torchao float8 training (tensorwise scaling, LM head BF16), compiled; the bf16 optimizer
-                      (skipped, with a note, without torchao: pip install --no-build-isolation -e ".[bench]")
+    torchao-compiled  torchao float8 training (tensorwise scaling) of the linears coat converts by default, the
+                      decoder layers' (the LM head and a vision-language model's vision side BF16), compiled; the
+                      bf16 optimizer (skipped, with a note, without torchao: pip install --no-build-isolation -e
+                      ".[bench]")
     liger-compiled    liger, compiled
 
 For each row, on a fresh model: peak GiB and reserved GiB (torch.cuda.max_memory_allocated / _reserved over
 --warmup + --steps steps, the first of which allocates the optimizer state), less what was allocated when the row
 started ("allocated before GiB": MemTracker's accounting step leaves a torch.optim.AdamW(fused=True)
 model's parameters and state alive, 9.1 GiB after the Llama-3.2-1B BF16 row on an H200, and they stay for the
-process), the median of the --steps timed steps (CUDA events) and tokens/s, and the peak's parts:
+process), the median of the --steps timed steps (CUDA events) and tokens/s (every token of the batch: of a
+vision-language sample, its image tokens too, not the vision tower's patches), and the peak's parts:
   - weights, grads and optimizer GiB, counted from the tensors after a step;
   - fwd kept GiB: what the forward leaves allocated for backward (torch.cuda.memory_allocated after the model
     call minus before), logits and loss included; "logits returned" says whether the model returned logits;
   - eager rows only, from one more step under torch.distributed._tools.mem_tracker.MemTracker, which accounts
-    every live tensor: body kept GiB (what the embedding and decoder layers keep for backward), head+loss kept GiB
-    (what the LM head and the loss keep: the logits' share), and the tensors live at that step's peak by kind,
-    activations (made in the forward) and temporaries (made in the backward: the logits' gradient among them),
-    with the phase the peak fell in. MemTracker does not see into compiled graphs: a compiled row's eager twin
-    shows its split.
+    every live tensor: body kept GiB (what the embedding and decoder layers keep for backward, and a
+    vision-language model's vision side), vision kept GiB (of that, what the vision tower and merger keep),
+    head+loss kept GiB (what the LM head and the loss keep: the logits' share), and the tensors live at that step's
+    peak by kind, activations (made in the forward) and temporaries (made in the backward: the logits' gradient
+    among them), with the phase the peak fell in. MemTracker does not see into compiled graphs: a compiled row's
+    eager twin shows its split.
 A row that runs out of memory is recorded as OOM; one that fails otherwise (a compile failure included) records
 its error, and the script exits 1 once everything is written.
 
 Time on one H200, from estimates (a 1B step ~0.4 s and its build ~5 s, an 8B step at sequence 8192 ~2-3 s and
 its build ~20 s, ~1 min per whole-model compile, ~2 for an 8B): the default, llama3.2-1b with every variant at
 2 warm-up and 3 timed steps, ~6 min (5 eager rows ~1 min, 4 compiled ones ~4-5); an 8B shape with the rows
-bf16 liger coat coat-unfused coat-lowmem coat-compiled ~5 min. Take one shape per run: each writes its own
-e2e-shapes-SHAPE-DEVICE.json and .png, after every row, so that a run cut short keeps the rows it finished.
+bf16 liger coat coat-unfused coat-lowmem coat-compiled ~5 min. The vision-language shapes, estimated the same way
+(not yet measured): a 3B step ~1.0e14 FLOPs, a sixth of them in the vision tower, whose window attention runs one
+SDPA call per window (64 windows x 28 blocks, each way), ~0.4-0.6 s, its build ~10 s, the whole-model compile
+~2-3 min: the five rows of the first command below ~5 min; the 7B's two rows ~2 min (bf16 runs out of memory in
+its first step, 16 bytes of model state per parameter being 133 GB, and the row rebuilds its model once after).
+Take one shape per run: each writes its own e2e-shapes-SHAPE-DEVICE.json and .png, after every row, so that a run
+cut short keeps the rows it finished.
 
     python benchmarks/e2e_shapes.py                                     (llama3.2-1b, every variant)
     python benchmarks/e2e_shapes.py --shapes llama3.1-8b --variants NAME...     (the 8B rows above)
     python benchmarks/e2e_shapes.py --shapes qwen2.5-7b --batch 2 --seq 2048 --variants NAME...
+    python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-3b --variants bf16 coat coat-vision coat-lowmem torchao-compiled
+    python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-7b --variants coat-lowmem bf16
     python benchmarks/e2e_shapes.py --variants coat coat-compiled --profile   (and each row's kernels per step)
     python benchmarks/e2e_shapes.py --smoke                             (CPU, tiny shapes: checks that it runs)
     python benchmarks/e2e_shapes.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
