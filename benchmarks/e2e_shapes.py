@@ -342,10 +342,16 @@ def summarize(rows: list[dict], args, missing: dict[str, str]) -> dict:
             "tokens_per_s": speed,
             "memory_ratio_bf16_over_variant": {v: ratio(gib.get("bf16"), g) for v, g in gib.items()},
             "speed_ratio_over_bf16": {v: ratio(s, speed.get("bf16")) for v, s in speed.items()},
+            "speed_ratio_over_torchao": {v: ratio(s, speed.get("torchao-compiled")) for v, s in speed.items()},
             # coat's fused loss against transformers' loss on coat (coat-unfused)
             "fused_loss_gib_saved": (gib["coat-unfused"] - gib["coat"]
                                      if gib.get("coat") is not None and gib.get("coat-unfused") is not None else None),
             "fused_loss_speed_ratio": ratio(speed.get("coat"), speed.get("coat-unfused")),
+            # a vision-language model's vision side in FP8 (coat-vision) against it in BF16 (coat)
+            "vision_linears_gib_saved": (gib["coat"] - gib["coat-vision"]
+                                         if gib.get("coat") is not None and gib.get("coat-vision") is not None
+                                         else None),
+            "vision_linears_speed_ratio": ratio(speed.get("coat-vision"), speed.get("coat")),
             "compiled_over_eager_speed": {v: ratio(speed.get(f"{v}-compiled"), speed.get(v))
                                           for v in ("bf16", "liger", "coat") if f"{v}-compiled" in by_variant},
         }
@@ -490,8 +496,8 @@ def main():
     if not rows:
         sys.exit("no variant could run here: " + "; ".join(f"{v}: {why}" for v, why in missing.items()))
 
-    columns = ["shape", "variant", "batch", "seq", "loss", "logits returned", "peak GiB", "reserved GiB", "step ms",
-               "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "fwd kept GiB", "body kept GiB",
+    columns = ["shape", "variant", "batch", "seq", "image tokens", "loss", "logits returned", "peak GiB",
+               "reserved GiB", "step ms", "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "fwd kept GiB", "body kept GiB",
                "vision kept GiB", "head+loss kept GiB", "peak activations GiB", "peak temporaries GiB", "peak in"]
     print_table(rows, columns)
     for row in rows:

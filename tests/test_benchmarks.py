@@ -280,6 +280,8 @@ def test_e2e_shapes_smoke_mode(tmp_path):
             # a 16 x 16-patch image, 16 tokens after the merger, in each sample of 32 tokens
             assert row.get("image tokens") == (16 if vision_language else None)
             assert ("vision kept GiB" in row) == vision_language
+        # coat-vision's step time against coat's (the peak ratio needs a GPU)
+        assert (summary["per_shape"][shape]["vision_linears_speed_ratio"] is not None) == vision_language
             if row["loss"] == "transformers":
                 # transformers' loss: the bf16 logits it returns and the float32 log-softmax cross-entropy saves
                 assert row["logits returned"]
@@ -360,7 +362,8 @@ def test_e2e_shapes_torchao_row_converts_the_linears_coat_converts(monkeypatch):
     for name in ("llama3.2-1b", "qwen2.5-vl-3b"):
         shape = e2e_shapes.SHAPES[name]
         model, _ = e2e_shapes.build("torchao-compiled", shape, shape.make_config(smoke=True), torch.device("cpu"))
-        vision = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.visual.")]
+        vision = [n for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and n.startswith("model.visual.")]
         assert kept["names"] == vision
         assert ("model.visual.merger.mlp.0" in vision) == (name == "qwen2.5-vl-3b")
 
