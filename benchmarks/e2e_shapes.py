@@ -82,16 +82,17 @@ its build ~20 s, ~1 min per whole-model compile, ~2 for an 8B): the default, lla
 bf16 liger coat coat-unfused coat-lowmem coat-compiled ~5 min. The vision-language shapes, estimated the same way
 (not yet measured): a 3B step ~1.0e14 FLOPs, a sixth of them in the vision tower, whose window attention runs one
 SDPA call per window (64 windows x 28 blocks, each way), ~0.4-0.6 s, its build ~10 s, the whole-model compile
-~2-3 min: the five rows of the first command below ~5 min; the 7B's two rows ~2 min (bf16 runs out of memory in
-its first step, 16 bytes of model state per parameter being 133 GB, and the row rebuilds its model once after).
-Take one shape per run: each writes its own e2e-shapes-SHAPE-DEVICE.json and .png, after every row, so that a run
-cut short keeps the rows it finished.
+~2-3 min: the five rows of the qwen2.5-vl-3b command below ~5 min; the 7B's two rows ~2 min (bf16 runs out of
+memory in its first step, 16 bytes of model state per parameter being 133 GB, and the row rebuilds its model once
+after). Take one shape per run: each writes its own e2e-shapes-SHAPE-DEVICE.json and .png, after every row, so that
+a run cut short keeps the rows it finished.
 
     python benchmarks/e2e_shapes.py                                     (llama3.2-1b, every variant)
     python benchmarks/e2e_shapes.py --shapes llama3.1-8b --variants NAME...     (the 8B rows above)
     python benchmarks/e2e_shapes.py --shapes qwen2.5-7b --batch 2 --seq 2048 --variants NAME...
-    python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-3b --variants bf16 coat coat-vision coat-lowmem torchao-compiled
+    python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-3b --variants coat coat-vision coat-lowmem torchao-compiled bf16
     python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-7b --variants coat-lowmem bf16
+                                        (bf16 last: its accounting step leaves its model and state allocated)
     python benchmarks/e2e_shapes.py --variants coat coat-compiled --profile   (and each row's kernels per step)
     python benchmarks/e2e_shapes.py --smoke                             (CPU, tiny shapes: checks that it runs)
     python benchmarks/e2e_shapes.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
@@ -497,8 +498,9 @@ def main():
         sys.exit("no variant could run here: " + "; ".join(f"{v}: {why}" for v, why in missing.items()))
 
     columns = ["shape", "variant", "batch", "seq", "image tokens", "loss", "logits returned", "peak GiB",
-               "reserved GiB", "step ms", "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "fwd kept GiB", "body kept GiB",
-               "vision kept GiB", "head+loss kept GiB", "peak activations GiB", "peak temporaries GiB", "peak in"]
+               "reserved GiB", "step ms", "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "fwd kept GiB",
+               "body kept GiB", "vision kept GiB", "head+loss kept GiB", "peak activations GiB",
+               "peak temporaries GiB", "peak in"]
     print_table(rows, columns)
     for row in rows:
         if "profile" in row:
