@@ -164,12 +164,13 @@ def instantiate(model_class, config, dtype: torch.dtype, device: torch.device | 
         torch.set_default_dtype(default_dtype)
 
 
-def torchao_float8(model: torch.nn.Module) -> None:
+def torchao_float8(model: torch.nn.Module, keep_bf16: list[str] = ()) -> None:
     """torchao's float8 training linears (tensorwise scaling) in place of the model's, the LM head left BF16
-    as coat leaves it."""
+    as coat leaves it, and the linears named in keep_bf16."""
     from torchao.float8 import convert_to_float8_training
 
-    convert_to_float8_training(model, module_filter_fn=lambda module, name: name != "lm_head")
+    kept = {"lm_head", *keep_bf16}
+    convert_to_float8_training(model, module_filter_fn=lambda module, name: name not in kept)
 
 
 def make_optimizer(params: list, device: torch.device, *, coat_state: bool, bf16_weights: bool = False,

@@ -1,6 +1,7 @@
 """Whole training steps of today's model shapes on one GPU, whose 128k-152k vocabularies make the logits and the
-loss a large share of the memory (benchmarks/e2e.py trains a Llama-2 shape with a 32k vocabulary). Random
-weights; transformers' LlamaForCausalLM / Qwen2ForCausalLM built from a config, nothing downloaded:
+loss a large share of the memory (benchmarks/e2e.py trains a Llama-2 shape with a 32k vocabulary), and supervised
+fine-tuning steps of vision-language models, an image in every sample. Random weights; transformers' classes
+(LlamaForCausalLM, Qwen2ForCausalLM, ...) built from a config (benchmarks/_model_shapes.py), nothing downloaded:
 
     llama3.2-1b   hidden 2048, 16 layers, 32 heads / 8 KV heads, intermediate 8192, vocabulary 128256, tied
                   embeddings, rope theta 500000; batch 8 x sequence 2048
@@ -12,62 +13,90 @@ weights; transformers' LlamaForCausalLM / Qwen2ForCausalLM built from a config, 
                   vocabulary 50304; batch 1 x 4096
     qwen2-moe-a2.7b  Qwen2MoeForCausalLM, 14.3B: hidden 2048, 24 layers, 16 heads, 60 experts of intermediate 1408,
                   top 4, a shared expert of 5632, vocabulary 151936; batch 1 x 4096
+    qwen2.5-vl-3b Qwen2_5_VLForConditionalGeneration, 3.75B, Qwen2.5-VL-3B-Instruct's configuration: a language
+                  model of hidden 2048, 36 layers, 16 / 2 heads, intermediate 11008, vocabulary 151936, tied, rope
+                  theta 1e6 in M-RoPE sections 16 / 24 / 24 (3.09B); a vision tower of 32 blocks, hidden 1280, 16
+                  heads, SwiGLU intermediate 3420, attention within windows of 8 x 8 patches but in blocks 7, 15,
+                  23 and 31, and a merger of each 2 x 2 patches into one token of the language model's width
+                  (0.67B). Batch 1 x 4096: in each sample an 896 x 896-pixel image (64 x 64 patches of 14 x 14
+                  pixels x 2 frames, 1,024 tokens after the merger), then 3,072 text tokens (the image's start and
+                  end tokens among them); labels -100 at the image tokens, as an SFT collator sets them; random
+                  pixel values; the model computes the three M-RoPE position streams (get_rope_index)
+    qwen2.5-vl-7b Qwen2.5-VL-7B-Instruct's configuration, 8.29B: qwen2.5-7b's language model (7.62B, untied) with
+                  M-RoPE, and the same vision tower, merging into width 3584; the same samples
 
 Variants (rows), each a whole training step: zero_grad, forward with labels (the loss over the batch's own
 tokens), backward, optimizer step; float32 master weights under torch.autocast(bfloat16) unless said otherwise,
 SDPA attention, no gradient checkpointing. "compiled" is one torch.compile of the whole model (not of each
-decoder layer, as in benchmarks/e2e.py): the question is whether a compiled coat model is as fast as eager.
+decoder layer, as in benchmarks/e2e.py): the question is whether a compiled coat model is as fast as eager. (A
+vision-language model compiles into several graphs: the M-RoPE positions and the vision tower's windows are
+computed from host-side lists, where Dynamo breaks the graph.)
 
     bf16              torch.optim.AdamW(fused=True); transformers' loss (logits materialized, upcast to float32)
     liger             bf16 with Liger-Kernel's fused linear cross-entropy (apply_liger_kernel_to_llama / _qwen2
                       with fused_linear_cross_entropy=True on the model): the logits never materialized. Its other
                       kernels (RoPE, RMSNorm, SwiGLU) stay off: they patch transformers' modules for every model
                       of the process, the other rows' included. Skipped without a GPU or Liger-Kernel
-                      (pip install --no-build-isolation -e ".[bench]")
+                      (pip install --no-build-isolation -e ".[bench]"), and for the vision-language shapes
     coat              coat.convert (FP8 decoder layers, activations saved in FP8) with its fused LM head +
-                      cross-entropy where coat.convert has the fused_loss option; coat.optim.AdamW (FP8 moments)
+                      cross-entropy where coat.convert has the fused_loss option; coat.optim.AdamW (FP8 moments).
+                      A vision-language model's vision side stays BF16, as coat.convert leaves it by default
+    coat-vision       coat with coat.convert(vision_linears=True): the vision tower's and the merger's linears too
+                      run FP8 GEMMs and keep their inputs in FP8 (vision-language shapes only)
     coat-unfused      coat.convert(fused_loss=False): transformers' loss, so that the fused loss's gain shows
                       (skipped where coat.convert has no fused_loss: coat's rows use that loss already)
     coat-lowmem       coat's lowest memory: bfloat16 weights, no float32 master copy (coat.optim.AdamW rounds each
                       update stochastically), FP8 (E5M2) gradients, the inputs of RMSNorm and SiLU*mul saved as
-                      FP4 in 1 x 128 blocks (saved_format="fp4", group_size=128), the fused loss where available
+                      FP4 in 1 x 128 blocks (saved_format="fp4", group_size=128), the fused loss where available;
+                      a vision-language model's vision side in BF16, as in coat
     coat-compiled     coat, compiled
     bf16-compiled     bf16, compiled
-    torchao-compiled  torchao float8 training (tensorwise scaling, LM head BF16), compiled; the bf16 optimizer
-                      (skipped, with a note, without torchao: pip install --no-build-isolation -e ".[bench]")
+    torchao-compiled  torchao float8 training (tensorwise scaling) of the linears coat converts by default, the
+                      decoder layers' (the LM head and a vision-language model's vision side BF16), compiled; the
+                      bf16 optimizer (skipped, with a note, without torchao: pip install --no-build-isolation -e
+                      ".[bench]")
     liger-compiled    liger, compiled
 
 For each row, on a fresh model: peak GiB and reserved GiB (torch.cuda.max_memory_allocated / _reserved over
 --warmup + --steps steps, the first of which allocates the optimizer state), less what was allocated when the row
 started ("allocated before GiB": MemTracker's accounting step leaves a torch.optim.AdamW(fused=True)
 model's parameters and state alive, 9.1 GiB after the Llama-3.2-1B BF16 row on an H200, and they stay for the
-process), the median of the --steps timed steps (CUDA events) and tokens/s, and the peak's parts:
+process), the median of the --steps timed steps (CUDA events) and tokens/s (every token of the batch: of a
+vision-language sample, its image tokens too, not the vision tower's patches), and the peak's parts:
   - weights, grads and optimizer GiB, counted from the tensors after a step;
   - fwd kept GiB: what the forward leaves allocated for backward (torch.cuda.memory_allocated after the model
     call minus before), logits and loss included; "logits returned" says whether the model returned logits;
   - eager rows only, from one more step under torch.distributed._tools.mem_tracker.MemTracker, which accounts
-    every live tensor: body kept GiB (what the embedding and decoder layers keep for backward), head+loss kept GiB
-    (what the LM head and the loss keep: the logits' share), and the tensors live at that step's peak by kind,
-    activations (made in the forward) and temporaries (made in the backward: the logits' gradient among them),
-    with the phase the peak fell in. MemTracker does not see into compiled graphs: a compiled row's eager twin
-    shows its split.
+    every live tensor: body kept GiB (what the embedding and decoder layers keep for backward, and a
+    vision-language model's vision side), vision kept GiB (of that, what the vision tower and merger keep),
+    head+loss kept GiB (what the LM head and the loss keep: the logits' share), and the tensors live at that step's
+    peak by kind, activations (made in the forward) and temporaries (made in the backward: the logits' gradient
+    among them), with the phase the peak fell in. MemTracker does not see into compiled graphs: a compiled row's
+    eager twin shows its split.
 A row that runs out of memory is recorded as OOM; one that fails otherwise (a compile failure included) records
 its error, and the script exits 1 once everything is written.
 
 Time on one H200, from estimates (a 1B step ~0.4 s and its build ~5 s, an 8B step at sequence 8192 ~2-3 s and
 its build ~20 s, ~1 min per whole-model compile, ~2 for an 8B): the default, llama3.2-1b with every variant at
 2 warm-up and 3 timed steps, ~6 min (5 eager rows ~1 min, 4 compiled ones ~4-5); an 8B shape with the rows
-bf16 liger coat coat-unfused coat-lowmem coat-compiled ~5 min. Take one shape per run: each writes its own
-e2e-shapes-SHAPE-DEVICE.json and .png, after every row, so that a run cut short keeps the rows it finished.
+bf16 liger coat coat-unfused coat-lowmem coat-compiled ~5 min. The vision-language shapes, estimated the same way
+(not yet measured): a 3B step ~1.0e14 FLOPs, a sixth of them in the vision tower, whose window attention runs one
+SDPA call per window (64 windows x 28 blocks, each way), ~0.4-0.6 s, its build ~10 s, the whole-model compile
+~2-3 min: the five rows of the qwen2.5-vl-3b command below ~5 min; the 7B's two rows ~2 min (bf16 runs out of
+memory in its first step, 16 bytes of model state per parameter being 133 GB, and the row rebuilds its model once
+after). Take one shape per run: each writes its own e2e-shapes-SHAPE-DEVICE.json and .png, after every row, so that
+a run cut short keeps the rows it finished.
 
     python benchmarks/e2e_shapes.py                                     (llama3.2-1b, every variant)
     python benchmarks/e2e_shapes.py --shapes llama3.1-8b --variants NAME...     (the 8B rows above)
     python benchmarks/e2e_shapes.py --shapes qwen2.5-7b --batch 2 --seq 2048 --variants NAME...
+    python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-3b --variants coat coat-vision coat-lowmem torchao-compiled bf16
+    python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-7b --variants coat-lowmem bf16
+                                        (bf16 last: its accounting step leaves its model and state allocated)
     python benchmarks/e2e_shapes.py --variants coat coat-compiled --profile   (and each row's kernels per step)
     python benchmarks/e2e_shapes.py --smoke                             (CPU, tiny shapes: checks that it runs)
     python benchmarks/e2e_shapes.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
 """
-import dataclasses
 import importlib.metadata
 import inspect
 import os
@@ -76,82 +105,24 @@ import traceback
 import warnings
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    OlmoeConfig,
-    OlmoeForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-)
+from transformers import Qwen2ForCausalLM
 
 import coat
+from coat.nn.vision import vision_linears
 
 from _common import RESULTS_DIR, compile_for_fixed_shapes, kernel_profile, parser, print_table, write_results
+from _model_shapes import SHAPES, SMOKE_BATCH, SMOKE_SEQ, Shape, VisionLanguageShape
 from e2e import GIB, Training, instantiate, make_optimizer, timed_steps, torchao_float8, torchao_missing, trial
 
 # Eager rows first, so that a run cut short keeps them; coat-compiled next, the question the compiled rows answer.
-VARIANTS = ("bf16", "liger", "coat", "coat-unfused", "coat-lowmem", "coat-compiled", "bf16-compiled",
+VARIANTS = ("bf16", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem", "coat-compiled", "bf16-compiled",
             "torchao-compiled", "liger-compiled")
-SMOKE_VARIANTS = ("bf16", "liger", "coat", "coat-unfused", "coat-lowmem")  # compiling on the CPU takes minutes
+# compiling on the CPU takes minutes
+SMOKE_VARIANTS = ("bf16", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem")
 VARIANT_COLORS = {"bf16": "tab:blue", "bf16-compiled": "tab:cyan", "torchao-compiled": "tab:green",
                   "liger": "tab:gray", "liger-compiled": "silver", "coat": "tab:orange", "coat-compiled": "tab:red",
-                  "coat-unfused": "tab:brown", "coat-lowmem": "tab:purple"}
-SMOKE_BATCH, SMOKE_SEQ = 2, 32
+                  "coat-vision": "tab:pink", "coat-unfused": "tab:brown", "coat-lowmem": "tab:purple"}
 PROFILE_KERNELS = 40  # the kernels of --profile kept per row, most time first
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    model_class: type
-    config_class: type
-    config: dict  # the model's configuration
-    batch: int
-    seq: int
-    smoke: dict  # the tiny configuration of --smoke: the same family, embedding tying and head grouping
-
-    def make_config(self, smoke: bool):
-        return self.config_class(**(self.smoke if smoke else self.config), attn_implementation="sdpa",
-                                 use_cache=False)  # training: no KV cache
-
-
-def _tiny(heads: int, kv_heads: int, tied: bool) -> dict:
-    # hidden and intermediate multiples of 128, for coat-lowmem's 1 x 128 blocks; a vocabulary 8x the hidden size
-    return dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                intermediate_size=256, vocab_size=1024, tie_word_embeddings=tied)
-
-
-SHAPES = {
-    "llama3.2-1b": Shape(LlamaForCausalLM, LlamaConfig, dict(
-        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
-        vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=131072), batch=8, seq=2048, smoke=_tiny(4, 1, tied=True)),
-    "llama3.1-8b": Shape(LlamaForCausalLM, LlamaConfig, dict(
-        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-        vocab_size=128256, tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=131072), batch=1, seq=8192, smoke=_tiny(4, 1, tied=False)),
-    "qwen2.5-7b": Shape(Qwen2ForCausalLM, Qwen2Config, dict(  # Qwen2's q, k and v projections have a bias
-        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
-        vocab_size=152064, tie_word_embeddings=False, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=32768), batch=1, seq=4096, smoke=_tiny(4, 2, tied=False)),
-    # Mixtures of experts: transformers' grouped_mm experts in the BF16 rows, the router's auxiliary loss on.
-    "olmoe-1b-7b": Shape(OlmoeForCausalLM, OlmoeConfig, dict(
-        hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024,
-        num_experts=64, num_experts_per_tok=8, vocab_size=50304, tie_word_embeddings=False, rms_norm_eps=1e-5,
-        max_position_embeddings=4096, output_router_logits=True, router_aux_loss_coef=0.01,
-        experts_implementation="grouped_mm"), batch=1, seq=4096,
-        smoke=dict(_tiny(4, 4, tied=False), num_experts=8, num_experts_per_tok=2, output_router_logits=True)),
-    "qwen2-moe-a2.7b": Shape(Qwen2MoeForCausalLM, Qwen2MoeConfig, dict(
-        hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
-        intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
-        num_experts_per_tok=4, vocab_size=151936, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        max_position_embeddings=8192, output_router_logits=True, router_aux_loss_coef=0.001,
-        experts_implementation="grouped_mm"), batch=1, seq=4096,
-        smoke=dict(_tiny(4, 4, tied=False), num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                   shared_expert_intermediate_size=256, output_router_logits=True)),
-}
 
 
 def convert_has_fused_loss() -> bool:
@@ -170,9 +141,22 @@ def liger_missing(device: torch.device) -> str | None:
     return None
 
 
+def shape_excludes(variant: str, shape: Shape) -> str | None:
+    """Why the variant does not apply to the shape, or None."""
+    vision_language = isinstance(shape, VisionLanguageShape)
+    if variant == "coat-vision" and not vision_language:
+        return "a text model has no vision side to convert"
+    if variant.startswith("liger") and vision_language:
+        return ("not wired for vision-language models (Liger-Kernel's Qwen2.5-VL patch replaces the model's whole "
+                "forward, untried against this transformers release)")
+    return None
+
+
 def coat_options(variant: str) -> dict:
     """coat.convert's options of a coat variant; fused_loss set explicitly wherever coat.convert has it."""
     options = {"saved_format": "fp4", "group_size": 128} if variant == "coat-lowmem" else {}
+    if variant == "coat-vision":
+        options["vision_linears"] = True
     if convert_has_fused_loss():
         options["fused_loss"] = variant != "coat-unfused"
     return options
@@ -194,7 +178,9 @@ def build(variant: str, shape: Shape, config, device: torch.device) -> tuple:
     if variant.startswith("coat"):
         coat.convert(model, **coat_options(variant))
     elif variant.startswith("torchao"):
-        torchao_float8(model)
+        # the language model's linears: those coat.convert converts by default (vision_linears=False)
+        vision = vision_linears(model) if isinstance(shape, VisionLanguageShape) else []
+        torchao_float8(model, keep_bf16=[name for name, _ in vision])
     elif variant.startswith("liger"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama, apply_liger_kernel_to_qwen2
 
@@ -211,13 +197,18 @@ def build(variant: str, shape: Shape, config, device: torch.device) -> tuple:
 
 
 class ShapeTraining(Training):
-    """benchmarks/e2e.py's training step on one GPU, of a shape's model, that also notes what each forward
-    leaves allocated and whether it returned logits."""
+    """benchmarks/e2e.py's training step on one GPU, of a shape's model (at --smoke's tiny size with smoke) on
+    the shape's inputs, that also notes what each forward leaves allocated and whether it returned logits."""
 
-    def __init__(self, variant: str, shape: Shape, config, device: torch.device):
-        super().__init__(variant, config, device, mesh=None, rank=0)
-        self.shape = shape
+    def __init__(self, variant: str, shape: Shape, device: torch.device, smoke: bool = False):
+        super().__init__(variant, shape.make_config(smoke), device, mesh=None, rank=0)
+        self.shape, self.smoke = shape, smoke
         self.forward_kept_bytes = self.logits_returned = None
+
+    def tokens(self, batch: int, seq: int) -> dict:
+        """The model's keyword arguments for a step (Shape.inputs), on the device."""
+        inputs = self.shape.inputs(self.config, batch, seq, self.smoke, self.generator)
+        return {name: tensor.to(self.device) for name, tensor in inputs.items()}
 
     def build(self) -> None:
         self.free()
@@ -228,10 +219,11 @@ class ShapeTraining(Training):
             torch._dynamo.reset()  # the compile caches refer to the model
         super().free()
 
-    def forward(self, ids: torch.Tensor):
+    def forward(self, inputs: dict):
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_allocated(self.device) if cuda else 0
-        output = super().forward(ids)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.autocast):
+            output = self.model(**inputs)
         if cuda:
             self.forward_kept_bytes = torch.cuda.memory_allocated(self.device) - before
         self.logits_returned = output.logits is not None
@@ -239,8 +231,9 @@ class ShapeTraining(Training):
 
 
 def tracked_step(training: ShapeTraining, batch: int, seq: int) -> dict:
-    """One more step under MemTracker (an eager model): what the body and what the LM head and loss keep for
-    backward, and the live tensors at the step's peak by kind, in GiB, and the phase the peak fell in."""
+    """One more step under MemTracker (an eager model): what the body (of a vision-language model, the vision side
+    too) and what the LM head and loss keep for backward, what the vision side keeps, and the live tensors at the
+    step's peak by kind, in GiB, and the phase the peak fell in."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
     ids = training.tokens(batch, seq)
@@ -264,7 +257,7 @@ def tracked_step(training: ShapeTraining, batch: int, seq: int) -> dict:
         phase = "backward"
     else:
         phase = "optimizer step"
-    return {
+    parts = {
         "body kept GiB": (total(body, _ModState.POST_FW) - total(root, _ModState.PRE_FW)) / GIB,
         "head+loss kept GiB": (total(root, _ModState.POST_FW) - total(body, _ModState.POST_FW)) / GIB,
         "tracked peak GiB": peak["Total"] / GIB,
@@ -272,6 +265,10 @@ def tracked_step(training: ShapeTraining, batch: int, seq: int) -> dict:
         "peak temporaries GiB": (peak[_MemRefType.TEMP] + peak[_MemRefType.OTH]) / GIB,
         "peak in": phase,
     }
+    if isinstance(training.shape, VisionLanguageShape):
+        vision = body.visual  # Qwen2.5-VL's vision tower with its patch merger
+        parts["vision kept GiB"] = (total(vision, _ModState.POST_FW) - total(vision, _ModState.PRE_FW)) / GIB
+    return parts
 
 
 def error_text(error: BaseException) -> str:
@@ -282,9 +279,11 @@ def error_text(error: BaseException) -> str:
 def measure(variant: str, shape_name: str, batch: int, seq: int, args, device: torch.device) -> dict:
     """One row: the variant's step at the shape, on a fresh model."""
     shape = SHAPES[shape_name]
-    training = ShapeTraining(variant, shape, shape.make_config(args.smoke), device)
+    training = ShapeTraining(variant, shape, device, args.smoke)
     row = {"shape": shape_name, "variant": variant, "batch": batch, "seq": seq, "loss": loss_kind(variant),
            "compiled": variant.endswith("compiled")}
+    if isinstance(shape, VisionLanguageShape):  # of the seq tokens of each sample
+        row["image tokens"] = shape.image_tokens(args.smoke)
     if device.type == "cuda":  # what the rows before left allocated: taken out of this row's peaks below
         row["allocated before GiB"] = torch.cuda.memory_allocated(device) / GIB
     result = error = None
@@ -344,10 +343,16 @@ def summarize(rows: list[dict], args, missing: dict[str, str]) -> dict:
             "tokens_per_s": speed,
             "memory_ratio_bf16_over_variant": {v: ratio(gib.get("bf16"), g) for v, g in gib.items()},
             "speed_ratio_over_bf16": {v: ratio(s, speed.get("bf16")) for v, s in speed.items()},
+            "speed_ratio_over_torchao": {v: ratio(s, speed.get("torchao-compiled")) for v, s in speed.items()},
             # coat's fused loss against transformers' loss on coat (coat-unfused)
             "fused_loss_gib_saved": (gib["coat-unfused"] - gib["coat"]
                                      if gib.get("coat") is not None and gib.get("coat-unfused") is not None else None),
             "fused_loss_speed_ratio": ratio(speed.get("coat"), speed.get("coat-unfused")),
+            # a vision-language model's vision side in FP8 (coat-vision) against it in BF16 (coat)
+            "vision_linears_gib_saved": (gib["coat"] - gib["coat-vision"]
+                                         if gib.get("coat") is not None and gib.get("coat-vision") is not None
+                                         else None),
+            "vision_linears_speed_ratio": ratio(speed.get("coat-vision"), speed.get("coat")),
             "compiled_over_eager_speed": {v: ratio(speed.get(f"{v}-compiled"), speed.get(v))
                                           for v in ("bf16", "liger", "coat") if f"{v}-compiled" in by_variant},
         }
@@ -464,15 +469,26 @@ def main():
     missing = {v: why for v, why in missing.items() if why}
     for variant, why in missing.items():
         print(f"{variant}: skipped, {why}", flush=True)
+    sizes = {}  # shape -> (batch, seq)
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        sizes[shape_name] = (SMOKE_BATCH if args.smoke else args.batch or shape.batch,
+                             SMOKE_SEQ if args.smoke else args.seq or shape.seq)
+        least = shape.image_tokens(args.smoke) + 3  # the image between its start and end tokens, and some text
+        if sizes[shape_name][1] < least:
+            p.error(f"--seq {sizes[shape_name][1]} leaves {shape_name} no text beside its image: give at least {least}")
+        for variant in variants:
+            why = shape_excludes(variant, shape)
+            if why and variant not in missing:
+                missing[f"{variant} on {shape_name}"] = why
+                print(f"{variant} on {shape_name}: skipped, {why}", flush=True)
 
     name = "e2e-shapes-smoke" if args.smoke else "e2e-shapes-" + "+".join(shapes)
     rows = []
     for shape_name in shapes:
-        shape = SHAPES[shape_name]
-        batch = SMOKE_BATCH if args.smoke else args.batch or shape.batch
-        seq = SMOKE_SEQ if args.smoke else args.seq or shape.seq
+        batch, seq = sizes[shape_name]
         for variant in variants:
-            if variant not in missing:
+            if variant not in missing and f"{variant} on {shape_name}" not in missing:
                 rows.append(measure(variant, shape_name, batch, seq, args, device))
                 # after every row, so that a run cut short keeps what it measured
                 path = write_results(args.results_dir, name, rows, summarize(rows, args, missing))
@@ -481,9 +497,10 @@ def main():
     if not rows:
         sys.exit("no variant could run here: " + "; ".join(f"{v}: {why}" for v, why in missing.items()))
 
-    columns = ["shape", "variant", "batch", "seq", "loss", "logits returned", "peak GiB", "reserved GiB", "step ms",
-               "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "fwd kept GiB", "body kept GiB",
-               "head+loss kept GiB", "peak activations GiB", "peak temporaries GiB", "peak in"]
+    columns = ["shape", "variant", "batch", "seq", "image tokens", "loss", "logits returned", "peak GiB",
+               "reserved GiB", "step ms", "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "fwd kept GiB",
+               "body kept GiB", "vision kept GiB", "head+loss kept GiB", "peak activations GiB",
+               "peak temporaries GiB", "peak in"]
     print_table(rows, columns)
     for row in rows:
         if "profile" in row:

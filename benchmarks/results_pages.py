@@ -84,14 +84,16 @@ FAMILIES = (
            "`coat-fp8-comm` FP8 collectives. Peak memory is `torch.cuda.max_memory_allocated`; tokens/s per GPU the "
            "median of the timed steps."),
     Family("models", "Today's models: whole training steps", ("e2e_shapes",), ("shape", "variant", "batch", "seq"),
-           ("loss", "peak GiB", "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB", "body kept GiB",
-            "head+loss kept GiB", "peak in"),
+           ("image tokens", "loss", "peak GiB", "tokens/s/GPU", "weights GiB", "grads GiB", "optimizer GiB",
+            "body kept GiB", "vision kept GiB", "head+loss kept GiB", "peak in"),
            "`benchmarks/e2e_shapes.py`: whole training steps (forward with labels, backward, optimizer step) of "
            "today's model shapes with their 128k-152k vocabularies, float32 master weights under bf16 autocast. "
            "`coat` has the fused LM head + loss (`loss`: coat fused), `coat-unfused` leaves the loss to transformers, "
            "`coat-lowmem` adds bf16 weights, FP8 gradients and FP4-kept activations in 1 x 128 blocks. "
            "`body kept` and `head+loss kept` split what the forward keeps for backward between the decoder layers "
-           "and the LM head with its loss."),
+           "and the LM head with its loss. The Qwen2.5-VL shapes train SFT steps with an image in every sample "
+           "(`image tokens` of its `seq`, all counted in tokens/s); their vision side stays BF16 but in `coat-vision` "
+           "(`coat.convert(model, vision_linears=True)`), and `vision kept` is its share of `body kept`."),
     Family("moe", "Mixture-of-experts block", ("moe",), ("shape", "variant"),
            ("tokens", "fwd+bwd ms", "vs bf16", "saved MiB", "saved vs bf16"),
            "`benchmarks/moe.py`: a decoder layer's MoE block, forward + backward (h + experts(router(RMSNorm(h)))), at "
@@ -389,6 +391,8 @@ def readme_table(results: list[Result]) -> str:
     add(f"OLMoE-1B-7B shape (6.9B parameters, 64 experts), batch {lowmem['batch']} x {lowmem['seq']}: peak memory and "
         "tokens/s of the lowest-memory settings", f"{lowmem['peak GiB']:.1f} GiB, {lowmem['tokens/s/GPU']:,.0f} "
         f"tokens/s (BF16: {bf16['peak GiB']})", olmoe, "models")
+    for what, figure, found in _vision_language_figures(results):
+        add(what, figure, found, "models")
     for label, saved_format, group_size in (("FP8 defaults", "e4m3", 16), ("FP4-kept activations", "fp4", 16),
                                             ("FP4-kept activations, G = 128", "fp4", 128)):
         runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_llama"
@@ -419,6 +423,67 @@ def readme_table(results: list[Result]) -> str:
         f"{' and '.join(sorted({row['batch x seq'] for _, row in report}, key=lambda b: int(b.split('x')[0])))} tokens)",
         _span([row["GPU-bound capture / off"] for _, row in report], "{:.3f}x"), report, "report")
     return "\n".join([TABLE_BEGIN, ""] + _table(["what", "coat", "device", "source"], rows) + ["", TABLE_END])
+
+
+def _peak(row: dict) -> str:
+    """A models row's peak memory, or what it recorded instead (OOM, error)."""
+    return f"{row['peak GiB']:.1f} GiB" if isinstance(row["peak GiB"], float) else str(row["peak GiB"])
+
+
+def _speed_ratio(row: dict, base: dict) -> str | None:
+    speeds = row.get("tokens/s/GPU"), base.get("tokens/s/GPU")
+    return f"{speeds[0] / speeds[1]:.2f}x" if None not in speeds else None
+
+
+def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list]]:
+    """(what, figure, found) of the README rows of the Qwen2.5-VL shapes, those measured: the 3B's coat row against
+    BF16 and torchao of the same run, with coat-vision and coat-lowmem; the 7B's lowest-memory settings, which
+    the issue asks to fit one 80 GB GPU."""
+    rows = []
+    try:
+        found = _latest(results, "models", "peak GiB", variant="coat", shape="qwen2.5-vl-3b")
+    except LookupError:  # not measured yet
+        found = []
+    if found:
+        result, coat_row = found[0]
+        same_run = {}
+        for variant in ("bf16", "torchao-compiled", "coat-vision", "coat-lowmem"):
+            try:
+                same_run[variant] = _sibling(result, coat_row, variant, ("shape", "batch", "seq"))
+            except LookupError:  # a run without that row
+                pass
+        baselines = [f"{label} {_peak(same_run[v])}" for v, label in (("bf16", "BF16"), ("torchao-compiled", "torchao"))
+                     if v in same_run]
+        figure = _peak(coat_row) + (f" ({', '.join(baselines)})" if baselines else "")
+        speeds = [f"{ratio} {label}" for v, label in (("bf16", "BF16"), ("torchao-compiled", "torchao"))
+                  if v in same_run and (ratio := _speed_ratio(coat_row, same_run[v]))]
+        if speeds:
+            figure += "; " + ", ".join(speeds)
+        if "coat-vision" in same_run:
+            vision = same_run["coat-vision"]
+            ratio = _speed_ratio(vision, coat_row)
+            figure += f"; vision side FP8: {_peak(vision)}" + (f", {ratio} coat's tokens/s" if ratio else "")
+        if "coat-lowmem" in same_run:
+            figure += f"; lowest-memory settings: {_peak(same_run['coat-lowmem'])}"
+        rows.append((f"Qwen2.5-VL-3B shape (3.75B with its vision tower), SFT step, batch {coat_row['batch']} x "
+                     f"{coat_row['seq']} ({coat_row['image tokens']:,} of them image tokens): peak memory; tokens/s "
+                     "against BF16 and torchao float8 (compiled, the language model's linears); with "
+                     "`vision_linears=True`; lowest-memory settings", figure, found))
+    try:
+        found = _latest(results, "models", "peak GiB", variant="coat-lowmem", shape="qwen2.5-vl-7b")
+    except LookupError:  # not measured yet
+        found = []
+    if found:
+        result, lowmem = found[0]
+        figure = _peak(lowmem) + (f", {lowmem['tokens/s/GPU']:,.0f} tokens/s" if "tokens/s/GPU" in lowmem else "")
+        try:
+            figure += f" (BF16: {_peak(_sibling(result, lowmem, 'bf16', ('shape', 'batch', 'seq')))})"
+        except LookupError:  # a run without the BF16 row
+            pass
+        rows.append((f"Qwen2.5-VL-7B shape (8.29B with its vision tower), SFT step, batch {lowmem['batch']} x "
+                     f"{lowmem['seq']} ({lowmem['image tokens']:,} of them image tokens): peak memory and tokens/s of "
+                     "the lowest-memory settings", figure, found))
+    return rows
 
 
 def _configuration(run: dict, family: str = "llama") -> tuple | None:

@@ -239,34 +239,57 @@ def test_e2e_plots_the_committed_gpu_results(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+VISION_LANGUAGE_SHAPES = ["qwen2.5-vl-3b", "qwen2.5-vl-7b"]
+
+
+def language_model_kept(row: dict) -> float:
+    """GiB the embedding and decoder layers keep for backward: the body's, less a vision side's."""
+    return row["body kept GiB"] - row.get("vision kept GiB", 0.0)
+
+
 def test_e2e_shapes_smoke_mode(tmp_path):
     """benchmarks/e2e_shapes.py at tiny sizes of each shape on the CPU: every row trains, and its memory parts
-    add up: model state from the tensors, and what the body and what the LM head and loss keep for backward."""
+    add up: model state from the tensors, and what the body and what the LM head and loss keep for backward. The
+    vision-language shapes have the coat-vision row too, whose vision side keeps FP8 inputs where coat's keeps
+    BF16 activations as bf16's does."""
     result = run_smoke([sys.executable], "e2e_shapes", tmp_path)
     summary = result["summary"]
     assert {"device", "torch", "date", "command"} <= result.keys()
     assert summary["smoke"] and summary["shapes"] == ["llama3.2-1b", "llama3.1-8b", "qwen2.5-7b", "olmoe-1b-7b",
-                                                      "qwen2-moe-a2.7b"]
+                                                      "qwen2-moe-a2.7b", *VISION_LANGUAGE_SHAPES]
     assert set(summary["versions"]) == {"transformers", "torchao", "liger-kernel", "triton"}
     fused = "fused_loss" in inspect.signature(coat.convert).parameters
     assert summary["coat_convert_has_fused_loss"] == fused
     expected = ["bf16", "coat", "coat-unfused", "coat-lowmem"] if fused else ["bf16", "coat", "coat-lowmem"]
     assert any(note.startswith("liger skipped: ") for note in summary["notes"])  # no GPU for its Triton kernels
+    assert [note for note in summary["notes"] if note.startswith("coat-vision on ")] == [
+        f"coat-vision on {shape} skipped: a text model has no vision side to convert" for shape in summary["shapes"]
+        if shape not in VISION_LANGUAGE_SHAPES]
     assert summary["errors"] == {}
     tokens, vocab = 2 * 32, 1024
     for shape in summary["shapes"]:
         rows = {row["variant"]: row for row in result["rows"] if row["shape"] == shape}
-        assert list(rows) == expected
+        vision_language = shape in VISION_LANGUAGE_SHAPES
+        assert list(rows) == (expected[:2] + ["coat-vision"] + expected[2:] if vision_language else expected)
         for variant, row in rows.items():
             assert len(row["losses"]) == 1 and math.isfinite(row["losses"][0]) and "accounting" not in row
             assert row["peak in"] in ("forward", "backward", "optimizer step")
             assert row["body kept GiB"] > 0 and row["tracked peak GiB"] > 0
-            assert row["loss"] == ("coat fused" if fused and variant in ("coat", "coat-lowmem") else "transformers")
+            assert row["loss"] == ("coat fused" if fused and variant in ("coat", "coat-vision", "coat-lowmem")
+                                   else "transformers")
+            # a 16 x 16-patch image, 16 tokens after the merger, in each sample of 32 tokens
+            assert row.get("image tokens") == (16 if vision_language else None)
+            assert ("vision kept GiB" in row) == vision_language
             if row["loss"] == "transformers":
                 # transformers' loss: the bf16 logits it returns and the float32 log-softmax cross-entropy saves
                 assert row["logits returned"]
                 assert 6 * tokens * vocab <= row["head+loss kept GiB"] * 2**30 <= 12 * tokens * vocab
         bf16, coat_row, lowmem = rows["bf16"], rows["coat"], rows["coat-lowmem"]
+        # coat-vision's step time against coat's (the peak ratio needs a GPU)
+        assert (summary["per_shape"][shape]["vision_linears_speed_ratio"] is not None) == vision_language
+        if vision_language:  # the vision side keeps what bf16's keeps unless converted
+            assert coat_row["vision kept GiB"] == pytest.approx(bf16["vision kept GiB"])
+            assert rows["coat-vision"]["vision kept GiB"] * 1.3 <= coat_row["vision kept GiB"]
         # float32 weights, gradients and two Adam moments; coat's FP8 moments; bf16 weights with FP8 gradients
         assert bf16["state B/param"] == pytest.approx(16.0, abs=0.01)
         assert bf16["grads GiB"] == bf16["weights GiB"]
@@ -274,7 +297,7 @@ def test_e2e_shapes_smoke_mode(tmp_path):
         assert 10.09 <= coat_row["state B/param"] <= 10.2
         assert 5.09 <= lowmem["state B/param"] <= 5.2
         assert lowmem["weights GiB"] == pytest.approx(bf16["weights GiB"] / 2)
-        assert coat_row["body kept GiB"] * 1.8 <= bf16["body kept GiB"]  # activations saved in FP8
+        assert language_model_kept(coat_row) * 1.8 <= language_model_kept(bf16)  # activations saved in FP8
     assert (tmp_path / "e2e-shapes-smoke-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -292,11 +315,57 @@ def test_e2e_shapes_passes_fused_loss_where_coat_convert_has_it(monkeypatch):
     assert e2e_shapes.coat_options("coat") == {"fused_loss": True}
     assert e2e_shapes.coat_options("coat-unfused") == {"fused_loss": False}
     assert e2e_shapes.coat_options("coat-lowmem") == {"saved_format": "fp4", "group_size": 128, "fused_loss": True}
-    assert [e2e_shapes.loss_kind(v) for v in ("coat-compiled", "coat-unfused", "bf16", "liger")] == [
-        "coat fused", "transformers", "transformers", "liger fused"]
+    assert e2e_shapes.coat_options("coat-vision") == {"vision_linears": True, "fused_loss": True}
+    assert [e2e_shapes.loss_kind(v) for v in ("coat-compiled", "coat-unfused", "bf16", "liger", "coat-vision")] == [
+        "coat fused", "transformers", "transformers", "liger fused", "coat fused"]
     monkeypatch.setattr(e2e_shapes.coat, "convert", convert_without)
     assert e2e_shapes.coat_options("coat") == {} and e2e_shapes.loss_kind("coat") == "transformers"
     assert e2e_shapes.coat_options("coat-lowmem") == {"saved_format": "fp4", "group_size": 128}
+
+
+def test_e2e_shapes_vision_language_samples_and_sizes(monkeypatch):
+    """Each sample of the Qwen2.5-VL shapes: the image's 1,024 tokens between its start and end tokens, 3,072 text
+    tokens with their labels, the image tokens' labels -100, an 896 x 896-pixel image in 64 x 64 patches; the models
+    have the published sizes (counted on the meta device) and the 3B ties its embeddings."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    from _model_shapes import SHAPES
+    from e2e import instantiate
+
+    for name, billions in (("qwen2.5-vl-3b", 3.755), ("qwen2.5-vl-7b", 8.292)):
+        shape = SHAPES[name]
+        config = shape.make_config(smoke=False)
+        inputs = shape.inputs(config, 2, 4096, False, torch.Generator().manual_seed(0))
+        ids, labels = inputs["input_ids"], inputs["labels"]
+        image = ids == config.image_token_id
+        assert image.sum(1).tolist() == [shape.image_tokens(smoke=False)] * 2 == [1024] * 2
+        assert torch.equal(image[:, 1:1025], torch.ones(2, 1024, dtype=torch.bool))
+        assert (ids[:, 0] == config.vision_start_token_id).all() and (ids[:, 1025] == config.vision_end_token_id).all()
+        assert torch.equal(labels == -100, image) and torch.equal(labels[~image], ids[~image])
+        assert torch.equal(inputs["mm_token_type_ids"], image.int())
+        assert inputs["image_grid_thw"].tolist() == [[1, 64, 64]] * 2
+        assert inputs["pixel_values"].shape == (2 * 64 * 64, 3 * 2 * 14 * 14)
+        model = instantiate(shape.model_class, config, torch.float32, "meta")
+        assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, abs=1e-3)
+        tied = model.lm_head.weight is model.model.language_model.embed_tokens.weight
+        assert tied == (name == "qwen2.5-vl-3b")
+
+
+def test_e2e_shapes_torchao_row_converts_the_linears_coat_converts(monkeypatch):
+    """torchao's float8 linears replace the decoder layers' linears only: a vision-language model's vision tower
+    and merger stay BF16 as in the coat row, and the LM head as in every row."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e_shapes
+
+    kept = {}
+    monkeypatch.setattr(e2e_shapes, "torchao_float8", lambda model, keep_bf16: kept.update(names=keep_bf16))
+    monkeypatch.setattr(e2e_shapes, "compile_for_fixed_shapes", lambda model: model)
+    for name in ("llama3.2-1b", "qwen2.5-vl-3b"):
+        shape = e2e_shapes.SHAPES[name]
+        model, _ = e2e_shapes.build("torchao-compiled", shape, shape.make_config(smoke=True), torch.device("cpu"))
+        vision = [n for n, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and n.startswith("model.visual.")]
+        assert kept["names"] == vision
+        assert ("model.visual.merger.mlp.0" in vision) == (name == "qwen2.5-vl-3b")
 
 
 def test_e2e_shapes_records_out_of_memory_and_failures_as_rows(monkeypatch, tmp_path):

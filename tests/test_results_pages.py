@@ -120,3 +120,31 @@ def test_a_readme_without_the_table_markers_is_refused(pages, tmp_path, monkeypa
     monkeypatch.setattr(pages, "README", str(readme))
     with pytest.raises(SystemExit, match="no results table markers"):
         pages._readme_with("table")
+
+
+def test_vision_language_rows_compare_coat_with_the_baselines_of_its_own_run(pages, tmp_path):
+    """The README's Qwen2.5-VL figures: the 3B's coat row against the BF16 (out of memory here) and torchao rows of
+    the same run, with coat-vision and coat-lowmem; the 7B's lowest-memory settings. The models page shows the
+    image tokens and the vision side's share."""
+    def row(shape, variant, peak, speed=None, vision=None):
+        return {"shape": shape, "variant": variant, "batch": 1, "seq": 4096, "image tokens": 1024, "peak GiB": peak,
+                **({"tokens/s/GPU": speed} if speed else {}), **({"vision kept GiB": vision} if vision else {})}
+
+    command = "benchmarks/e2e_shapes.py --shapes {}"
+    _write(tmp_path, "vl-3b.json", "2026-01-01T00:00:00+00:00", [
+        row("qwen2.5-vl-3b", "bf16", "OOM"), row("qwen2.5-vl-3b", "coat", 40.0, 12000.0, 9.0),
+        row("qwen2.5-vl-3b", "coat-vision", 36.0, 13200.0, 4.5), row("qwen2.5-vl-3b", "coat-lowmem", 27.04, 11000.0),
+        row("qwen2.5-vl-3b", "torchao-compiled", 70.0, 10000.0)], command=command.format("qwen2.5-vl-3b"))
+    _write(tmp_path, "vl-7b.json", "2026-01-01T00:00:00+00:00", [
+        row("qwen2.5-vl-7b", "coat-lowmem", 48.25, 8000.0), row("qwen2.5-vl-7b", "bf16", "OOM")],
+        command=command.format("qwen2.5-vl-7b"))
+    results = pages.load_results(str(tmp_path))
+    (three, three_figure, three_found), (seven, seven_figure, _) = pages._vision_language_figures(results)
+    assert three.startswith("Qwen2.5-VL-3B shape") and "batch 1 x 4096 (1,024 of them image tokens)" in three
+    assert three_figure == ("40.0 GiB (BF16 OOM, torchao 70.0 GiB); 1.20x torchao; vision side FP8: 36.0 GiB, 1.10x "
+                            "coat's tokens/s; lowest-memory settings: 27.0 GiB")
+    assert [r.path for r, _ in three_found] == ["vl-3b.json"]
+    assert seven.startswith("Qwen2.5-VL-7B shape") and seven_figure == "48.2 GiB, 8,000 tokens/s (BF16: OOM)"
+    text, _ = pages.family_page(results, next(f for f in pages.FAMILIES if f.page == "models"))
+    assert "| shape | variant | batch | seq | image tokens | peak GiB | tokens/s/GPU | vision kept GiB |" in text
+    assert pages._vision_language_figures(pages.load_results(str(tmp_path / "none"))) == []

@@ -47,7 +47,7 @@ def main() -> None:
     shape = e2e_shapes.SHAPES["llama3.2-1b"]
     for variant, tracked in ROWS:
         before = torch.cuda.memory_allocated()
-        training = e2e_shapes.ShapeTraining(variant, shape, shape.make_config(False), device)
+        training = e2e_shapes.ShapeTraining(variant, shape, device)
         training.build()
         e2e_shapes.trial(training, BATCH, SEQ, warmup=2, steps=1)
         if tracked:
