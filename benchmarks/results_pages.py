@@ -207,9 +207,9 @@ def _day(result: Result) -> str:
 
 def _add_convergence_comparison(results: list[Result]) -> None:
     """Adds "vs BF16" to each coat run: its held-out loss against the mean of the BF16 runs of its family (--family;
-    runs from before it are Llama's), preset, batch and seed."""
+    runs from before it are Llama's), preset, batch, steps and seed."""
     def setting(row):
-        return row.get("family", "llama"), row["preset"], row.get("batch"), row["seed"]
+        return row.get("family", "llama"), row["preset"], row.get("batch"), row.get("steps"), row["seed"]
 
     losses: dict[tuple, list[float]] = {}
     for result in results:
@@ -276,7 +276,7 @@ FAMILY_LAYERS = {"qwen3": ("Qwen3-8B", 4096), "phi3": ("Phi-3-medium", 5120), "o
 
 MOE_BLOCKS = {"mixtral-8x7b": "Mixtral-8x7B", "qwen3-30b-a3b": "Qwen3-30B-A3B"}  # benchmarks/moe.py's shapes
 # examples/train_llama.py --family runs the README names
-CONVERGENCE_FAMILIES = {"qwen3": "Qwen3", "gemma3": "Gemma 3"}
+CONVERGENCE_FAMILIES = {"qwen3": "Qwen3", "gemma3": "Gemma 3", "qwen3_moe": "Qwen3-MoE (8 experts, top 2)"}
 
 
 def readme_table(results: list[Result]) -> str:
@@ -388,9 +388,17 @@ def readme_table(results: list[Result]) -> str:
     olmoe = _latest(results, "models", "peak GiB", variant="coat-lowmem", shape="olmoe-1b-7b")
     result, lowmem = olmoe[0]
     bf16 = _sibling(result, lowmem, "bf16", ("shape",))
-    add(f"OLMoE-1B-7B shape (6.9B parameters, 64 experts), batch {lowmem['batch']} x {lowmem['seq']}: peak memory and "
-        "tokens/s of the lowest-memory settings", f"{lowmem['peak GiB']:.1f} GiB, {lowmem['tokens/s/GPU']:,.0f} "
-        f"tokens/s (BF16: {bf16['peak GiB']})", olmoe, "models")
+    what = (f"OLMoE-1B-7B shape (6.9B parameters, 64 experts), batch {lowmem['batch']} x {lowmem['seq']}: peak memory "
+            "and tokens/s of the lowest-memory settings")
+    figure = f"{lowmem['peak GiB']:.1f} GiB, {lowmem['tokens/s/GPU']:,.0f} tokens/s (BF16: {bf16['peak GiB']})"
+    coat_rows = [(r, row) for r, row in _latest(results, "models", "peak GiB", variant="coat", shape="olmoe-1b-7b")
+                 if isinstance(row["peak GiB"], float) and r.device == result.device]
+    if coat_rows:
+        coat_row = coat_rows[0][1]
+        what += "; of coat with float32 master weights"
+        figure += f"; {coat_row['peak GiB']:.1f} GiB, {coat_row['tokens/s/GPU']:,.0f} tokens/s"
+        olmoe += coat_rows
+    add(what, figure, olmoe, "models")
     for what, figure, found in _vision_language_figures(results):
         add(what, figure, found, "models")
     for label, saved_format, group_size in (("FP8 defaults", "e4m3", 16), ("FP4-kept activations", "fp4", 16),
@@ -415,8 +423,9 @@ def readme_table(results: list[Result]) -> str:
             loss = "" if row.get("fused_loss", True) else " (transformers' loss)"
             by_seed.setdefault(row["seed"], []).append(row["vs BF16"] + loss)
         batches = sorted({row["batch"] for _, row in runs})
-        add(f"100M {label}, batch {', '.join(map(str, batches))} x 1024, 2000 steps: held-out loss against BF16, "
-            "FP8 defaults, every run", "; ".join(f"seed {seed}: {', '.join(v)}" for seed, v in by_seed.items()),
+        steps = sorted({row["steps"] for _, row in runs})
+        add(f"100M {label}, batch {', '.join(map(str, batches))} x 1024, {', '.join(map(str, steps))} steps: held-out "
+            "loss against BF16, FP8 defaults, every run", "; ".join(f"seed {seed}: {', '.join(v)}" for seed, v in by_seed.items()),
             runs, "convergence")
     report = _latest(results, "report", "GPU-bound capture / off", read="after the next step", **{"rows measured": "64"})
     add(f"a `coat.report` capture: step time against a plain step (GPU time it adds, "
