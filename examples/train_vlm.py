@@ -196,8 +196,9 @@ def main() -> None:
     chunks = [data.held_out[start:start + args.batch] for start in range(0, args.held_out, args.batch)]
     validation = [data.batch(chunk, device) for chunk in chunks]
     prompts = [data.prompts(chunk, device) for chunk in chunks]
-    # What the question alone gives, from the training stream's first samples (those of the first steps).
-    seen = [s for step in range(max(10_000 // args.batch, 1)) for s in data.samples(step, args.batch)]
+    # What the question alone gives, from the training samples (up to the first 10,000: enough for each question's
+    # most frequent answer).
+    seen = [s for step in range(min(args.steps, -(-10_000 // args.batch))) for s in data.samples(step, args.batch)]
     blind = text_only_accuracy(seen, data.held_out)
     tokens_per_sample = sum(int((batch["input_ids"] != PAD).sum()) for batch in validation) / args.held_out
     vision = sum(p.numel() for p in model.model.visual.parameters())
