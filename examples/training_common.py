@@ -656,7 +656,7 @@ def plot_runs(csv_paths: list[str], png_path: str) -> None:
         if accuracy:
             axes[2].plot(*zip(*accuracy), "o-", color=line.get_color(), markersize=4, linewidth=1.2,
                          label=f"{name} ({accuracy[-1][1]:.1f}%)")
-    axes[0].set_title("loss (lines: training, dots: held-out text)")
+    axes[0].set_title("loss (lines: training, dots: held-out)")
     axes[1].set_title("second half")
     for ax in axes:
         ax.set_xlabel("step")
