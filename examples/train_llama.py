@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
-import time
 
 import torch
 from tqdm import tqdm
@@ -50,9 +48,13 @@ from tqdm import tqdm
 import coat
 from training_common import (
     TrainingLog,
+    add_device_arguments,
     add_training_arguments,
+    autocast_for,
     build_model,
     build_optimizer,
+    check_device_arguments,
+    choose_compute_dtype,
     cosine_schedule,
     expert_token_shares,
     held_out_loss,
@@ -66,20 +68,12 @@ from training_common import (
 
 # --saved-format auto: captured steps that decide the formats; a layer moves at most FP4 -> FP6 -> E4M3.
 CHOOSING_STEPS = 2
-COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-# bf16 / float32 time of one matrix product, on one thread, above which a CPU counts as emulating bf16. On a
-# Sapphire Rapids core, oneDNN limited by ONEDNN_MAX_CPU_ISA: AMX 0.2, AVX512-BF16 1.5-2, AVX512 5.7, AVX2 50-80.
-NATIVE_BF16_MAX_TIME_RATIO = 3.0
 
 
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_training_arguments(parser)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compute-dtype", choices=["auto", *COMPUTE_DTYPES], default="auto",
-                        help="what the model computes in outside coat's FP8 layers: bfloat16 (float32 master weights, "
-                             "bf16 autocast) or float32 (no autocast); auto: bfloat16, except float32 on a CPU "
-                             "without native bf16, where torch's bf16 is many times slower")
+    add_device_arguments(parser)
     parser.add_argument("--report-every", type=int, metavar="N",
                         help="with --coat: capture every N-th step in a coat.report quantization report "
                              "(OUT/NAME-report.csv and .png); captured steps take longer")
@@ -93,55 +87,12 @@ def parse_arguments() -> argparse.Namespace:
     if args.report_every is not None and (not args.coat or args.report_every < 1):
         raise SystemExit("--report-every needs --coat (only coat's FP8 layers are reported on) and N >= 1, "
                          f"got N = {args.report_every}{'' if args.coat else ' without --coat'}")
-    if args.bf16_weights and args.compute_dtype == "float32":
-        raise SystemExit("--bf16-weights keeps no float32 weights to compute in float32: "
-                         "drop --compute-dtype float32 (bf16 weights compute in bf16)")
-    if args.coat and torch.device(args.device).type == "cuda" and not coat.built_with_cuda():
-        raise SystemExit("--coat on a GPU needs coat built with CUDA: pip install --no-build-isolation -e . "
-                         "with nvcc on the PATH (coat.built_with_cuda() is False)")
+    check_device_arguments(args)
     return args
 
 
 def token_count(tokens: int) -> str:
     return f"{tokens / 1e6:.1f}M" if tokens >= 100_000 else f"{tokens:,}"
-
-
-def bf16_matmul_time_ratio(repeats: int = 3) -> float:
-    """How many times as long a bf16 matrix product takes as a float32 one on this CPU: the fastest of
-    ``repeats`` after a warm-up (oneDNN builds its kernel on the first call), timed in this thread's CPU time
-    on one thread, so that other processes on a busy machine do not change the answer."""
-    a, b = torch.randn(512, 256), torch.randn(256, 256)
-
-    def fastest(x: torch.Tensor, y: torch.Tensor) -> float:
-        x @ y
-        times = []
-        for _ in range(repeats):
-            start = time.thread_time()
-            x @ y
-            times.append(time.thread_time() - start)
-        return max(min(times), 1e-9)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fastest(a.bfloat16(), b.bfloat16()) / fastest(a, b)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def choose_compute_dtype(args: argparse.Namespace, device: torch.device) -> tuple[torch.dtype, float | None, str | None]:
-    """The dtype the run computes in outside coat's FP8 layers; the measured bf16_matmul_time_ratio where auto
-    measured it (None elsewhere); and where auto chose float32, a note that says so and why (else None).
-    bf16 on GPUs and with --bf16-weights (the weights are bf16)."""
-    if args.compute_dtype != "auto":
-        return COMPUTE_DTYPES[args.compute_dtype], None, None
-    if device.type != "cpu" or args.bf16_weights:
-        return torch.bfloat16, None, None
-    ratio = bf16_matmul_time_ratio()
-    if ratio <= NATIVE_BF16_MAX_TIME_RATIO:
-        return torch.bfloat16, ratio, None
-    what = "coat computes in float32 outside its FP8 layers" if args.coat else "baseline computes in float32"
-    return torch.float32, ratio, f"{what} on this CPU: no native bf16"
 
 
 def main() -> None:
@@ -169,8 +120,7 @@ def main() -> None:
         print(f"{args.name}: {compute_note} (a bf16 matrix product took {bf16_time_ratio:.0f}x as long as a "
               "float32 one); --compute-dtype bfloat16 runs bf16 autocast anyway")
 
-    # float32: no autocast, the float32 master weights compute as they are
-    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext
+    autocast = autocast_for(device, compute_dtype)
     log = TrainingLog(args, first_step=0, tokens_per_step=args.batch * args.seq, device=device)
     report = QuantizationLog(args, model, optimizer) if args.report_every else None
     # --saved-format auto: the first steps are captured to choose each layer's format, starting from FP4

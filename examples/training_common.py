@@ -8,8 +8,10 @@ from a local path brings its own tokenizer when the directory has one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
+import functools
 import json
 import math
 import os
@@ -84,13 +86,23 @@ EXPERTS, TOP_K, EXPERT_WIDTH_DIVISOR, ROUTER_AUX_LOSS_COEF = 8, 2, 4, 0.01
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options both training scripts take; None means "the preset's value"."""
+    """The options both text training scripts take; None means "the preset's value"."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help=PRESET_HELP)
     parser.add_argument("--family", choices=list(FAMILIES), default="llama",
                         help="the transformers model family the preset is built in (the same hidden size, layers "
                              "and heads), or that --model holds")
     parser.add_argument("--model", metavar="PATH", help="a local transformers directory of --family to train from "
                         "(its config and weights; its tokenizer if it has one, else bytes) instead of a preset model")
+    add_coat_arguments(parser)
+    add_run_arguments(parser)
+    parser.add_argument("--seq", type=int, help="tokens per sequence")
+    parser.add_argument("--eval-batches", type=int, default=8, help="batches of held-out text per validation")
+    parser.add_argument("--data-bytes", type=int, help="read at most this many bytes of text (default: all)")
+
+
+def add_coat_arguments(parser: argparse.ArgumentParser, auto_saved_format: bool = True) -> None:
+    """--coat and the options of coat.convert and coat.optim.AdamW that the training examples take; --saved-format
+    auto where the script chooses the formats from reports (``auto_saved_format``)."""
     parser.add_argument("--coat", action="store_true", help="train with coat.convert and coat.optim.AdamW (FP8)")
     parser.add_argument("--bf16-weights", action="store_true",
                         help="with --coat: bfloat16 parameters and gradients, no float32 master copy (6.1 bytes "
@@ -99,7 +111,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how --bf16-weights rounds each update (stochastic keeps updates below half an ulp)")
     parser.add_argument("--fp8-grads", choices=["e5m2", "e4m3"],
                         help="with --coat: keep gradients in FP8 with a per-tensor scale after backward (1 byte)")
-    parser.add_argument("--saved-format", choices=["e4m3", "fp6", "fp4", "auto"], default="e4m3",
+    parser.add_argument("--saved-format", choices=["e4m3", "fp6", "fp4", *(["auto"] if auto_saved_format else [])],
+                        default="e4m3",
                         help="with --coat: how RMSNorm and SiLU*mul keep their inputs for backward (fp4: 4 bits "
                              "+ a float32 scale per 16, AGoQ's low-bit storage; fp6: 6 bits + a scale per 16; "
                              "coat.convert(saved_format=...)); auto (train_llama.py): 4, 6 or 8 bits per layer, "
@@ -115,9 +128,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unfused-loss", action="store_true",
                         help="with --coat: leave the LM head and loss to transformers (the full logits, then "
                              "cross_entropy) instead of coat's fused LM head + loss (coat.convert(fused_loss=False))")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The length, schedule, logging and output options of the training examples; None means "the preset's"."""
     parser.add_argument("--steps", type=int, help="optimizer steps")
     parser.add_argument("--batch", type=int, help="sequences per step (per process under torchrun)")
-    parser.add_argument("--seq", type=int, help="tokens per sequence")
     parser.add_argument("--lr", type=float, help="peak learning rate (linear warm-up, cosine decay to 10%%)")
     parser.add_argument("--warmup", type=int, help="warm-up steps")
     parser.add_argument("--weight-decay", type=float, default=0.1)
@@ -127,8 +143,6 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attention kernel; eager gives bit-reproducible runs on GPUs")
     parser.add_argument("--log-every", type=int, default=10, help="steps per CSV row and progress-bar update")
     parser.add_argument("--eval-every", type=int, help="steps between validation losses (default: steps / 10)")
-    parser.add_argument("--eval-batches", type=int, default=8, help="batches of held-out text per validation")
-    parser.add_argument("--data-bytes", type=int, help="read at most this many bytes of text (default: all)")
     parser.add_argument("--out", default="runs", help="directory for the CSV log, the summary JSON and the plot")
     parser.add_argument("--name", help="run name, the file names in --out (default: PRESET-bf16 or PRESET-coat)")
     parser.add_argument("--compare", nargs="*", default=[], metavar="CSV",
@@ -136,10 +150,13 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                              "with the difference, and drawn in the same plot")
 
 
-def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fills the options left at None from the preset and checks them; errors say which option to change."""
-    preset = PRESETS[args.preset]
-    for field in ("steps", "batch", "seq", "lr", "warmup"):
+def resolve(args: argparse.Namespace, presets: dict = PRESETS, model_name: str | None = None) -> argparse.Namespace:
+    """Fills the options left at None from the preset (``presets[args.preset]``, the fields of the same names) and
+    checks them; errors say which option to change. The default run name is MODEL-VARIANT, MODEL ``model_name``
+    or, for the text scripts, the preset or --model directory and the family."""
+    preset = presets[args.preset]
+    filled = [field for field in ("steps", "batch", "seq", "lr", "warmup") if hasattr(args, field)]
+    for field in filled:
         if getattr(args, field) is None:
             setattr(args, field, getattr(preset, field))
     if args.eval_every is None:
@@ -150,29 +167,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit("--saved-format, --group-size, --fast-accum and --unfused-loss are options of coat.convert: "
                          "add --coat")
     if args.name is None:
-        variant = "coat" if args.coat else "bf16"
-        if args.bf16_weights:
-            variant += "-bf16w" + ("-nearest" if args.param_rounding == "nearest" else "")
-        if args.fp8_grads:
-            variant += f"-{args.fp8_grads}-grads"
-        if args.saved_format != "e4m3":
-            variant += f"-{args.saved_format}-saved"
-        if args.group_size != 16:
-            variant += f"-g{args.group_size}"
-        if args.fast_accum:
-            variant += "-fast-accum"
-        if args.unfused_loss:
-            variant += "-unfused-loss"
-        if getattr(args, "uniform_fp4", False):
-            variant += "-uniform"
-        if getattr(args, "fp8_reduce_scatter", False):
-            variant += "-fp8-reduce-scatter"
-        if getattr(args, "fp8_all_gather", False):
-            variant += "-fp8-all-gather"
-        model_name = os.path.basename(os.path.normpath(args.model)) if args.model else args.preset
-        family = "" if args.family == "llama" else f"-{args.family}"
-        args.name = f"{model_name}{family}-{variant}"
-    for field in ("steps", "batch", "seq", "log_every", "eval_every", "eval_batches"):
+        if model_name is None:
+            model_name = os.path.basename(os.path.normpath(args.model)) if args.model else args.preset
+            model_name += "" if args.family == "llama" else f"-{args.family}"
+        args.name = f"{model_name}-{variant_name(args)}"
+    counts = [field for field in ("steps", "batch", "seq", "log_every", "eval_every", "eval_batches") if hasattr(args, field)]
+    for field in counts:
         if getattr(args, field) < 1:
             raise SystemExit(f"--{field.replace('_', '-')} must be at least 1, got {getattr(args, field)}")
     if args.eval_every % args.log_every:
@@ -181,6 +181,32 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if not os.path.isfile(path):
             raise SystemExit(f"--compare: no CSV log at {path}; run that configuration first")
     return args
+
+
+def variant_name(args: argparse.Namespace) -> str:
+    """bf16 or coat and the options that differ from the defaults: the part of a run's name after the model's."""
+    variant = "coat" if args.coat else "bf16"
+    if getattr(args, "vision_linears", False):
+        variant += "-vision"
+    if args.bf16_weights:
+        variant += "-bf16w" + ("-nearest" if args.param_rounding == "nearest" else "")
+    if args.fp8_grads:
+        variant += f"-{args.fp8_grads}-grads"
+    if args.saved_format != "e4m3":
+        variant += f"-{args.saved_format}-saved"
+    if args.group_size != 16:
+        variant += f"-g{args.group_size}"
+    if args.fast_accum:
+        variant += "-fast-accum"
+    if args.unfused_loss:
+        variant += "-unfused-loss"
+    if getattr(args, "uniform_fp4", False):
+        variant += "-uniform"
+    if getattr(args, "fp8_reduce_scatter", False):
+        variant += "-fp8-reduce-scatter"
+    if getattr(args, "fp8_all_gather", False):
+        variant += "-fp8-all-gather"
+    return variant
 
 
 # ----------------------------------------------------------------------------------------------- model
@@ -279,6 +305,82 @@ def load_text(args: argparse.Namespace, tokenizer) -> TextData:
     return TextData(tokens, args.seq, args.seed)
 
 
+# ------------------------------------------------------------------------------------- device, compute dtype
+
+
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# bf16 / float32 time of one matrix product, on one thread, above which a CPU counts as emulating bf16. On a
+# Sapphire Rapids core, oneDNN limited by ONEDNN_MAX_CPU_ISA: AMX 0.2, AVX512-BF16 1.5-2, AVX512 5.7, AVX2 50-80.
+NATIVE_BF16_MAX_TIME_RATIO = 3.0
+
+
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compute-dtype", choices=["auto", *COMPUTE_DTYPES], default="auto",
+                        help="what the model computes in outside coat's FP8 layers: bfloat16 (float32 master weights, "
+                             "bf16 autocast) or float32 (no autocast); auto: bfloat16, except float32 on a CPU "
+                             "without native bf16, where torch's bf16 is many times slower")
+
+
+def check_device_arguments(args: argparse.Namespace) -> None:
+    import coat
+
+    if args.bf16_weights and args.compute_dtype == "float32":
+        raise SystemExit("--bf16-weights keeps no float32 weights to compute in float32: "
+                         "drop --compute-dtype float32 (bf16 weights compute in bf16)")
+    if args.coat and torch.device(args.device).type == "cuda" and not coat.built_with_cuda():
+        raise SystemExit("--coat on a GPU needs coat built with CUDA: pip install --no-build-isolation -e . "
+                         "with nvcc on the PATH (coat.built_with_cuda() is False)")
+
+
+def bf16_matmul_time_ratio(repeats: int = 3) -> float:
+    """How many times as long a bf16 matrix product takes as a float32 one on this CPU: the fastest of
+    ``repeats`` after a warm-up (oneDNN builds its kernel on the first call), timed in this thread's CPU time
+    on one thread, so that other processes on a busy machine do not change the answer."""
+    a, b = torch.randn(512, 256), torch.randn(256, 256)
+
+    def fastest(x: torch.Tensor, y: torch.Tensor) -> float:
+        x @ y
+        times = []
+        for _ in range(repeats):
+            start = time.thread_time()
+            x @ y
+            times.append(time.thread_time() - start)
+        return max(min(times), 1e-9)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fastest(a.bfloat16(), b.bfloat16()) / fastest(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def choose_compute_dtype(args: argparse.Namespace, device: torch.device) -> tuple[torch.dtype, float | None, str | None]:
+    """The dtype the run computes in outside coat's FP8 layers; the measured bf16_matmul_time_ratio where auto
+    measured it (None elsewhere); and where auto chose float32, a note that says so and why (else None).
+    bf16 on GPUs and with --bf16-weights (the weights are bf16)."""
+    if args.compute_dtype != "auto":
+        return COMPUTE_DTYPES[args.compute_dtype], None, None
+    if device.type != "cpu" or args.bf16_weights:
+        return torch.bfloat16, None, None
+    ratio = bf16_matmul_time_ratio()
+    if ratio <= NATIVE_BF16_MAX_TIME_RATIO:
+        return torch.bfloat16, ratio, None
+    what = "coat computes in float32 outside its FP8 layers" if args.coat else "baseline computes in float32"
+    return torch.float32, ratio, f"{what} on this CPU: no native bf16"
+
+
+def autocast_for(device: torch.device, compute_dtype: torch.dtype):
+    """The context the forward passes run in: bf16 autocast, or for float32 nothing (the float32 master weights
+    compute as they are)."""
+    if compute_dtype == torch.bfloat16:
+        return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 # ------------------------------------------------------------------------------------ optimizer, schedule
 
 
@@ -313,11 +415,16 @@ def cosine_schedule(optimizer: torch.optim.Optimizer, warmup: int, steps: int, f
 # ------------------------------------------------------------------------------------- step, validation
 
 
-def training_step(model, optimizer, scheduler, batch: torch.Tensor, clip: float, autocast) -> torch.Tensor:
-    """Forward under ``autocast()``, backward, gradient clipping (``clip`` > 0), optimizer and schedule step;
-    returns the loss, still on the device (reading it would wait for the GPU)."""
+def model_inputs(batch: torch.Tensor | dict) -> dict:
+    """The model's arguments for a batch: a token batch is its own labels; a dict holds the inputs and labels."""
+    return batch if isinstance(batch, dict) else {"input_ids": batch, "labels": batch}
+
+
+def training_step(model, optimizer, scheduler, batch: torch.Tensor | dict, clip: float, autocast) -> torch.Tensor:
+    """Forward of ``batch`` (model_inputs) under ``autocast()``, backward, gradient clipping (``clip`` > 0),
+    optimizer and schedule step; returns the loss, still on the device (reading it would wait for the GPU)."""
     with autocast():
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(**model_inputs(batch)).loss
     loss.backward()
     if clip > 0 and getattr(optimizer, "fp8_grads", None) is not None:
         optimizer.clip_grad_norm_(clip)  # param.grad is None under fp8_grads: the optimizer holds the gradients
@@ -330,14 +437,14 @@ def training_step(model, optimizer, scheduler, batch: torch.Tensor, clip: float,
 
 
 @torch.no_grad()
-def held_out_loss(model, batches: list[torch.Tensor], device: torch.device, autocast) -> torch.Tensor:
-    """Mean loss over ``batches`` in eval mode, as a device tensor."""
+def held_out_loss(model, batches: list[torch.Tensor | dict], device: torch.device, autocast) -> torch.Tensor:
+    """Mean loss over ``batches`` (model_inputs, on ``device``'s or the CPU) in eval mode, as a device tensor."""
     model.eval()
     total = torch.zeros((), device=device)
     for batch in batches:
-        batch = batch.to(device)
+        inputs = {name: value.to(device) for name, value in model_inputs(batch).items()}
         with autocast():
-            total += model(input_ids=batch, labels=batch).loss.float()
+            total += model(**inputs).loss.float()
     model.train()
     return total / len(batches)
 
@@ -366,6 +473,8 @@ def expert_token_shares(model, batches: list[torch.Tensor], device: torch.device
 
 
 CSV_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s", "peak_memory_gib"]
+# A column that a log has after CSV_COLUMNS when its script measures it (train_vlm.py), at each held-out loss.
+ACCURACY = "answer_accuracy"
 
 
 def run_metadata() -> dict:
@@ -381,11 +490,13 @@ def run_metadata() -> dict:
 
 class TrainingLog:
     """The CSV log (one row every --log-every steps, appended to on resume), the progress bar with loss and
-    tokens/s, and the summary JSON written at the end. Only rank 0 writes."""
+    tokens/s, and the summary JSON written at the end. Only rank 0 writes. With ``accuracy``, the evaluations
+    give an answer accuracy too, in the column ACCURACY and the summary's final_answer_accuracy."""
 
     def __init__(self, args: argparse.Namespace, first_step: int, tokens_per_step: int, device: torch.device,
-                 enabled: bool = True):
+                 enabled: bool = True, accuracy: bool = False):
         self.args, self.tokens_per_step, self.device, self.enabled = args, tokens_per_step, device, enabled
+        self.columns = CSV_COLUMNS + [ACCURACY] * accuracy
         self.csv_path = os.path.join(args.out, f"{args.name}.csv")
         self.summary_path = os.path.join(args.out, f"{args.name}.json")
         self.rows: list[dict] = []
@@ -396,7 +507,7 @@ class TrainingLog:
                 self.rows = [row for row in read_log(self.csv_path) if row["step"] <= first_step]
                 self.elapsed_before = self.rows[-1]["elapsed_s"] if self.rows else 0.0
             with open(self.csv_path, "w", newline="") as f:
-                writer = csv.DictWriter(f, CSV_COLUMNS)
+                writer = csv.DictWriter(f, self.columns)
                 writer.writeheader()
                 writer.writerows(self.rows)
         self.bar = tqdm(total=args.steps, initial=first_step, desc=args.name, unit="step", disable=not enabled,
@@ -410,10 +521,12 @@ class TrainingLog:
 
     def record(self, step: int, train_loss: float, lr: float, evaluate=None) -> None:
         """Row for ``step`` (the number of steps done); the caller has synchronised the device. ``evaluate()``,
-        if given, returns the held-out loss; its time is left out of tokens/s."""
+        if given, returns the held-out loss (with ``accuracy``: the loss and the answer accuracy); its time is left
+        out of tokens/s."""
         now = time.perf_counter()
         tokens_per_s = self.interval_steps * self.tokens_per_step / max(now - self.interval_start, 1e-9)
-        val_loss = evaluate() if evaluate is not None else None
+        evaluated = evaluate() if evaluate is not None else None
+        val_loss, accuracy = evaluated if ACCURACY in self.columns and evaluated is not None else (evaluated, None)
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         row = {
             "step": step,
@@ -424,16 +537,19 @@ class TrainingLog:
             "tokens_per_s": tokens_per_s,
             "elapsed_s": self.elapsed_before + now - self.start,
             "peak_memory_gib": peak,
+            **({ACCURACY: accuracy} if ACCURACY in self.columns else {}),
         }
         self.interval_start, self.interval_steps = time.perf_counter(), 0
         if not self.enabled:
             return
         self.rows.append(row)
         with open(self.csv_path, "a", newline="") as f:
-            csv.DictWriter(f, CSV_COLUMNS).writerow(row)
+            csv.DictWriter(f, self.columns).writerow(row)
         postfix = {"loss": f"{train_loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}"}
         if val_loss is not None:
             postfix["val"] = f"{val_loss:.4f}"
+        if accuracy is not None:
+            postfix["acc"] = f"{accuracy:.1%}"
         if peak is not None:
             postfix["mem"] = f"{peak:.1f}G"
         self.bar.set_postfix(postfix, refresh=False)
@@ -454,6 +570,8 @@ class TrainingLog:
             **extra,
             "steps": self.rows[-1]["step"] if self.rows else 0,
             "final_val_loss": validations[-1]["val_loss"] if validations else None,
+            **({"final_answer_accuracy": validations[-1][ACCURACY] if validations else None}
+               if ACCURACY in self.columns else {}),
             "final_train_loss_last_10pct": sum(tail) / len(tail) if self.rows else None,
             "median_tokens_per_s": statistics.median(speeds) if speeds else None,
             "peak_memory_gib": max(peaks) if peaks else None,
@@ -472,16 +590,17 @@ def read_log(path: str) -> list[dict]:
         return [{key: number(value) for key, value in row.items()} for row in csv.DictReader(f)]
 
 
-def final_held_out(csv_path: str) -> tuple[int, float] | None:
-    """(step, held-out loss) of the last row of a CSV log that has one; None if no row has."""
-    evaluated = [row for row in read_log(csv_path) if row["val_loss"] is not None]
-    return (evaluated[-1]["step"], evaluated[-1]["val_loss"]) if evaluated else None
+def final_held_out(csv_path: str, column: str = "val_loss") -> tuple[int, float] | None:
+    """(step, value) of ``column`` in the last row of a CSV log that has one; None if no row has."""
+    evaluated = [row for row in read_log(csv_path) if row.get(column) is not None]
+    return (evaluated[-1]["step"], evaluated[-1][column]) if evaluated else None
 
 
 def print_comparison(compared: list[str], csv_path: str) -> None:
-    """For each --compare CSV log, both runs' last held-out losses and this run's difference from the other's."""
+    """For each --compare CSV log, both runs' last held-out losses and this run's difference from the other's;
+    where both logs have answer accuracies, the same for those (the difference in points)."""
     name = os.path.splitext(os.path.basename(csv_path))[0]
-    this = final_held_out(csv_path)
+    this, this_accuracy = final_held_out(csv_path), final_held_out(csv_path, ACCURACY)
     for path in compared:
         other_name = os.path.splitext(os.path.basename(path))[0]
         other = final_held_out(path)
@@ -492,6 +611,11 @@ def print_comparison(compared: list[str], csv_path: str) -> None:
         difference = this[1] - other[1]
         print(f"held-out loss: {name} {this[1]:.4f} (step {this[0]}), {other_name} {other[1]:.4f} (step {other[0]}): "
               f"{name} {difference:+.4f} ({difference / other[1]:+.2%})")
+        other_accuracy = final_held_out(path, ACCURACY)
+        if this_accuracy is not None and other_accuracy is not None:
+            points = 100 * (this_accuracy[1] - other_accuracy[1])
+            print(f"answer accuracy: {name} {this_accuracy[1]:.1%}, {other_name} {other_accuracy[1]:.1%}: "
+                  f"{name} {points:+.1f} points")
 
 
 def compute_note(csv_path: str) -> str | None:
@@ -506,15 +630,17 @@ def compute_note(csv_path: str) -> str | None:
 
 def plot_runs(csv_paths: list[str], png_path: str) -> None:
     """Training loss (lines) and held-out loss (dots) against step for every run, over the whole run and over
-    its second half, where runs that converge alike should lie on each other."""
+    its second half, where runs that converge alike should lie on each other; where a log has answer accuracies,
+    a third panel draws them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for path in csv_paths:
-        rows = read_log(path)
+    logs = {path: read_log(path) for path in csv_paths}
+    with_accuracy = any(row.get(ACCURACY) is not None for rows in logs.values() for row in rows)
+    figure, axes = plt.subplots(1, 2 + with_accuracy, figsize=(12 + 5 * with_accuracy, 4.5))
+    for path, rows in logs.items():
         name = os.path.splitext(os.path.basename(path))[0]
         steps = [row["step"] for row in rows]
         validation = [(row["step"], row["val_loss"]) for row in rows if row["val_loss"] is not None]
@@ -526,13 +652,21 @@ def plot_runs(csv_paths: list[str], png_path: str) -> None:
             points = [(s, v) for s, v in validation if s >= start]
             if points:
                 ax.plot(*zip(*points), "o--", color=line.get_color(), markersize=4, linewidth=0.8)
-    axes[0].set_title("loss (lines: training, dots: held-out text)")
+        accuracy = [(row["step"], 100 * row[ACCURACY]) for row in rows if row.get(ACCURACY) is not None]
+        if accuracy:
+            axes[2].plot(*zip(*accuracy), "o-", color=line.get_color(), markersize=4, linewidth=1.2,
+                         label=f"{name} ({accuracy[-1][1]:.1f}%)")
+    axes[0].set_title("loss (lines: training, dots: held-out)")
     axes[1].set_title("second half")
     for ax in axes:
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats per token)" if ax is axes[0] else "")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    if with_accuracy:
+        axes[2].set_title("held-out answer accuracy")
+        axes[2].set_ylabel("exact answers (%)")
+        axes[2].legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(png_path, dpi=120)
     plt.close(figure)

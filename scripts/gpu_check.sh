@@ -11,7 +11,8 @@
 #           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side, or
 #           the runs CONVERGENCE_RUNS names, e.g. "bf16=;coat=--coat;coat-fp8g=--coat,--bf16-weights,--fp8-grads,e5m2",
 #           spread over the GPUs; extra ARGS comma-separated, for every run; CSVs, summaries and the plot in
-#           OUTDIR/results/convergence-PRESET)
+#           OUTDIR/results/convergence-PRESET; with CONVERGENCE_EXAMPLE=train_vlm, examples/train_vlm.py's
+#           presets and options, e.g. "coat-vision=--coat,--vision-linears", in OUTDIR/results/convergence-vlm-PRESET)
 #   default: build tests bench
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE...]}
@@ -92,30 +93,37 @@ for stage in "${stages[@]}"; do
     convergence:*)
       IFS=: read -r _ preset extra <<< "$stage"
       IFS=, read -r -a extra_args <<< "$extra"
-      runs="$out/results/convergence-$preset"
-      # CONVERGENCE_RUNS: NAME=FLAGS entries separated by ';', FLAGS comma-separated train_llama.py options.
+      # CONVERGENCE_EXAMPLE: the script, train_llama (the default) or train_vlm; the latter's runs are named
+      # PRESET-vlm-NAME, as train_vlm.py names its own, in a directory of their own.
+      example=${CONVERGENCE_EXAMPLE:-train_llama}
+      case $example in
+        train_llama) model=$preset; runs="$out/results/convergence-$preset" ;;
+        train_vlm) model=$preset-vlm; runs="$out/results/convergence-vlm-$preset" ;;
+        *) echo "CONVERGENCE_EXAMPLE=$example: use train_llama or train_vlm"; exit 2 ;;
+      esac
+      # CONVERGENCE_RUNS: NAME=FLAGS entries separated by ';', FLAGS comma-separated options of the script.
       IFS=';' read -r -a entries <<< "${CONVERGENCE_RUNS:-bf16=;coat=--coat}"
       gpus=$(nvidia-smi -L | wc -l)
       # On a shared GPU the runs' tokens/s are not speed figures (benchmarks/e2e.py measures speed). Each run
       # stops after CONVERGENCE_TIMEOUT seconds, so that a slow run still leaves its CSV and this script its tarball.
-      echo "== convergence $preset: ${#entries[@]} runs at the same time on $gpus GPU(s) =="
+      echo "== convergence $example $preset: ${#entries[@]} runs at the same time on $gpus GPU(s) =="
       pids=(); names=(); csvs=()
       for i in "${!entries[@]}"; do
         name=${entries[$i]%%=*}
         IFS=, read -r -a flags <<< "${entries[$i]#*=}"
-        CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout "${CONVERGENCE_TIMEOUT:-3000}" python3 examples/train_llama.py \
-          --preset "$preset" --out "$runs" --name "$preset-$name" "${flags[@]}" "${extra_args[@]}" \
-          > "$out/logs/convergence-$preset-$name.log" 2>&1 &
-        pids+=($!); names+=("$name"); csvs+=("$runs/$preset-$name.csv")
+        CUDA_VISIBLE_DEVICES=$((i % gpus)) timeout "${CONVERGENCE_TIMEOUT:-3000}" python3 "examples/$example.py" \
+          --preset "$preset" --out "$runs" --name "$model-$name" "${flags[@]}" "${extra_args[@]}" \
+          > "$out/logs/convergence-$model-$name.log" 2>&1 &
+        pids+=($!); names+=("$name"); csvs+=("$runs/$model-$name.csv")
       done
       for i in "${!pids[@]}"; do
         wait "${pids[$i]}"
         code=$?
         [ $code -eq 0 ] || { status=1; echo "${names[$i]}: exit $code"; }
-        tail -n 3 "$out/logs/convergence-$preset-${names[$i]}.log" | tr '\r' '\n' | tail -n 3
+        tail -n 3 "$out/logs/convergence-$model-${names[$i]}.log" | tr '\r' '\n' | tail -n 3
       done
       (cd examples && python3 -c "import sys, training_common as t; t.try_plot(sys.argv[2:], sys.argv[1])" \
-        "$runs/$preset.png" "${csvs[@]}") ;;
+        "$runs/$model.png" "${csvs[@]}") ;;
     *)
       echo "unknown stage $stage"; exit 2 ;;
   esac

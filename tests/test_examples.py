@@ -87,13 +87,6 @@ def training_common(monkeypatch):
     return training_common
 
 
-@pytest.fixture
-def train_llama(training_common):
-    import train_llama
-
-    return train_llama
-
-
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                     reason="ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 emulate an AVX2-only CPU on x86 only")
 def test_train_llama_computes_in_float32_on_a_cpu_without_native_bf16(tmp_path, training_common):
@@ -138,11 +131,13 @@ def test_compare_prints_both_held_out_losses_and_the_difference(training_common,
 
 @pytest.mark.parametrize("ratio, expected", [(0.2, "bfloat16"), (2.9, "bfloat16"), (3.1, "float32"), (80.0, "float32")])
 @pytest.mark.parametrize("use_coat", [False, True], ids=["baseline", "coat"])
-def test_train_llama_chooses_float32_where_bf16_matmuls_are_slow(train_llama, monkeypatch, ratio, expected, use_coat):
-    """auto on a CPU: bf16 autocast unless a bf16 matrix product takes more than 3 times a float32 one."""
-    monkeypatch.setattr(train_llama, "bf16_matmul_time_ratio", lambda: ratio)
+def test_train_llama_chooses_float32_where_bf16_matmuls_are_slow(training_common, monkeypatch, ratio, expected,
+                                                                  use_coat):
+    """auto on a CPU (train_llama.py's and train_vlm.py's): bf16 autocast unless a bf16 matrix product takes more
+    than 3 times a float32 one."""
+    monkeypatch.setattr(training_common, "bf16_matmul_time_ratio", lambda: ratio)
     args = argparse.Namespace(compute_dtype="auto", bf16_weights=False, coat=use_coat)
-    dtype, measured, note = train_llama.choose_compute_dtype(args, torch.device("cpu"))
+    dtype, measured, note = training_common.choose_compute_dtype(args, torch.device("cpu"))
     assert dtype == getattr(torch, expected) and measured == ratio
     what = "coat computes in float32 outside its FP8 layers" if use_coat else "baseline computes in float32"
     assert note == (None if expected == "bfloat16" else f"{what} on this CPU: no native bf16")
@@ -154,14 +149,14 @@ def test_train_llama_chooses_float32_where_bf16_matmuls_are_slow(train_llama, mo
     ("bfloat16", False, "cpu", "bfloat16"),
     ("float32", False, "cpu", "float32"),
 ])
-def test_train_llama_compute_dtype_without_measuring(train_llama, monkeypatch, compute_dtype, bf16_weights, device,
+def test_train_llama_compute_dtype_without_measuring(training_common, monkeypatch, compute_dtype, bf16_weights, device,
                                                       expected):
     def not_measured():
         raise AssertionError("the CPU's bf16 speed is measured only for auto on a CPU with float32 weights")
 
-    monkeypatch.setattr(train_llama, "bf16_matmul_time_ratio", not_measured)
+    monkeypatch.setattr(training_common, "bf16_matmul_time_ratio", not_measured)
     args = argparse.Namespace(compute_dtype=compute_dtype, bf16_weights=bf16_weights, coat=True)
-    assert train_llama.choose_compute_dtype(args, torch.device(device)) == (getattr(torch, expected), None, None)
+    assert training_common.choose_compute_dtype(args, torch.device(device)) == (getattr(torch, expected), None, None)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3", "olmo2", "gemma3"])
@@ -310,3 +305,135 @@ def test_trainer_example_resumes_its_checkpoint_exactly(tmp_path):
     losses = [(entry["step"], entry["loss"]) for entry in straight if "loss" in entry]
     assert losses[-1][1] < losses[0][1]
     assert [(entry["step"], entry["loss"]) for entry in resumed if "loss" in entry] == losses
+
+
+# train_vlm.py: a few steps, a small held-out set evaluated twice.
+QUICK_VLM = ["--steps", "4", "--batch", "4", "--log-every", "1", "--eval-every", "2", "--held-out", "4", "--out", "runs"]
+
+
+def test_train_vlm_bf16_and_coat_with_vision_linears_log_loss_and_accuracy(tmp_path, shapes_vqa):
+    """A BF16 run, then coat with the vision side in FP8 too (the plain --coat run differs only in not converting
+    the vision side, which tests/test_nn_vlm.py checks)."""
+    script = os.path.join(EXAMPLES, "train_vlm.py")
+    bf16 = run([script, *QUICK_VLM], tmp_path)
+    assert ("tiny-vlm-bf16: 1.1M parameters (0.2M of them the vision encoder's), baseline with" in bf16.stdout
+            and "4 steps of 4 samples on cpu: 48 x 48 pictures of 1 to 3 shapes, 9 image tokens" in bf16.stdout)
+    assert "tiny-vlm-bf16: the question alone answers" in bf16.stdout
+    vision = run([script, *QUICK_VLM, "--coat", "--vision-linears", "--compare", "runs/tiny-vlm-bf16.csv"], tmp_path)
+    assert "baseline" not in vision.stdout and "coat FP8 with FP8 vision linears" in vision.stdout
+    runs = tmp_path / "runs"
+    logs = {name: read_csv(runs / f"{name}.csv") for name in ("tiny-vlm-bf16", "tiny-vlm-coat-vision")}
+    for name, rows in logs.items():
+        assert [row["step"] for row in rows] == ["1", "2", "3", "4"]
+        assert [row["step"] for row in rows if row["answer_accuracy"]] == ["2", "4"]
+        assert all(0 <= float(row["answer_accuracy"]) <= 1 and math.isfinite(float(row["val_loss"]))
+                   for row in rows if row["answer_accuracy"])
+        assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+        summary = json.loads((runs / f"{name}.json").read_text())
+        assert summary["final_answer_accuracy"] == float(rows[-1]["answer_accuracy"])
+        assert summary["final_val_loss"] == float(rows[-1]["val_loss"])
+        # accuracy per kind of question asked among the held-out samples, and over all of them
+        by_kind, blind = summary["answer_accuracy_by_kind"], summary["text_only_accuracy"]
+        assert by_kind["all"] == summary["final_answer_accuracy"] and set(by_kind) <= {"all", *shapes_vqa.KINDS}
+        assert set(blind) == set(by_kind) and 0 <= blind["all"] <= 1
+        assert summary["coat"] == (name != "tiny-vlm-bf16") and summary["vision_linears"] == name.endswith("vision")
+        assert (runs / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Same initial weights and data: the first losses differ only by FP8 rounding.
+    first = [float(rows[0]["train_loss"]) for rows in logs.values()]
+    assert first[1] == pytest.approx(first[0], rel=0.01)
+    accuracies = [float(rows[-1]["answer_accuracy"]) for rows in logs.values()]
+    assert (f"answer accuracy: tiny-vlm-coat-vision {accuracies[1]:.1%}, tiny-vlm-bf16 {accuracies[0]:.1%}: "
+            f"tiny-vlm-coat-vision {100 * (accuracies[1] - accuracies[0]):+.1f} points") in vision.stdout
+    assert "held-out loss: tiny-vlm-coat-vision" in vision.stdout
+
+
+def test_train_vlm_explains_bad_options(tmp_path):
+    completed = run([os.path.join(EXAMPLES, "train_vlm.py"), "--vision-linears"], tmp_path, expect_success=False)
+    assert completed.returncode != 0 and "--vision-linears is an option of coat.convert: add --coat" in completed.stderr
+
+
+@pytest.fixture
+def shapes_vqa(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)
+    import shapes_vqa
+
+    return shapes_vqa
+
+
+def test_shapes_vqa_is_deterministic_and_its_answers_are_in_the_picture(shapes_vqa):
+    """The same samples from the same seed and step, others from another; each answer is what the picture shows:
+    the colour drawn in the shape asked about, the cell its centre lies in, the number of colours in
+    the picture; the question names something the picture holds once."""
+    data = shapes_vqa
+    dataset = data.ShapesVQA(seed=3, image_size=48, patch=8, max_objects=3, held_out=4)
+    samples = dataset.samples(5, 64)
+    assert samples == data.ShapesVQA(3, 48, 8, 3, 4).samples(5, 64)
+    assert samples != dataset.samples(6, 64) and samples != data.ShapesVQA(4, 48, 8, 3, 4).samples(5, 64)
+    images = data.render(samples, 48)
+    assert {s.kind for s in samples} == set(data.KINDS) and {len(s.objects) for s in samples} == {1, 2, 3}
+    for sample, image in zip(samples, images):
+        def at(shape):  # the pixel at the centre; a ring's, three quarters of the way out
+            x, y = shape.centre
+            return image[:, int(y), int(x + 0.75 * shape.radius * (shape.shape == "ring"))]
+
+        for shape in sample.objects:
+            assert torch.equal(at(shape), torch.tensor(shape.rgb))
+            colour = torch.tensor(data.COLOURS[shape.colour])
+            assert (at(shape) - colour).abs().max() <= data.COLOUR_JITTER + 1e-6
+            column, row = (int(c // (48 / data.GRID)) for c in shape.centre)
+            assert data.GRID * row + column == shape.cell
+        pixels = image.reshape(3, -1).T
+        colours = {tuple(p.tolist()) for p in pixels if not torch.all(p == sample.background)}
+        assert len(colours) == len(sample.objects)
+        words = sample.question.rstrip("?").split()
+        named = [s for s in sample.objects if s.shape in words or s.colour in words]
+        if sample.kind == "count":
+            assert sample.answer == data.COUNTS[len(sample.objects) - 1] and not named
+        else:
+            assert len(named) == 1
+            asked = named[0]
+            assert sample.answer == {"colour": asked.colour, "shape": asked.shape,
+                                     "position": data.POSITIONS[asked.cell]}[sample.kind]
+
+
+def test_shapes_vqa_held_out_set_is_none_of_the_training_samples(shapes_vqa):
+    data = shapes_vqa
+    dataset = data.ShapesVQA(seed=0, image_size=48, patch=8, max_objects=3, held_out=64)
+    training = [s for step in range(100) for s in dataset.samples(step, 32)]
+    assert not set(dataset.held_out) & set(training)
+    held_out = data.render(dataset.held_out, 48).flatten(1)
+    for step in range(0, 100, 10):
+        images = data.render(dataset.samples(step, 32), 48).flatten(1)
+        assert torch.cdist(held_out, images).min() > 0
+
+
+def test_shapes_vqa_questions_alone_answer_at_chance(shapes_vqa):
+    """The best answers to the question alone (its most frequent answer in training) are right about as often as a
+    uniform guess among the answers the picture allows: 1 in 6 colours or shapes, 9 cells, 3 counts."""
+    data = shapes_vqa
+    dataset = data.ShapesVQA(seed=0, image_size=48, patch=8, max_objects=3, held_out=2000)
+    training = [s for step in range(100) for s in dataset.samples(step, 100)]
+    accuracy = data.text_only_accuracy(training, dataset.held_out)
+    chance = {"colour": 1 / 6, "shape": 1 / 6, "position": 1 / 9, "count": 1 / 3}
+    assert all(accuracy[kind] <= chance[kind] + 0.06 for kind in chance), accuracy
+
+
+def test_shapes_vqa_pixel_values_are_the_image_processors(shapes_vqa):
+    """patchify lays the pictures out as transformers' Qwen2-VL image processor does (the vision encoder's 2D
+    positions and the 2 x 2 merge read that order)."""
+    from transformers import Qwen2VLImageProcessor
+
+    data = shapes_vqa
+    dataset = data.ShapesVQA(seed=0, image_size=48, patch=8, max_objects=3, held_out=3)
+    images = data.render(dataset.held_out, 48)
+    processed = Qwen2VLImageProcessor()(images=list(images), do_resize=False, do_rescale=False,
+                                        image_mean=list(data.PIXEL_MEAN), image_std=list(data.PIXEL_STD), patch_size=8,
+                                        merge_size=2, temporal_patch_size=2, return_tensors="pt")
+    inputs = dataset.batch(dataset.held_out, "cpu")
+    torch.testing.assert_close(inputs["pixel_values"], processed["pixel_values"], rtol=0, atol=1e-6)
+    assert torch.equal(inputs["image_grid_thw"], processed["image_grid_thw"])
+    assert (inputs["input_ids"] == data.IMAGE).sum(dim=1).tolist() == [dataset.image_tokens] * 3 == [9] * 3
+    # labels on the answer bytes and the end token only
+    for row, sample in enumerate(dataset.held_out):
+        labelled = inputs["labels"][row][inputs["labels"][row] != -100].tolist()
+        assert labelled == list(sample.answer.encode()) + [data.END]

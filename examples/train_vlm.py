@@ -1,0 +1,264 @@
+"""Fine-tune a small Qwen2.5-VL to answer questions about pictures, in BF16 or, with --coat, in FP8 with coat.
+
+A vision-language SFT run of the kind users have: a transformers Qwen2_5_VLForConditionalGeneration (vision
+encoder, patch merger, language model) built from a config and randomly initialised, float32 master weights, bf16
+autocast, AdamW with warm-up and cosine decay, gradient clipping, the loss on the answers only. --coat changes two
+lines of it:
+
+    coat.convert(model)                       # the language model's decoder layers in FP8
+    optimizer = coat.optim.AdamW(...)         # FP8 moments with dynamic range expansion
+
+--vision-linears converts the vision encoder's and the merger's linear layers too (coat.convert(model,
+vision_linears=True)), as for training the whole model; --bf16-weights and --fp8-grads e5m2 are train_llama.py's.
+
+The data (shapes_vqa.py) are pictures the script draws itself, coloured shapes on a dark background, each with a
+question whose answer needs the picture: "what colour is the circle?" red, "which shape is blue?" triangle, "where
+is the square?" top left, "how many shapes are there?" three. Tokens are bytes, plus the image and end tokens. The
+training stream and the held-out set are drawn from --seed. Every --eval-every steps the held-out loss (the answer
+tokens') and the answer accuracy are measured: the share of held-out questions whose answer model.generate(),
+greedy, from the picture and the question, gives exactly (its bytes, then the end token). The first lines give the
+accuracy of the best answers to the question alone (its most frequent answer in the training stream): what a model
+that does not look at the picture reaches at most.
+
+As in train_llama.py, a progress bar shows the loss and tokens/s (the language model's tokens: image placeholders,
+question and answer); every --log-every steps a row goes to OUT/NAME.csv (with answer_accuracy where evaluated);
+OUT/NAME.json holds the summary (with the final accuracy per kind of question); OUT/NAME.png plots loss and
+accuracy of this run and of every --compare CSV.
+
+    python examples/train_vlm.py                                     # tiny preset, BF16, a few minutes on a CPU
+    python examples/train_vlm.py --coat --compare runs/tiny-vlm-bf16.csv
+    python examples/train_vlm.py --coat --vision-linears --compare runs/tiny-vlm-bf16.csv
+    python examples/train_vlm.py --preset gpu [--coat]               # 36M parameters, 3000 steps, one GPU
+
+The compute dtype is train_llama.py's choice (--compute-dtype): bf16 autocast, except float32 on a CPU without
+native bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+from dataclasses import dataclass
+
+import torch
+
+import coat
+from shapes_vqa import END, IMAGE, PAD, VIDEO, VISION_END, VISION_START, VOCAB_SIZE, ShapesVQA, accuracy_by_kind, \
+    decode_answer, text_only_accuracy
+from training_common import (
+    TrainingLog,
+    add_coat_arguments,
+    add_device_arguments,
+    add_run_arguments,
+    autocast_for,
+    build_optimizer,
+    check_device_arguments,
+    choose_compute_dtype,
+    cosine_schedule,
+    held_out_loss,
+    parameter_count,
+    print_comparison,
+    resolve,
+    training_step,
+    try_plot,
+)
+
+
+@dataclass(frozen=True)
+class VLMPreset:
+    # the language model
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    # the vision encoder (its output merged 2 x 2 into the language model's width)
+    vision_hidden: int
+    vision_intermediate: int
+    vision_layers: int
+    vision_heads: int
+    # the pictures: image x image pixels in patch x patch squares, 1 to max_objects shapes
+    image: int
+    patch: int
+    max_objects: int
+    # the run
+    batch: int
+    steps: int
+    lr: float
+    warmup: int
+    held_out: int  # held-out samples
+
+
+PRESETS = {
+    # 48 x 48 pictures, 36 patches, 9 image tokens: a cell of the 3 x 3 grid per token
+    "tiny": VLMPreset(hidden=128, intermediate=384, layers=4, heads=4, kv_heads=2, vision_hidden=64,
+                      vision_intermediate=128, vision_layers=2, vision_heads=2, image=48, patch=8, max_objects=3,
+                      batch=32, steps=400, lr=2e-3, warmup=40, held_out=256),
+    # 112 x 112 pictures in Qwen2.5-VL's 14 x 14 patches, 64 patches, 16 image tokens; up to six shapes
+    "gpu": VLMPreset(hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, vision_hidden=384,
+                     vision_intermediate=1024, vision_layers=4, vision_heads=6, image=112, patch=14, max_objects=6,
+                     batch=64, steps=3000, lr=1e-3, warmup=200, held_out=1024),
+}
+PRESET_HELP = "model size, pictures and run length: " + "; ".join(
+    f"{name}: language model hidden {p.hidden} x {p.layers} layers, vision encoder {p.vision_hidden} x "
+    f"{p.vision_layers}, {p.image} x {p.image} pictures of up to {p.max_objects} shapes, batch {p.batch}, "
+    f"{p.steps} steps" for name, p in PRESETS.items())
+
+
+def parse_arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help=PRESET_HELP)
+    add_coat_arguments(parser, auto_saved_format=False)
+    parser.add_argument("--vision-linears", action="store_true",
+                        help="with --coat: the vision encoder's and the patch merger's linear layers in FP8 too "
+                             "(coat.convert(vision_linears=True)); without it they train as in the BF16 run")
+    add_run_arguments(parser)
+    parser.add_argument("--held-out", type=int, help="held-out samples, each evaluation's loss and accuracy")
+    add_device_arguments(parser)
+    args = parser.parse_args()
+    if args.vision_linears and not args.coat:
+        raise SystemExit("--vision-linears is an option of coat.convert: add --coat")
+    args = resolve(args, PRESETS, model_name=f"{args.preset}-vlm")
+    if args.held_out is None:
+        args.held_out = PRESETS[args.preset].held_out
+    if args.held_out < 1:
+        raise SystemExit(f"--held-out must be at least 1, got {args.held_out}")
+    check_device_arguments(args)
+    return args
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Qwen2.5-VL's split of the rotary frequencies (head_dim / 2) between the temporal, height and width
+    positions, in its proportions (16, 24, 24 of 64)."""
+    half = head_dim // 2
+    spatial = 3 * half // 8
+    return [half - 2 * spatial, spatial, spatial]
+
+
+def build_model(args: argparse.Namespace, device: torch.device):
+    """A float32 Qwen2.5-VL of the preset's sizes over the byte vocabulary, initialised from --seed alone (a BF16
+    and a coat run start from the same weights)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    preset = PRESETS[args.preset]
+    head_dim = preset.hidden // preset.heads
+    text = dict(vocab_size=VOCAB_SIZE, hidden_size=preset.hidden, intermediate_size=preset.intermediate,
+                num_hidden_layers=preset.layers, num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
+                max_position_embeddings=1024, bos_token_id=None, eos_token_id=END, pad_token_id=PAD,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=mrope_section(head_dim)))
+    # One attention window covering the whole picture: Qwen2.5-VL's windows (112 pixels) are for large images.
+    vision = dict(depth=preset.vision_layers, hidden_size=preset.vision_hidden,
+                  intermediate_size=preset.vision_intermediate, num_heads=preset.vision_heads,
+                  out_hidden_size=preset.hidden, patch_size=preset.patch, window_size=preset.image,
+                  fullatt_block_indexes=[preset.vision_layers - 1])
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
+                              vision_start_token_id=VISION_START, vision_end_token_id=VISION_END,
+                              tie_word_embeddings=False, attn_implementation=args.attention)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        return Qwen2_5_VLForConditionalGeneration(config)
+
+
+@torch.no_grad()
+def answers(model, data: ShapesVQA, prompts: list[dict], autocast) -> list[str | None]:
+    """The answers model.generate() gives, greedy, to the held-out prompts (batches of ShapesVQA.prompts); None
+    where it gives no end token."""
+    model.eval()
+    generated = []
+    for inputs in prompts:
+        with autocast():
+            tokens = model.generate(**inputs, max_new_tokens=data.longest_answer() + 1, do_sample=False,
+                                    pad_token_id=PAD, eos_token_id=END)
+        generated += [decode_answer(row) for row in tokens[:, inputs["input_ids"].shape[1]:].tolist()]
+    model.train()
+    return generated
+
+
+def accuracy(data: ShapesVQA, generated: list[str | None]) -> dict[str, float]:
+    right = collections.Counter(s.kind for s, answer in zip(data.held_out, generated, strict=True) if answer == s.answer)
+    return accuracy_by_kind(data.held_out, right)
+
+
+def main() -> None:
+    args = parse_arguments()
+    device = torch.device(args.device)
+    compute_dtype, bf16_time_ratio, compute_note = choose_compute_dtype(args, device)
+    preset = PRESETS[args.preset]
+    model = build_model(args, device)
+    if args.bf16_weights:
+        model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 weights themselves
+    if args.coat:
+        coat.convert(model, vision_linears=args.vision_linears, saved_format=args.saved_format,
+                     fast_accum=args.fast_accum, group_size=args.group_size, fused_loss=not args.unfused_loss)
+    optimizer = build_optimizer(args, model)
+    scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
+
+    data = ShapesVQA(args.seed, preset.image, preset.patch, preset.max_objects, args.held_out)
+    chunks = [data.held_out[start:start + args.batch] for start in range(0, args.held_out, args.batch)]
+    validation = [data.batch(chunk, device) for chunk in chunks]
+    prompts = [data.prompts(chunk, device) for chunk in chunks]
+    # What the question alone gives, from the training samples (up to the first 10,000: enough for each question's
+    # most frequent answer).
+    seen = [s for step in range(min(args.steps, -(-10_000 // args.batch))) for s in data.samples(step, args.batch)]
+    blind = text_only_accuracy(seen, data.held_out)
+    tokens_per_sample = sum(int((batch["input_ids"] != PAD).sum()) for batch in validation) / args.held_out
+    vision = sum(p.numel() for p in model.model.visual.parameters())
+    bf16 = compute_dtype == torch.bfloat16
+    print(f"{args.name}: {parameter_count(model) / 1e6:.1f}M parameters ({vision / 1e6:.1f}M of them the vision "
+          f"encoder's), {'coat FP8' if args.coat else 'baseline'}"
+          f"{' with FP8 vision linears' if args.vision_linears else ''} with "
+          f"{'bf16 autocast' if bf16 else 'float32 compute'}, {args.steps} steps of {args.batch} samples on {device}: "
+          f"{preset.image} x {preset.image} pictures of 1 to {preset.max_objects} shapes, {data.image_tokens} image "
+          f"tokens and {tokens_per_sample:.1f} tokens in all a sample")
+    print(f"{args.name}: the question alone answers {blind['all']:.1%} of the {args.held_out} held-out questions "
+          "(its most frequent answer in the training stream): " + ", ".join(
+              f"{kind} {value:.1%}" for kind, value in blind.items() if kind != "all"))
+    if compute_note:
+        print(f"{args.name}: {compute_note} (a bf16 matrix product took {bf16_time_ratio:.0f}x as long as a "
+              "float32 one); --compute-dtype bfloat16 runs bf16 autocast anyway")
+
+    autocast = autocast_for(device, compute_dtype)
+    log = TrainingLog(args, first_step=0, tokens_per_step=round(args.batch * tokens_per_sample), device=device,
+                      accuracy=True)
+    last_accuracy = {}
+
+    def evaluate() -> tuple[float, float]:
+        last_accuracy.update(accuracy(data, answers(model, data, prompts, autocast)))
+        return held_out_loss(model, validation, device, autocast).item(), last_accuracy["all"]
+
+    interval_loss = torch.zeros((), device=device)
+    model.train()
+    for step in range(args.steps):
+        batch = data.batch(data.samples(step, args.batch), device)
+        interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
+        log.step_done()
+        done = step + 1
+        if done % args.log_every == 0 or done == args.steps:
+            intervals = done % args.log_every or args.log_every
+            train_loss = interval_loss.item() / intervals  # .item() waits for the device: the timing is true
+            interval_loss.zero_()
+            evaluating = done % args.eval_every == 0 or done == args.steps
+            log.record(done, train_loss, scheduler.get_last_lr()[0], evaluate if evaluating else None)
+
+    summary = log.finish({"coat": args.coat, "vision_linears": args.vision_linears, "bf16_weights": args.bf16_weights,
+                          "param_rounding": args.param_rounding, "fp8_grads": args.fp8_grads,
+                          "saved_format": args.saved_format, "group_size": args.group_size,
+                          "fast_accum": args.fast_accum, "fused_loss": args.coat and not args.unfused_loss,
+                          "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
+                          "bf16_matmul_time_ratio": bf16_time_ratio, "preset": args.preset, "seed": args.seed,
+                          "parameters": parameter_count(model), "vision_parameters": vision, "batch": args.batch,
+                          "held_out": args.held_out, "answer_accuracy_by_kind": last_accuracy,
+                          "text_only_accuracy": blind})
+    print(f"{args.name}: held-out loss {summary['final_val_loss']:.4f}, answer accuracy "
+          f"{summary['final_answer_accuracy']:.1%} (" + ", ".join(
+              f"{kind} {value:.1%}" for kind, value in last_accuracy.items() if kind != "all")
+          + f"; the question alone: {blind['all']:.1%}), training loss (last 10%) "
+          f"{summary['final_train_loss_last_10pct']:.4f}, {summary['median_tokens_per_s']:,.0f} tokens/s"
+          + (f", peak memory {summary['peak_memory_gib']:.2f} GiB" if summary["peak_memory_gib"] else ""))
+    print(f"log: {log.csv_path}, summary: {log.summary_path}")
+    compared = [path for path in args.compare if path != log.csv_path]
+    print_comparison(compared, log.csv_path)
+    try_plot(compared + [log.csv_path], log.csv_path[: -len(".csv")] + ".png")
+
+
+if __name__ == "__main__":
+    main()
