@@ -317,7 +317,7 @@ def test_train_vlm_bf16_and_coat_with_vision_linears_log_loss_and_accuracy(tmp_p
     script = os.path.join(EXAMPLES, "train_vlm.py")
     bf16 = run([script, *QUICK_VLM], tmp_path)
     assert ("tiny-vlm-bf16: 1.1M parameters (0.2M of them the vision encoder's), baseline with" in bf16.stdout
-            and "4 steps of 4 samples on cpu: 48 x 48 pictures of 1 to 3 shapes, 9 image tokens" in bf16.stdout)
+            and "4 steps of 4 samples on cpu: 48 x 48 pictures of one shape, 9 image tokens" in bf16.stdout)
     assert "tiny-vlm-bf16: the question alone answers" in bf16.stdout
     vision = run([script, *QUICK_VLM, "--coat", "--vision-linears", "--compare", "runs/tiny-vlm-bf16.csv"], tmp_path)
     assert "baseline" not in vision.stdout and "coat FP8 with FP8 vision linears" in vision.stdout
