@@ -1,6 +1,7 @@
 """Every model family coat.convert supports, under FSDP2 (fully_shard per decoder layer, then the model) on two
 gloo processes: plain, and with the projection weights all-gathered in FP8 (coat.distributed.fp8_all_gather,
-whose scale groups follow each family's projections: Phi-3's fused qkv_proj and gate_up_proj are one group each).
+whose scale groups follow each family's projections: Phi-3's fused qkv_proj and gate_up_proj are one group each),
+and a vision-language model (Qwen2.5-VL, its vision side in FP8 too, sharded per language layer and vision block).
 
 Both ranks train on the same batches, so the averaged gradient is the single-process one bit for bit, and the
 FP8 all-gather brings the codes and scale of the unsharded weight: a sharded run equals the single-process run
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 import coat
 from distributed_helpers import WORLD_SIZE, fully_sharded, local, run_scenarios, spawn_and_load
@@ -24,6 +26,7 @@ from test_nn_llama import FAMILIES, tiny_model, token_batch
 pytestmark = pytest.mark.transformers
 
 STEPS = 3
+VISION_LANGUAGE = "qwen2_5_vl, vision_linears=True"
 FSDP_FAMILIES = [family for family in FAMILIES if family not in ("llama", "mistral", "qwen2")]  # those three:
 # tests/test_optim_distributed.py (Llama) and the shared decoder layer
 
@@ -64,9 +67,46 @@ def run_family(family: str, rank: int, mesh, gather_in_fp8: bool) -> dict:
     return result
 
 
+def run_vision_language_model(rank: int, mesh, gather_in_fp8: bool) -> dict:
+    """A Qwen2.5-VL with its vision side in FP8 too, fully_shard per language decoder layer and vision block: the
+    same checks as run_family's, the images in every batch."""
+    from test_nn_vlm import image_batch, tiny_vlm
+
+    reference = coat.convert(tiny_vlm("qwen2_5_vl").float(), vision_linears=True)
+    model = copy.deepcopy(reference)
+    if gather_in_fp8:
+        communication = coat.distributed.fp8_all_gather(model)
+    for block in [*model.model.language_model.layers, *model.model.visual.blocks]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    tokens, labels, images = image_batch("qwen2_5_vl")
+    images = {**images, "pixel_values": images["pixel_values"].float()}
+
+    def train_vlm(trained) -> list[float]:
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for _ in range(STEPS):
+            loss = trained(tokens, labels=labels, **images).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    result = {"losses": train_vlm(model), "reference_losses": train_vlm(reference)}
+    result["compared"] = {
+        name: (local(param).detach().clone(), shard(expected.detach(), rank).clone())
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters())
+    }
+    if gather_in_fp8:
+        result["codes_sent"] = communication.log.buffer_elements
+    return result
+
+
 def families(rank: int, world_size: int, device: torch.device, out: Path) -> None:
     mesh = init_device_mesh(device.type, (world_size,))
     results = {(family, fp8): run_family(family, rank, mesh, fp8) for family in FSDP_FAMILIES for fp8 in (False, True)}
+    results.update({(VISION_LANGUAGE, fp8): run_vision_language_model(rank, mesh, fp8) for fp8 in (False, True)})
     torch.save(results, out / f"rank{rank}.pt")
 
 
@@ -95,3 +135,16 @@ def test_fsdp2_trains_each_family_as_one_process_does(results, family, gather_in
             shard_elements = sum(a.numel() for name, (a, _) in got["compared"].items()
                                  if name.endswith("_proj.weight"))
             assert got["codes_sent"] == 2 * STEPS * shard_elements
+
+
+@pytest.mark.parametrize("gather_in_fp8", [False, True], ids=["bf16-gather", "fp8-all-gather"])
+def test_fsdp2_trains_a_vision_language_model_as_one_process_does(results, gather_in_fp8):
+    for rank_results in results:
+        got = rank_results[VISION_LANGUAGE, gather_in_fp8]
+        assert got["losses"] == got["reference_losses"]
+        assert got["losses"][-1] < got["losses"][0]
+        differing = [name for name, (a, b) in got["compared"].items() if not torch.equal(a, b)]
+        assert not differing, differing
+        assert any(name.startswith("model.visual.") for name in got["compared"])
+        if gather_in_fp8:
+            assert got["codes_sent"] > 0
