@@ -448,11 +448,14 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
     """(what, figure, found) of the README rows of the Qwen2.5-VL shapes, those measured: the 3B's coat row against
     BF16 and torchao of the same run, with coat-vision and coat-lowmem; the 7B's lowest-memory settings, which
     the issue asks to fit one 80 GB GPU."""
+    def measured(variant: str, shape: str) -> list:
+        try:
+            return _latest(results, "models", "peak GiB", variant=variant, shape=shape)
+        except LookupError:  # not measured yet
+            return []
+
     rows = []
-    try:
-        found = _latest(results, "models", "peak GiB", variant="coat", shape="qwen2.5-vl-3b")
-    except LookupError:  # not measured yet
-        found = []
+    found = measured("coat", "qwen2.5-vl-3b")
     if found:
         result, coat_row = found[0]
         same_run = {}
@@ -478,10 +481,7 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
                      f"{coat_row['seq']} ({coat_row['image tokens']:,} of them image tokens): peak memory; tokens/s "
                      "against BF16 and torchao float8 (compiled, the language model's linears); with "
                      "`vision_linears=True`; lowest-memory settings", figure, found))
-    try:
-        found = _latest(results, "models", "peak GiB", variant="coat-lowmem", shape="qwen2.5-vl-7b")
-    except LookupError:  # not measured yet
-        found = []
+    found = measured("coat-lowmem", "qwen2.5-vl-7b")
     if found:
         result, lowmem = found[0]
         figure = _peak(lowmem) + (f", {lowmem['tokens/s/GPU']:,.0f} tokens/s" if "tokens/s/GPU" in lowmem else "")

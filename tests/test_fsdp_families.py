@@ -12,6 +12,7 @@ covers coat.optim.AdamW's shards).
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import coat
-from distributed_helpers import WORLD_SIZE, fully_sharded, local, run_scenarios, spawn_and_load
+from distributed_helpers import WORLD_SIZE, local, run_scenarios, spawn_and_load
 from test_nn_llama import FAMILIES, tiny_model, token_batch
 
 pytestmark = pytest.mark.transformers
@@ -31,11 +32,11 @@ FSDP_FAMILIES = [family for family in FAMILIES if family not in ("llama", "mistr
 # tests/test_optim_distributed.py (Llama) and the shared decoder layer
 
 
-def train(model, tokens: list[torch.Tensor]) -> list[float]:
+def train(model, batches: list[dict]) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
-    for batch in tokens:
-        loss = model(batch, labels=batch).loss
+    for batch in batches:
+        loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -50,14 +51,16 @@ def shard(tensor: torch.Tensor, rank: int) -> torch.Tensor:
     return chunks[rank] if rank < len(chunks) else tensor[:0]
 
 
-def run_family(family: str, rank: int, mesh, gather_in_fp8: bool) -> dict:
-    reference = coat.convert(tiny_model(family).float())
+def run_sharded(reference, units, batches: list[dict], rank: int, mesh, gather_in_fp8: bool) -> dict:
+    """A copy of the converted ``reference`` under fully_shard (each of ``units(model)``, then the model) trained on
+    ``batches`` beside the reference: both losses, each parameter's local shard with the reference's."""
     model = copy.deepcopy(reference)
     if gather_in_fp8:
         communication = coat.distributed.fp8_all_gather(model)
-    fully_sharded(model, mesh)
-    tokens = [token_batch("cpu")] * STEPS  # one batch, so that the loss falls step after step
-    result = {"losses": train(model, tokens), "reference_losses": train(reference, tokens)}
+    for unit in units(model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    result = {"losses": train(model, batches), "reference_losses": train(reference, batches)}
     result["compared"] = {
         name: (local(param).detach().clone(), shard(expected.detach(), rank).clone())
         for (name, param), expected in zip(model.named_parameters(), reference.parameters())
@@ -65,42 +68,24 @@ def run_family(family: str, rank: int, mesh, gather_in_fp8: bool) -> dict:
     if gather_in_fp8:
         result["codes_sent"] = communication.log.buffer_elements
     return result
+
+
+def run_family(family: str, rank: int, mesh, gather_in_fp8: bool) -> dict:
+    tokens = token_batch("cpu")  # one batch, so that the loss falls step after step
+    return run_sharded(coat.convert(tiny_model(family).float()), lambda model: model.model.layers,
+                       [dict(input_ids=tokens, labels=tokens)] * STEPS, rank, mesh, gather_in_fp8)
 
 
 def run_vision_language_model(rank: int, mesh, gather_in_fp8: bool) -> dict:
-    """A Qwen2.5-VL with its vision side in FP8 too, fully_shard per language decoder layer and vision block: the
-    same checks as run_family's, the images in every batch."""
+    """A Qwen2.5-VL with its vision side in FP8 too, fully_shard per language decoder layer and vision block, the
+    image in every batch."""
     from test_nn_vlm import image_batch, tiny_vlm
 
-    reference = coat.convert(tiny_vlm("qwen2_5_vl").float(), vision_linears=True)
-    model = copy.deepcopy(reference)
-    if gather_in_fp8:
-        communication = coat.distributed.fp8_all_gather(model)
-    for block in [*model.model.language_model.layers, *model.model.visual.blocks]:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
     tokens, labels, images = image_batch("qwen2_5_vl")
-    images = {**images, "pixel_values": images["pixel_values"].float()}
-
-    def train_vlm(trained) -> list[float]:
-        optimizer = torch.optim.SGD(trained.parameters(), lr=0.05, momentum=0.9)
-        losses = []
-        for _ in range(STEPS):
-            loss = trained(tokens, labels=labels, **images).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
-
-    result = {"losses": train_vlm(model), "reference_losses": train_vlm(reference)}
-    result["compared"] = {
-        name: (local(param).detach().clone(), shard(expected.detach(), rank).clone())
-        for (name, param), expected in zip(model.named_parameters(), reference.parameters())
-    }
-    if gather_in_fp8:
-        result["codes_sent"] = communication.log.buffer_elements
-    return result
+    batch = dict(input_ids=tokens, labels=labels, **{**images, "pixel_values": images["pixel_values"].float()})
+    return run_sharded(coat.convert(tiny_vlm("qwen2_5_vl").float(), vision_linears=True),
+                       lambda model: [*model.model.language_model.layers, *model.model.visual.blocks],
+                       [batch] * STEPS, rank, mesh, gather_in_fp8)
 
 
 def families(rank: int, world_size: int, device: torch.device, out: Path) -> None:
@@ -121,30 +106,41 @@ def results(tmp_path_factory) -> list[dict]:
                           weights_only=False)["families"]
 
 
+def assert_trains_as_one_process(got: dict, gathers_per_step) -> None:
+    """Losses and parameter shards as the single process's; with the FP8 all-gather, each weight's shard went as one
+    byte per element ``gathers_per_step(name)`` times a step (0: in 16 bits, as biases, norms and the 3-D expert
+    weights)."""
+    assert got["losses"] == got["reference_losses"]
+    assert got["losses"][-1] < got["losses"][0]
+    differing = [name for name, (a, b) in got["compared"].items() if not torch.equal(a, b)]
+    assert not differing, differing
+    if "codes_sent" in got:
+        codes = sum(a.numel() * gathers_per_step(name) for name, (a, _) in got["compared"].items())
+        assert codes and got["codes_sent"] == STEPS * codes
+
+
 @pytest.mark.parametrize("gather_in_fp8", [False, True], ids=["bf16-gather", "fp8-all-gather"])
 @pytest.mark.parametrize("family", FSDP_FAMILIES)
 def test_fsdp2_trains_each_family_as_one_process_does(results, family, gather_in_fp8):
+    """Every projection weight gathered in FP8 for forward and again for backward."""
     for rank_results in results:
-        got = rank_results[family, gather_in_fp8]
-        assert got["losses"] == got["reference_losses"]
-        assert got["losses"][-1] < got["losses"][0]
-        differing = [name for name, (a, b) in got["compared"].items() if not torch.equal(a, b)]
-        assert not differing, differing
-        if gather_in_fp8:  # every projection weight's shard went as one byte per element, twice a step (biases and
-            # the 3-D expert weights go in 16 bits)
-            shard_elements = sum(a.numel() for name, (a, _) in got["compared"].items()
-                                 if name.endswith("_proj.weight"))
-            assert got["codes_sent"] == 2 * STEPS * shard_elements
+        assert_trains_as_one_process(rank_results[family, gather_in_fp8],
+                                     lambda name: 2 * name.endswith("_proj.weight"))
 
 
 @pytest.mark.parametrize("gather_in_fp8", [False, True], ids=["bf16-gather", "fp8-all-gather"])
 def test_fsdp2_trains_a_vision_language_model_as_one_process_does(results, gather_in_fp8):
+    """Gathered in FP8 for forward and backward: the projections of the language model and of the vision blocks'
+    MLPs (*_proj), the vision attention's qkv and proj; once a step: the merger's two linear layers, which sit in the
+    root unit (FSDP2 keeps the root's parameters gathered from forward to backward); not the patch embedding (a
+    convolution)."""
+    vision_attention = re.compile(r"model\.visual\.blocks\.\d+\.attn\.(qkv|proj)\.weight")
+    merger = re.compile(r"model\.visual\.merger\.mlp\.[02]\.weight")
+
+    def gathers_per_step(name: str) -> int:
+        return 2 if name.endswith("_proj.weight") or vision_attention.fullmatch(name) else int(bool(merger.fullmatch(name)))
+
     for rank_results in results:
         got = rank_results[VISION_LANGUAGE, gather_in_fp8]
-        assert got["losses"] == got["reference_losses"]
-        assert got["losses"][-1] < got["losses"][0]
-        differing = [name for name, (a, b) in got["compared"].items() if not torch.equal(a, b)]
-        assert not differing, differing
         assert any(name.startswith("model.visual.") for name in got["compared"])
-        if gather_in_fp8:
-            assert got["codes_sent"] > 0
+        assert_trains_as_one_process(got, gathers_per_step)
