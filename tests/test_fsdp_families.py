@@ -138,7 +138,9 @@ def test_fsdp2_trains_a_vision_language_model_as_one_process_does(results, gathe
     merger = re.compile(r"model\.visual\.merger\.mlp\.[02]\.weight")
 
     def gathers_per_step(name: str) -> int:
-        return 2 if name.endswith("_proj.weight") or vision_attention.fullmatch(name) else int(bool(merger.fullmatch(name)))
+        if name.endswith("_proj.weight") or vision_attention.fullmatch(name):
+            return 2
+        return 1 if merger.fullmatch(name) else 0
 
     for rank_results in results:
         got = rank_results[VISION_LANGUAGE, gather_in_fp8]

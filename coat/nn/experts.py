@@ -204,9 +204,9 @@ class _ExpertsFunction(torch.autograd.Function):
         o = grouped_fp8_gemm(act_q, act_scale, w_q, w_scale, routing.offsets, out_dtype, config.experts_fast_accum)
         y = combine(o, routing, top_k_weights, out_dtype)
         _save(ctx, x=x, x_amax=x_amax, weights=top_k_weights, offsets=routing.offsets, dest=routing.dest,
-              row_token=routing.row_token, padding=routing.padding, gate_saved=gate_saved, gate_scales=gate_scales, up_saved=up_saved,
-              up_scales=up_scales, act_scale=act_scale, gate_up_amax=gate_up_amax, down_amax=down_amax,
-              gate_up=gate_up, down=down)
+              row_token=routing.row_token, padding=routing.padding, gate_saved=gate_saved, gate_scales=gate_scales,
+              up_saved=up_saved, up_scales=up_scales, act_scale=act_scale, gate_up_amax=gate_up_amax,
+              down_amax=down_amax, gate_up=gate_up, down=down)
         ctx.config, ctx.rows, ctx.out_dtype, ctx.activation = config, routing.rows, out_dtype, activation
         return y
 
