@@ -114,3 +114,34 @@ def test_experts_refuse_what_they_do_not_compute():
         experts.fp8_experts(x, index, weights, gate_up, down, FP8Config(gradient_format=None))
     with pytest.raises(ValueError, match="smooth_swiglu"):
         experts.fp8_experts(x, index, weights, gate_up, down, FP8Config(smooth_swiglu=True))
+
+
+@pytest.mark.parametrize("fast_accum", [True, False])
+def test_experts_fast_accum_reaches_every_grouped_gemm(monkeypatch, fast_accum):
+    """FP8Config.experts_fast_accum is what the six grouped GEMMs (two forward, two dgrad, two wgrad) ask torch's
+    FP8 grouped GEMM for. Its GPU path runs here against a stand-in of torch._scaled_grouped_mm that records the
+    flag and multiplies as the CPU path does, so the results are the CPU path's."""
+    asked = []
+
+    def scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
+        asked.append(use_fast_accum)
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
+        out = experts.grouped_mm_float32(a.float(), b.float(), offs)
+        return (out * (scale_a[0] * scale_b[0])).to(out_dtype)
+
+    x, index, weights, gate_up, down = make_inputs("cpu")
+    config = FP8Config(experts_fast_accum=fast_accum)
+
+    def step():
+        leaves = [t.clone().requires_grad_() for t in (x, weights, gate_up, down)]
+        out = experts.fp8_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], config)
+        out.backward(make_inputs("cpu", seed=1)[0])
+        return [out, *(leaf.grad for leaf in leaves)]
+
+    cpu = step()
+    monkeypatch.setattr(experts, "_device_has_fp8_gemm", lambda device: True)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm)
+    gpu_path = step()
+    assert asked == [fast_accum] * 6
+    for expected, actual in zip(cpu, gpu_path):
+        assert torch.equal(actual, expected)

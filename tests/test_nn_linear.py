@@ -237,6 +237,8 @@ def test_errors_for_bad_inputs():
         coat.nn.FP8Config(forward_format="e5m2", gradient_format="e5m2")
     with pytest.raises(TypeError, match="fast_accum must be True or False"):
         coat.nn.FP8Config(fast_accum="yes")
+    with pytest.raises(TypeError, match="experts_fast_accum must be True or False"):
+        coat.nn.FP8Config(experts_fast_accum=1)
 
 
 @requires_cuda

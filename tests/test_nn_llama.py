@@ -598,10 +598,11 @@ def test_which_modules_are_converted():
     assert isinstance(model.model.layers[1], FP8LlamaDecoderLayer)
 
     model = coat.convert(tiny_model("llama"), modules_to_convert=["model.layers.1", "lm_head"], group_size=32,
-                         fast_accum=True)
+                         fast_accum=True, experts_fast_accum=False)
     assert type(model.model.layers[0]) is LlamaDecoderLayer
     assert model.model.layers[1].fp8_config.group_size == 32
     assert model.model.layers[1].fp8_config.fast_accum and model.lm_head.config.fast_accum
+    assert not model.model.layers[1].fp8_config.experts_fast_accum
     assert isinstance(model.lm_head, coat.nn.Linear)
     loss_and_grads(model, token_batch("cpu"))
 
