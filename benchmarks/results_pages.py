@@ -98,7 +98,9 @@ FAMILIES = (
            ("tokens", "fwd+bwd ms", "vs bf16", "saved MiB", "saved vs bf16"),
            "`benchmarks/moe.py`: a decoder layer's MoE block, forward + backward (h + experts(router(RMSNorm(h)))), at "
            "Mixtral-8x7B's shape (8 experts, top 2) and Qwen3-30B-A3B's (128 experts, top 8), 16k tokens: "
-           "transformers' block with its `grouped_mm` experts in BF16, the same compiled, and coat's converted layer. "
+           "transformers' block with its `grouped_mm` experts in BF16, the same compiled, torchao's FP8 row-wise "
+           "grouped GEMM for the experts (on coat's 16-row-padded routing: its MoE prototype cannot take transformers' "
+           "experts as they are, see the script), and coat's converted layer, eager and compiled. "
            "`fwd+bwd ms` is the median time of a step between CUDA events; `saved MiB` what the block keeps for "
            "backward, parameters excluded."),
     Family("optimizer", "Optimizer step", ("optimizer", "optimizer_error"), ("optimizer", "params", "rounding", "grads", "first", "second"),
