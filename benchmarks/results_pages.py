@@ -27,6 +27,7 @@ import glob
 import hashlib
 import inspect
 import json
+import math
 import os
 import re
 import shlex
@@ -128,11 +129,23 @@ FAMILIES = (
            ("final_val_loss", "vs BF16", "final_train_loss_last_10pct", "peak_memory_gib"),
            "`examples/train_llama.py`: a Llama (or the `--family` its name gives) pretrained on the Python standard "
            "library's sources; `final_val_loss` is the held-out loss (nats per byte) after the last step. `vs BF16` "
-           "compares it with the mean of every BF16 run of the same family, preset, batch and seed (lower is "
-           "better). The Gemma 3 BF16 runs at batch 8 ended at step 1680, cut by the GPU calls' time, and left no "
+           "compares it with the mean of every BF16 run of the same family, preset, batch, steps and seed (lower "
+           "is better). The Gemma 3 BF16 runs at batch 8 ended at step 1680, cut by the GPU calls' time, and left no "
            "summary: their CSVs and logs are in `convergence-100m-families/`, as are the logs of the seed-0 runs, "
            "whose summaries did not come back from the GPU machine."),
+    Family("vlm-convergence", "Vision-language fine-tuning", ("train_vlm",), ("preset", "steps", "seed", "name"),
+           ("final_val_loss", "vs BF16", "final_answer_accuracy", "accuracy vs BF16", "question-alone accuracy",
+            "peak_memory_gib"),
+           "`examples/train_vlm.py`: a Qwen2.5-VL built from a config learns to answer questions about pictures of "
+           "shapes it draws (colour, shape, position, count). `final_val_loss` is the held-out loss on the answers "
+           "(nats per token), `final_answer_accuracy` the share of held-out questions that `generate()` answers "
+           "exactly, `question-alone accuracy` what the most frequent answer to each question in the training "
+           "stream scores without looking at the picture. `vs BF16` and `accuracy vs BF16` compare a coat run "
+           "with the mean of the BF16 runs of the same preset, batch, steps and seed."),
 )
+
+
+TRAINING_SCRIPTS = ("train_llama", "train_vlm")  # the examples, whose summary JSON is one run
 
 
 def _script(command: str) -> str:
@@ -155,8 +168,10 @@ def load_results(results_dir: str = RESULTS) -> list[Result]:
         if str(data.get("note", "")).startswith("A/B") or data.get("summary", {}).get("smoke"):
             continue
         script = _script(data["command"])
-        if script == "train_llama":  # one run a file: its summary is the row
+        if script in TRAINING_SCRIPTS:  # one run a file: its summary is the row
             row = {**data, "seed": _seed(data["command"])}
+            if script == "train_vlm":
+                row["question-alone accuracy"] = data["text_only_accuracy"]["all"]
             rows, summary = [row], {}
         else:
             rows, summary = data["rows"], data["summary"]
@@ -208,20 +223,25 @@ def _day(result: Result) -> str:
 
 
 def _add_convergence_comparison(results: list[Result]) -> None:
-    """Adds "vs BF16" to each coat run: its held-out loss against the mean of the BF16 runs of its family (--family;
-    runs from before it are Llama's), preset, batch, steps and seed."""
-    def setting(row):
-        return row.get("family", "llama"), row["preset"], row.get("batch"), row.get("steps"), row["seed"]
+    """Adds "vs BF16" to each coat run: its held-out loss against the mean of the BF16 runs of its script, family
+    (--family; runs from before it are Llama's), preset, batch, steps and seed; for train_vlm's runs also
+    "accuracy vs BF16", the difference of their answer accuracies in points."""
+    def setting(result):
+        row = result.rows[0]
+        return result.script, row.get("family", "llama"), row["preset"], row.get("batch"), row.get("steps"), row["seed"]
 
-    losses: dict[tuple, list[float]] = {}
-    for result in results:
-        if result.script == "train_llama" and not result.rows[0]["coat"]:
-            row = result.rows[0]
-            losses.setdefault(setting(row), []).append(row["final_val_loss"])
-    for result in results:
-        row = result.rows[0] if result.script == "train_llama" else {}
-        if row.get("coat") and setting(row) in losses:
-            row["vs BF16"] = f"{row['final_val_loss'] / statistics.mean(losses[setting(row)]) - 1:+.2%}"
+    baselines: dict[tuple, list[dict]] = {}
+    runs = [r for r in results if r.script in TRAINING_SCRIPTS]
+    for result in runs:
+        if not result.rows[0]["coat"]:
+            baselines.setdefault(setting(result), []).append(result.rows[0])
+    for result in runs:
+        row, bf16 = result.rows[0], baselines.get(setting(result))
+        if row["coat"] and bf16:
+            row["vs BF16"] = f"{row['final_val_loss'] / statistics.mean(r['final_val_loss'] for r in bf16) - 1:+.2%}"
+            if result.script == "train_vlm":
+                row["BF16 accuracy"] = statistics.mean(r["final_answer_accuracy"] for r in bf16)
+                row["accuracy vs BF16"] = f"{100 * (row['final_answer_accuracy'] - row['BF16 accuracy']):+.1f} points"
 
 
 def family_page(results: list[Result], family: Family) -> tuple[str, list[Result]]:
@@ -387,20 +407,8 @@ def readme_table(results: list[Result]) -> str:
     add("MoE block forward + backward, 16k tokens: time against BF16 `grouped_mm` experts / their `torch.compile`"
         + (" / torchao's FP8 row-wise grouped GEMM" if with_torchao else "") + "; saved activations against BF16",
         "; ".join(figures), [f for found in blocks.values() for f in found], "moe")
-    olmoe = _latest(results, "models", "peak GiB", variant="coat-lowmem", shape="olmoe-1b-7b")
-    result, lowmem = olmoe[0]
-    bf16 = _sibling(result, lowmem, "bf16", ("shape",))
-    what = (f"OLMoE-1B-7B shape (6.9B parameters, 64 experts), batch {lowmem['batch']} x {lowmem['seq']}: peak memory "
-            "and tokens/s of the lowest-memory settings")
-    figure = f"{lowmem['peak GiB']:.1f} GiB, {lowmem['tokens/s/GPU']:,.0f} tokens/s (BF16: {bf16['peak GiB']})"
-    coat_rows = [(r, row) for r, row in _latest(results, "models", "peak GiB", variant="coat", shape="olmoe-1b-7b")
-                 if isinstance(row["peak GiB"], float) and r.device == result.device]
-    if coat_rows:
-        coat_row = coat_rows[0][1]
-        what += "; of coat with float32 master weights"
-        figure += f"; {coat_row['peak GiB']:.1f} GiB, {coat_row['tokens/s/GPU']:,.0f} tokens/s"
-        olmoe += coat_rows
-    add(what, figure, olmoe, "models")
+    for what, figure, found in _moe_model_figures(results):
+        add(what, figure, found, "models")
     for what, figure, found in _vision_language_figures(results):
         add(what, figure, found, "models")
     for label, saved_format, group_size in (("FP8 defaults", "e4m3", 16), ("FP4-kept activations", "fp4", 16),
@@ -426,9 +434,16 @@ def readme_table(results: list[Result]) -> str:
             by_seed.setdefault(row["seed"], []).append(row["vs BF16"] + loss)
         batches = sorted({row["batch"] for _, row in runs})
         steps = sorted({row["steps"] for _, row in runs})
-        add(f"100M {label}, batch {', '.join(map(str, batches))} x 1024, {', '.join(map(str, steps))} steps: held-out "
-            "loss against BF16, FP8 defaults, every run", "; ".join(f"seed {seed}: {', '.join(v)}" for seed, v in by_seed.items()),
-            runs, "convergence")
+        what = (f"100M {label}, batch {', '.join(map(str, batches))} x 1024, {', '.join(map(str, steps))} steps: "
+                "held-out loss against BF16, FP8 defaults, every run")
+        figure = "; ".join(f"seed {seed}: {', '.join(v)}" for seed, v in by_seed.items())
+        balance = _routing_balance(results, runs)
+        if balance:
+            what += "; the routers' balance: entropy of the held-out expert shares (1: all equal), mean over layers"
+            figure += "; " + balance
+        add(what, figure, runs, "convergence")
+    for what, figure, found in _vlm_convergence_figures(results):
+        add(what, figure, found, "vlm-convergence")
     report = _latest(results, "report", "GPU-bound capture / off", read="after the next step", **{"rows measured": "64"})
     add(f"a `coat.report` capture: step time against a plain step (GPU time it adds, "
         f"{' and '.join(sorted({row['batch x seq'] for _, row in report}, key=lambda b: int(b.split('x')[0])))} tokens)",
@@ -446,18 +461,96 @@ def _speed_ratio(row: dict, base: dict) -> str | None:
     return f"{speeds[0] / speeds[1]:.2f}x" if None not in speeds else None
 
 
+def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list]]:
+    """(what, figure, found) of the README rows of train_vlm's coat runs against BF16: FP8 defaults, and with the
+    vision side in FP8 too."""
+    rows = []
+    for vision, label in ((False, "FP8 defaults"), (True, "the vision side in FP8 too (`--vision-linears`)")):
+        runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_vlm" and "vs BF16" in r.rows[0]
+                       and r.rows[0]["vision_linears"] == vision and not r.rows[0]["bf16_weights"]
+                       and r.rows[0]["fp8_grads"] is None and not r.rows[0]["fast_accum"]),
+                      key=lambda item: (item[1]["seed"], item[0].date))
+        if not runs:
+            continue
+        presets = sorted({(row["preset"], row["batch"], row["steps"]) for _, row in runs})
+        what = (", ".join(f"{_parameters(results, p)} Qwen2.5-VL (`train_vlm.py --preset {p}`), batch {b}, {n} steps"
+                          for p, b, n in presets)
+                + f", questions about pictures: held-out loss and answer accuracy against BF16, {label}, every run")
+        figure = "; ".join(f"seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
+                           f"{row['final_answer_accuracy']:.1%}, BF16 {row['BF16 accuracy']:.1%}, the question "
+                           f"alone {row['question-alone accuracy']:.1%})" for _, row in runs)
+        rows.append((what, figure, runs))
+    return rows
+
+
+def _routing_balance(results: list[Result], runs: list[tuple[Result, dict]]) -> str:
+    """For coat MoE runs: the normalized entropy of each layer's held-out expert shares, averaged over layers, for
+    them and for the BF16 runs they are compared with (same family, preset, batch, steps and seed); "" for runs
+    without shares."""
+    def entropy(run: dict) -> float:
+        layers = run["expert_token_shares"]
+        return statistics.mean(-sum(x * math.log(x) for x in shares if x > 0) / math.log(len(shares))
+                               for shares in layers)
+
+    same = ("family", "preset", "batch", "steps", "seed")
+    bf16 = [r.rows[0] for r in results if r.script == "train_llama" and not r.rows[0]["coat"]
+            and any(all(r.rows[0].get(k) == row.get(k) for k in same) for _, row in runs)]
+    coat = [row for _, row in runs]
+    if not all(row.get("expert_token_shares") for row in coat + bf16):
+        return ""
+    return "; ".join(f"{name} " + ", ".join(f"{entropy(row):.2f}" for row in sorted(group, key=lambda r: r["seed"]))
+                     for name, group in (("coat", coat), ("BF16", bf16)))
+
+
+def _parameters(results: list[Result], preset: str) -> str:
+    """train_vlm's model size of ``preset``, from its runs' summaries."""
+    counts = {r.rows[0]["parameters"] for r in results if r.script == "train_vlm" and r.rows[0]["preset"] == preset}
+    return "/".join(f"{n / 1e6:.0f}M" for n in sorted(counts))
+
+
+def _measured(results, family_name: str, field: str, **match) -> list[tuple[Result, dict]]:
+    """``_latest``, or [] where nothing is measured yet."""
+    try:
+        return _latest(results, family_name, field, **match)
+    except LookupError:
+        return []
+
+
+def _moe_model_figures(results: list[Result]) -> list[tuple[str, str, list]]:
+    """(what, figure, found) of the README rows of the whole-model MoE shapes, those measured: the lowest-memory
+    settings with BF16's outcome on the same device (on an 80 GB card it runs out of memory) and, for OLMoE, coat
+    with float32 master weights."""
+    rows = []
+    for shape, label in (("olmoe-1b-7b", "OLMoE-1B-7B shape (6.9B parameters, 64 experts)"),
+                         ("qwen2-moe-a2.7b", "Qwen2-MoE-A2.7B shape (14.3B parameters, 60 experts and a shared one)")):
+        found = _measured(results, "models", "peak GiB", variant="coat-lowmem", shape=shape)
+        if not found:
+            continue
+        result, lowmem = found[0]
+        what = (f"{label}, batch {lowmem['batch']} x {lowmem['seq']}: peak memory, tokens/s and model state bytes "
+                "per parameter of the lowest-memory settings")
+        figure = f"{_peak(lowmem)}, {lowmem['tokens/s/GPU']:,.0f} tokens/s, {lowmem['state B/param']:.2f} B/param"
+        bf16 = _measured(results, "models", "peak GiB", device=result.device, variant="bf16", shape=shape)
+        if bf16:
+            figure += f" (BF16: {_peak(bf16[0][1])})"
+        else:  # mixed precision keeps float32 weights, gradients and two moments
+            figure += f" (BF16 not run: its model state alone is {16 * lowmem['params'] / 2**30:.0f} GiB)"
+        coat_rows = [(r, row) for r, row in _measured(results, "models", "peak GiB", device=result.device,
+                                                      variant="coat", shape=shape) if isinstance(row["peak GiB"], float)]
+        if coat_rows:
+            coat_row = coat_rows[0][1]
+            what += "; of coat with float32 master weights"
+            figure += f"; {_peak(coat_row)}, {coat_row['tokens/s/GPU']:,.0f} tokens/s"
+        rows.append((what, figure, found + bf16 + coat_rows))
+    return rows
+
+
 def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list]]:
     """(what, figure, found) of the README rows of the Qwen2.5-VL shapes, those measured: the 3B's coat row against
     BF16 and torchao of the same run, with coat-vision and coat-lowmem; the 7B's lowest-memory settings, which
     the issue asks to fit one 80 GB GPU."""
-    def measured(variant: str, shape: str) -> list:
-        try:
-            return _latest(results, "models", "peak GiB", variant=variant, shape=shape)
-        except LookupError:  # not measured yet
-            return []
-
     rows = []
-    found = measured("coat", "qwen2.5-vl-3b")
+    found = _measured(results, "models", "peak GiB", variant="coat", shape="qwen2.5-vl-3b")
     if found:
         result, coat_row = found[0]
         same_run = {}
@@ -483,7 +576,7 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
                      f"{coat_row['seq']} ({coat_row['image tokens']:,} of them image tokens): peak memory; tokens/s "
                      "against BF16 and torchao float8 (compiled, the language model's linears); with "
                      "`vision_linears=True`; lowest-memory settings", figure, found))
-    found = measured("coat-lowmem", "qwen2.5-vl-7b")
+    found = _measured(results, "models", "peak GiB", variant="coat-lowmem", shape="qwen2.5-vl-7b")
     if found:
         result, lowmem = found[0]
         figure = _peak(lowmem) + (f", {lowmem['tokens/s/GPU']:,.0f} tokens/s" if "tokens/s/GPU" in lowmem else "")
@@ -548,7 +641,22 @@ def _plot_specs(results: list[Result]) -> dict[str, dict]:
             with open(os.path.join(RESULTS, os.path.dirname(result.path), row["csv"])) as f:
                 curves[row["name"]] = [(int(r["step"]), float(r["val_loss"])) for r in csv.DictReader(f) if r["val_loss"]]
     if curves:
-        specs["convergence-100m.png"] = {"kind": "convergence", "curves": dict(sorted(curves.items()))}
+        specs["convergence-100m.png"] = {"kind": "convergence", "title": "100M Llama, seed 0",
+                                         "ylabel": "held-out loss (nats per byte)", "curves": dict(sorted(curves.items()))}
+    by_preset: dict[str, dict] = {}
+    for result in results:
+        if result.script == "train_vlm":
+            row = result.rows[0]
+            with open(os.path.join(RESULTS, os.path.dirname(result.path), row["csv"])) as f:
+                evaluated = [r for r in csv.DictReader(f) if r["val_loss"]]
+            spec = by_preset.setdefault(row["preset"], {
+                "kind": "convergence", "title": f"examples/train_vlm.py --preset {row['preset']}",
+                "ylabel": "held-out loss (nats per token)", "curves": {}, "accuracy": {}})
+            spec["curves"][row["name"]] = [(int(r["step"]), float(r["val_loss"])) for r in evaluated]
+            spec["accuracy"][row["name"]] = [(int(r["step"]), 100 * float(r["answer_accuracy"])) for r in evaluated]
+    for preset, spec in sorted(by_preset.items()):
+        specs[f"vlm-convergence-{preset}.png"] = {**spec, "curves": dict(sorted(spec["curves"].items())),
+                                                  "accuracy": dict(sorted(spec["accuracy"].items()))}
     return specs
 
 
@@ -566,12 +674,17 @@ def _draw(spec: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if spec["kind"] == "convergence":
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, points in spec["curves"].items():
-            ax.plot([s for s, _ in points], [v for _, v in points], label=name)
-        ax.set(xlabel="step", ylabel="held-out loss (nats per byte)", yscale="log", title="100M Llama, seed 0")
-        ax.legend()
+    if spec["kind"] == "convergence":  # held-out loss, and answer accuracy where the runs measure it
+        panels = [("curves", spec["ylabel"], "log")] + ([("accuracy", "held-out answer accuracy (%)", "linear")]
+                                                        if "accuracy" in spec else [])
+        fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+        for ax, (key, ylabel, yscale) in zip(axes[0], panels):
+            for name, points in spec[key].items():
+                ax.plot([s for s, _ in points], [v for _, v in points], marker="." if key == "accuracy" else None,
+                        label=name)
+            ax.set(xlabel="step", ylabel=ylabel, yscale=yscale)
+            ax.legend(fontsize=8)
+        fig.suptitle(spec["title"])
         fig.tight_layout()
     else:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -606,7 +719,7 @@ def _png_digest(path: str) -> str | None:
         return None
 
 
-PLOT_PAGES = {"layer": "layer-", "e2e": "e2e-", "convergence": "convergence-"}
+PLOT_PAGES = {"layer": "layer-", "e2e": "e2e-", "convergence": "convergence-", "vlm-convergence": "vlm-convergence-"}
 
 
 def generate(results: list[Result]) -> tuple[dict[str, str], dict[str, dict], str]:

@@ -148,3 +148,75 @@ def test_vision_language_rows_compare_coat_with_the_baselines_of_its_own_run(pag
     text, _ = pages.family_page(results, next(f for f in pages.FAMILIES if f.page == "models"))
     assert "| shape | variant | batch | seq | image tokens | peak GiB | tokens/s/GPU | vision kept GiB |" in text
     assert pages._vision_language_figures(pages.load_results(str(tmp_path / "none"))) == []
+
+
+def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_steps_and_seed(pages, tmp_path,
+                                                                                            monkeypatch):
+    """train_vlm's summaries: held-out loss and answer accuracy against the BF16 runs of the same preset, steps and
+    seed, never against a train_llama run or one of another length."""
+    def run(name, coat, loss, accuracy, steps=1000, seed=0):
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "name": name, "device": "GPU X", "torch": "2.13.0", "date": "2026-01-01T00:00:00+00:00",
+            "command": f"examples/train_vlm.py --preset gpu --name {name} --seed {seed}", "coat": coat,
+            "vision_linears": False, "bf16_weights": False, "fp8_grads": None, "fast_accum": False, "preset": "gpu",
+            "batch": 64, "steps": steps, "parameters": 36_149_632, "final_val_loss": loss,
+            "final_answer_accuracy": accuracy, "text_only_accuracy": {"all": 0.14}, "csv": f"{name}.csv"}))
+        (tmp_path / f"{name}.csv").write_text("step,val_loss,answer_accuracy\n500,0.5,0.1\n1000,0.4,0.2\n")
+
+    run("bf16", False, 0.30, 0.20)
+    run("bf16-short", False, 9.0, 0.0, steps=100)
+    run("coat", True, 0.27, 0.25)
+    (tmp_path / "llama-bf16.json").write_text(json.dumps({
+        "name": "llama-bf16", "device": "GPU X", "torch": "2.13.0", "date": "2026-01-01T00:00:00+00:00",
+        "command": "examples/train_llama.py --preset gpu", "coat": False, "preset": "gpu", "batch": 64, "steps": 1000,
+        "final_val_loss": 5.0}))
+    results = pages.load_results(str(tmp_path))
+    rows = {r.rows[0]["name"]: r.rows[0] for r in results}
+    assert rows["coat"]["vs BF16"] == "-10.00%" and rows["coat"]["accuracy vs BF16"] == "+5.0 points"
+    ((what, figure, found),) = pages._vlm_convergence_figures(results)
+    assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 1000 steps")
+    assert figure == "seed 0: -10.00%, +5.0 points (coat 25.0%, BF16 20.0%, the question alone 14.0%)"
+    assert [r.path for r, _ in found] == ["coat.json"]
+    monkeypatch.setattr(pages, "RESULTS", str(tmp_path))  # where the plot reads the runs' CSVs
+    spec = pages._plot_specs(results)["vlm-convergence-gpu.png"]
+    assert spec["accuracy"]["coat"] == [(500, 10.0), (1000, 20.0)] and set(spec["curves"]) == {"bf16", "bf16-short",
+                                                                                               "coat"}
+
+
+
+def test_moe_model_rows_take_bf16s_outcome_from_an_earlier_file_or_say_what_it_would_need(pages, tmp_path):
+    """A later lowest-memory run without a BF16 row still shows BF16's outcome on that device (an earlier file's);
+    a shape with no BF16 row anywhere says what mixed precision's state alone would take (16 bytes a parameter)."""
+    def row(shape, variant, peak, **more):
+        return {"shape": shape, "variant": variant, "batch": 1, "seq": 4096, "peak GiB": peak, **more}
+
+    lowmem = {"tokens/s/GPU": 17000.0, "state B/param": 5.09}
+    _write(tmp_path, "olmoe.json", "2026-01-01T00:00:00+00:00", [
+        row("olmoe-1b-7b", "coat-lowmem", 40.0, **lowmem), row("olmoe-1b-7b", "bf16", "OOM")],
+        command="benchmarks/e2e_shapes.py")
+    _write(tmp_path, "olmoe-lowmem.json", "2026-02-01T00:00:00+00:00", [row("olmoe-1b-7b", "coat-lowmem", 34.2, **lowmem)],
+           command="benchmarks/e2e_shapes.py")
+    _write(tmp_path, "qwen2-moe.json", "2026-02-01T00:00:00+00:00", [
+        row("qwen2-moe-a2.7b", "coat-lowmem", 69.4, params=2**30, **lowmem)], command="benchmarks/e2e_shapes.py")
+    (olmoe, olmoe_figure, olmoe_found), (qwen, qwen_figure, _) = pages._moe_model_figures(
+        pages.load_results(str(tmp_path)))
+    assert olmoe.startswith("OLMoE-1B-7B shape") and olmoe_figure == "34.2 GiB, 17,000 tokens/s, 5.09 B/param (BF16: OOM)"
+    assert [r.path for r, _ in olmoe_found] == ["olmoe-lowmem.json", "olmoe.json"]
+    assert qwen.startswith("Qwen2-MoE-A2.7B shape")
+    assert qwen_figure == "69.4 GiB, 17,000 tokens/s, 5.09 B/param (BF16 not run: its model state alone is 16 GiB)"
+
+
+def test_the_routers_balance_is_the_mean_normalized_entropy_of_the_expert_shares(pages, tmp_path):
+    def run(name, coat, shares, seed=0):
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "name": name, "device": "GPU X", "torch": "2.13.0", "date": "2026-01-01T00:00:00+00:00",
+            "command": f"examples/train_llama.py --preset 100m --family qwen3_moe --seed {seed}", "coat": coat,
+            "family": "qwen3_moe", "preset": "100m", "batch": 8, "steps": 2000, "final_val_loss": 1.0,
+            "expert_token_shares": shares}))
+
+    run("bf16", False, [[0.25] * 4, [1.0, 0.0, 0.0, 0.0]])  # layers: even (1), collapsed (0)
+    run("coat", True, [[0.25] * 4, [0.25] * 4])
+    run("bf16-other-seed", False, [[1.0, 0.0, 0.0, 0.0]] * 2, seed=1)
+    results = pages.load_results(str(tmp_path))
+    coat = [(r, r.rows[0]) for r in results if r.rows[0]["name"] == "coat"]
+    assert pages._routing_balance(results, coat) == "coat 1.00; BF16 0.50"
