@@ -187,6 +187,17 @@ class ShapesVQA:
         image = [VISION_START] + [IMAGE] * self.image_tokens + [VISION_END]
         return image + encode(sample.question + "\n")
 
+    def position_ids(self, length: int) -> torch.Tensor:
+        """Qwen2.5-VL's M-RoPE positions (temporal, height, width) of the first ``length`` tokens of a sample, [3,
+        length]: <vision_start> at 0, the image tokens at 1 + (0, row, column) in the merged grid, the tokens after
+        them (padding too) on from 1 + the grid's side in all three. The same for every sample: the model's
+        get_rope_index would compute them sample by sample, with host syncs on a GPU, if not given them."""
+        side = self.grid // MERGE
+        image = torch.arange(self.image_tokens)
+        image = 1 + torch.stack([torch.zeros_like(image), image // side, image % side])
+        text = torch.arange(1 + side, 1 + side + length - 1 - self.image_tokens).expand(3, -1)
+        return torch.cat([torch.zeros(3, 1, dtype=torch.long), image, text], dim=1)
+
     def image_inputs(self, samples: list[Sample], device) -> dict:
         return {
             "pixel_values": patchify(render(samples, self.image_size, device), self.patch),
@@ -194,7 +205,7 @@ class ShapesVQA:
         }
 
     def batch(self, samples: list[Sample], device) -> dict:
-        """Model inputs with labels on the answers, right-padded."""
+        """Model inputs with labels on the answers, right-padded, and their M-RoPE positions."""
         sequences = [(self.prompt(s), encode(s.answer) + [END]) for s in samples]
         length = max(len(prompt) + len(answer) for prompt, answer in sequences)
         input_ids = torch.full((len(samples), length), PAD, dtype=torch.long)
@@ -204,6 +215,7 @@ class ShapesVQA:
             labels[row, len(prompt): len(prompt) + len(answer)] = torch.tensor(answer)
         input_ids = input_ids.to(device)
         return {"input_ids": input_ids, "labels": labels.to(device),
+                "position_ids": self.position_ids(length)[:, None].repeat(1, len(samples), 1).to(device),
                 "mm_token_type_ids": (input_ids == IMAGE).int(), **self.image_inputs(samples, device)}
 
     def prompts(self, samples: list[Sample], device) -> dict:

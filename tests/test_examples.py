@@ -360,6 +360,42 @@ def shapes_vqa(monkeypatch):
     return shapes_vqa
 
 
+@pytest.fixture
+def train_vlm(shapes_vqa):
+    import train_vlm
+
+    return train_vlm
+
+
+def test_shapes_vqa_position_ids_are_the_models(train_vlm, shapes_vqa):
+    """The M-RoPE positions a batch brings are those the model's get_rope_index computes from the batch, for the
+    tiny and the gpu preset's pictures (its spatial merge is the gpu model's), and the tiny model's loss is the same
+    bit for bit with them as without."""
+    model = train_vlm.build_model(argparse.Namespace(preset="tiny", seed=0, attention="sdpa"), torch.device("cpu"))
+    for preset in ("tiny", "gpu"):
+        p = train_vlm.PRESETS[preset]
+        dataset = shapes_vqa.ShapesVQA(seed=0, image_size=p.image, patch=p.patch, max_objects=p.max_objects, held_out=8)
+        inputs = dataset.batch(dataset.held_out, "cpu")
+        expected, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                 inputs["image_grid_thw"])
+        assert torch.equal(inputs["position_ids"], expected)
+        if preset == "tiny":  # the pictures this model takes
+            without = {name: value for name, value in inputs.items() if name != "position_ids"}
+            with torch.no_grad():
+                assert torch.equal(model(**inputs).loss, model(**without).loss)
+
+
+def test_train_vlm_training_batches_are_the_steps_in_order(train_vlm, shapes_vqa):
+    """The workers' batches are those of steps 0, 1, 2... in order, as drawn in the training process."""
+    dataset = shapes_vqa.ShapesVQA(seed=1, image_size=48, patch=8, max_objects=3, held_out=1)
+    batches = list(train_vlm.training_batches(dataset, 4, 5, torch.device("cpu")))
+    assert len(batches) == 5
+    for step, inputs in enumerate(batches):
+        expected = dataset.batch(dataset.samples(step, 4), "cpu")
+        assert inputs.keys() == expected.keys()
+        assert all(torch.equal(inputs[name], expected[name]) for name in expected)
+
+
 def test_shapes_vqa_is_deterministic_and_its_answers_are_in_the_picture(shapes_vqa):
     """The same samples from the same seed and step, others from another; each answer is what the picture shows:
     the colour drawn in the shape asked about, the cell its centre lies in, the number of colours in
