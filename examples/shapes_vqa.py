@@ -14,7 +14,7 @@ The question names a shape or a colour that is in the picture and nothing about 
 text alone answers at chance at best: ``text_only_accuracy`` measures the best such model (the most frequent answer
 to each question in the training stream).
 
-Scenes are a pure function of (seed, stream, index): the training stream ``train_batch(step)`` draws batch ``step``
+Scenes are a pure function of (seed, stream, index): the training stream ``samples(step, batch)`` draws batch ``step``
 from the generator of (seed, step), the held-out set from stream -1, so a run sees the same samples whatever its
 options, and the held-out samples are none of the training ones (their continuous sizes, offsets and colours are
 drawn independently; tests/test_examples.py checks).
@@ -162,7 +162,7 @@ def encode(text: str) -> list[int]:
 
 
 class ShapesVQA:
-    """Batches of (picture, question, answer) samples as model inputs: ``train_batch(step)`` and ``held_out``."""
+    """Batches of (picture, question, answer) samples as model inputs: ``samples(step, batch)`` and ``held_out``."""
 
     def __init__(self, seed: int, image_size: int, patch: int, max_objects: int, held_out: int):
         if image_size % (patch * MERGE):
