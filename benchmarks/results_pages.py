@@ -530,17 +530,20 @@ def _moe_model_figures(results: list[Result]) -> list[tuple[str, str, list]]:
         what = (f"{label}, batch {lowmem['batch']} x {lowmem['seq']}: peak memory, tokens/s and model state bytes "
                 "per parameter of the lowest-memory settings")
         figure = f"{_peak(lowmem)}, {lowmem['tokens/s/GPU']:,.0f} tokens/s, {lowmem['state B/param']:.2f} B/param"
-        bf16 = _measured(results, "models", "peak GiB", device=result.device, variant="bf16", shape=shape)
+        same = dict(device=result.device, shape=shape, batch=lowmem["batch"], seq=lowmem["seq"])
+        bf16 = _measured(results, "models", "peak GiB", variant="bf16", **same)
         if bf16:
             figure += f" (BF16: {_peak(bf16[0][1])})"
         else:  # mixed precision keeps float32 weights, gradients and two moments
             figure += f" (BF16 not run: its model state alone is {16 * lowmem['params'] / 2**30:.0f} GiB)"
-        coat_rows = [(r, row) for r, row in _measured(results, "models", "peak GiB", device=result.device,
-                                                      variant="coat", shape=shape) if isinstance(row["peak GiB"], float)]
+        coat_rows = [(r, row) for r, row in _measured(results, "models", "peak GiB", variant="coat", **same)
+                     if isinstance(row["peak GiB"], float)]
         if coat_rows:
             coat_row = coat_rows[0][1]
             what += "; of coat with float32 master weights"
             figure += f"; {_peak(coat_row)}, {coat_row['tokens/s/GPU']:,.0f} tokens/s"
+            if bf16 and (ratio := _speed_ratio(coat_row, bf16[0][1])):  # where BF16 fits
+                figure += f", {ratio} BF16's"
         rows.append((what, figure, found + bf16 + coat_rows))
     return rows
 

@@ -186,7 +186,8 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
 
 def test_moe_model_rows_take_bf16s_outcome_from_an_earlier_file_or_say_what_it_would_need(pages, tmp_path):
     """A later lowest-memory run without a BF16 row still shows BF16's outcome on that device (an earlier file's);
-    a shape with no BF16 row anywhere says what mixed precision's state alone would take (16 bytes a parameter)."""
+    a shape with no BF16 row anywhere says what mixed precision's state alone would take (16 bytes a parameter);
+    where BF16 fits, coat's tokens/s are compared with its run at the same batch and sequence."""
     def row(shape, variant, peak, **more):
         return {"shape": shape, "variant": variant, "batch": 1, "seq": 4096, "peak GiB": peak, **more}
 
@@ -198,12 +199,20 @@ def test_moe_model_rows_take_bf16s_outcome_from_an_earlier_file_or_say_what_it_w
            command="benchmarks/e2e_shapes.py")
     _write(tmp_path, "qwen2-moe.json", "2026-02-01T00:00:00+00:00", [
         row("qwen2-moe-a2.7b", "coat-lowmem", 69.4, params=2**30, **lowmem)], command="benchmarks/e2e_shapes.py")
-    (olmoe, olmoe_figure, olmoe_found), (qwen, qwen_figure, _) = pages._moe_model_figures(
-        pages.load_results(str(tmp_path)))
+    results = pages.load_results(str(tmp_path))
+    (olmoe, olmoe_figure, olmoe_found), (qwen, qwen_figure, _) = pages._moe_model_figures(results)
     assert olmoe.startswith("OLMoE-1B-7B shape") and olmoe_figure == "34.2 GiB, 17,000 tokens/s, 5.09 B/param (BF16: OOM)"
     assert [r.path for r, _ in olmoe_found] == ["olmoe-lowmem.json", "olmoe.json"]
     assert qwen.startswith("Qwen2-MoE-A2.7B shape")
     assert qwen_figure == "69.4 GiB, 17,000 tokens/s, 5.09 B/param (BF16 not run: its model state alone is 16 GiB)"
+    # Where BF16 fits (a larger card), coat with float32 master weights is compared with it on the same run's shape.
+    _write(tmp_path, "olmoe-h200.json", "2026-03-01T00:00:00+00:00", [
+        row("olmoe-1b-7b", "coat-lowmem", 34.0, **lowmem), row("olmoe-1b-7b", "coat", 66.0, **{"tokens/s/GPU": 18000.0}),
+        row("olmoe-1b-7b", "bf16", 110.0, **{"tokens/s/GPU": 12000.0}),
+        {**row("olmoe-1b-7b", "bf16", 60.0, **{"tokens/s/GPU": 1.0}), "seq": 1024}], command="benchmarks/e2e_shapes.py")
+    (_, figure, _), _ = pages._moe_model_figures(pages.load_results(str(tmp_path)))
+    assert figure == ("34.0 GiB, 17,000 tokens/s, 5.09 B/param (BF16: 110.0 GiB); 66.0 GiB, 18,000 tokens/s, "
+                      "1.50x BF16's")
 
 
 def test_the_routers_balance_is_the_mean_normalized_entropy_of_the_expert_shares(pages, tmp_path):
