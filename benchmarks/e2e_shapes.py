@@ -59,9 +59,8 @@ computed from host-side lists, where Dynamo breaks the graph.)
 
 For each row, on a fresh model: peak GiB and reserved GiB (torch.cuda.max_memory_allocated / _reserved over
 --warmup + --steps steps, the first of which allocates the optimizer state), less what was allocated when the row
-started ("allocated before GiB": MemTracker's accounting step leaves a torch.optim.AdamW(fused=True)
-model's parameters and state alive, 9.1 GiB after the Llama-3.2-1B BF16 row on an H200, and they stay for the
-process), the median of the --steps timed steps (CUDA events) and tokens/s (every token of the batch: of a
+started ("allocated before GiB": about 0 since each row releases its parameters' storage, which the accounting
+step's MemTracker keeps referenced; 9.1 GiB after the Llama-3.2-1B BF16 row on an H200 before that), the median of the --steps timed steps (CUDA events) and tokens/s (every token of the batch: of a
 vision-language sample, its image tokens too, not the vision tower's patches), and the peak's parts:
   - weights, grads and optimizer GiB, counted from the tensors after a step;
   - fwd kept GiB: what the forward leaves allocated for backward (torch.cuda.memory_allocated after the model
@@ -92,7 +91,6 @@ a run cut short keeps the rows it finished.
     python benchmarks/e2e_shapes.py --shapes qwen2.5-7b --batch 2 --seq 2048 --variants NAME...
     python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-3b --variants coat coat-vision coat-lowmem torchao-compiled bf16
     python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-7b --variants coat-lowmem bf16
-                                        (bf16 last: its accounting step leaves its model and state allocated)
     python benchmarks/e2e_shapes.py --variants coat coat-compiled --profile   (and each row's kernels per step)
     python benchmarks/e2e_shapes.py --smoke                             (CPU, tiny shapes: checks that it runs)
     python benchmarks/e2e_shapes.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
@@ -217,6 +215,13 @@ class ShapeTraining(Training):
     def free(self) -> None:
         if self.variant.endswith("compiled"):
             torch._dynamo.reset()  # the compile caches refer to the model
+        if self.model is not None:
+            # The accounting step's MemTracker leaves the parameters referenced from uncollectable cycles (its module
+            # tracker's multi-grad hooks through autograd nodes): their storage is released here, so the next row
+            # starts from what this one found.
+            for param in self.model.parameters():
+                param.grad = None
+                param.data = param.data.new_empty(0)
         super().free()
 
     def forward(self, inputs: dict):

@@ -398,3 +398,24 @@ def test_e2e_shapes_records_out_of_memory_and_failures_as_rows(monkeypatch, tmp_
     assert rows["coat-lowmem"]["peak GiB"] == "OOM" and "error" not in rows["coat-lowmem"]
     assert math.isfinite(rows["bf16"]["losses"][0])
     assert result["summary"]["errors"] == {"llama3.2-1b coat": rows["coat"]["error"]}
+
+
+def test_e2e_shapes_row_releases_the_parameters_its_accounting_step_keeps_referenced(monkeypatch):
+    """torch's MemTracker leaves the model's parameters referenced from cycles gc cannot collect: without the
+    release, a 7B row would leave its weights on the GPU for the next row (OLMoE's BF16 row after coat's)."""
+    import gc
+    import weakref
+
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e_shapes
+
+    training = e2e_shapes.ShapeTraining("bf16", e2e_shapes.SHAPES["olmoe-1b-7b"], torch.device("cpu"), smoke=True)
+    training.build()
+    e2e_shapes.trial(training, 1, 32, 1, 1)
+    e2e_shapes.tracked_step(training, 1, 32)
+    params = [weakref.ref(p) for p in training.model.parameters()]
+    training.free()
+    gc.collect()
+    alive = [p() for p in params if p() is not None]
+    assert alive, "MemTracker no longer keeps the parameters: the release in ShapeTraining.free can go"
+    assert sum(p.untyped_storage().nbytes() for p in alive) == 0
