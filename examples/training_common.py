@@ -540,11 +540,18 @@ class TrainingLog:
             **({ACCURACY: accuracy} if ACCURACY in self.columns else {}),
         }
         self.interval_start, self.interval_steps = time.perf_counter(), 0
+        if self.enabled:
+            self.rows.append(row)
+            with open(self.csv_path, "a", newline="") as f:
+                csv.DictWriter(f, self.columns).writerow(row)
+        if not math.isfinite(train_loss):  # every rank: the loss is the mean over them
+            self.finish({"diverged_at_step": step})
+            raise SystemExit(
+                f"{self.args.name}: the training loss is {train_loss} over the steps up to {step}: the run diverged, "
+                "and its weights are no longer finite, so it stops here (the CSV and summary keep what it did). "
+                "Lower --lr or lengthen --warmup; keep --clip on.")
         if not self.enabled:
             return
-        self.rows.append(row)
-        with open(self.csv_path, "a", newline="") as f:
-            csv.DictWriter(f, self.columns).writerow(row)
         postfix = {"loss": f"{train_loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}"}
         if val_loss is not None:
             postfix["val"] = f"{val_loss:.4f}"

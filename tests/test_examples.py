@@ -129,6 +129,18 @@ def test_compare_prints_both_held_out_losses_and_the_difference(training_common,
     ]
 
 
+def test_a_run_whose_loss_is_no_longer_finite_stops_with_its_log_and_summary(training_common, tmp_path):
+    args = argparse.Namespace(out=str(tmp_path), name="diverging", steps=30)
+    log = training_common.TrainingLog(args, first_step=0, tokens_per_step=8, device=torch.device("cpu"))
+    log.record(10, 2.5, 1e-3)
+    with pytest.raises(SystemExit, match="diverging: the training loss is nan over the steps up to 20.*Lower --lr"):
+        log.record(20, float("nan"), 1e-3)
+    assert [row["train_loss"] for row in read_csv(tmp_path / "diverging.csv")] == ["2.5", "nan"]
+    with open(tmp_path / "diverging.json") as f:
+        summary = json.load(f)
+    assert summary["diverged_at_step"] == 20 and summary["steps"] == 20
+
+
 @pytest.mark.parametrize("ratio, expected", [(0.2, "bfloat16"), (2.9, "bfloat16"), (3.1, "float32"), (80.0, "float32")])
 @pytest.mark.parametrize("use_coat", [False, True], ids=["baseline", "coat"])
 def test_train_llama_chooses_float32_where_bf16_matmuls_are_slow(training_common, monkeypatch, ratio, expected,
