@@ -415,7 +415,7 @@ def readme_table(results: list[Result]) -> str:
                                             ("FP4-kept activations, G = 128", "fp4", 128)):
         runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_llama"
                        and _configuration(r.rows[0]) == ("100m", saved_format, group_size) and "vs BF16" in r.rows[0]),
-                      key=lambda item: (item[1]["seed"], item[0].date))
+                      key=lambda item: (item[1]["steps"], item[1]["seed"], item[0].date))
         by_seed = {}
         for _, row in runs:
             by_seed.setdefault(row["seed"], []).append(row["vs BF16"])
@@ -469,14 +469,15 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
         runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_vlm" and "vs BF16" in r.rows[0]
                        and r.rows[0]["vision_linears"] == vision and not r.rows[0]["bf16_weights"]
                        and r.rows[0]["fp8_grads"] is None and not r.rows[0]["fast_accum"]),
-                      key=lambda item: (item[1]["seed"], item[0].date))
+                      key=lambda item: (item[1]["steps"], item[1]["seed"], item[0].date))
         if not runs:
             continue
         presets = sorted({(row["preset"], row["batch"], row["steps"]) for _, row in runs})
         what = (", ".join(f"{_parameters(results, p)} Qwen2.5-VL (`train_vlm.py --preset {p}`), batch {b}, {n} steps"
                           for p, b, n in presets)
                 + f", questions about pictures: held-out loss and answer accuracy against BF16, {label}, every run")
-        figure = "; ".join(f"seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
+        run_length = (lambda row: f"{row['steps']} steps, ") if len({n for _, _, n in presets}) > 1 else (lambda row: "")
+        figure = "; ".join(f"{run_length(row)}seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
                            f"{row['final_answer_accuracy']:.1%}, BF16 {row['BF16 accuracy']:.1%}, the question "
                            f"alone {row['question-alone accuracy']:.1%})" for _, row in runs)
         rows.append((what, figure, runs))

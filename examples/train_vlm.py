@@ -273,6 +273,7 @@ def main() -> None:
                           "fast_accum": args.fast_accum, "fused_loss": args.coat and not args.unfused_loss,
                           "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
                           "bf16_matmul_time_ratio": bf16_time_ratio, "preset": args.preset, "seed": args.seed,
+                          "lr": args.lr, "warmup": args.warmup,
                           "parameters": parameter_count(model), "vision_parameters": vision, "batch": args.batch,
                           "held_out": args.held_out, "answer_accuracy_by_kind": last_accuracy,
                           "text_only_accuracy": blind})
