@@ -141,11 +141,16 @@ FAMILIES = (
            "(nats per token), `final_answer_accuracy` the share of held-out questions that `generate()` answers "
            "exactly, `question-alone accuracy` what the most frequent answer to each question in the training "
            "stream scores without looking at the picture. `vs BF16` and `accuracy vs BF16` compare a coat run "
-           "with the mean of the BF16 runs of the same preset, batch, steps and seed."),
+           "with the mean of the BF16 runs of the same preset, batch, steps and seed. The runs of 2026-12-06 10:09 "
+           "took the gpu preset's learning rate of then, 1e-3; it is 5e-4 since two of four 3,000-step runs at 1e-3 "
+           "diverged (`benchmarks/NOTES.md`)."),
 )
 
 
 TRAINING_SCRIPTS = ("train_llama", "train_vlm")  # the examples, whose summary JSON is one run
+# train_vlm's summaries record the learning rate from 2026-12-06 12:55 UTC; its runs before took the gpu preset's
+# rate of then, 1e-3 (5e-4 since two of four 3,000-step runs at 1e-3 diverged: benchmarks/NOTES.md).
+VLM_LR_UNRECORDED = 1e-3
 
 
 def _script(command: str) -> str:
@@ -472,11 +477,12 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
                       key=lambda item: (item[1]["steps"], item[1]["seed"], item[0].date))
         if not runs:
             continue
-        presets = sorted({(row["preset"], row["batch"], row["steps"]) for _, row in runs})
-        what = (", ".join(f"{_parameters(results, p)} Qwen2.5-VL (`train_vlm.py --preset {p}`), batch {b}, {n} steps"
-                          for p, b, n in presets)
+        presets = sorted({(row["preset"], row["batch"], row["steps"], row.get("lr", VLM_LR_UNRECORDED))
+                          for _, row in runs})
+        what = (", ".join(f"{_parameters(results, p)} Qwen2.5-VL (`train_vlm.py --preset {p}`), batch {b}, {n} steps, "
+                          f"learning rate {lr:g}" for p, b, n, lr in presets)
                 + f", questions about pictures: held-out loss and answer accuracy against BF16, {label}, every run")
-        run_length = (lambda row: f"{row['steps']} steps, ") if len({n for _, _, n in presets}) > 1 else (lambda row: "")
+        run_length = (lambda row: f"{row['steps']} steps, ") if len({n for _, _, n, _ in presets}) > 1 else (lambda row: "")
         figure = "; ".join(f"{run_length(row)}seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
                            f"{row['final_answer_accuracy']:.1%}, BF16 {row['BF16 accuracy']:.1%}, the question "
                            f"alone {row['question-alone accuracy']:.1%})" for _, row in runs)

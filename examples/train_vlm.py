@@ -98,10 +98,11 @@ PRESETS = {
     "tiny": VLMPreset(hidden=128, intermediate=384, layers=4, heads=4, kv_heads=2, vision_hidden=64,
                       vision_intermediate=128, vision_layers=2, vision_heads=2, image=48, patch=8, max_objects=1,
                       batch=32, steps=400, lr=2e-3, warmup=40, held_out=256),
-    # 112 x 112 pictures in Qwen2.5-VL's 14 x 14 patches, 64 patches, 16 image tokens; up to six shapes
+    # 112 x 112 pictures in Qwen2.5-VL's 14 x 14 patches, 64 patches, 16 image tokens; up to six shapes. At lr 1e-3
+    # two of four 3,000-step H100 runs (BF16 and coat alike) diverged to NaN by step 380.
     "gpu": VLMPreset(hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, vision_hidden=384,
                      vision_intermediate=1024, vision_layers=4, vision_heads=6, image=112, patch=14, max_objects=6,
-                     batch=64, steps=3000, lr=1e-3, warmup=200, held_out=1024),
+                     batch=64, steps=3000, lr=5e-4, warmup=200, held_out=1024),
 }
 PRESET_HELP = "model size, pictures and run length: " + "; ".join(
     f"{name}: language model hidden {p.hidden} x {p.layers} layers, vision encoder {p.vision_hidden} x "
