@@ -547,9 +547,9 @@ class TrainingLog:
         if not math.isfinite(train_loss):  # every rank: the loss is the mean over them
             self.finish({"diverged_at_step": step})
             raise SystemExit(
-                f"{self.args.name}: the training loss is {train_loss} over the steps up to {step}: the run diverged, "
-                "and its weights are no longer finite, so it stops here (the CSV and summary keep what it did). "
-                "Lower --lr or lengthen --warmup; keep --clip on.")
+                f"{self.args.name}: the training loss is {train_loss} over the steps up to {step}: the run diverged "
+                "(a non-finite loss gives non-finite gradients, which the optimizer step puts into the weights), so it "
+                "stops here; the CSV and summary keep what it did. Lower --lr or lengthen --warmup; keep --clip on.")
         if not self.enabled:
             return
         postfix = {"loss": f"{train_loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}"}
