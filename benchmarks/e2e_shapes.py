@@ -61,7 +61,8 @@ For each row, on a fresh model: peak GiB and reserved GiB (torch.cuda.max_memory
 --warmup + --steps steps, the first of which allocates the optimizer state), less what was allocated when the row
 started ("allocated before GiB": about 0 since each row releases its parameters' storage, which the accounting
 step's MemTracker keeps referenced; 9.1 GiB after the Llama-3.2-1B BF16 row on an H200 before that), the median
-of the --steps timed steps (CUDA events) and tokens/s (every token of the batch: of a vision-language sample, its image tokens too, not the vision tower's patches), and the peak's parts:
+of the --steps timed steps (CUDA events) and tokens/s (every token of the batch: of a vision-language sample,
+its image tokens too, not the vision tower's patches), and the peak's parts:
   - weights, grads and optimizer GiB, counted from the tensors after a step;
   - fwd kept GiB: what the forward leaves allocated for backward (torch.cuda.memory_allocated after the model
     call minus before), logits and loss included; "logits returned" says whether the model returned logits;
