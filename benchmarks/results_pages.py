@@ -482,10 +482,11 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
         what = (", ".join(f"{_parameters(results, p)} Qwen2.5-VL (`train_vlm.py --preset {p}`), batch {b}, {n} steps, "
                           f"learning rate {lr:g}" for p, b, n, lr in presets)
                 + f", questions about pictures: held-out loss and answer accuracy against BF16, {label}, every run")
-        run_length = (lambda row: f"{row['steps']} steps, ") if len({n for _, _, n, _ in presets}) > 1 else (lambda row: "")
-        figure = "; ".join(f"{run_length(row)}seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
-                           f"{row['final_answer_accuracy']:.1%}, BF16 {row['BF16 accuracy']:.1%}, the question "
-                           f"alone {row['question-alone accuracy']:.1%})" for _, row in runs)
+        several_lengths = len({n for _, _, n, _ in presets}) > 1
+        figure = "; ".join(f"{row['steps']} steps, " * several_lengths
+                           + f"seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
+                             f"{row['final_answer_accuracy']:.1%}, BF16 {row['BF16 accuracy']:.1%}, the question "
+                             f"alone {row['question-alone accuracy']:.1%})" for _, row in runs)
         rows.append((what, figure, runs))
     return rows
 
