@@ -154,13 +154,14 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
                                                                                             monkeypatch):
     """train_vlm's summaries: held-out loss and answer accuracy against the BF16 runs of the same preset, steps and
     seed, never against a train_llama run or one of another length."""
-    def run(name, coat, loss, accuracy, steps=1000, seed=0):
+    def run(name, coat, loss, accuracy, steps=1000, seed=0, **recorded):
         (tmp_path / f"{name}.json").write_text(json.dumps({
             "name": name, "device": "GPU X", "torch": "2.13.0", "date": "2026-01-01T00:00:00+00:00",
             "command": f"examples/train_vlm.py --preset gpu --name {name} --seed {seed}", "coat": coat,
             "vision_linears": False, "bf16_weights": False, "fp8_grads": None, "fast_accum": False, "preset": "gpu",
             "batch": 64, "steps": steps, "parameters": 36_149_632, "final_val_loss": loss,
-            "final_answer_accuracy": accuracy, "text_only_accuracy": {"all": 0.14}, "csv": f"{name}.csv"}))
+            "final_answer_accuracy": accuracy, "text_only_accuracy": {"all": 0.14}, "csv": f"{name}.csv",
+            **recorded}))
         (tmp_path / f"{name}.csv").write_text("step,val_loss,answer_accuracy\n500,0.5,0.1\n1000,0.4,0.2\n")
 
     run("bf16", False, 0.30, 0.20)
@@ -181,6 +182,13 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     spec = pages._plot_specs(results)["vlm-convergence-gpu.png"]
     assert spec["accuracy"]["coat"] == [(500, 10.0), (1000, 20.0)] and set(spec["curves"]) == {"bf16", "bf16-short",
                                                                                                "coat"}
+    # Runs of another length: each item says its steps; the learning rate is the recorded one, else the preset's then.
+    run("bf16-long", False, 0.20, 0.40, steps=3000, lr=5e-4)
+    run("coat-long", True, 0.22, 0.41, steps=3000, lr=5e-4)
+    ((what, figure, _),) = pages._vlm_convergence_figures(pages.load_results(str(tmp_path)))
+    assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 1000 steps, learning rate 0.001, "
+                           "36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 3000 steps, learning rate 0.0005")
+    assert figure.startswith("1000 steps, seed 0: -10.00%") and "; 3000 steps, seed 0: +10.00%, +1.0 points" in figure
 
 
 
