@@ -51,6 +51,7 @@ from training_common import (
     add_training_arguments,
     build_model,
     build_optimizer,
+    choose_sdpa_backends,
     cosine_schedule,
     held_out_loss,
     load_text,
@@ -188,6 +189,7 @@ def main() -> None:
     args = parse_arguments()
     device = setup_distributed(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
+    choose_sdpa_backends(args.sdpa_backends, device)
     model, tokenizer = build_model(args, "cpu")  # the same float32 weights on every rank, from --seed
     parameters = parameter_count(model)
     if args.bf16_weights:
@@ -212,7 +214,12 @@ def main() -> None:
               f"{world} x {args.batch} x {args.seq} tokens")
 
     autocast = contextlib.nullcontext  # FSDP2's mixed-precision policy casts instead
-    log = TrainingLog(args, first_step, world * args.batch * args.seq, device, enabled=rank == 0)
+    setup = {"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
+             "fp8_reduce_scatter": args.fp8_reduce_scatter, "fp8_all_gather": args.fp8_all_gather,
+             "sdpa_backends": args.sdpa_backends, "lr": args.lr, "warmup": args.warmup,
+             "preset": None if args.model else args.preset, "family": args.family, "fused_loss": args.coat and not args.unfused_loss, "parameters": parameters,
+             "world_size": world, "batch_per_rank": args.batch, "seq": args.seq}
+    log = TrainingLog(args, first_step, world * args.batch * args.seq, device, setup, enabled=rank == 0)
     interval_loss = torch.zeros((), device=device)
     model.train()
     for step in range(first_step, last_step):
@@ -230,12 +237,7 @@ def main() -> None:
         if args.checkpoint_dir and ((args.save_every and done % args.save_every == 0) or done == last_step):
             save_checkpoint(args.checkpoint_dir, model, optimizer, scheduler, done)
 
-    summary = log.finish({"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
-                          "fp8_reduce_scatter": args.fp8_reduce_scatter, "fp8_all_gather": args.fp8_all_gather,
-                          "preset": None if args.model else args.preset, "family": args.family,
-                          "fused_loss": args.coat and not args.unfused_loss,
-                          "parameters": parameters,
-                          "world_size": world, "batch_per_rank": args.batch, "seq": args.seq})
+    summary = log.finish()
     if rank == 0 and summary.get("final_train_loss_last_10pct") is not None:
         print(f"{args.name}: training loss (last 10%) {summary['final_train_loss_last_10pct']:.4f}"
               + (f", held-out {summary['final_val_loss']:.4f}" if summary["final_val_loss"] is not None else "")

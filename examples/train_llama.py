@@ -47,18 +47,22 @@ from tqdm import tqdm
 
 import coat
 from training_common import (
+    NonFiniteStep,
     TrainingLog,
     add_device_arguments,
+    add_find_nonfinite_argument,
     add_training_arguments,
     autocast_for,
     build_model,
     build_optimizer,
     check_device_arguments,
     choose_compute_dtype,
+    choose_sdpa_backends,
     cosine_schedule,
     expert_token_shares,
     held_out_loss,
     load_text,
+    locate_nonfinite,
     parameter_count,
     print_comparison,
     resolve,
@@ -74,6 +78,7 @@ def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_training_arguments(parser)
     add_device_arguments(parser)
+    add_find_nonfinite_argument(parser)
     parser.add_argument("--report-every", type=int, metavar="N",
                         help="with --coat: capture every N-th step in a coat.report quantization report "
                              "(OUT/NAME-report.csv and .png); captured steps take longer")
@@ -99,6 +104,7 @@ def main() -> None:
     args = parse_arguments()
     device = torch.device(args.device)
     compute_dtype, bf16_time_ratio, compute_note = choose_compute_dtype(args, device)
+    choose_sdpa_backends(args.sdpa_backends, device)
     model, tokenizer = build_model(args, device)
     if args.bf16_weights:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 weights themselves
@@ -121,7 +127,15 @@ def main() -> None:
               "float32 one); --compute-dtype bfloat16 runs bf16 autocast anyway")
 
     autocast = autocast_for(device, compute_dtype)
-    log = TrainingLog(args, first_step=0, tokens_per_step=args.batch * args.seq, device=device)
+    setup = {"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
+             "fp8_grads": args.fp8_grads, "saved_format": args.saved_format, "group_size": args.group_size,
+             "fast_accum": args.fast_accum, "uniform_fp4": args.uniform_fp4, "sdpa_backends": args.sdpa_backends,
+             "lr": args.lr, "warmup": args.warmup,
+             "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
+             "bf16_matmul_time_ratio": bf16_time_ratio, "preset": None if args.model else args.preset,
+             "family": args.family, "fused_loss": args.coat and not args.unfused_loss,
+             "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq}
+    log = TrainingLog(args, first_step=0, tokens_per_step=args.batch * args.seq, device=device, setup=setup)
     report = QuantizationLog(args, model, optimizer) if args.report_every else None
     # --saved-format auto: the first steps are captured to choose each layer's format, starting from FP4
     chooser = coat.report.QuantizationReport(model) if args.saved_format == "auto" else None
@@ -137,7 +151,11 @@ def main() -> None:
         if capturing:
             report.log_pending()  # the last capture's rows, before this capture replaces them
         with capture, coat.nn.saved_in_fp4() if args.uniform_fp4 else contextlib.nullcontext():
-            interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
+            try:
+                interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast,
+                                               args.find_nonfinite)
+            except NonFiniteStep as failure:
+                log.stop_nonfinite(done, failure, locate_nonfinite(model, batch, autocast))
         if capturing:
             report.pending_step = done
         elif report is not None:
@@ -159,16 +177,7 @@ def main() -> None:
                        (lambda: held_out_loss(model, validation, device, autocast).item()) if evaluate else None)
 
     shares = expert_token_shares(model, validation, device, autocast)
-    summary = log.finish({"expert_token_shares": shares, "coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
-                          "fp8_grads": args.fp8_grads, "saved_format": args.saved_format, "group_size": args.group_size,
-                          "fast_accum": args.fast_accum,
-                          "uniform_fp4": args.uniform_fp4,
-                          "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
-                          "bf16_matmul_time_ratio": bf16_time_ratio,
-                          "saved_formats_chosen": saved_formats,
-                          "preset": None if args.model else args.preset, "family": args.family,
-                          "fused_loss": args.coat and not args.unfused_loss,
-                          "parameters": parameter_count(model), "batch": args.batch, "seq": args.seq})
+    summary = log.finish({"expert_token_shares": shares, "saved_formats_chosen": saved_formats})
     print(f"{args.name}: held-out loss {summary['final_val_loss']:.4f}, training loss (last 10%) "
           f"{summary['final_train_loss_last_10pct']:.4f}, {summary['median_tokens_per_s']:,.0f} tokens/s"
           + (f", peak memory {summary['peak_memory_gib']:.2f} GiB" if summary["peak_memory_gib"] else ""))

@@ -45,16 +45,20 @@ import coat
 from shapes_vqa import END, IMAGE, PAD, VIDEO, VISION_END, VISION_START, VOCAB_SIZE, ShapesVQA, accuracy_by_kind, \
     decode_answer, text_only_accuracy
 from training_common import (
+    NonFiniteStep,
     TrainingLog,
     add_coat_arguments,
     add_device_arguments,
+    add_find_nonfinite_argument,
     add_run_arguments,
     autocast_for,
     build_optimizer,
     check_device_arguments,
     choose_compute_dtype,
+    choose_sdpa_backends,
     cosine_schedule,
     held_out_loss,
+    locate_nonfinite,
     parameter_count,
     print_comparison,
     resolve,
@@ -118,6 +122,7 @@ def parse_arguments() -> argparse.Namespace:
                         help="with --coat: the vision encoder's and the patch merger's linear layers in FP8 too "
                              "(coat.convert(vision_linears=True)); without it they train as in the BF16 run")
     add_run_arguments(parser)
+    add_find_nonfinite_argument(parser)
     parser.add_argument("--held-out", type=int, help="held-out samples, each evaluation's loss and accuracy")
     add_device_arguments(parser)
     args = parser.parse_args()
@@ -213,6 +218,7 @@ def main() -> None:
     device = torch.device(args.device)
     compute_dtype, bf16_time_ratio, compute_note = choose_compute_dtype(args, device)
     preset = PRESETS[args.preset]
+    choose_sdpa_backends(args.sdpa_backends, device)
     model = build_model(args, device)
     if args.bf16_weights:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 weights themselves
@@ -247,8 +253,17 @@ def main() -> None:
               "float32 one); --compute-dtype bfloat16 runs bf16 autocast anyway")
 
     autocast = autocast_for(device, compute_dtype)
+    setup = {"coat": args.coat, "vision_linears": args.vision_linears, "bf16_weights": args.bf16_weights,
+             "param_rounding": args.param_rounding, "fp8_grads": args.fp8_grads, "saved_format": args.saved_format,
+             "group_size": args.group_size, "fast_accum": args.fast_accum,
+             "fused_loss": args.coat and not args.unfused_loss,
+             "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
+             "bf16_matmul_time_ratio": bf16_time_ratio, "preset": args.preset, "seed": args.seed, "lr": args.lr,
+             "warmup": args.warmup, "sdpa_backends": args.sdpa_backends, "parameters": parameter_count(model),
+             "vision_parameters": vision, "batch": args.batch, "held_out": args.held_out,
+             "text_only_accuracy": blind}
     log = TrainingLog(args, first_step=0, tokens_per_step=round(args.batch * tokens_per_sample), device=device,
-                      accuracy=True)
+                      setup=setup, accuracy=True)
     last_accuracy = {}
 
     def evaluate() -> tuple[float, float]:
@@ -258,9 +273,12 @@ def main() -> None:
     interval_loss = torch.zeros((), device=device)
     model.train()
     for step, batch in enumerate(training_batches(data, args.batch, args.steps, device)):
-        interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast)
-        log.step_done()
         done = step + 1
+        try:
+            interval_loss += training_step(model, optimizer, scheduler, batch, args.clip, autocast, args.find_nonfinite)
+        except NonFiniteStep as failure:
+            log.stop_nonfinite(done, failure, locate_nonfinite(model, batch, autocast))
+        log.step_done()
         if done % args.log_every == 0 or done == args.steps:
             intervals = done % args.log_every or args.log_every
             train_loss = interval_loss.item() / intervals  # .item() waits for the device: the timing is true
@@ -268,16 +286,7 @@ def main() -> None:
             evaluating = done % args.eval_every == 0 or done == args.steps
             log.record(done, train_loss, scheduler.get_last_lr()[0], evaluate if evaluating else None)
 
-    summary = log.finish({"coat": args.coat, "vision_linears": args.vision_linears, "bf16_weights": args.bf16_weights,
-                          "param_rounding": args.param_rounding, "fp8_grads": args.fp8_grads,
-                          "saved_format": args.saved_format, "group_size": args.group_size,
-                          "fast_accum": args.fast_accum, "fused_loss": args.coat and not args.unfused_loss,
-                          "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
-                          "bf16_matmul_time_ratio": bf16_time_ratio, "preset": args.preset, "seed": args.seed,
-                          "lr": args.lr, "warmup": args.warmup,
-                          "parameters": parameter_count(model), "vision_parameters": vision, "batch": args.batch,
-                          "held_out": args.held_out, "answer_accuracy_by_kind": last_accuracy,
-                          "text_only_accuracy": blind})
+    summary = log.finish({"answer_accuracy_by_kind": last_accuracy})
     print(f"{args.name}: held-out loss {summary['final_val_loss']:.4f}, answer accuracy "
           f"{summary['final_answer_accuracy']:.1%} (" + ", ".join(
               f"{kind} {value:.1%}" for kind, value in last_accuracy.items() if kind != "all")

@@ -20,6 +20,7 @@ import shlex
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     parser.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
                         help="attention kernel; eager gives bit-reproducible runs on GPUs")
+    parser.add_argument("--sdpa-backends", nargs="+", choices=list(SDPA_BACKENDS), metavar="NAME",
+                        help="with --attention sdpa: the kernels torch's scaled_dot_product_attention may choose "
+                             f"from ({', '.join(SDPA_BACKENDS)}; default: all that torch enables), e.g. to leave "
+                             "out one whose backward makes non-finite gradients (see --find-nonfinite)")
     parser.add_argument("--log-every", type=int, default=10, help="steps per CSV row and progress-bar update")
     parser.add_argument("--eval-every", type=int, help="steps between validation losses (default: steps / 10)")
     parser.add_argument("--out", default="runs", help="directory for the CSV log, the summary JSON and the plot")
@@ -316,6 +321,32 @@ NATIVE_BF16_MAX_TIME_RATIO = 3.0
 
 
 
+def add_find_nonfinite_argument(parser: argparse.ArgumentParser) -> None:
+    """--find-nonfinite, of the single-process examples."""
+    parser.add_argument("--find-nonfinite", action="store_true",
+                        help="check every step's loss and gradient norm (a wait for the device each step) and at the "
+                             "first that is not finite, before its optimizer step, replay the step to name the module "
+                             "and autograd function that made it, then stop")
+
+
+# torch.backends.cuda's switch of each kernel of scaled_dot_product_attention
+SDPA_BACKENDS = {"flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp", "cudnn": "enable_cudnn_sdp",
+                 "math": "enable_math_sdp"}
+CPU_SDPA_BACKENDS = ("flash", "math")
+
+
+def choose_sdpa_backends(names: list[str] | None, device: torch.device) -> None:
+    """Lets scaled_dot_product_attention choose only among ``names`` (of SDPA_BACKENDS) for the rest of the process;
+    None leaves torch's choice."""
+    if names is None:
+        return
+    if device.type == "cpu" and not set(names) & set(CPU_SDPA_BACKENDS):
+        raise SystemExit(f"--sdpa-backends {' '.join(names)}: on a CPU, scaled_dot_product_attention has only the "
+                         f"{' and '.join(CPU_SDPA_BACKENDS)} kernels; name one of them")
+    for name, switch in SDPA_BACKENDS.items():
+        getattr(torch.backends.cuda, switch)(name in names)
+
+
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compute-dtype", choices=["auto", *COMPUTE_DTYPES], default="auto",
@@ -420,20 +451,142 @@ def model_inputs(batch: torch.Tensor | dict) -> dict:
     return batch if isinstance(batch, dict) else {"input_ids": batch, "labels": batch}
 
 
-def training_step(model, optimizer, scheduler, batch: torch.Tensor | dict, clip: float, autocast) -> torch.Tensor:
+class NonFiniteStep(Exception):
+    """A step whose loss or gradient norm is not finite, found before its optimizer step (--find-nonfinite)."""
+
+    def __init__(self, loss: float, grad_norm: float):
+        super().__init__(f"loss {loss}, gradient norm {grad_norm}")
+        self.loss, self.grad_norm = loss, grad_norm
+
+
+def training_step(model, optimizer, scheduler, batch: torch.Tensor | dict, clip: float, autocast,
+                  find_nonfinite: bool = False) -> torch.Tensor:
     """Forward of ``batch`` (model_inputs) under ``autocast()``, backward, gradient clipping (``clip`` > 0),
-    optimizer and schedule step; returns the loss, still on the device (reading it would wait for the GPU)."""
+    optimizer and schedule step; returns the loss, still on the device (reading it would wait for the GPU). With
+    ``find_nonfinite``, raises NonFiniteStep, with the gradients in place and the optimizer step not taken, where the
+    loss or the gradient norm is not finite."""
     with autocast():
         loss = model(**model_inputs(batch)).loss
     loss.backward()
-    if clip > 0 and getattr(optimizer, "fp8_grads", None) is not None:
-        optimizer.clip_grad_norm_(clip)  # param.grad is None under fp8_grads: the optimizer holds the gradients
-    elif clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    # clipping at an infinite norm only measures it
+    max_norm = clip if clip > 0 else math.inf if find_nonfinite else 0.0
+    if max_norm > 0 and getattr(optimizer, "fp8_grads", None) is not None:
+        norm = optimizer.clip_grad_norm_(max_norm)  # param.grad is None under fp8_grads: the optimizer holds them
+    elif max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if find_nonfinite and not (math.isfinite(loss.item()) and math.isfinite(norm.item())):
+        raise NonFiniteStep(loss.item(), norm.item())
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach().float()
+
+
+def _floating_tensors(value) -> list[torch.Tensor]:
+    """The floating-point tensors in a module's inputs or outputs (tensors, tuples, lists, dicts, ModelOutputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return [tensor for item in items for tensor in _floating_tensors(item)]
+
+
+def _all_finite(tensors: list[torch.Tensor | None]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t is not None)
+
+
+def locate_nonfinite(model: torch.nn.Module, batch: torch.Tensor | dict, autocast) -> dict:
+    """Replays a step that NonFiniteStep stopped (the same weights and batch) to name what made its first non-finite
+    value. With hooks on every module: ``forward``, the first module whose output is not finite though its inputs
+    are; else ``backward``, the first whose backward turns finite gradients of its output into non-finite ones of its
+    input (the op is in that module, outside its submodules; a module given its input as a keyword argument is seen
+    through its parent). Then under autograd's anomaly mode: ``anomaly``, its error naming the autograd function
+    whose backward first returned NaN (it does not look for Inf), and ``created_at``, the innermost line outside
+    torch of where the forward made that function. ``replay_loss``: the replay's loss; ``nonfinite_grads``, the
+    parameters whose gradients are not finite (the first ten), and ``largest_grad``, the largest gradient magnitude
+    and its parameter, and ``replay_grad_norm`` (of the gradients in ``.grad``: not the FP8 ones of fp8_grads)."""
+    events: list[tuple[str, str, str]] = []
+
+    def forward_hook(name):
+        def hook(module, args, kwargs, output):
+            if not events and _all_finite(_floating_tensors((args, kwargs))) and not _all_finite(
+                    _floating_tensors(output)):
+                events.append(("forward", name, type(module).__name__))
+        return hook
+
+    def backward_hook(name):
+        def hook(module, grad_input, grad_output):
+            if not events and _all_finite(list(grad_output)) and not _all_finite(list(grad_input)):
+                events.append(("backward", name, type(module).__name__))
+        return hook
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_hook(forward_hook(name or "model"), with_kwargs=True))
+        handles.append(module.register_full_backward_hook(backward_hook(name or "model")))
+    finding: dict = {"forward": None, "backward": None, "anomaly": None, "created_at": None}
+    try:
+        with warnings.catch_warnings():
+            # modules whose backward the hooks cannot see whole (the embedding's inputs need no gradient, the whole
+            # model returns a ModelOutput) say so; their submodules are seen
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            warnings.filterwarnings("ignore", message="For backward hooks to be called")
+            model.zero_grad(set_to_none=True)
+            with autocast():
+                loss = model(**model_inputs(batch)).loss
+            loss.backward()
+        finding["replay_loss"] = loss.item()
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        finding["nonfinite_grads"] = [name for name, grad in grads.items() if not _all_finite([grad])][:10]
+        largest = {name: grad.abs().max().nan_to_num(math.inf).item() for name, grad in grads.items()}
+        if largest:
+            name = max(largest, key=largest.get)
+            finding["largest_grad"] = {"parameter": name, "abs": largest[name]}
+            finding["replay_grad_norm"] = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads.values()])).item()
+    finally:
+        for handle in handles:
+            handle.remove()
+    for kind, name, module_type in events:
+        finding[kind] = {"module": name, "type": module_type}
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as caught, torch.autograd.detect_anomaly(check_nan=True):
+        warnings.simplefilter("always")
+        try:
+            with autocast():
+                loss = model(**model_inputs(batch)).loss
+            loss.backward()
+        except RuntimeError as error:
+            finding["anomaly"] = str(error).splitlines()[0]
+            traces = [str(w.message) for w in caught if "Traceback of forward call" in str(w.message)]
+            frames = [line.strip() for line in (traces[-1].splitlines() if traces else []) if line.strip()]
+            torch_files = f'File "{os.path.dirname(torch.__file__)}'
+            finding["created_at"] = next((line for line in reversed(frames)
+                                          if line.startswith("File ") and not line.startswith(torch_files)), None)
+    model.zero_grad(set_to_none=True)
+    return finding
+
+
+def describe_nonfinite(finding: dict) -> str:
+    """locate_nonfinite's finding in words."""
+    parts = []
+    for kind in ("forward", "backward"):
+        if finding[kind]:
+            made = "an output that is not finite from finite inputs" if kind == "forward" else \
+                "non-finite gradients for its input from finite ones for its output"
+            parts.append(f"the {kind} of {finding[kind]['module']} ({finding[kind]['type']}) made {made}, in an op "
+                         "of its own (not of its submodules)")
+    if finding["anomaly"]:
+        parts.append(f"autograd's anomaly mode: {finding['anomaly']}"
+                     + (f" (made at {finding['created_at']})" if finding["created_at"] else ""))
+    if parts:
+        return "; ".join(parts)
+    largest = finding.get("largest_grad")
+    if (math.isfinite(finding.get("replay_loss", math.nan)) and largest and not finding["nonfinite_grads"]
+            and not math.isfinite(finding["replay_grad_norm"])):
+        return (f"replayed, the loss and every gradient are finite, the largest {largest['abs']:.3g} (of "
+                f"{largest['parameter']}), but the gradient norm is not: their squares overflow float32. Lower --lr")
+    return (f"replayed, no module made a non-finite value (loss {finding.get('replay_loss')}): a kernel that is not "
+            "deterministic, or one that reads memory it should not, made them in the step itself")
 
 
 @torch.no_grad()
@@ -490,12 +643,14 @@ def run_metadata() -> dict:
 
 class TrainingLog:
     """The CSV log (one row every --log-every steps, appended to on resume), the progress bar with loss and
-    tokens/s, and the summary JSON written at the end. Only rank 0 writes. With ``accuracy``, the evaluations
-    give an answer accuracy too, in the column ACCURACY and the summary's final_answer_accuracy."""
+    tokens/s, and the summary JSON written at the end, or where the run stops early (a non-finite loss). Only rank 0
+    writes. ``setup``: what every summary records of the run's model, options and data. With ``accuracy``, the
+    evaluations give an answer accuracy too, in the column ACCURACY and the summary's final_answer_accuracy."""
 
     def __init__(self, args: argparse.Namespace, first_step: int, tokens_per_step: int, device: torch.device,
-                 enabled: bool = True, accuracy: bool = False):
+                 setup: dict, enabled: bool = True, accuracy: bool = False):
         self.args, self.tokens_per_step, self.device, self.enabled = args, tokens_per_step, device, enabled
+        self.setup = setup
         self.columns = CSV_COLUMNS + [ACCURACY] * accuracy
         self.csv_path = os.path.join(args.out, f"{args.name}.csv")
         self.summary_path = os.path.join(args.out, f"{args.name}.json")
@@ -549,7 +704,8 @@ class TrainingLog:
             raise SystemExit(
                 f"{self.args.name}: the training loss is {train_loss} over the steps up to {step}: the run diverged "
                 "(a non-finite loss gives non-finite gradients, which the optimizer step puts into the weights), so it "
-                "stops here; the CSV and summary keep what it did. Lower --lr or lengthen --warmup; keep --clip on.")
+                "stops here; the CSV and summary keep what it did. Lower --lr or lengthen --warmup; keep --clip on; "
+                "--find-nonfinite names the module and function that make the first non-finite value.")
         if not self.enabled:
             return
         postfix = {"loss": f"{train_loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}"}
@@ -561,9 +717,19 @@ class TrainingLog:
             postfix["mem"] = f"{peak:.1f}G"
         self.bar.set_postfix(postfix, refresh=False)
 
-    def finish(self, extra: dict) -> dict:
-        """Writes and returns the summary: final losses, median tokens/s (the first interval, which holds
-        the warm-up, left out), peak memory."""
+    def stop_nonfinite(self, step: int, failure: NonFiniteStep, finding: dict) -> None:
+        """Ends a run at step ``step``, which NonFiniteStep stopped and locate_nonfinite replayed: the summary keeps
+        both, under ``nonfinite``."""
+        self.finish({"diverged_at_step": step,
+                     "nonfinite": {"loss": failure.loss, "grad_norm": failure.grad_norm, **finding}})
+        raise SystemExit(
+            f"{self.args.name}: at step {step} the loss is {failure.loss} and the gradient norm {failure.grad_norm}; "
+            f"{describe_nonfinite(finding)}. The step's optimizer step was not taken; the CSV and summary keep what "
+            "the run did.")
+
+    def finish(self, extra: dict | None = None) -> dict:
+        """Writes and returns the summary: the setup and ``extra``, final losses, median tokens/s (the first
+        interval, which holds the warm-up, left out), peak memory."""
         self.bar.close()
         if not self.enabled:
             return {}
@@ -574,7 +740,8 @@ class TrainingLog:
         summary = {
             "name": self.args.name,
             **run_metadata(),
-            **extra,
+            **self.setup,
+            **(extra or {}),
             "steps": self.rows[-1]["step"] if self.rows else 0,
             "final_val_loss": validations[-1]["val_loss"] if validations else None,
             **({"final_answer_accuracy": validations[-1][ACCURACY] if validations else None}

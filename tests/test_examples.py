@@ -5,6 +5,7 @@ exactly, skipping one cut short)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -131,14 +132,17 @@ def test_compare_prints_both_held_out_losses_and_the_difference(training_common,
 
 def test_a_run_whose_loss_is_no_longer_finite_stops_with_its_log_and_summary(training_common, tmp_path):
     args = argparse.Namespace(out=str(tmp_path), name="diverging", steps=30)
-    log = training_common.TrainingLog(args, first_step=0, tokens_per_step=8, device=torch.device("cpu"))
+    log = training_common.TrainingLog(args, first_step=0, tokens_per_step=8, device=torch.device("cpu"),
+                                      setup={"coat": True, "preset": "tiny", "lr": 1e-3})
     log.record(10, 2.5, 1e-3)
-    with pytest.raises(SystemExit, match="diverging: the training loss is nan over the steps up to 20.*Lower --lr"):
+    with pytest.raises(SystemExit, match="diverging: the training loss is nan over the steps up to 20.*Lower --lr.*"
+                                         "--find-nonfinite names"):
         log.record(20, float("nan"), 1e-3)
     assert [row["train_loss"] for row in read_csv(tmp_path / "diverging.csv")] == ["2.5", "nan"]
     with open(tmp_path / "diverging.json") as f:
         summary = json.load(f)
     assert summary["diverged_at_step"] == 20 and summary["steps"] == 20
+    assert (summary["coat"], summary["preset"], summary["lr"]) == (True, "tiny", 1e-3)  # the run's setup, as at the end
 
 
 @pytest.mark.parametrize("ratio, expected", [(0.2, "bfloat16"), (2.9, "bfloat16"), (3.1, "float32"), (80.0, "float32")])
@@ -485,3 +489,121 @@ def test_shapes_vqa_pixel_values_are_the_image_processors(shapes_vqa):
     for row, sample in enumerate(dataset.held_out):
         labelled = inputs["labels"][row][inputs["labels"][row] != -100].tolist()
         assert labelled == list(sample.answer.encode()) + [data.END]
+
+
+class NaNGradient(torch.autograd.Function):
+    """The identity whose backward returns NaN: an op that turns finite gradients into non-finite ones."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class Output:
+    def __init__(self, loss):
+        self.loss = loss
+
+
+class TwoLayers(torch.nn.Module):
+    """A model with the training examples' call convention (model(input_ids=..., labels=...).loss) whose second
+    layer is the one named ``culprit``, which breaks the gradients in backward or the values in forward."""
+
+    def __init__(self, breaks: str | None):
+        super().__init__()
+        self.first, self.culprit = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.breaks = breaks
+        self.culprit.register_forward_hook(self.break_it)
+
+    def break_it(self, module, inputs, output):
+        if self.breaks == "backward":
+            return NaNGradient.apply(output)
+        if self.breaks == "forward":
+            return output * float("inf")
+        return output
+
+    def forward(self, input_ids, labels):
+        return Output(((self.culprit(self.first(input_ids)) - labels) ** 2).mean())
+
+
+@pytest.mark.parametrize("breaks", ["forward", "backward"])
+def test_find_nonfinite_stops_before_the_optimizer_step_and_names_the_module_and_function(training_common, breaks):
+    torch.manual_seed(0)
+    model = TwoLayers(breaks)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    batch = {"input_ids": torch.randn(3, 4), "labels": torch.randn(3, 4)}
+    with pytest.raises(training_common.NonFiniteStep) as failure:
+        training_common.training_step(model, optimizer, scheduler, batch, 1.0, contextlib.nullcontext, True)
+    assert math.isnan(failure.value.grad_norm)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # the step was not taken
+
+    finding = training_common.locate_nonfinite(model, batch, contextlib.nullcontext)
+    assert finding[breaks] == {"module": "culprit", "type": "Linear"}
+    assert finding["forward" if breaks == "backward" else "backward"] is None
+    assert finding["nonfinite_grads"] == ["first.weight", "first.bias", "culprit.weight", "culprit.bias"]
+    if breaks == "backward":  # anomaly mode looks for NaN: an Inf forward makes NaN only in the loss's backward
+        assert finding["anomaly"] == "Function 'NaNGradientBackward' returned nan values in its 0th output."
+        assert "test_examples.py" in finding["created_at"] and "break_it" in finding["created_at"]
+    assert f"the {breaks} of culprit (Linear) made" in training_common.describe_nonfinite(finding)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_find_nonfinite_lets_finite_steps_through(training_common):
+    torch.manual_seed(0)
+    model = TwoLayers(None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    batch = {"input_ids": torch.randn(3, 4), "labels": torch.randn(3, 4)}
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = training_common.training_step(model, optimizer, scheduler, batch, 0.0, contextlib.nullcontext, True)
+    assert math.isfinite(loss.item()) and not any(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    finding = training_common.locate_nonfinite(model, batch, contextlib.nullcontext)
+    assert finding["forward"] is finding["backward"] is finding["anomaly"] is None
+    assert finding["nonfinite_grads"] == [] and finding["largest_grad"]["abs"] > 0
+    assert "replayed, no module made a non-finite value" in training_common.describe_nonfinite(finding)
+    # finite gradients whose norm overflows float32 (as at a learning rate far too high)
+    finding["largest_grad"], finding["replay_grad_norm"] = {"parameter": "culprit.weight", "abs": 3e20}, math.inf
+    assert training_common.describe_nonfinite(finding).startswith(
+        "replayed, the loss and every gradient are finite, the largest 3e+20 (of culprit.weight), but the gradient "
+        "norm is not")
+
+
+def test_train_llama_find_nonfinite_names_what_made_a_diverging_run_non_finite(tmp_path):
+    # a learning rate of 1e4 without clipping: weights of ~1e4 after the first step, non-finite values in the second
+    completed = run([os.path.join(EXAMPLES, "train_llama.py"), *QUICK, "--lr", "1e4", "--clip", "0",
+                     "--find-nonfinite", "--out", str(tmp_path), "--name", "diverging"], tmp_path, expect_success=False)
+    assert completed.returncode != 0
+    assert "The step's optimizer step was not taken" in completed.stderr, completed.stderr[-3000:]
+    with open(tmp_path / "diverging.json") as f:
+        summary = json.load(f)
+    found = summary["nonfinite"]
+    assert summary["diverged_at_step"] >= 1 and not math.isfinite(found["grad_norm"]) and summary["lr"] == 1e4
+    assert found["forward"] or found["backward"]
+    assert found["anomaly"] is None or found["anomaly"].startswith("Function '")
+
+
+@pytest.fixture
+def sdpa_switches():
+    """torch's SDPA backend switches, restored after the test (choose_sdpa_backends sets them for the process)."""
+    switches = {name: getattr(torch.backends.cuda, name.removeprefix("enable_") + "_enabled")
+                for name in ("enable_flash_sdp", "enable_mem_efficient_sdp", "enable_cudnn_sdp", "enable_math_sdp")}
+    saved = {name: read() for name, read in switches.items()}
+    yield switches
+    for name, enabled in saved.items():
+        getattr(torch.backends.cuda, name)(enabled)
+
+
+def test_sdpa_backends_leave_only_the_named_kernels_and_explain_a_cpu_without_them(training_common, sdpa_switches):
+    training_common.choose_sdpa_backends(["flash", "efficient", "math"], torch.device("cpu"))
+    assert {name: read() for name, read in sdpa_switches.items()} == {
+        "enable_flash_sdp": True, "enable_mem_efficient_sdp": True, "enable_cudnn_sdp": False, "enable_math_sdp": True}
+    q = torch.randn(1, 2, 8, 16)
+    torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, q, q),
+                               torch.softmax(q @ q.transpose(-1, -2) / 4, -1) @ q)
+    with pytest.raises(SystemExit, match="on a CPU, scaled_dot_product_attention has only the flash and math kernels"):
+        training_common.choose_sdpa_backends(["cudnn", "efficient"], torch.device("cpu"))
