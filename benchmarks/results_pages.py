@@ -126,24 +126,29 @@ FAMILIES = (
            "charges a capture the GPU time it adds, which is its cost wherever the host keeps ahead of the GPU. Rows "
            "without `read` come from the benchmark's earlier form, which timed a capture without reading its results."),
     Family("convergence", "Convergence", ("train_llama",), ("preset", "seed", "name"),
-           ("final_val_loss", "vs BF16", "final_train_loss_last_10pct", "peak_memory_gib"),
+           ("final_val_loss", "vs BF16", "final_train_loss_last_10pct", "peak_memory_gib", "diverged_at_step"),
            "`examples/train_llama.py`: a Llama (or the `--family` its name gives) pretrained on the Python standard "
            "library's sources; `final_val_loss` is the held-out loss (nats per byte) after the last step. `vs BF16` "
            "compares it with the mean of every BF16 run of the same family, preset, batch, steps and seed (lower "
-           "is better). The Gemma 3 BF16 runs at batch 8 ended at step 1680, cut by the GPU calls' time, and left no "
+           "is better); a run with `diverged_at_step` stopped there, its loss no longer finite, and is compared with "
+           "nothing. The Gemma 3 BF16 runs at batch 8 ended at step 1680, cut by the GPU calls' time, and left no "
            "summary: their CSVs and logs are in `convergence-100m-families/`, as are the logs of the seed-0 runs, "
            "whose summaries did not come back from the GPU machine."),
     Family("vlm-convergence", "Vision-language fine-tuning", ("train_vlm",), ("preset", "steps", "seed", "name"),
            ("final_val_loss", "vs BF16", "final_answer_accuracy", "accuracy vs BF16", "question-alone accuracy",
-            "peak_memory_gib"),
+            "peak_memory_gib", "diverged_at_step"),
            "`examples/train_vlm.py`: a Qwen2.5-VL built from a config learns to answer questions about pictures of "
            "shapes it draws (colour, shape, position, count). `final_val_loss` is the held-out loss on the answers "
            "(nats per token), `final_answer_accuracy` the share of held-out questions that `generate()` answers "
            "exactly, `question-alone accuracy` what the most frequent answer to each question in the training "
            "stream scores without looking at the picture. `vs BF16` and `accuracy vs BF16` compare a coat run "
-           "with the mean of the BF16 runs of the same preset, batch, steps and seed. The runs of 2026-12-06 10:09 "
+           "with the mean of the BF16 runs of the same preset, batch, steps and seed; a run with `diverged_at_step` "
+           "stopped there, its loss no longer finite, and is compared with nothing. The runs of 2026-12-06 10:09 "
            "took the gpu preset's learning rate of then, 1e-3; it is 5e-4 since two of four 3,000-step runs at 1e-3 "
-           "diverged (`benchmarks/NOTES.md`)."),
+           "diverged. At 5e-4, both BF16 runs and one of two with `--vision-linears` diverged too (their CSVs and "
+           "logs are in `convergence-vlm-gpu-lr5e-4/`): each time the backward of a vision attention's "
+           "`scaled_dot_product_attention` on the H100 made non-finite gradients from finite ones "
+           "(`benchmarks/NOTES.md`)."),
 )
 
 
@@ -236,7 +241,7 @@ def _add_convergence_comparison(results: list[Result]) -> None:
         return result.script, row.get("family", "llama"), row["preset"], row.get("batch"), row.get("steps"), row["seed"]
 
     baselines: dict[tuple, list[dict]] = {}
-    runs = [r for r in results if r.script in TRAINING_SCRIPTS]
+    runs = [r for r in results if r.script in TRAINING_SCRIPTS and "diverged_at_step" not in r.rows[0]]
     for result in runs:
         if not result.rows[0]["coat"]:
             baselines.setdefault(setting(result), []).append(result.rows[0])

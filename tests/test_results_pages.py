@@ -78,6 +78,25 @@ def test_convergence_runs_are_compared_with_the_mean_of_the_bf16_runs_of_their_s
     assert "vs BF16" not in rows["100m-bf16"]
 
 
+def test_a_diverged_run_is_shown_where_it_stopped_and_compared_with_nothing(pages, tmp_path):
+    def run(name, coat, loss, **diverged):
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "name": name, "device": "GPU X", "torch": "2.13.0", "date": "2026-01-01T00:00:00+00:00",
+            "command": f"examples/train_llama.py --preset 100m --name {name}" + " --coat" * coat, "coat": coat,
+            "preset": "100m", "steps": diverged.get("diverged_at_step", 2000), "final_val_loss": loss, **diverged}))
+
+    run("100m-bf16", False, 1.0)
+    run("100m-bf16-rerun", False, 0.5, diverged_at_step=2000)  # stopped at its last step: the same setting
+    run("100m-coat", True, 1.1)
+    run("100m-coat-rerun", True, 0.9, diverged_at_step=2000)
+    results = pages.load_results(str(tmp_path))
+    rows = {r.rows[0]["name"]: r.rows[0] for r in results}
+    assert rows["100m-coat"]["vs BF16"] == "+10.00%" and "vs BF16" not in rows["100m-coat-rerun"]
+    family = next(f for f in pages.FAMILIES if f.page == "convergence")
+    text, _ = pages.family_page(results, family)
+    assert "| 100m | 0 | 100m-coat-rerun | 0.9 | 2000 |" in text and "| 100m | 0 | 100m-bf16-rerun | 0.5 | 2000 |" in text
+
+
 def test_layer_results_of_other_families_stand_beside_llamas(pages, tmp_path):
     """A layer.py --family file (rows with "model") has the settings of Llama's rows: it neither replaces them on
     the page nor in the README's figures or the plot, which are Llama-2-7B's; its rows show with their model."""
