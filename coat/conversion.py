@@ -65,7 +65,9 @@ def convert(
     Gemma3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration) get their
     language model's decoder layers converted the same way (Qwen2.5-VL's and Qwen3-VL's, with multimodal rotary
     positions: :mod:`coat.nn.families.vlm`); the vision tower and the projector stay as they are unless
-    vision_linears is True.
+    vision_linears is True, except that the tower's attention leaves out cuDNN's SDPA kernel, whose backward can
+    turn finite gradients into NaN there (:mod:`coat.nn.attention`; so does a decoder layer's attention given a
+    mask tensor).
 
     group_size, forward_format, gradient_format, smooth_swiglu, saved_format, fast_accum, experts_fast_accum: see
         :class:`coat.nn.FP8Config`.
@@ -160,4 +162,7 @@ def convert(
         from coat.nn.causal_lm import install_fused_loss
 
         install_fused_loss(model)
+    from coat.nn.vision import avoid_cudnn_attention
+
+    avoid_cudnn_attention(model)
     return model

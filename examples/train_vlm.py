@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 import coat
+from coat.nn.vision import avoid_cudnn_attention
 from shapes_vqa import END, IMAGE, PAD, VIDEO, VISION_END, VISION_START, VOCAB_SIZE, ShapesVQA, accuracy_by_kind, \
     decode_answer, text_only_accuracy
 from training_common import (
@@ -225,6 +226,8 @@ def main() -> None:
     if args.coat:
         coat.convert(model, vision_linears=args.vision_linears, saved_format=args.saved_format,
                      fast_accum=args.fast_accum, group_size=args.group_size, fused_loss=not args.unfused_loss)
+    else:  # the vision attention's kernels as coat.convert chooses them, so that only the precision differs
+        avoid_cudnn_attention(model)
     optimizer = build_optimizer(args, model)
     scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
 
@@ -259,7 +262,8 @@ def main() -> None:
              "fused_loss": args.coat and not args.unfused_loss,
              "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
              "bf16_matmul_time_ratio": bf16_time_ratio, "preset": args.preset, "seed": args.seed, "lr": args.lr,
-             "warmup": args.warmup, "sdpa_backends": args.sdpa_backends, "parameters": parameter_count(model),
+             "warmup": args.warmup, "sdpa_backends": args.sdpa_backends,
+             "vision_attention_without_cudnn": True, "parameters": parameter_count(model),
              "vision_parameters": vision, "batch": args.batch, "held_out": args.held_out,
              "text_only_accuracy": blind}
     log = TrainingLog(args, first_step=0, tokens_per_step=round(args.batch * tokens_per_sample), device=device,

@@ -1,6 +1,6 @@
 """coat.convert on tiny vision-language models: LLaVA (with a Llama, Mistral or Qwen2 language model), Gemma 3,
 Qwen2.5-VL and Qwen3-VL (coat/nn/families/vlm.py). The language model's decoder layers convert as their dense
-families' do, the vision tower and projector stay as they are, and the fused LM head + loss is installed on the
+families' do, the vision tower and projector stay as they are (their attention off cuDNN's kernel), and the fused LM head + loss is installed on the
 top model. Inputs are built as the processors build them: each image's placeholder tokens in the text, pixel values
 of the vision tower's shape, Gemma 3's token_type_ids and the Qwen models' mm_token_type_ids and image_grid_thw.
 Bounds are those of tests/test_nn_llama.py, which explains them."""
@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import (
     CLIPVisionConfig,
     DynamicCache,
@@ -17,6 +18,7 @@ from transformers import (
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     LlamaConfig,
+    LlamaForCausalLM,
     LlavaConfig,
     LlavaForConditionalGeneration,
     MistralConfig,
@@ -29,6 +31,8 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
     SiglipVisionConfig,
 )
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import AttentionInterface
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
 from transformers.models.qwen3_vl import modeling_qwen3_vl
@@ -37,6 +41,7 @@ import coat
 from coat.nn import functional as coat_functional
 from coat.nn.causal_lm import FusedLossLMHead
 from coat.nn.families import FP8_DECODER_LAYERS
+from coat.nn.vision import VISION_MODULES, avoid_cudnn_attention
 from reference_nn import relative_error
 from test_causal_lm import assert_same_training_step
 from test_nn_llama import (CACHED_BOUND, FORWARD_BOUND, GRADIENT_BOUND, LOSS_BOUND, TINY, cache_keyword,
@@ -179,13 +184,18 @@ def test_conversion_keeps_parameters_and_keys(name):
     model = tiny_vlm(name)
     before = dict(model.named_parameters())
     keys = list(model.state_dict())
-    vision_modules = [type(m) for part in vision_side(model) for m in part.modules()]
+    vision_modules = [(n, type(m)) for part in vision_side(model) for n, m in part.named_modules()]
     coat.convert(model)
     assert list(model.state_dict()) == keys
     assert all(p is before[n] for n, p in model.named_parameters())
     layers = language_model(model).layers
     assert all(type(layer) in FP8_DECODER_LAYERS.values() for layer in layers)
-    assert [type(m) for part in vision_side(model) for m in part.modules()] == vision_modules  # left as they are
+    # Left as they are, but for the tower's layers, which take their attention off cuDNN's kernel: instances of a
+    # subclass of the same name.
+    after = [(n, type(m)) for part in vision_side(model) for n, m in part.named_modules()]
+    assert [n for n, _ in after] == [n for n, _ in vision_modules]
+    for (n, new), (_, old) in zip(after, vision_modules, strict=True):
+        assert new is old or (issubclass(new, old) and new.__name__ == old.__name__ and new.avoids_cudnn_attention), n
     assert type(model.lm_head) is FusedLossLMHead
     assert type(model).__name__ == f"FusedLoss{VLMS[name][0].__name__}"
 
@@ -550,3 +560,76 @@ def test_torch_compile_of_a_converted_vision_language_model():
     assert compiled_grads.keys() == eager_grads.keys()
     for name, grad in eager_grads.items():
         assert relative_error(compiled_grads[name], grad) <= 0.072, name
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """Each call of transformers' SDPA attention function (coat's decoder layers call it too): the module, whether
+    it got a mask tensor, and the SDPA kernels enabled for it."""
+    calls = []
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        kernels = {"cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
+                   "math": torch.backends.cuda.math_sdp_enabled()}
+        calls.append((module, isinstance(attention_mask, torch.Tensor), kernels))
+        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", spy)
+    return calls
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("name", MAIN_VLMS)
+def test_vision_attention_and_masked_attention_leave_out_cudnn(name, checkpointing, attention_calls):
+    """After coat.convert, the vision tower's attention runs without cuDNN's SDPA kernel (coat.nn.attention),
+    in the forward and, with gradient checkpointing, in the backward's recomputation (which runs each layer's
+    forward again, outside the tower's); the other kernels stay as enabled (an enclosing sdpa_kernel([MATH]) keeps
+    FlashAttention's off). The language model's attention keeps cuDNN's unless given a mask tensor (Gemma 3's
+    image tokens attend both ways). The loss is the same as without the change, bit for bit (on a CPU the
+    kernels are the same)."""
+    model = tiny_vlm(name)
+    expected = loss_and_grads(coat.convert(tiny_vlm(name)), *image_batch(name))[0] if not checkpointing else None
+    coat.convert(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tower = model.get_submodule(VISION_MODULES[VLMS[name][0]][0])
+    in_tower = {id(m) for m in tower.modules()}
+    tokens, labels, images = image_batch(name)
+    for outer, flash in ((None, True), ([SDPBackend.MATH], False)):
+        attention_calls.clear()
+        with sdpa_kernel(outer) if outer else contextlib.nullcontext():
+            loss = loss_and_grads(model, tokens, labels, images)[0]
+        vision = [kernels for module, _, kernels in attention_calls if id(module) in in_tower]
+        text = [(masked, kernels) for module, masked, kernels in attention_calls if id(module) not in in_tower]
+        forward_calls = sum(isinstance(m, GradientCheckpointingLayer) for m in tower.modules())
+        if name in QWEN_VLMS:
+            forward_calls *= 2  # one attention a picture: two pictures
+        assert len(vision) == forward_calls * (2 if checkpointing else 1)
+        assert vision == [{"cudnn": False, "flash": flash, "math": True}] * len(vision)
+        assert text and all(kernels["cudnn"] == (outer is None and not masked) for masked, kernels in text)
+        assert any(masked for masked, _ in text) == (name == "gemma3")
+        if expected is not None and outer is None:
+            assert torch.equal(loss, expected)
+
+
+def test_a_bf16_model_avoids_cudnn_attention_as_converted_ones_do():
+    """The example's BF16 runs take the vision attention's kernels as coat.convert does: avoid_cudnn_attention on
+    a stock model changes the classes of the tower's layers only (same names, parameters, state dict and loss); a
+    second call changes nothing; a model without a known vision side is left as it is."""
+    model = tiny_vlm("qwen2_5_vl")
+    tokens, labels, images = image_batch("qwen2_5_vl")
+    loss = loss_and_grads(model, tokens, labels, images)[0]
+    keys, parameters = list(model.state_dict()), dict(model.named_parameters())
+    assert avoid_cudnn_attention(model)
+    classes = [type(m) for m in model.modules()]
+    assert avoid_cudnn_attention(model)
+    assert [type(m) for m in model.modules()] == classes
+    changed = [n for n, m in model.named_modules() if hasattr(m, "avoids_cudnn_attention")]
+    assert changed == [f"model.visual.blocks.{i}" for i in range(len(model.model.visual.blocks))]
+    assert type(model.model.visual.blocks[0]).__name__ == "Qwen2_5_VLVisionBlock"
+    assert list(model.state_dict()) == keys and dict(model.named_parameters()) == parameters
+    assert torch.equal(loss_and_grads(model, tokens, labels, images)[0], loss)
+    text_only = LlamaForCausalLM(LlamaConfig(**TEXT))
+    assert not avoid_cudnn_attention(text_only)
+    assert not any(hasattr(m, "avoids_cudnn_attention") for m in text_only.modules())

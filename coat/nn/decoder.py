@@ -18,6 +18,7 @@ This module imports transformers (the releases of coat.compat); coat.convert imp
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 
@@ -26,6 +27,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from coat.nn import functional as coat_functional
+from coat.nn.attention import sdpa_without_cudnn
 from coat.nn.config import FP8Config
 from coat.nn.modules import Linear, RMSNorm, SwiGLUMLP, converted_child
 from coat.ops import QK_NORM_MAX_HEAD_DIM
@@ -131,16 +133,19 @@ class FP8DecoderLayerMixin:
         if (unpadded_causal and implementation == "sdpa" and query.shape[-2] == key.shape[-2]
                 and (sliding_window is None or key.shape[-2] <= sliding_window)):
             attention_mask = None  # SDPA then takes is_causal=True, the same mask
-        attn_output, _ = attention_interface(
-            attn,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not attn.training else attn.attention_dropout,
-            scaling=attn.scaling,
-            **attention_kwargs,
-        )
+        # A mask tensor keeps SDPA off cuDNN's kernel, whose backward overflows with one (coat.nn.attention).
+        masked_sdpa = implementation == "sdpa" and isinstance(attention_mask, torch.Tensor)
+        with sdpa_without_cudnn() if masked_sdpa else contextlib.nullcontext():
+            attn_output, _ = attention_interface(
+                attn,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=0.0 if not attn.training else attn.attention_dropout,
+                scaling=attn.scaling,
+                **attention_kwargs,
+            )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
 
         hidden_states = coat_functional.after_attention(

@@ -6,15 +6,24 @@ SigLIP's pooling head) is read by its weight, not called. Everything else there 
 it: the patch embedding (a convolution), LayerNorms, activations (GELU, Qwen2.5-VL's gated SiLU), attention,
 Gemma 3's projector (a matrix product with a plain parameter, not a linear layer).
 
+:func:`avoid_cudnn_attention`, which coat.convert applies to every vision-language model with or without
+vision_linears, keeps the vision tower's attention off cuDNN's SDPA kernel, whose backward can make NaN there
+(:mod:`coat.nn.attention`).
+
 This module imports transformers (the releases of coat.compat); coat.convert imports it on use.
 """
 from __future__ import annotations
 
+import functools
+
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gemma3.modeling_gemma3 import Gemma3ForConditionalGeneration
 from transformers.models.llava.modeling_llava import LlavaForConditionalGeneration
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
+
+from coat.nn.attention import sdpa_without_cudnn
 
 # The vision side of each model: its vision tower and projector (the Qwen models' patch merger is in "visual").
 VISION_MODULES = {
@@ -25,10 +34,16 @@ VISION_MODULES = {
 }
 
 
+def vision_modules(model: nn.Module) -> tuple[str, ...] | None:
+    """The qualified names of the vision tower and projector of ``model``, the tower first; None for a model
+    whose vision side coat does not know."""
+    return next((names for cls, names in VISION_MODULES.items() if isinstance(model, cls)), None)
+
+
 def vision_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The qualified names and modules of the ``nn.Linear`` layers on the vision side of ``model``; raises a
     ValueError for a model whose vision side coat does not know."""
-    prefixes = next((names for cls, names in VISION_MODULES.items() if isinstance(model, cls)), None)
+    prefixes = vision_modules(model)
     if prefixes is None:
         known = ", ".join(cls.__name__ for cls in VISION_MODULES)
         raise ValueError(
@@ -39,3 +54,39 @@ def vision_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     prefixes = tuple(f"{name}." for name in prefixes)
     return [(name, module) for name, module in model.named_modules()
             if type(module) is nn.Linear and name.startswith(prefixes)]
+
+
+def _forward_without_cudnn(base_forward):
+    @functools.wraps(base_forward)  # the signature, which transformers and the Trainer read
+    def forward(self, *args, **kwargs):
+        with sdpa_without_cudnn():
+            return base_forward(self, *args, **kwargs)
+
+    return forward
+
+
+@functools.cache
+def _without_cudnn_class(base: type) -> type:
+    # The class keeps its name: transformers and the Trainer find layers by it (_no_split_modules, FSDP wrapping).
+    return type(base.__name__, (base,), {
+        "forward": _forward_without_cudnn(base.forward),
+        "avoids_cudnn_attention": True,
+        "__doc__": f"A {base.__name__} whose attention avoids cuDNN's SDPA kernel (coat.nn.attention).",
+        "__module__": __name__,
+    })
+
+
+def avoid_cudnn_attention(model: nn.Module) -> bool:
+    """Runs the layers of the vision tower of ``model`` (one of VISION_MODULES' classes), where all of its attention
+    is, under :func:`coat.nn.attention.sdpa_without_cudnn`, in place: each becomes an instance of a subclass of its
+    class with that forward, which gradient checkpointing's recomputation runs too; modules, parameters and state
+    dict stay. (The tower itself keeps its class: transformers finds what its outputs record by it.) Returns False,
+    changing nothing, for a model whose vision side coat does not know. coat.convert calls it; a BF16 run compared
+    with a coat one calls it too, so that both take the same attention kernels."""
+    names = vision_modules(model)
+    if names is None:
+        return False
+    for module in model.get_submodule(names[0]).modules():
+        if isinstance(module, GradientCheckpointingLayer) and not getattr(module, "avoids_cudnn_attention", False):
+            module.__class__ = _without_cudnn_class(type(module))
+    return True
