@@ -142,13 +142,16 @@ FAMILIES = (
            "(nats per token), `final_answer_accuracy` the share of held-out questions that `generate()` answers "
            "exactly, `question-alone accuracy` what the most frequent answer to each question in the training "
            "stream scores without looking at the picture. `vs BF16` and `accuracy vs BF16` compare a coat run "
-           "with the mean of the BF16 runs of the same preset, batch, steps and seed; a run with `diverged_at_step` "
+           "with the mean of the BF16 runs of the same preset, batch, steps, seed, learning rate and vision "
+           "attention kernels; a run with `diverged_at_step` "
            "stopped there, its loss no longer finite, and is compared with nothing. The runs of 2026-12-06 10:09 "
            "took the gpu preset's learning rate of then, 1e-3; it is 5e-4 since two of four 3,000-step runs at 1e-3 "
            "diverged. At 5e-4, both BF16 runs and one of two with `--vision-linears` diverged too (their CSVs and "
            "logs are in `convergence-vlm-gpu-lr5e-4/`): each time the backward of a vision attention's "
-           "`scaled_dot_product_attention` on the H100 made non-finite gradients from finite ones "
-           "(`benchmarks/NOTES.md`)."),
+           "`scaled_dot_product_attention` on the H100 made non-finite gradients from finite ones: cuDNN's kernel "
+           "(`benchmarks/NOTES.md`). The runs of 16:30 left it out (`--sdpa-backends flash efficient math`), and "
+           "all six finished; since, the example keeps the vision attention off it in both modes, as coat.convert "
+           "does (`coat.nn.attention`)."),
 )
 
 
@@ -232,13 +235,23 @@ def _day(result: Result) -> str:
     return result.date.strftime("%Y-%m-%d %H:%M UTC")
 
 
+def _vision_attention_cudnn(row: dict) -> bool:
+    """Whether a train_vlm run's vision attention could take cuDNN's SDPA kernel: its runs before 2026-12-06 17:00
+    UTC did, unless --sdpa-backends left it out (coat.nn.attention)."""
+    backends = row.get("sdpa_backends")
+    return not row.get("vision_attention_without_cudnn") and (backends is None or "cudnn" in backends)
+
+
 def _add_convergence_comparison(results: list[Result]) -> None:
     """Adds "vs BF16" to each coat run: its held-out loss against the mean of the BF16 runs of its script, family
-    (--family; runs from before it are Llama's), preset, batch, steps and seed; for train_vlm's runs also
-    "accuracy vs BF16", the difference of their answer accuracies in points."""
+    (--family; runs from before it are Llama's), preset, batch, steps, seed and learning rate; for train_vlm's runs
+    also the same vision attention kernels, and "accuracy vs BF16", the difference of their answer accuracies in
+    points."""
     def setting(result):
         row = result.rows[0]
-        return result.script, row.get("family", "llama"), row["preset"], row.get("batch"), row.get("steps"), row["seed"]
+        lr = row.get("lr", VLM_LR_UNRECORDED if result.script == "train_vlm" else None)
+        return (result.script, row.get("family", "llama"), row["preset"], row.get("batch"), row.get("steps"),
+                row["seed"], lr, result.script == "train_vlm" and _vision_attention_cudnn(row))
 
     baselines: dict[tuple, list[dict]] = {}
     runs = [r for r in results if r.script in TRAINING_SCRIPTS and "diverged_at_step" not in r.rows[0]]
@@ -484,9 +497,12 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
             continue
         presets = sorted({(row["preset"], row["batch"], row["steps"], row.get("lr", VLM_LR_UNRECORDED))
                           for _, row in runs})
-        what = (", ".join(f"{_parameters(results, p)} Qwen2.5-VL (`train_vlm.py --preset {p}`), batch {b}, {n} steps, "
-                          f"learning rate {lr:g}" for p, b, n, lr in presets)
-                + f", questions about pictures: held-out loss and answer accuracy against BF16, {label}, every run")
+        by_model = {}
+        for p, b, n, lr in presets:
+            by_model.setdefault((p, b), []).append(f"{n} steps at learning rate {lr:g}")
+        what = ("; ".join(f"{_parameters(results, p)} Qwen2.5-VL (`train_vlm.py --preset {p}`), batch {b}, "
+                          + " and ".join(lengths) for (p, b), lengths in by_model.items())
+                + f"; questions about pictures: held-out loss and answer accuracy against BF16, {label}, every run")
         several_lengths = len({n for _, _, n, _ in presets}) > 1
         figure = "; ".join(f"{row['steps']} steps, " * several_lengths
                            + f"seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "

@@ -171,8 +171,8 @@ def test_vision_language_rows_compare_coat_with_the_baselines_of_its_own_run(pag
 
 def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_steps_and_seed(pages, tmp_path,
                                                                                             monkeypatch):
-    """train_vlm's summaries: held-out loss and answer accuracy against the BF16 runs of the same preset, steps and
-    seed, never against a train_llama run or one of another length."""
+    """train_vlm's summaries: held-out loss and answer accuracy against the BF16 runs of the same preset, steps,
+    seed, learning rate and vision attention kernels, never against a train_llama run or one of another length."""
     def run(name, coat, loss, accuracy, steps=1000, seed=0, **recorded):
         (tmp_path / f"{name}.json").write_text(json.dumps({
             "name": name, "device": "GPU X", "torch": "2.13.0", "date": "2026-01-01T00:00:00+00:00",
@@ -205,9 +205,18 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     run("bf16-long", False, 0.20, 0.40, steps=3000, lr=5e-4)
     run("coat-long", True, 0.22, 0.41, steps=3000, lr=5e-4)
     ((what, figure, _),) = pages._vlm_convergence_figures(pages.load_results(str(tmp_path)))
-    assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 1000 steps, learning rate 0.001, "
-                           "36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 3000 steps, learning rate 0.0005")
+    assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 1000 steps at learning rate "
+                           "0.001 and 3000 steps at learning rate 0.0005; questions about pictures")
     assert figure.startswith("1000 steps, seed 0: -10.00%") and "; 3000 steps, seed 0: +10.00%, +1.0 points" in figure
+    # Nor with a run of another learning rate, or whose vision attention could take cuDNN's kernel where the other's
+    # could not (coat.nn.attention): runs from before the example kept it off, unless --sdpa-backends left it out.
+    run("coat-long-lr", True, 0.5, 0.1, steps=3000, lr=1e-4)
+    run("bf16-long-kernels", False, 0.24, 0.39, steps=3000, lr=5e-4, seed=1, vision_attention_without_cudnn=True)
+    run("coat-long-kernels", True, 0.18, 0.5, steps=3000, lr=5e-4, seed=1)
+    run("coat-long-flash", True, 0.12, 0.5, steps=3000, lr=5e-4, seed=1, sdpa_backends=["flash", "math"])
+    rows = {r.rows[0]["name"]: r.rows[0] for r in pages.load_results(str(tmp_path))}
+    assert "vs BF16" not in rows["coat-long-lr"] and "vs BF16" not in rows["coat-long-kernels"]
+    assert rows["coat-long"]["vs BF16"] == "+10.00%" and rows["coat-long-flash"]["vs BF16"] == "-50.00%"
 
 
 
