@@ -10,6 +10,9 @@ lines of it:
 
 --vision-linears converts the vision encoder's and the merger's linear layers too (coat.convert(model,
 vision_linears=True)), as for training the whole model; --bf16-weights and --fp8-grads e5m2 are train_llama.py's.
+coat.convert keeps the vision attention off cuDNN's SDPA kernel, whose backward made NaN here on an H100
+(coat.nn.attention); the BF16 run does the same (coat.nn.vision.avoid_cudnn_attention), so that only the precision
+differs.
 
 The data (shapes_vqa.py) are pictures the script draws itself, coloured shapes on a dark background, each with a
 question whose answer needs the picture: "what colour is the circle?" red, "which shape is blue?" triangle, "where
