@@ -7,6 +7,8 @@ Bounds are those of tests/test_nn_llama.py, which explains them."""
 import contextlib
 import copy
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -411,6 +413,25 @@ def test_save_pretrained_round_trip(name, tmp_path):
     tokens, _, images = image_batch(name)
     with torch.no_grad():
         assert torch.equal(reloaded(tokens, **images).logits, converted(tokens, **images).logits)
+
+
+@pytest.mark.parametrize("fused_loss", [True, False])
+def test_whole_model_pickles_into_a_fresh_process(fused_loss, tmp_path):
+    """torch.save of the whole converted model (the fused-loss class, the vision layers' subclasses) loads in
+    another process, which finds the classes by their names, and gives the same loss bit for bit."""
+    model = coat.convert(tiny_vlm("qwen2_5_vl"), fused_loss=fused_loss)
+    tokens, labels, images = image_batch("qwen2_5_vl")
+    torch.save({"model": model, "inputs": (tokens, labels, images)}, tmp_path / "model.pt")
+    loaded = subprocess.run([sys.executable, "-c", (
+        "import sys, torch\n"
+        "saved = torch.load(sys.argv[1], weights_only=False)\n"
+        "tokens, labels, images = saved['inputs']\n"
+        "torch.save(saved['model'](tokens, labels=labels, **images).loss, sys.argv[2])\n"
+        "print(type(saved['model']).__name__, type(saved['model'].model.visual.blocks[0]).avoids_cudnn_attention)"),
+        str(tmp_path / "model.pt"), str(tmp_path / "loss.pt")], capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == [type(model).__name__, "True"]
+    assert torch.equal(torch.load(tmp_path / "loss.pt"), model(tokens, labels=labels, **images).loss)
 
 
 def test_qwen3_vl_layer_keeps_the_stock_order_of_arguments():

@@ -163,6 +163,7 @@ FUSED_LOSS_CAUSAL_LMS = {
                  OlmoeForCausalLM, LlavaForConditionalGeneration, Gemma3ForConditionalGeneration,
                  Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration)
 }
+globals().update({cls.__name__: cls for cls in FUSED_LOSS_CAUSAL_LMS.values()})  # where pickle finds them
 
 
 def install_fused_loss(model: nn.Module) -> bool:

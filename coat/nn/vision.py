@@ -15,6 +15,7 @@ This module imports transformers (the releases of coat.compat); coat.convert imp
 from __future__ import annotations
 
 import functools
+import importlib
 
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -68,12 +69,31 @@ def _forward_without_cudnn(base_forward):
 @functools.cache
 def _without_cudnn_class(base: type) -> type:
     # The class keeps its name: transformers and the Trainer find layers by it (_no_split_modules, FSDP wrapping).
+    # Its qualified name leads pickle to it through WithoutCudnnAttention, in any process.
+    module_path = base.__module__.replace(".", ":")
     return type(base.__name__, (base,), {
         "forward": _forward_without_cudnn(base.forward),
         "avoids_cudnn_attention": True,
         "__doc__": f"A {base.__name__} whose attention avoids cuDNN's SDPA kernel (coat.nn.attention).",
         "__module__": __name__,
+        "__qualname__": f"WithoutCudnnAttention.{module_path}:{base.__qualname__}",
     })
+
+
+class _ClassesWithoutCudnn:
+    """``WithoutCudnnAttention.<module path, ':' for '.'>:<class>`` is the subclass of that class that
+    avoid_cudnn_attention gives a layer: where pickle (torch.save of a whole model) finds it again."""
+
+    def __getattr__(self, name: str) -> type:
+        module_path, _, class_name = name.rpartition(":")
+        try:
+            base = getattr(importlib.import_module(module_path.replace(":", ".")), class_name)
+        except (ImportError, ValueError, AttributeError) as error:
+            raise AttributeError(name) from error
+        return _without_cudnn_class(base)
+
+
+WithoutCudnnAttention = _ClassesWithoutCudnn()
 
 
 def avoid_cudnn_attention(model: nn.Module) -> bool:
