@@ -1,35 +1,30 @@
 /*
- * CUDA implementation of coat/quantize.h: the *_cuda entry points. Element for element they run the
- * steps of coat/detail/quantize_math.h that csrc/cpu/quantize.c runs, so results are bit-identical
- * (IEEE division under -prec-div=true, no FMA contraction, no flush to zero; max is exact, so the order
- * of the amax reductions does not matter).
+ * CUDA implementation of coat/quantize.h's FP8 entry points: group and tensor quantization, group and tensor
+ * amax, dequantization. Element for element they run the steps of coat/detail/quantize_math.h that
+ * csrc/cpu/quantize.c runs, so results are bit-identical (IEEE division under -prec-div=true, no FMA contraction,
+ * no flush to zero; max is exact, so the order of the amax reductions does not matter).
  *
  * The kernels are memory-bound. One template, quantize_kernel, serves group quantization, tensor
  * quantization and group amax, each with or without the transposed output; dequantize_kernel and
- * reduce_amax_kernel complete the family. The FP4 and FP6 entry points run quantize_blocks_kernel and
- * decode_blocks_kernel (dequantization and expansion to E4M3), one instantiation per format, on the same tiles
- * and vector loads. Every entry point enqueues on the given stream and returns without synchronising.
+ * reduce_amax_kernel complete the family. The FP4 and FP6 entry points are in quantize_blocks.cu, on the same
+ * tiles and vector loads (quantize_tiles.cuh). Every entry point enqueues on the given stream and returns without
+ * synchronising.
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "coat/detail/quantize_math.h"
 #include "coat/quantize.h"
-#include "e2m_chunk.cuh"
 #include "fp8_chunk.cuh"
 #include "group_amax.cuh"
 #include "launch.cuh"
+#include "quantize_tiles.cuh"
 
 namespace coat {
 namespace device {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kThreadsLog2 = 8;
 constexpr int kWarps = kThreads / 32;
-
-/** Passes of a tile: each thread handles one chunk of a different row in each pass. */
-constexpr int kPasses = 4;
 
 /** Quantizers: elements of one row per lane and pass. 16 on the vector path, where the group reductions and
  *  scales then cost half as much per element as with 8 (G = 128 from 0.80 to 0.94 of copy on an H200,
@@ -60,100 +55,6 @@ __host__ __device__ constexpr int batch_chunks() {
   constexpr int kChunks = kVector ? 64 / static_cast<int>(sizeof(T) * N) : 16 / N;
   return kChunks < 1 ? 1 : kChunks > kPasses ? kPasses : kChunks;
 }
-
-/** N elements that one lane loads or stores together, aligned for vector access. */
-template <typename T, int N>
-struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Chunk {
-  T e[N];
-};
-
-/** The widest access for a chunk of kBytes: 16-byte words, or one word for 8 or 4 FP8 codes. */
-template <int kBytes>
-struct VectorWord {
-  using type = uint4;
-};
-template <>
-struct VectorWord<8> {
-  using type = uint2;
-};
-template <>
-struct VectorWord<4> {
-  using type = uint32_t;
-};
-
-/** Loads columns [col, col + N) of the row at base + row_offset. Columns >= cols, and all of them when
- *  !row_valid, read as 0 (which no amax notices). kVector: col and cols are multiples of N, so a chunk
- *  is wholly inside or outside the row, and the chunk's address is aligned to its vector word. */
-template <bool kVector, typename T, int N>
-__device__ __forceinline__ void load_chunk(Chunk<T, N>& chunk, const T* __restrict__ base, int64_t row_offset,
-                                           int64_t col, int64_t cols, bool row_valid) {
-  if constexpr (kVector) {
-    using Word = typename VectorWord<sizeof(T) * N>::type;
-    constexpr int kWords = sizeof(T) * N / sizeof(Word);
-    Word* words = reinterpret_cast<Word*>(chunk.e);
-    if (row_valid && col < cols) {
-      const Word* source = reinterpret_cast<const Word*>(base + row_offset + col);
-#pragma unroll
-      for (int w = 0; w < kWords; ++w) words[w] = source[w];
-    } else {
-#pragma unroll
-      for (int w = 0; w < kWords; ++w) words[w] = Word{};
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) chunk.e[i] = row_valid && col + i < cols ? base[row_offset + col + i] : T(0);
-  }
-}
-
-/** Stores the in-range columns of a chunk to columns [col, col + N) of the row at base + row_offset,
- *  nothing when !row_valid. kVector: as for load_chunk. */
-template <bool kVector, typename T, int N>
-__device__ __forceinline__ void store_chunk(const Chunk<T, N>& chunk, T* __restrict__ base, int64_t row_offset,
-                                            int64_t col, int64_t cols, bool row_valid) {
-  if constexpr (kVector) {
-    using Word = typename VectorWord<sizeof(T) * N>::type;
-    constexpr int kWords = sizeof(T) * N / sizeof(Word);
-    if (row_valid && col < cols) {
-      const Word* words = reinterpret_cast<const Word*>(chunk.e);
-      Word* target = reinterpret_cast<Word*>(base + row_offset + col);
-#pragma unroll
-      for (int w = 0; w < kWords; ++w) target[w] = words[w];
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-      if (row_valid && col + i < cols) base[row_offset + col + i] = chunk.e[i];
-  }
-}
-
-/** Storage and exact fp32 conversion of a high-precision input dtype (coat_load_f32's cases). */
-template <coat_dtype kDtype>
-struct Input {
-  using Storage = float;
-  __device__ static float to_f32(float value) { return value; }
-};
-template <>
-struct Input<COAT_BFLOAT16> {
-  using Storage = uint16_t;
-  __device__ static float to_f32(uint16_t bits) { return coat_bf16_to_f32(bits); }
-};
-template <>
-struct Input<COAT_FLOAT16> {
-  using Storage = uint16_t;
-  __device__ static float to_f32(uint16_t bits) { return coat_f16_to_f32(bits); }
-};
-
-/** Storage and rounding of a dequantizer output dtype (coat_store_as's cases). */
-template <coat_dtype kDtype>
-struct Output {
-  using Storage = float;
-  __device__ static float from_f32(float value) { return value; }
-};
-template <>
-struct Output<COAT_BFLOAT16> {
-  using Storage = uint16_t;
-  __device__ static uint16_t from_f32(float value) { return coat_f32_to_bf16(value); }
-};
 
 enum class QuantizeMode {
   kGroupScale,   ///< coat_quantize_group: one scale per 1xG group, and the codes
@@ -528,200 +429,6 @@ __global__ void __launch_bounds__(kThreads, 2) dequantize_kernel(const Dequantiz
   }
 }
 
-/** FP4 and FP6 kernels: elements of one row per lane and pass, i.e. 4 bytes of packed FP4 codes or 6 of FP6. */
-constexpr int kBlockChunk = kE2mCodeChunk;
-
-struct BlockParams {
-  int64_t rows;
-  int64_t cols;
-  int64_t row_bytes;       ///< packed bytes per row: ceil(cols / 2) (FP4) or ceil(3 cols / 4) (FP6)
-  int block_log2;          ///< log2 B
-  int lanes_per_row_log2;  ///< lanes sharing a row in a pass
-  const void* x;           ///< quantize_blocks_kernel: the input, rows row_stride elements apart
-  int64_t row_stride;
-  uint8_t* codes;          ///< quantize_blocks_kernel: the packed codes it writes
-  const uint8_t* codes_in; ///< decode_blocks_kernel: the packed codes it reads
-  float* scales;           ///< quantize_blocks_kernel: the block scales it writes
-  const float* scales_in;  ///< decode_blocks_kernel: the block scales it reads (when the decoder needs them)
-  void* out;               ///< decode_blocks_kernel: rows x cols outputs, contiguous
-};
-
-/** The positions a lane owns in the block kernels' tiles of kPasses * (256 / L) rows by 8 * L columns,
- *  L = 2^lanes_per_row_log2: in each pass, columns [col, col + 8) of one row. */
-struct BlockLane {
-  int lane_in_row;
-  int row_in_pass;
-  int rows_per_pass;
-  int64_t tile_rows;
-  int64_t tile_cols;
-
-  __device__ explicit BlockLane(const BlockParams& p)
-      : lane_in_row(threadIdx.x & ((1 << p.lanes_per_row_log2) - 1)),
-        row_in_pass(threadIdx.x >> p.lanes_per_row_log2),
-        rows_per_pass(kThreads >> p.lanes_per_row_log2),
-        tile_rows(int64_t{kThreads >> p.lanes_per_row_log2} * kPasses),
-        tile_cols(int64_t{kBlockChunk} << p.lanes_per_row_log2) {}
-
-  __device__ int64_t row(int64_t row0, int pass) const { return row0 + pass * rows_per_pass + row_in_pass; }
-};
-
-/** The columns of a chunk starting at column col that lie in a row of cols columns (0 past the row). */
-__device__ __forceinline__ int chunk_columns(int64_t col, int64_t cols) {
-  return col >= cols ? 0 : cols - col < kBlockChunk ? static_cast<int>(cols - col) : kBlockChunk;
-}
-
-/** The byte of a packed row where the chunk starting at column col (a multiple of 8) starts. */
-template <int kMantissaBits>
-__device__ __forceinline__ int64_t chunk_byte(int64_t col) {
-  return col / 8 * E2m<kMantissaBits>::kChunkBytes;
-}
-
-/** Max of coat_magnitude_bits over aligned sets of `lanes` consecutive lanes (a power of two, 1..32), every
- *  lane of a set getting the set's max: the block amax, NaN included. All 32 lanes must call it. */
-__device__ __forceinline__ uint32_t block_amax_bits_reduce(uint32_t bits, int lanes) {
-  for (int mask = lanes >> 1; mask > 0; mask >>= 1)
-    bits = coat_max_bits(bits, static_cast<uint32_t>(__shfl_xor_sync(kFullWarpMask, static_cast<int>(bits), mask)));
-  return bits;
-}
-
-/**
- * coat_quantize_fp4 / coat_quantize_fp6 (kMantissaBits 1 / 3): in each of kPasses passes a thread owns the 8
- * elements [col, col + 8) of one row. It loads the chunks of all passes first (64 or 128 bytes in flight), then
- * per pass reduces the block's amax bits over the group_lanes(B, 8, L) lanes of its block (columns past cols load
- * as 0, which no amax notices), the lane holding the block's first columns writes the scale, and every lane packs
- * its 8 codes into 4 (FP4) or 6 (FP6) bytes. A column past cols (the padding bits of the row's last byte) loads
- * as +0, whose code is 0 for every scale. kVector: x's chunks 16-byte aligned and cols % 8 == 0, so one or two
- * 16-byte loads and one 4-byte store (FP4) or three 2-byte ones (FP6) per chunk; otherwise element by element
- * with column bounds.
- */
-template <int kMantissaBits, coat_dtype kDtype, bool kVector>
-__global__ void __launch_bounds__(kThreads, 2) quantize_blocks_kernel(const BlockParams p) {
-  using T = typename Input<kDtype>::Storage;
-  const T* __restrict__ x = static_cast<const T*>(p.x);
-  const BlockLane lane(p);
-  const int block_size = 1 << p.block_log2;
-  const int64_t nblocks = (p.cols + block_size - 1) >> p.block_log2;
-  const int reduce_lanes = group_lanes(block_size, kBlockChunk, 1 << p.lanes_per_row_log2);
-
-  for (int64_t col0 = blockIdx.y * lane.tile_cols; col0 < p.cols; col0 += gridDim.y * lane.tile_cols) {
-    const int64_t col = col0 + lane.lane_in_row * kBlockChunk;
-    for (int64_t row0 = blockIdx.x * lane.tile_rows; row0 < p.rows; row0 += gridDim.x * lane.tile_rows) {
-      Chunk<T, kBlockChunk> chunks[kPasses];
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const int64_t row = lane.row(row0, pass);
-        load_chunk<kVector>(chunks[pass], x, row * p.row_stride, col, p.cols, row < p.rows);
-      }
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const int64_t row = lane.row(row0, pass);
-        const bool row_valid = row < p.rows;
-        float values[kBlockChunk];
-        uint32_t amax_bits = 0;
-#pragma unroll
-        for (int i = 0; i < kBlockChunk; ++i) {
-          values[i] = Input<kDtype>::to_f32(chunks[pass].e[i]);
-          amax_bits = coat_max_bits(amax_bits, coat_magnitude_bits(values[i]));
-        }
-        amax_bits = block_amax_bits_reduce(amax_bits, reduce_lanes);
-        const float scale = e2m_scale_from_amax_bits<kMantissaBits>(amax_bits);
-        if (row_valid && col < p.cols && starts_group(col, block_size))
-          p.scales[row * nblocks + (col >> p.block_log2)] = scale;
-
-        const PackedCodes codes = encode_e2m_chunk<kMantissaBits>(values, scale, reciprocal_of_normal(scale));
-        if (row_valid && col < p.cols)
-          store_e2m_chunk<kMantissaBits>(p.codes + row * p.row_bytes + chunk_byte<kMantissaBits>(col), codes,
-                                         chunk_columns(col, p.cols), kVector);
-      }
-    }
-  }
-}
-
-/** decode_blocks_kernel's decoders: the value of a code times its block scale, rounded to kOutDtype
- *  (coat_dequantize_fp4 / fp6), or the E4M3 code of the same value (coat_fp4_to_e4m3 / fp6_to_e4m3, no scale). */
-template <int kMantissaBits>
-__device__ __forceinline__ float e2m_to_f32(uint8_t code) {
-  return kMantissaBits == 1 ? coat_e2m1_to_f32(code) : coat_e2m3_to_f32(code);
-}
-
-template <int kMantissaBits, coat_dtype kOutDtype>
-struct BlocksToValues {
-  using Storage = typename Output<kOutDtype>::Storage;
-  static constexpr int kMantissa = kMantissaBits;
-  static constexpr bool kReadsScales = true;
-  __device__ static Storage decode(uint8_t code, float scale) {
-    return Output<kOutDtype>::from_f32(coat_dequantize_value(e2m_to_f32<kMantissaBits>(code), scale));
-  }
-};
-template <int kMantissaBits>
-struct BlocksToE4m3 {
-  using Storage = uint8_t;
-  static constexpr int kMantissa = kMantissaBits;
-  static constexpr bool kReadsScales = false;
-  __device__ static uint8_t decode(uint8_t code, float) {
-    return kMantissaBits == 1 ? coat_e2m1_to_e4m3(code) : coat_e2m3_to_e4m3(code);
-  }
-};
-
-/**
- * coat_dequantize_fp4 / fp6 and coat_fp4_to_e4m3 / fp6_to_e4m3: in each of kPasses passes a thread owns the 8
- * codes [col, col + 8) of one row (4 or 6 packed bytes; B is a multiple of 8, so they share one scale). It loads
- * the codes and scales of all passes first, then decodes and stores each chunk. kVector: cols % 8 == 0, codes
- * aligned to 4 (FP4) or 2 (FP6) bytes and out aligned to its chunk (16 or 32 bytes of values, 8 bytes of E4M3
- * codes).
- */
-template <typename Decoder, bool kVector>
-__global__ void __launch_bounds__(kThreads, 2) decode_blocks_kernel(const BlockParams p) {
-  constexpr int kMantissaBits = Decoder::kMantissa;
-  using T = typename Decoder::Storage;
-  T* __restrict__ out = static_cast<T*>(p.out);
-  const BlockLane lane(p);
-  const int64_t nblocks = (p.cols + (int64_t{1} << p.block_log2) - 1) >> p.block_log2;
-
-  for (int64_t col0 = blockIdx.y * lane.tile_cols; col0 < p.cols; col0 += gridDim.y * lane.tile_cols) {
-    const int64_t col = col0 + lane.lane_in_row * kBlockChunk;
-    const int count = chunk_columns(col, p.cols);
-    for (int64_t row0 = blockIdx.x * lane.tile_rows; row0 < p.rows; row0 += gridDim.x * lane.tile_rows) {
-      PackedCodes codes[kPasses];
-      float scales[kPasses];
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const int64_t row = lane.row(row0, pass);
-        const bool valid = row < p.rows && count > 0;
-        codes[pass] = valid ? load_e2m_chunk<kMantissaBits>(p.codes_in + row * p.row_bytes + chunk_byte<kMantissaBits>(col),
-                                                            count, kVector)
-                            : PackedCodes{0u, 0u};
-        if constexpr (Decoder::kReadsScales)
-          scales[pass] = valid ? p.scales_in[row * nblocks + (col >> p.block_log2)] : 0.0f;
-        else
-          scales[pass] = 0.0f;
-      }
-#pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        Chunk<T, kBlockChunk> values;
-#pragma unroll
-        for (int i = 0; i < kBlockChunk; ++i)
-          values.e[i] = Decoder::decode(static_cast<uint8_t>(e2m_code_at<kMantissaBits>(codes[pass], i)), scales[pass]);
-        store_chunk<kVector>(values, out, lane.row(row0, pass) * p.cols, col, p.cols, lane.row(row0, pass) < p.rows);
-      }
-    }
-  }
-}
-
-/** A compile-time value carried by a type: turns a runtime choice into a template argument. */
-template <auto kValue>
-struct Constant {
-  static constexpr auto value = kValue;
-};
-
-template <typename Body>
-void dispatch_bool(bool flag, Body&& body) {
-  if (flag)
-    body(Constant<true>{});
-  else
-    body(Constant<false>{});
-}
-
 /** The three layouts of quantize_kernel's chunks: wide vectors, vectors, or element by element. */
 template <typename Body>
 void dispatch_chunks(bool vector, bool wide, Body&& body) {
@@ -734,15 +441,6 @@ void dispatch_chunks(bool vector, bool wide, Body&& body) {
 }
 
 template <typename Body>
-void dispatch_input_dtype(coat_dtype dtype, Body&& body) {
-  switch (dtype) {
-    case COAT_BFLOAT16: body(Constant<COAT_BFLOAT16>{}); break;
-    case COAT_FLOAT16: body(Constant<COAT_FLOAT16>{}); break;
-    default: body(Constant<COAT_FLOAT32>{}); break;
-  }
-}
-
-template <typename Body>
 void dispatch_format(coat_fp8_format format, Body&& body) {
   if (format == COAT_E4M3)
     body(Constant<COAT_E4M3>{});
@@ -750,19 +448,7 @@ void dispatch_format(coat_fp8_format format, Body&& body) {
     body(Constant<COAT_E5M2>{});
 }
 
-/** coat_valid_matrix of the C core. */
-bool valid_matrix(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
-  return rows >= 0 && cols >= 0 && row_stride >= cols && (x != nullptr || rows * cols == 0);
-}
-
-/** The enums select template instantiations, so values outside them are refused rather than guessed. */
-bool valid_input_dtype(coat_dtype dtype) {
-  return dtype == COAT_FLOAT32 || dtype == COAT_BFLOAT16 || dtype == COAT_FLOAT16;
-}
-
 bool valid_format(coat_fp8_format format) { return format == COAT_E4M3 || format == COAT_E5M2; }
-
-int64_t element_size(coat_dtype dtype) { return dtype == COAT_FLOAT32 ? 4 : 2; }
 
 /** Parameters with the input matrix set and every output unset. */
 QuantizeParams matrix_params(const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
@@ -821,88 +507,6 @@ coat_status launch_quantize(QuantizeParams p, coat_dtype dtype, coat_fp8_format 
     });
   });
   return launch_status();
-}
-
-/** Parameters of an FP4 or FP6 kernel over a non-empty rows x cols matrix, with the tile width set. */
-template <int kMantissaBits>
-BlockParams block_params(int64_t rows, int64_t cols, int64_t block_size) {
-  BlockParams p{};
-  p.rows = rows;
-  p.cols = cols;
-  p.row_bytes = kMantissaBits == 1 ? coat_ceil_div(cols, 2) : coat_fp6_row_bytes(cols);
-  p.block_log2 = ceil_log2(block_size);
-  p.lanes_per_row_log2 = min(ceil_log2(coat_ceil_div(cols, kBlockChunk)), kThreadsLog2);
-  return p;
-}
-
-/** The grid of a block kernel: one tile per block, up to the grid limits (the kernels loop past them). */
-dim3 block_grid(const BlockParams& p) {
-  const int64_t tile_rows = int64_t{kThreads >> p.lanes_per_row_log2} * kPasses;
-  const int64_t tile_cols = int64_t{kBlockChunk} << p.lanes_per_row_log2;
-  return dim3(clamp_grid(coat_ceil_div(p.rows, tile_rows), kMaxGridX), clamp_grid(coat_ceil_div(p.cols, tile_cols), kMaxGridY));
-}
-
-/** The alignment of a chunk's packed codes on the vector path: one 4-byte word (FP4) or three 2-byte halves (FP6). */
-template <int kMantissaBits>
-constexpr int kCodesAlignment = kMantissaBits == 1 ? 4 : 2;
-
-template <int kMantissaBits>
-coat_status launch_quantize_blocks(const void* x, coat_dtype dtype, int64_t rows, int64_t cols, int64_t row_stride,
-                                   int64_t block_size, uint8_t* codes, float* scales, cudaStream_t stream) {
-  if (!valid_matrix(x, rows, cols, row_stride) || !coat_is_valid_group_size(block_size) || !valid_input_dtype(dtype))
-    return COAT_ERROR_INVALID_ARGUMENT;
-  if (rows == 0 || cols == 0) return COAT_SUCCESS;
-  BlockParams p = block_params<kMantissaBits>(rows, cols, block_size);
-  p.x = x;
-  p.row_stride = row_stride;
-  p.codes = codes;
-  p.scales = scales;
-  const bool vector = cols % kBlockChunk == 0 && is_aligned(x, 16) && is_aligned(codes, kCodesAlignment<kMantissaBits>) &&
-                      (rows == 1 || row_stride * element_size(dtype) % 16 == 0);
-  dispatch_input_dtype(dtype, [&](auto input) {
-    dispatch_bool(vector, [&](auto vectorized) {
-      quantize_blocks_kernel<kMantissaBits, decltype(input)::value, decltype(vectorized)::value>
-          <<<block_grid(p), kThreads, 0, stream>>>(p);
-    });
-  });
-  return launch_status();
-}
-
-/** Launches decode_blocks_kernel for a non-empty matrix, on the vector path where the layout allows it. */
-template <typename Decoder>
-coat_status launch_decode_blocks(const BlockParams& p, cudaStream_t stream) {
-  const bool vector = p.cols % kBlockChunk == 0 && is_aligned(p.codes_in, kCodesAlignment<Decoder::kMantissa>) &&
-                      is_aligned(p.out, alignof(Chunk<typename Decoder::Storage, kBlockChunk>));
-  dispatch_bool(vector, [&](auto vectorized) {
-    decode_blocks_kernel<Decoder, decltype(vectorized)::value><<<block_grid(p), kThreads, 0, stream>>>(p);
-  });
-  return launch_status();
-}
-
-template <int kMantissaBits>
-coat_status launch_dequantize_blocks(const uint8_t* codes, int64_t rows, int64_t cols, const float* scales,
-                                     int64_t block_size, void* out, coat_dtype out_dtype, cudaStream_t stream) {
-  if (rows < 0 || cols < 0 || ((codes == nullptr || scales == nullptr) && rows * cols > 0) ||
-      !coat_is_valid_group_size(block_size) || (out_dtype != COAT_FLOAT32 && out_dtype != COAT_BFLOAT16))
-    return COAT_ERROR_INVALID_ARGUMENT;
-  if (rows == 0 || cols == 0) return COAT_SUCCESS;
-  BlockParams p = block_params<kMantissaBits>(rows, cols, block_size);
-  p.codes_in = codes;
-  p.scales_in = scales;
-  p.out = out;
-  return out_dtype == COAT_BFLOAT16 ? launch_decode_blocks<BlocksToValues<kMantissaBits, COAT_BFLOAT16>>(p, stream)
-                                    : launch_decode_blocks<BlocksToValues<kMantissaBits, COAT_FLOAT32>>(p, stream);
-}
-
-template <int kMantissaBits>
-coat_status launch_blocks_to_e4m3(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* q, cudaStream_t stream) {
-  if (rows < 0 || cols < 0 || ((codes == nullptr || q == nullptr) && rows * cols > 0)) return COAT_ERROR_INVALID_ARGUMENT;
-  if (rows == 0 || cols == 0) return COAT_SUCCESS;
-  // The block size only places scales, which this conversion does not read.
-  BlockParams p = block_params<kMantissaBits>(rows, cols, 16);
-  p.codes_in = codes;
-  p.out = q;
-  return launch_decode_blocks<BlocksToE4m3<kMantissaBits>>(p, stream);
 }
 
 }  // namespace
@@ -1032,38 +636,4 @@ coat_status coat_dequantize_cuda(const uint8_t* q, coat_fp8_format format, int64
     });
   });
   return launch_status();
-}
-
-coat_status coat_quantize_fp4_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols, int64_t row_stride,
-                                   int64_t block_size, uint8_t* codes, float* scales, coat_cuda_stream stream) {
-  return coat::device::launch_quantize_blocks<1>(x, dtype, rows, cols, row_stride, block_size, codes, scales,
-                                                 coat::device::as_cuda_stream(stream));
-}
-
-coat_status coat_quantize_fp6_cuda(const void* x, coat_dtype dtype, int64_t rows, int64_t cols, int64_t row_stride,
-                                   int64_t block_size, uint8_t* codes, float* scales, coat_cuda_stream stream) {
-  return coat::device::launch_quantize_blocks<3>(x, dtype, rows, cols, row_stride, block_size, codes, scales,
-                                                 coat::device::as_cuda_stream(stream));
-}
-
-coat_status coat_dequantize_fp4_cuda(const uint8_t* codes, int64_t rows, int64_t cols, const float* scales,
-                                     int64_t block_size, void* out, coat_dtype out_dtype, coat_cuda_stream stream) {
-  return coat::device::launch_dequantize_blocks<1>(codes, rows, cols, scales, block_size, out, out_dtype,
-                                                   coat::device::as_cuda_stream(stream));
-}
-
-coat_status coat_dequantize_fp6_cuda(const uint8_t* codes, int64_t rows, int64_t cols, const float* scales,
-                                     int64_t block_size, void* out, coat_dtype out_dtype, coat_cuda_stream stream) {
-  return coat::device::launch_dequantize_blocks<3>(codes, rows, cols, scales, block_size, out, out_dtype,
-                                                   coat::device::as_cuda_stream(stream));
-}
-
-coat_status coat_fp4_to_e4m3_cuda(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* q,
-                                  coat_cuda_stream stream) {
-  return coat::device::launch_blocks_to_e4m3<1>(codes, rows, cols, q, coat::device::as_cuda_stream(stream));
-}
-
-coat_status coat_fp6_to_e4m3_cuda(const uint8_t* codes, int64_t rows, int64_t cols, uint8_t* q,
-                                  coat_cuda_stream stream) {
-  return coat::device::launch_blocks_to_e4m3<3>(codes, rows, cols, q, coat::device::as_cuda_stream(stream));
 }

@@ -13,8 +13,8 @@
 #     about a minute on two cores). The few hardware instructions it uses on sm_80+ (FP8 and bf16 conversions,
 #     MUFU.RCP in rcp.rn's own sequence) are replaced by the C core's functions they equal.
 #   rope: rotary_embedding forward and inverse bit for bit (test_emulated_rope.cpp).
-#   quantize: the FP8 quantizers (group, tensor, amax, transpose, dequantize) and the FP4 codec of csrc/cuda/quantize.cu
-#     bit for bit (test_emulated_quantize.cpp). Without __CUDA_ARCH__ coat_divide_by_scale divides; the fast
+#   quantize: the FP8 quantizers (group, tensor, amax, transpose, dequantize) of csrc/cuda/quantize.cu and the FP4
+#     codec of quantize_blocks.cu bit for bit (test_emulated_quantize.cpp). Without __CUDA_ARCH__ coat_divide_by_scale divides; the fast
 #     quotient of fp8_chunk.cuh runs as on the GPU.
 #   stats: quantization_sums' kernel, every measure's sums bit for bit (test_emulated_stats.cpp).
 # It checks the kernels' logic (tiles, lanes, shuffles, votes, fast and general paths, prefetching), not the
@@ -70,7 +70,7 @@ if [ -z "$only" ] || [ "$only" = rope ]; then
   "$out/test_emulated_rope"
 fi
 if [ -z "$only" ] || [ "$only" = quantize ]; then
-  emulated quantize quantize.cu
+  emulated quantize quantize.cu quantize_blocks.cu
   g++ $cxxflags -c "$out/quantize_emulated.cpp" -o "$out/quantize_emulated.o"
   g++ -std=c++20 -O2 -ffp-contract=off -I"$here" -I"$root/csrc/include" -c "$here/test_emulated_quantize.cpp" -o "$out/quantize_test.o"
   g++ "$out/quantize_emulated.o" "$out/quantize_test.o" "$out/cpu_quantize.o" "$out/common.o" -o "$out/test_emulated_quantize" -lpthread
