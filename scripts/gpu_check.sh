@@ -3,11 +3,12 @@
 # the C CPU core bit for bit) and the GPU benchmarks. Logs and benchmark JSON go to OUTDIR (logs/, results/)
 # and are packed into OUTDIR/gpu_check.tgz; the tail of each stage is printed.
 #
-#   usage: scripts/gpu_check.sh OUTDIR [STAGE...]
+#   usage: scripts/gpu_check.sh OUTDIR [STAGE...]   (stages longer than one device call: scripts/gpu_background.sh)
 #   stages: build, tests, tests:PATTERN (pytest -k), test:NAME (tests/test_NAME.py alone),
 #           bench (every benchmarks/*.py), bench:NAME[:ARGS] (one script,
 #           extra ARGS comma-separated, e.g. bench:layer:--settings,4096x2048,--profile),
 #           torchrun:NAME[:ARGS] (benchmarks/NAME.py on every visible GPU under torchrun, ARGS as for bench),
+#           script:NAME[:ARGS] (scripts/NAME.py, e.g. script:check_sdpa_backward; its output in logs/script_NAME.log),
 #           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side, or
 #           the runs CONVERGENCE_RUNS names, e.g. "bf16=;coat=--coat;coat-fp8g=--coat,--bf16-weights,--fp8-grads,e5m2",
 #           spread over the GPUs; extra ARGS comma-separated, for every run; CSVs, summaries and the plot in
@@ -83,6 +84,12 @@ for stage in "${stages[@]}"; do
       IFS=: read -r _ name extra <<< "$stage"
       IFS=, read -r -a extra_args <<< "$extra"
       run_bench "$name" "${extra_args[@]}" ;;
+    script:*)
+      IFS=: read -r _ name extra <<< "$stage"
+      IFS=, read -r -a extra_args <<< "$extra"
+      echo "== scripts/$name.py ${extra_args[*]} =="
+      python3 "scripts/$name.py" "${extra_args[@]}" > "$out/logs/script_$name.log" 2>&1 || status=1
+      grep -v "Warning\|^  " "$out/logs/script_$name.log" | tail -n 40 ;;
     torchrun:*)
       IFS=: read -r _ name extra <<< "$stage"
       IFS=, read -r -a extra_args <<< "$extra"
