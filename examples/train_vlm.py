@@ -24,9 +24,10 @@ accuracy of the best answers to the question alone (its most frequent answer in 
 that does not look at the picture reaches at most.
 
 As in train_llama.py, a progress bar shows the loss and tokens/s (the language model's tokens: image placeholders,
-question and answer); every --log-every steps a row goes to OUT/NAME.csv (with answer_accuracy where evaluated);
-OUT/NAME.json holds the summary (with the final accuracy per kind of question); OUT/NAME.png plots loss and
-accuracy of this run and of every --compare CSV.
+question and answer); every --log-every steps a row goes to OUT/NAME.csv (with answer_accuracy, and
+answer_accuracy_colour, _shape, _position and _count, where evaluated); OUT/NAME.json holds the summary (with the
+final accuracy per kind of question); OUT/NAME.png plots loss and accuracy, overall and per kind of question, of this
+run and of every --compare CSV.
 
     python examples/train_vlm.py                                     # tiny preset, BF16, a few minutes on a CPU
     python examples/train_vlm.py --coat --compare runs/tiny-vlm-bf16.csv
@@ -46,8 +47,8 @@ import torch
 
 import coat
 from coat.nn.vision import avoid_cudnn_attention
-from shapes_vqa import END, IMAGE, PAD, VIDEO, VISION_END, VISION_START, VOCAB_SIZE, ShapesVQA, accuracy_by_kind, \
-    decode_answer, text_only_accuracy
+from shapes_vqa import END, IMAGE, KINDS, PAD, VIDEO, VISION_END, VISION_START, VOCAB_SIZE, ShapesVQA, \
+    accuracy_by_kind, decode_answer, text_only_accuracy
 from training_common import (
     NonFiniteStep,
     TrainingLog,
@@ -270,12 +271,13 @@ def main() -> None:
              "vision_parameters": vision, "batch": args.batch, "held_out": args.held_out,
              "text_only_accuracy": blind}
     log = TrainingLog(args, first_step=0, tokens_per_step=round(args.batch * tokens_per_sample), device=device,
-                      setup=setup, accuracy=True)
+                      setup=setup, accuracy_kinds=KINDS)
     last_accuracy = {}
 
-    def evaluate() -> tuple[float, float]:
+    def evaluate() -> tuple[float, dict[str, float]]:
+        last_accuracy.clear()
         last_accuracy.update(accuracy(data, answers(model, data, prompts, autocast)))
-        return held_out_loss(model, validation, device, autocast).item(), last_accuracy["all"]
+        return held_out_loss(model, validation, device, autocast).item(), dict(last_accuracy)
 
     interval_loss = torch.zeros((), device=device)
     model.train()

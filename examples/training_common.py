@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -626,8 +627,13 @@ def expert_token_shares(model, batches: list[torch.Tensor], device: torch.device
 
 
 CSV_COLUMNS = ["step", "tokens", "train_loss", "val_loss", "lr", "tokens_per_s", "elapsed_s", "peak_memory_gib"]
-# A column that a log has after CSV_COLUMNS when its script measures it (train_vlm.py), at each held-out loss.
+# Columns that a log has after CSV_COLUMNS when its script measures them (train_vlm.py), at each held-out loss: the
+# answer accuracy, then that of each kind of question (accuracy_column).
 ACCURACY = "answer_accuracy"
+
+
+def accuracy_column(kind: str) -> str:
+    return f"{ACCURACY}_{kind}"
 
 
 def run_metadata() -> dict:
@@ -644,14 +650,18 @@ def run_metadata() -> dict:
 class TrainingLog:
     """The CSV log (one row every --log-every steps, appended to on resume), the progress bar with loss and
     tokens/s, and the summary JSON written at the end, or where the run stops early (a non-finite loss). Only rank 0
-    writes. ``setup``: what every summary records of the run's model, options and data. With ``accuracy``, the
-    evaluations give an answer accuracy too, in the column ACCURACY and the summary's final_answer_accuracy."""
+    writes. ``setup``: what every summary records of the run's model, options and data. With ``accuracy_kinds``
+    (a sequence, possibly empty), the evaluations give answer accuracies too: over all questions, in the column
+    ACCURACY and the summary's final_answer_accuracy, and for each of these kinds of question, in its
+    accuracy_column (empty where an evaluation asked none of that kind)."""
 
     def __init__(self, args: argparse.Namespace, first_step: int, tokens_per_step: int, device: torch.device,
-                 setup: dict, enabled: bool = True, accuracy: bool = False):
+                 setup: dict, enabled: bool = True, accuracy_kinds: Sequence[str] | None = None):
         self.args, self.tokens_per_step, self.device, self.enabled = args, tokens_per_step, device, enabled
         self.setup = setup
-        self.columns = CSV_COLUMNS + [ACCURACY] * accuracy
+        self.accuracy_kinds = accuracy_kinds
+        self.columns = CSV_COLUMNS + ([] if accuracy_kinds is None else
+                                      [ACCURACY, *(accuracy_column(kind) for kind in accuracy_kinds)])
         self.csv_path = os.path.join(args.out, f"{args.name}.csv")
         self.summary_path = os.path.join(args.out, f"{args.name}.json")
         self.rows: list[dict] = []
@@ -676,12 +686,14 @@ class TrainingLog:
 
     def record(self, step: int, train_loss: float, lr: float, evaluate=None) -> None:
         """Row for ``step`` (the number of steps done); the caller has synchronised the device. ``evaluate()``,
-        if given, returns the held-out loss (with ``accuracy``: the loss and the answer accuracy); its time is left
-        out of tokens/s."""
+        if given, returns the held-out loss (with ``accuracy_kinds``: the loss and the answer accuracies, a dict with
+        "all" and the kinds asked); its time is left out of tokens/s."""
         now = time.perf_counter()
         tokens_per_s = self.interval_steps * self.tokens_per_step / max(now - self.interval_start, 1e-9)
         evaluated = evaluate() if evaluate is not None else None
-        val_loss, accuracy = evaluated if ACCURACY in self.columns and evaluated is not None else (evaluated, None)
+        with_accuracy = self.accuracy_kinds is not None and evaluated is not None
+        val_loss, accuracies = evaluated if with_accuracy else (evaluated, {})
+        accuracy = accuracies.get("all")
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         row = {
             "step": step,
@@ -692,7 +704,8 @@ class TrainingLog:
             "tokens_per_s": tokens_per_s,
             "elapsed_s": self.elapsed_before + now - self.start,
             "peak_memory_gib": peak,
-            **({ACCURACY: accuracy} if ACCURACY in self.columns else {}),
+            **({ACCURACY: accuracy, **{accuracy_column(kind): accuracies.get(kind) for kind in self.accuracy_kinds}}
+               if self.accuracy_kinds is not None else {}),
         }
         self.interval_start, self.interval_steps = time.perf_counter(), 0
         if self.enabled:
@@ -805,7 +818,7 @@ def compute_note(csv_path: str) -> str | None:
 def plot_runs(csv_paths: list[str], png_path: str) -> None:
     """Training loss (lines) and held-out loss (dots) against step for every run, over the whole run and over
     its second half, where runs that converge alike should lie on each other; where a log has answer accuracies,
-    a third panel draws them."""
+    a third panel draws them, and a second row those of each kind of question it has columns for."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -813,7 +826,14 @@ def plot_runs(csv_paths: list[str], png_path: str) -> None:
 
     logs = {path: read_log(path) for path in csv_paths}
     with_accuracy = any(row.get(ACCURACY) is not None for rows in logs.values() for row in rows)
-    figure, axes = plt.subplots(1, 2 + with_accuracy, figsize=(12 + 5 * with_accuracy, 4.5))
+    kinds = list(dict.fromkeys(column.removeprefix(f"{ACCURACY}_") for rows in logs.values() for row in rows[:1]
+                               for column in row if column.startswith(f"{ACCURACY}_")))
+    width = max(2 + with_accuracy, len(kinds))
+    figure, grid = plt.subplots(1 + bool(kinds), width, figsize=(6 * width - 6 + 5 * with_accuracy, 4.5 + 4 * bool(kinds)),
+                                squeeze=False)
+    axes, kind_axes = list(grid[0][:2 + with_accuracy]), list(grid[1][:len(kinds)]) if kinds else []
+    for ax in [*grid[0][len(axes):], *(grid[1][len(kinds):] if kinds else [])]:
+        ax.set_visible(False)
     for path, rows in logs.items():
         name = os.path.splitext(os.path.basename(path))[0]
         steps = [row["step"] for row in rows]
@@ -830,9 +850,15 @@ def plot_runs(csv_paths: list[str], png_path: str) -> None:
         if accuracy:
             axes[2].plot(*zip(*accuracy), "o-", color=line.get_color(), markersize=4, linewidth=1.2,
                          label=f"{name} ({accuracy[-1][1]:.1f}%)")
+        for ax, kind in zip(kind_axes, kinds):
+            points = [(row["step"], 100 * row[accuracy_column(kind)]) for row in rows
+                      if row.get(accuracy_column(kind)) is not None]
+            if points:
+                ax.plot(*zip(*points), "o-", color=line.get_color(), markersize=3, linewidth=1.0,
+                        label=f"{name} ({points[-1][1]:.1f}%)")
     axes[0].set_title("loss (lines: training, dots: held-out)")
     axes[1].set_title("second half")
-    for ax in axes:
+    for ax in [*axes, *kind_axes]:
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats per token)" if ax is axes[0] else "")
         ax.grid(alpha=0.3)
@@ -841,6 +867,12 @@ def plot_runs(csv_paths: list[str], png_path: str) -> None:
         axes[2].set_title("held-out answer accuracy")
         axes[2].set_ylabel("exact answers (%)")
         axes[2].legend(fontsize=8)
+    for ax, kind in zip(kind_axes, kinds):
+        ax.set_title(f"accuracy: {kind} questions")
+        ax.set_ylim(0, 100)
+        ax.legend(fontsize=7)
+    if kind_axes:
+        kind_axes[0].set_ylabel("exact answers (%)")
     figure.tight_layout()
     figure.savefig(png_path, dpi=120)
     plt.close(figure)

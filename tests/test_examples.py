@@ -145,6 +145,29 @@ def test_a_run_whose_loss_is_no_longer_finite_stops_with_its_log_and_summary(tra
     assert (summary["coat"], summary["preset"], summary["lr"]) == (True, "tiny", 1e-3)  # the run's setup, as at the end
 
 
+def test_accuracies_per_kind_of_question_go_to_the_log_and_the_plot(training_common, tmp_path, monkeypatch):
+    """Each evaluation's accuracy over all questions and per kind, a kind it did not ask left empty; the plot gets a
+    row of per-kind panels, drawn from the logs' columns."""
+    args = argparse.Namespace(out=str(tmp_path), name="vqa", steps=20)
+    log = training_common.TrainingLog(args, first_step=0, tokens_per_step=8, device=torch.device("cpu"), setup={},
+                                      accuracy_kinds=("colour", "position"))
+    log.record(10, 2.5, 1e-3, lambda: (2.4, {"all": 0.5, "colour": 0.75}))
+    log.record(20, 2.0, 1e-3, lambda: (1.9, {"all": 0.6, "colour": 0.8, "position": 0.25}))
+    rows = read_csv(tmp_path / "vqa.csv")
+    assert [(r["answer_accuracy"], r["answer_accuracy_colour"], r["answer_accuracy_position"]) for r in rows] == [
+        ("0.5", "0.75", ""), ("0.6", "0.8", "0.25")]
+    assert log.finish()["final_answer_accuracy"] == 0.6
+    drawn = []
+    import matplotlib.axes  # a test dependency, as for every plot
+
+    original = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda ax, title, *a, **k: drawn.append(title) or original(ax, title, *a, **k))
+    training_common.plot_runs([str(tmp_path / "vqa.csv")], str(tmp_path / "vqa.png"))
+    assert drawn[-2:] == ["accuracy: colour questions", "accuracy: position questions"]
+    assert (tmp_path / "vqa.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize("ratio, expected", [(0.2, "bfloat16"), (2.9, "bfloat16"), (3.1, "float32"), (80.0, "float32")])
 @pytest.mark.parametrize("use_coat", [False, True], ids=["baseline", "coat"])
 def test_train_llama_chooses_float32_where_bf16_matmuls_are_slow(training_common, monkeypatch, ratio, expected,
@@ -344,6 +367,9 @@ def test_train_vlm_bf16_and_coat_with_vision_linears_log_loss_and_accuracy(tmp_p
         assert [row["step"] for row in rows if row["answer_accuracy"]] == ["2", "4"]
         assert all(0 <= float(row["answer_accuracy"]) <= 1 and math.isfinite(float(row["val_loss"]))
                    for row in rows if row["answer_accuracy"])
+        # each kind's accuracy where evaluated (empty for a kind the 4 held-out questions do not ask)
+        kinds = [f"answer_accuracy_{kind}" for kind in shapes_vqa.KINDS]
+        assert list(rows[0])[-len(kinds):] == kinds and not any(rows[0][k] for k in kinds)
         assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
         summary = json.loads((runs / f"{name}.json").read_text())
         assert summary["final_answer_accuracy"] == float(rows[-1]["answer_accuracy"])
@@ -351,6 +377,9 @@ def test_train_vlm_bf16_and_coat_with_vision_linears_log_loss_and_accuracy(tmp_p
         # accuracy per kind of question asked among the held-out samples, and over all of them
         by_kind, blind = summary["answer_accuracy_by_kind"], summary["text_only_accuracy"]
         assert by_kind["all"] == summary["final_answer_accuracy"] and set(by_kind) <= {"all", *shapes_vqa.KINDS}
+        assert {kind: float(rows[-1][f"answer_accuracy_{kind}"]) for kind in by_kind if kind != "all"} == \
+            {kind: value for kind, value in by_kind.items() if kind != "all"}
+        assert not any(rows[-1][f"answer_accuracy_{kind}"] for kind in shapes_vqa.KINDS if kind not in by_kind)
         assert set(blind) == set(by_kind) and 0 <= blind["all"] <= 1
         assert summary["coat"] == (name != "tiny-vlm-bf16") and summary["vision_linears"] == name.endswith("vision")
         assert (runs / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
