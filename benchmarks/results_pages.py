@@ -263,6 +263,7 @@ def _add_convergence_comparison(results: list[Result]) -> None:
         if row["coat"] and bf16:
             row["vs BF16"] = f"{row['final_val_loss'] / statistics.mean(r['final_val_loss'] for r in bf16) - 1:+.2%}"
             if result.script == "train_vlm":
+                row["BF16 loss"] = statistics.mean(r["final_val_loss"] for r in bf16)
                 row["BF16 accuracy"] = statistics.mean(r["final_answer_accuracy"] for r in bf16)
                 row["accuracy vs BF16"] = f"{100 * (row['final_answer_accuracy'] - row['BF16 accuracy']):+.1f} points"
 
@@ -504,12 +505,23 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
                           + " and ".join(lengths) for (p, b), lengths in by_model.items())
                 + f"; questions about pictures: held-out loss and answer accuracy against BF16, {label}, every run")
         several_lengths = len({n for _, _, n, _ in presets}) > 1
-        figure = "; ".join(f"{row['steps']} steps, " * several_lengths
-                           + f"seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
-                             f"{row['final_answer_accuracy']:.1%}, BF16 {row['BF16 accuracy']:.1%}, the question "
-                             f"alone {row['question-alone accuracy']:.1%})" for _, row in runs)
+        figure = "; ".join(
+            f"{n} steps, " * several_lengths + _seeds_mean([row for _, row in runs if row["steps"] == n])
+            for n in sorted({row["steps"] for _, row in runs}))
+        figure += "; " + "; ".join(f"{row['steps']} steps, " * several_lengths
+                                   + f"seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
+                                     f"{row['final_answer_accuracy']:.1%}, BF16 {row['BF16 accuracy']:.1%}, the "
+                                     f"question alone {row['question-alone accuracy']:.1%})" for _, row in runs)
         rows.append((what, figure, runs))
     return rows
+
+
+def _seeds_mean(rows: list[dict]) -> str:
+    """The issue's measure of runs of one length: the mean held-out loss of the coat runs against the mean of their
+    BF16 runs', and the difference of the mean answer accuracies in points."""
+    loss = statistics.mean(r["final_val_loss"] for r in rows) / statistics.mean(r["BF16 loss"] for r in rows) - 1
+    accuracy = 100 * statistics.mean(r["final_answer_accuracy"] - r["BF16 accuracy"] for r in rows)
+    return f"mean of {len(rows)} seed{'s' * (len(rows) > 1)}: {loss:+.2%}, {accuracy:+.1f} points"
 
 
 def _routing_balance(results: list[Result], runs: list[tuple[Result, dict]]) -> str:
@@ -675,23 +687,48 @@ def _plot_specs(results: list[Result]) -> dict[str, dict]:
     if curves:
         specs["convergence-100m.png"] = {"kind": "convergence", "title": "100M Llama, seed 0",
                                          "ylabel": "held-out loss (nats per byte)", "curves": dict(sorted(curves.items()))}
-    by_preset: dict[str, dict] = {}
+    by_setting: dict[tuple, dict] = {}
     for result in results:
         if result.script == "train_vlm":
             row = result.rows[0]
             with open(os.path.join(RESULTS, os.path.dirname(result.path), row["csv"])) as f:
                 evaluated = [r for r in csv.DictReader(f) if r["val_loss"]]
-            spec = by_preset.setdefault(row["preset"], {
-                "kind": "convergence", "title": f"examples/train_vlm.py --preset {row['preset']}",
-                "ylabel": "held-out loss (nats per token)", "curves": {}, "accuracy": {}})
-            spec["curves"][row["name"]] = [(int(r["step"]), float(r["val_loss"])) for r in evaluated]
-            spec["accuracy"][row["name"]] = [(int(r["step"]), 100 * float(r["answer_accuracy"])) for r in evaluated]
-    for preset, spec in sorted(by_preset.items()):
-        specs[f"vlm-convergence-{preset}.png"] = {**spec, "curves": dict(sorted(spec["curves"].items())),
-                                                  "accuracy": dict(sorted(spec["accuracy"].items()))}
+            lr = row.get("lr", VLM_LR_UNRECORDED)
+            cudnn = _vision_attention_cudnn(row)
+            spec = by_setting.setdefault((row["preset"], row["steps"], lr, cudnn), {
+                "kind": "convergence", "title": f"examples/train_vlm.py --preset {row['preset']}: {row['steps']} "
+                                                f"steps at learning rate {lr:g}"
+                                                + ", vision attention on cuDNN's kernel" * cudnn,
+                "ylabel": "held-out loss (nats per token)", "curves": {}, "accuracy": {}, "position": {},
+                "styles": {}, "date": ""})
+            name = row["name"]
+            spec["date"] = max(spec["date"], row["date"])
+            spec["styles"][name] = [_arm(row), row["seed"]]
+            spec["curves"][name] = [(int(r["step"]), float(r["val_loss"])) for r in evaluated]
+            spec["accuracy"][name] = [(int(r["step"]), 100 * float(r["answer_accuracy"])) for r in evaluated]
+            if evaluated and "answer_accuracy_position" in evaluated[0]:  # logged from 2026-12-06 17:40 UTC
+                spec["position"][name] = [(int(r["step"]), 100 * float(r["answer_accuracy_position"]))
+                                          for r in evaluated]
+    latest: dict[str, dict] = {}  # each preset's plot draws the setting measured last, the one the README compares
+    for (preset, *_), spec in sorted(by_setting.items(), key=lambda kv: kv[1]["date"]):
+        latest[preset] = spec
+    for preset, spec in sorted(latest.items()):
+        del spec["date"]
+        for key in ("curves", "accuracy", "position", "styles"):
+            spec[key] = dict(sorted(spec[key].items()))
+        if not spec["position"]:
+            del spec["position"]
+        specs[f"vlm-convergence-{preset}.png"] = spec
     return specs
 
 
+def _arm(row: dict) -> str:
+    """What a train_vlm run trains in: its plot colour."""
+    return ("coat, vision side in FP8" if row["vision_linears"] else "coat") if row["coat"] else "BF16"
+
+
+ARM_COLOURS = {"BF16": "black", "coat": "tab:orange", "coat, vision side in FP8": "tab:green"}
+SEED_STYLES = ("-", "--", ":", "-.")
 PLOTTED_LAYERS = ("coat eager", "torchao compiled", "coat fp4 G=128 eager")
 PLOTTED_RUNS = ("100m-bf16", "100m-coat", "100m-coat-fp4", "100m-coat-fp6")
 
@@ -707,15 +744,21 @@ def _draw(spec: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     if spec["kind"] == "convergence":  # held-out loss, and answer accuracy where the runs measure it
-        panels = [("curves", spec["ylabel"], "log")] + ([("accuracy", "held-out answer accuracy (%)", "linear")]
-                                                        if "accuracy" in spec else [])
-        fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4), squeeze=False)
+        panels = [("curves", spec["ylabel"], "log"), ("accuracy", "held-out answer accuracy (%)", "linear"),
+                  ("position", '"where is the X?" answered (%)', "linear")]
+        panels = [panel for panel in panels if panel[0] in spec]
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
         for ax, (key, ylabel, yscale) in zip(axes[0], panels):
             for name, points in spec[key].items():
-                ax.plot([s for s, _ in points], [v for _, v in points], marker="." if key == "accuracy" else None,
-                        label=name)
+                style = {}
+                if "styles" in spec:  # a colour per arm, a line style per seed
+                    arm, seed = spec["styles"][name]
+                    style = {"color": ARM_COLOURS[arm], "linestyle": SEED_STYLES[seed % len(SEED_STYLES)],
+                             "label": f"{arm}, seed {seed}"}
+                ax.plot([s for s, _ in points], [v for _, v in points], marker="." if key != "curves" else None,
+                        **{"label": name, **style})
             ax.set(xlabel="step", ylabel=ylabel, yscale=yscale)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
         fig.suptitle(spec["title"])
         fig.tight_layout()
     else:

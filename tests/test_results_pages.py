@@ -173,18 +173,20 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
                                                                                             monkeypatch):
     """train_vlm's summaries: held-out loss and answer accuracy against the BF16 runs of the same preset, steps,
     seed, learning rate and vision attention kernels, never against a train_llama run or one of another length."""
-    def run(name, coat, loss, accuracy, steps=1000, seed=0, **recorded):
+    def run(name, coat, loss, accuracy, steps=1000, seed=0, date="2026-01-02", position=False, **recorded):
         (tmp_path / f"{name}.json").write_text(json.dumps({
-            "name": name, "device": "GPU X", "torch": "2.13.0", "date": "2026-01-01T00:00:00+00:00",
+            "name": name, "device": "GPU X", "torch": "2.13.0", "date": f"{date}T00:00:00+00:00",
             "command": f"examples/train_vlm.py --preset gpu --name {name} --seed {seed}", "coat": coat,
             "vision_linears": False, "bf16_weights": False, "fp8_grads": None, "fast_accum": False, "preset": "gpu",
             "batch": 64, "steps": steps, "parameters": 36_149_632, "final_val_loss": loss,
             "final_answer_accuracy": accuracy, "text_only_accuracy": {"all": 0.14}, "csv": f"{name}.csv",
             **recorded}))
-        (tmp_path / f"{name}.csv").write_text("step,val_loss,answer_accuracy\n500,0.5,0.1\n1000,0.4,0.2\n")
+        (tmp_path / f"{name}.csv").write_text(
+            "step,val_loss,answer_accuracy,answer_accuracy_position\n500,0.5,0.1,0.05\n1000,0.4,0.2,0.3\n" if position
+            else "step,val_loss,answer_accuracy\n500,0.5,0.1\n1000,0.4,0.2\n")
 
     run("bf16", False, 0.30, 0.20)
-    run("bf16-short", False, 9.0, 0.0, steps=100)
+    run("bf16-short", False, 9.0, 0.0, steps=100, date="2026-01-01")
     run("coat", True, 0.27, 0.25)
     (tmp_path / "llama-bf16.json").write_text(json.dumps({
         "name": "llama-bf16", "device": "GPU X", "torch": "2.13.0", "date": "2026-01-01T00:00:00+00:00",
@@ -195,19 +197,38 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     assert rows["coat"]["vs BF16"] == "-10.00%" and rows["coat"]["accuracy vs BF16"] == "+5.0 points"
     ((what, figure, found),) = pages._vlm_convergence_figures(results)
     assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 1000 steps")
-    assert figure == "seed 0: -10.00%, +5.0 points (coat 25.0%, BF16 20.0%, the question alone 14.0%)"
+    assert figure == ("mean of 1 seed: -10.00%, +5.0 points; "
+                      "seed 0: -10.00%, +5.0 points (coat 25.0%, BF16 20.0%, the question alone 14.0%)")
     assert [r.path for r, _ in found] == ["coat.json"]
     monkeypatch.setattr(pages, "RESULTS", str(tmp_path))  # where the plot reads the runs' CSVs
+    # The plot draws the setting measured last (not the older 100-step run), a colour per arm; no position panel
+    # where the CSVs have no such column.
     spec = pages._plot_specs(results)["vlm-convergence-gpu.png"]
-    assert spec["accuracy"]["coat"] == [(500, 10.0), (1000, 20.0)] and set(spec["curves"]) == {"bf16", "bf16-short",
-                                                                                               "coat"}
+    assert spec["accuracy"]["coat"] == [(500, 10.0), (1000, 20.0)] and set(spec["curves"]) == {"bf16", "coat"}
+    assert spec["styles"] == {"bf16": ["BF16", 0], "coat": ["coat", 0]} and "position" not in spec
+    assert spec["title"] == ("examples/train_vlm.py --preset gpu: 1000 steps at learning rate 0.001, vision attention "
+                             "on cuDNN's kernel")
     # Runs of another length: each item says its steps; the learning rate is the recorded one, else the preset's then.
     run("bf16-long", False, 0.20, 0.40, steps=3000, lr=5e-4)
     run("coat-long", True, 0.22, 0.41, steps=3000, lr=5e-4)
     ((what, figure, _),) = pages._vlm_convergence_figures(pages.load_results(str(tmp_path)))
     assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 1000 steps at learning rate "
                            "0.001 and 3000 steps at learning rate 0.0005; questions about pictures")
-    assert figure.startswith("1000 steps, seed 0: -10.00%") and "; 3000 steps, seed 0: +10.00%, +1.0 points" in figure
+    assert figure.startswith("1000 steps, mean of 1 seed: -10.00%, +5.0 points; 3000 steps, mean of 1 seed: +10.00%, "
+                             "+1.0 points; 1000 steps, seed 0: -10.00%")
+    assert "; 3000 steps, seed 0: +10.00%, +1.0 points" in figure
+    # The issue's measure over seeds: the coat runs' mean loss against their BF16 runs' mean, accuracy in points.
+    run("bf16-long-s2", False, 0.30, 0.30, steps=3000, lr=5e-4, seed=2)
+    run("coat-long-s2", True, 0.24, 0.36, steps=3000, lr=5e-4, seed=2, position=True, date="2026-01-03")
+    results = pages.load_results(str(tmp_path))
+    ((_, figure, _),) = pages._vlm_convergence_figures(results)
+    assert "; 3000 steps, mean of 2 seeds: -8.00%, +3.5 points; " in figure  # (0.22 + 0.24) / (0.20 + 0.30) - 1
+    spec = pages._plot_specs(results)["vlm-convergence-gpu.png"]
+    assert set(spec["curves"]) == {"bf16-long", "coat-long", "bf16-long-s2", "coat-long-s2"}
+    assert spec["position"] == {"coat-long-s2": [(500, 5.0), (1000, 30.0)]}
+    assert spec["styles"]["coat-long-s2"] == ["coat", 2]
+    del spec["position"]  # drawn without the panel too
+    pages._draw(spec, str(tmp_path / "plot.png"))
     # Nor with a run of another learning rate, or whose vision attention could take cuDNN's kernel where the other's
     # could not (coat.nn.attention): runs from before the example kept it off, unless --sdpa-backends left it out.
     run("coat-long-lr", True, 0.5, 0.1, steps=3000, lr=1e-4)
