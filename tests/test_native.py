@@ -211,3 +211,15 @@ def test_a_cuda_build_without_the_toolkit_headers_stops_before_compiling(tmp_pat
     (tmp_path / "include").mkdir()
     (tmp_path / "include" / "cuda_runtime_api.h").touch()
     setup_module.check_cuda_headers(str(tmp_path))
+
+
+def test_a_wheel_packages_every_python_package_of_coat():
+    """A non-editable install (pip install --no-build-isolation ., or a wheel) holds only the packages setuptools
+    lists: each folder of coat/ with an __init__.py must be among them, or `import coat` fails there."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    packaged = set(read_configuration(os.path.join(ROOT, "pyproject.toml"))["tool"]["setuptools"]["packages"])
+    on_disk = {os.path.relpath(folder, ROOT).replace(os.sep, ".")
+               for folder, _, files in os.walk(os.path.join(ROOT, "coat")) if "__init__.py" in files}
+    assert {"coat.ops", "coat.nn.families"} <= on_disk
+    assert packaged == on_disk
