@@ -489,10 +489,13 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
     """(what, figure, found) of the README rows of train_vlm's coat runs against BF16: FP8 defaults, and with the
     vision side in FP8 too."""
     rows = []
-    for vision, label in ((False, "FP8 defaults"), (True, "the vision side in FP8 too (`--vision-linears`)")):
+    for vision, gradients, label in ((False, "e5m2", "FP8 defaults"),
+                                     (True, "e5m2", "the vision side in FP8 too (`--vision-linears`)"),
+                                     (False, "none", "output gradients unquantized (`--gradient-format none`)")):
         runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_vlm" and "vs BF16" in r.rows[0]
                        and r.rows[0]["vision_linears"] == vision and not r.rows[0]["bf16_weights"]
-                       and r.rows[0]["fp8_grads"] is None and not r.rows[0]["fast_accum"]),
+                       and r.rows[0]["fp8_grads"] is None and not r.rows[0]["fast_accum"]
+                       and r.rows[0].get("gradient_format", "e5m2") == gradients),  # recorded from 2026-12-06
                       key=lambda item: (item[1]["steps"], item[1]["seed"], item[0].date))
         if not runs:
             continue
@@ -639,7 +642,8 @@ def _configuration(run: dict, family: str = "llama") -> tuple | None:
     loss fused or not), else None. Runs from before ``saved_format`` existed carry no such field and match nothing:
     their tree is superseded."""
     defaults = (not run.get("bf16_weights") and run.get("fp8_grads") is None and not run.get("fast_accum")
-                and not run.get("uniform_fp4") and run.get("family", "llama") == family)
+                and not run.get("uniform_fp4") and run.get("gradient_format", "e5m2") == "e5m2"
+                and run.get("family", "llama") == family)
     if not run.get("coat") or not defaults or run.get("saved_format") is None:
         return None
     return run["preset"], run["saved_format"], run.get("group_size") or 16
@@ -724,10 +728,15 @@ def _plot_specs(results: list[Result]) -> dict[str, dict]:
 
 def _arm(row: dict) -> str:
     """What a train_vlm run trains in: its plot colour."""
-    return ("coat, vision side in FP8" if row["vision_linears"] else "coat") if row["coat"] else "BF16"
+    if not row["coat"]:
+        return "BF16"
+    arm = "coat, vision side in FP8" if row["vision_linears"] else "coat"
+    return arm + (", output gradients unquantized" if row.get("gradient_format", "e5m2") == "none" else "")
 
 
-ARM_COLOURS = {"BF16": "black", "coat": "tab:orange", "coat, vision side in FP8": "tab:green"}
+ARM_COLOURS = {"BF16": "black", "coat": "tab:orange", "coat, vision side in FP8": "tab:green",
+               "coat, output gradients unquantized": "tab:blue",
+               "coat, vision side in FP8, output gradients unquantized": "tab:purple"}
 SEED_STYLES = ("-", "--", ":", "-.")
 PLOTTED_LAYERS = ("coat eager", "torchao compiled", "coat fp4 G=128 eager")
 PLOTTED_RUNS = ("100m-bf16", "100m-coat", "100m-coat-fp4", "100m-coat-fp6")

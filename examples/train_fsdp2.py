@@ -52,6 +52,7 @@ from training_common import (
     build_model,
     build_optimizer,
     choose_sdpa_backends,
+    convert_gradient_format,
     cosine_schedule,
     held_out_loss,
     load_text,
@@ -198,7 +199,7 @@ def main() -> None:
         if args.saved_format == "auto":
             raise SystemExit("--saved-format auto is train_llama.py's (it captures a report step): use e4m3, fp6 or fp4")
         coat.convert(model, saved_format=args.saved_format, fast_accum=args.fast_accum, group_size=args.group_size,
-                     fused_loss=not args.unfused_loss)
+                     fused_loss=not args.unfused_loss, gradient_format=convert_gradient_format(args))
     shard(model, device, args.fp8_all_gather)
     if args.fp8_reduce_scatter:
         coat.distributed.fp8_reduce_scatter(model)

@@ -58,6 +58,7 @@ from training_common import (
     check_device_arguments,
     choose_compute_dtype,
     choose_sdpa_backends,
+    convert_gradient_format,
     cosine_schedule,
     expert_token_shares,
     held_out_loss,
@@ -111,7 +112,7 @@ def main() -> None:
     if args.coat:
         coat.convert(model, saved_format="fp4" if args.saved_format == "auto" else args.saved_format,
                      fast_accum=args.fast_accum, group_size=args.group_size,
-                     fused_loss=not args.unfused_loss)
+                     fused_loss=not args.unfused_loss, gradient_format=convert_gradient_format(args))
     optimizer = build_optimizer(args, model)
     scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
     data = load_text(args, tokenizer)
@@ -129,7 +130,8 @@ def main() -> None:
     autocast = autocast_for(device, compute_dtype)
     setup = {"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
              "fp8_grads": args.fp8_grads, "saved_format": args.saved_format, "group_size": args.group_size,
-             "fast_accum": args.fast_accum, "uniform_fp4": args.uniform_fp4, "sdpa_backends": args.sdpa_backends,
+             "fast_accum": args.fast_accum, "gradient_format": args.gradient_format if args.coat else None,
+             "uniform_fp4": args.uniform_fp4, "sdpa_backends": args.sdpa_backends,
              "lr": args.lr, "warmup": args.warmup,
              "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
              "bf16_matmul_time_ratio": bf16_time_ratio, "preset": None if args.model else args.preset,

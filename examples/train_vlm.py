@@ -61,6 +61,7 @@ from training_common import (
     check_device_arguments,
     choose_compute_dtype,
     choose_sdpa_backends,
+    convert_gradient_format,
     cosine_schedule,
     held_out_loss,
     locate_nonfinite,
@@ -229,7 +230,8 @@ def main() -> None:
         model.to(torch.bfloat16)  # no float32 master copy: coat.optim.AdamW updates the bf16 weights themselves
     if args.coat:
         coat.convert(model, vision_linears=args.vision_linears, saved_format=args.saved_format,
-                     fast_accum=args.fast_accum, group_size=args.group_size, fused_loss=not args.unfused_loss)
+                     fast_accum=args.fast_accum, group_size=args.group_size, fused_loss=not args.unfused_loss,
+                     gradient_format=convert_gradient_format(args))
     else:  # the vision attention's kernels as coat.convert chooses them, so that only the precision differs
         avoid_cudnn_attention(model)
     optimizer = build_optimizer(args, model)
@@ -263,6 +265,7 @@ def main() -> None:
     setup = {"coat": args.coat, "vision_linears": args.vision_linears, "bf16_weights": args.bf16_weights,
              "param_rounding": args.param_rounding, "fp8_grads": args.fp8_grads, "saved_format": args.saved_format,
              "group_size": args.group_size, "fast_accum": args.fast_accum,
+             "gradient_format": args.gradient_format if args.coat else None,
              "fused_loss": args.coat and not args.unfused_loss,
              "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
              "bf16_matmul_time_ratio": bf16_time_ratio, "preset": args.preset, "seed": args.seed, "lr": args.lr,

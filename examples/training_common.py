@@ -127,6 +127,10 @@ def add_coat_arguments(parser: argparse.ArgumentParser, auto_saved_format: bool 
                         help="with --coat: the forward GEMMs accumulate in the tensor cores' fast FP8 accumulator, "
                              "as torchao's and TransformerEngine's do (coat.convert(fast_accum=True)); faster, "
                              "less precise")
+    parser.add_argument("--gradient-format", choices=["e5m2", "e4m3", "none"], default="e5m2",
+                        help="with --coat: the FP8 format output gradients take in the backward GEMMs, or none: "
+                             "unquantized, the backward GEMMs in the compute dtype, as the COAT paper's appendix "
+                             "G.5 trains (coat.convert(gradient_format=...)); slower backward")
     parser.add_argument("--unfused-loss", action="store_true",
                         help="with --coat: leave the LM head and loss to transformers (the full logits, then "
                              "cross_entropy) instead of coat's fused LM head + loss (coat.convert(fused_loss=False))")
@@ -169,9 +173,10 @@ def resolve(args: argparse.Namespace, presets: dict = PRESETS, model_name: str |
         args.eval_every = max(args.log_every, args.steps // 10 // args.log_every * args.log_every)
     if (args.bf16_weights or args.fp8_grads) and not args.coat:
         raise SystemExit("--bf16-weights and --fp8-grads are options of coat.optim.AdamW: add --coat")
-    if (args.saved_format != "e4m3" or args.fast_accum or args.group_size != 16 or args.unfused_loss) and not args.coat:
-        raise SystemExit("--saved-format, --group-size, --fast-accum and --unfused-loss are options of coat.convert: "
-                         "add --coat")
+    if (args.saved_format != "e4m3" or args.fast_accum or args.group_size != 16 or args.unfused_loss
+            or args.gradient_format != "e5m2") and not args.coat:
+        raise SystemExit("--saved-format, --group-size, --fast-accum, --gradient-format and --unfused-loss are "
+                         "options of coat.convert: add --coat")
     if args.name is None:
         if model_name is None:
             model_name = os.path.basename(os.path.normpath(args.model)) if args.model else args.preset
@@ -204,6 +209,8 @@ def variant_name(args: argparse.Namespace) -> str:
         variant += f"-g{args.group_size}"
     if args.fast_accum:
         variant += "-fast-accum"
+    if args.gradient_format != "e5m2":
+        variant += f"-{args.gradient_format}-grad-output"
     if args.unfused_loss:
         variant += "-unfused-loss"
     if getattr(args, "uniform_fp4", False):
@@ -414,6 +421,11 @@ def autocast_for(device: torch.device, compute_dtype: torch.dtype):
 
 
 # ------------------------------------------------------------------------------------ optimizer, schedule
+
+
+def convert_gradient_format(args: argparse.Namespace) -> str | None:
+    """coat.convert's gradient_format of --gradient-format."""
+    return None if args.gradient_format == "none" else args.gradient_format
 
 
 def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -262,8 +262,10 @@ def test_train_llama_from_a_local_model_directory(tmp_path):
     ("--eval-every (4) must be a multiple of --log-every (3)", ["--eval-every", "4", "--log-every", "3"]),
     ("--compare: no CSV log at missing.csv", ["--compare", "missing.csv"]),
     ("--report-every needs --coat", ["--report-every", "5"]),
-    *[("--saved-format, --group-size, --fast-accum and --unfused-loss are options of coat.convert: add --coat", option)
-      for option in (["--saved-format", "fp4"], ["--group-size", "128"], ["--fast-accum"], ["--unfused-loss"])],
+    *[("--saved-format, --group-size, --fast-accum, --gradient-format and --unfused-loss are options of coat.convert: "
+       "add --coat", option)
+      for option in (["--saved-format", "fp4"], ["--group-size", "128"], ["--fast-accum"], ["--unfused-loss"],
+                     ["--gradient-format", "none"])],
     ("argument --group-size: invalid choice: 12", ["--coat", "--group-size", "12"]),
     ("--uniform-fp4 extends coat's FP4-kept activations to every saved activation: add --coat --saved-format fp4",
      ["--coat", "--uniform-fp4"]),
@@ -390,6 +392,16 @@ def test_train_vlm_bf16_and_coat_with_vision_linears_log_loss_and_accuracy(tmp_p
     assert (f"answer accuracy: tiny-vlm-coat-vision {accuracies[1]:.1%}, tiny-vlm-bf16 {accuracies[0]:.1%}: "
             f"tiny-vlm-coat-vision {100 * (accuracies[1] - accuracies[0]):+.1f} points") in vision.stdout
     assert "held-out loss: tiny-vlm-coat-vision" in vision.stdout
+
+
+def test_gradient_format_none_trains_with_unquantized_output_gradients(tmp_path, training_common):
+    """--gradient-format none is coat.convert(gradient_format=None), the COAT paper's unquantized backward; the
+    run's name and summary say so."""
+    assert training_common.convert_gradient_format(argparse.Namespace(gradient_format="none")) is None
+    assert training_common.convert_gradient_format(argparse.Namespace(gradient_format="e4m3")) == "e4m3"
+    run([os.path.join(EXAMPLES, "train_vlm.py"), *QUICK_VLM, "--coat", "--gradient-format", "none"], tmp_path)
+    summary = json.loads((tmp_path / "runs" / "tiny-vlm-coat-none-grad-output.json").read_text())
+    assert summary["gradient_format"] == "none" and summary["coat"] and summary["final_val_loss"] > 0
 
 
 def test_train_vlm_explains_bad_options(tmp_path):

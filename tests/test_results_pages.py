@@ -229,6 +229,15 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     assert spec["styles"]["coat-long-s2"] == ["coat", 2]
     del spec["position"]  # drawn without the panel too
     pages._draw(spec, str(tmp_path / "plot.png"))
+    # Unquantized output gradients (--gradient-format none): a row of their own, not among the FP8 defaults.
+    run("coat-long-g", True, 0.21, 0.40, steps=3000, lr=5e-4, gradient_format="none")
+    results = pages.load_results(str(tmp_path))
+    defaults, unquantized = pages._vlm_convergence_figures(results)
+    assert "coat-long-g.json" not in [r.path for r, _ in defaults[2]]
+    assert "output gradients unquantized" in unquantized[0] and [r.path for r, _ in unquantized[2]] == ["coat-long-g.json"]
+    assert unquantized[1].startswith("mean of 1 seed: +5.00%, +0.0 points")
+    assert pages._plot_specs(results)["vlm-convergence-gpu.png"]["styles"]["coat-long-g"] == [
+        "coat, output gradients unquantized", 0]
     # Nor with a run of another learning rate, or whose vision attention could take cuDNN's kernel where the other's
     # could not (coat.nn.attention): runs from before the example kept it off, unless --sdpa-backends left it out.
     run("coat-long-lr", True, 0.5, 0.1, steps=3000, lr=1e-4)
