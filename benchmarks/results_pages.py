@@ -486,8 +486,8 @@ def _speed_ratio(row: dict, base: dict) -> str | None:
 
 
 def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list]]:
-    """(what, figure, found) of the README rows of train_vlm's coat runs against BF16: FP8 defaults, and with the
-    vision side in FP8 too."""
+    """(what, figure, found) of the README rows of train_vlm's coat runs against BF16: FP8 defaults, with the
+    vision side in FP8 too, and with unquantized output gradients; each with the mean over seeds, then every run."""
     rows = []
     for vision, gradients, label in ((False, "e5m2", "FP8 defaults"),
                                      (True, "e5m2", "the vision side in FP8 too (`--vision-linears`)"),
@@ -707,7 +707,7 @@ def _plot_specs(results: list[Result]) -> dict[str, dict]:
                 "styles": {}, "date": ""})
             name = row["name"]
             spec["date"] = max(spec["date"], row["date"])
-            spec["styles"][name] = [_arm(row), row["seed"]]
+            spec["styles"][name] = [_arm(row), row["seed"]] if _arm(row) else None
             spec["curves"][name] = [(int(r["step"]), float(r["val_loss"])) for r in evaluated]
             spec["accuracy"][name] = [(int(r["step"]), 100 * float(r["answer_accuracy"])) for r in evaluated]
             if evaluated and "answer_accuracy_position" in evaluated[0]:  # logged from 2026-12-06 17:40 UTC
@@ -726,10 +726,14 @@ def _plot_specs(results: list[Result]) -> dict[str, dict]:
     return specs
 
 
-def _arm(row: dict) -> str:
-    """What a train_vlm run trains in: its plot colour."""
+def _arm(row: dict) -> str | None:
+    """What a train_vlm run trains in, its plot colour; None for settings the colours do not tell apart (the run is
+    labelled by its name)."""
     if not row["coat"]:
         return "BF16"
+    if (row["bf16_weights"] or row["fp8_grads"] or row["fast_accum"] or row.get("saved_format", "e4m3") != "e4m3"
+            or row.get("group_size", 16) != 16 or row.get("fused_loss") is False):
+        return None
     arm = "coat, vision side in FP8" if row["vision_linears"] else "coat"
     return arm + (", output gradients unquantized" if row.get("gradient_format", "e5m2") == "none" else "")
 
@@ -760,7 +764,7 @@ def _draw(spec: dict, path: str) -> None:
         for ax, (key, ylabel, yscale) in zip(axes[0], panels):
             for name, points in spec[key].items():
                 style = {}
-                if "styles" in spec:  # a colour per arm, a line style per seed
+                if spec.get("styles", {}).get(name):  # a colour per arm, a line style per seed
                     arm, seed = spec["styles"][name]
                     style = {"color": ARM_COLOURS[arm], "linestyle": SEED_STYLES[seed % len(SEED_STYLES)],
                              "label": f"{arm}, seed {seed}"}

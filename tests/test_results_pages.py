@@ -238,6 +238,11 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     assert unquantized[1].startswith("mean of 1 seed: +5.00%, +0.0 points")
     assert pages._plot_specs(results)["vlm-convergence-gpu.png"]["styles"]["coat-long-g"] == [
         "coat, output gradients unquantized", 0]
+    # A setting the colours do not tell apart is drawn under its name.
+    run("coat-long-fp4", True, 0.21, 0.40, steps=3000, lr=5e-4, saved_format="fp4")
+    spec = pages._plot_specs(pages.load_results(str(tmp_path)))["vlm-convergence-gpu.png"]
+    assert spec["styles"]["coat-long-fp4"] is None
+    pages._draw(spec, str(tmp_path / "plot.png"))
     # Nor with a run of another learning rate, or whose vision attention could take cuDNN's kernel where the other's
     # could not (coat.nn.attention): runs from before the example kept it off, unless --sdpa-backends left it out.
     run("coat-long-lr", True, 0.5, 0.1, steps=3000, lr=1e-4)
