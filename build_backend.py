@@ -19,8 +19,33 @@ import os
 import site
 import sys
 
-from setuptools import build_meta
-from setuptools.build_meta import *  # noqa: F401,F403 (every other hook, as setuptools defines it)
+SETUPTOOLS_OLDEST = 77  # pyproject.toml's [build-system]: the first to read its SPDX `license` string
+
+
+def setuptools_refusal(version):
+    """Why the installed setuptools (``version``, None when there is none) cannot build coat, or None. Without
+    build isolation pip builds with the environment's own setuptools, whatever [build-system] asks for: a fresh
+    Python 3.12 venv has none, a 3.11 one 65.5, whose errors would not say what to do."""
+    if version is not None and int(version.split(".")[0]) >= SETUPTOOLS_OLDEST:
+        return None
+    found = f"setuptools {version}" if version else "no setuptools"
+    return (f"coat: building coat needs setuptools {SETUPTOOLS_OLDEST} or later, and this environment has {found} "
+            f"(with --no-build-isolation pip builds with what is installed here). Run "
+            f"`pip install \"setuptools>={SETUPTOOLS_OLDEST}\"`, then the same pip command again.")
+
+
+def _installed_setuptools():
+    try:
+        return importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+if refusal := setuptools_refusal(_installed_setuptools()):
+    raise SystemExit(refusal)
+
+from setuptools import build_meta  # noqa: E402 (after the check: an old setuptools fails here unexplained)
+from setuptools.build_meta import *  # noqa: E402,F401,F403 (every other hook, as setuptools defines it)
 
 PIN_TORCH_ENV = "COAT_BUILDING_WHEEL"  # read by setup.py
 TORCH_REQUIREMENT = "torch>=2.11"  # as setup.py's requirements() for an editable install

@@ -181,6 +181,18 @@ def test_a_build_that_cannot_see_its_torch_stops_with_the_command_that_works(
         assert f"pip install --no-build-isolation {'-e .' if editable else '.'}`" in refusal
 
 
+@pytest.mark.parametrize("version, refused", [("65.5.0", "this environment has setuptools 65.5.0"),
+                                               (None, "this environment has no setuptools"),
+                                               ("76.1.0", "setuptools 76.1.0"), ("77.0.3", None), ("84.2.1", None)])
+def test_a_setuptools_too_old_for_pyproject_stops_the_build_with_the_command_that_works(build_backend, version,
+                                                                                        refused):
+    refusal = build_backend.setuptools_refusal(version)
+    if refused is None:
+        assert refusal is None
+    else:
+        assert refused in refusal and 'pip install "setuptools>=77"' in refusal
+
+
 def get_requires(hook: str, hide_site_packages: bool) -> subprocess.CompletedProcess:
     """A get_requires hook of the build backend in a fresh interpreter, where torch is not imported. pip's build
     isolation runs it with the installing interpreter, whose site-packages it drops from sys.path."""
