@@ -194,6 +194,11 @@ def resolve(args: argparse.Namespace, presets: dict = PRESETS, model_name: str |
     return args
 
 
+def convert_gradient_format(args: argparse.Namespace) -> str | None:
+    """coat.convert's gradient_format of --gradient-format."""
+    return None if args.gradient_format == "none" else args.gradient_format
+
+
 def variant_name(args: argparse.Namespace) -> str:
     """bf16 or coat and the options that differ from the defaults: the part of a run's name after the model's."""
     variant = "coat" if args.coat else "bf16"
@@ -421,11 +426,6 @@ def autocast_for(device: torch.device, compute_dtype: torch.dtype):
 
 
 # ------------------------------------------------------------------------------------ optimizer, schedule
-
-
-def convert_gradient_format(args: argparse.Namespace) -> str | None:
-    """coat.convert's gradient_format of --gradient-format."""
-    return None if args.gradient_format == "none" else args.gradient_format
 
 
 def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
