@@ -29,9 +29,19 @@ class Shape:
     seq: int
     smoke: dict  # the tiny configuration of --smoke: the same family, embedding tying and head grouping
 
-    def make_config(self, smoke: bool):
-        return self.config_class(**(self.smoke if smoke else self.config), attn_implementation="sdpa",
-                                 use_cache=False)  # training: no KV cache
+    def layers(self, smoke: bool) -> int:
+        """The (language model's) decoder layers."""
+        return self._text_config(smoke)["num_hidden_layers"]
+
+    def _text_config(self, smoke: bool) -> dict:
+        return self.smoke if smoke else self.config
+
+    def make_config(self, smoke: bool, layers: int | None = None):
+        """The model's configuration; layers: fewer decoder layers than the shape's (the vision tower's stay)."""
+        config = dict(self.smoke if smoke else self.config)
+        if layers is not None:
+            config["num_hidden_layers"] = layers
+        return self.config_class(**config, attn_implementation="sdpa", use_cache=False)  # training: no KV cache
 
     def image_tokens(self, smoke: bool) -> int:
         """The image tokens in each sample, which the language model reads from the vision side."""
@@ -51,9 +61,14 @@ class VisionLanguageShape(Shape):
     image_grid: int
     smoke_image_grid: int
 
-    def make_config(self, smoke: bool):
+    def _text_config(self, smoke: bool) -> dict:
+        return (self.smoke if smoke else self.config)["text_config"]
+
+    def make_config(self, smoke: bool, layers: int | None = None):
         config = self.smoke if smoke else self.config
         text = {**config["text_config"], "use_cache": False}  # training: no KV cache
+        if layers is not None:
+            text["num_hidden_layers"] = layers
         return self.config_class(**{**config, "text_config": text}, attn_implementation="sdpa")
 
     def image_grid_side(self, smoke: bool) -> int:

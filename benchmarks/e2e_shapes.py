@@ -92,6 +92,8 @@ a run cut short keeps the rows it finished.
     python benchmarks/e2e_shapes.py --shapes qwen2.5-7b --batch 2 --seq 2048 --variants NAME...
     python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-3b --variants coat coat-vision coat-lowmem torchao-compiled bf16
     python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-7b --variants coat-lowmem bf16
+    python benchmarks/e2e_shapes.py --shapes olmoe-1b-7b --layers 8 --variants coat bf16   (an 80 GB card, where BF16
+                                                    does not fit the 16 layers: the speed ratio of 8)
     python benchmarks/e2e_shapes.py --variants coat coat-compiled --profile   (and each row's kernels per step)
     python benchmarks/e2e_shapes.py --smoke                             (CPU, tiny shapes: checks that it runs)
     python benchmarks/e2e_shapes.py --plot RESULT.json... [--plot-file PNG]   (bar charts of result files)
@@ -199,8 +201,9 @@ class ShapeTraining(Training):
     """benchmarks/e2e.py's training step on one GPU, of a shape's model (at --smoke's tiny size with smoke) on
     the shape's inputs, that also notes what each forward leaves allocated and whether it returned logits."""
 
-    def __init__(self, variant: str, shape: Shape, device: torch.device, smoke: bool = False):
-        super().__init__(variant, shape.make_config(smoke), device, mesh=None, rank=0)
+    def __init__(self, variant: str, shape: Shape, device: torch.device, smoke: bool = False,
+                 layers: int | None = None):
+        super().__init__(variant, shape.make_config(smoke, layers), device, mesh=None, rank=0)
         self.shape, self.smoke = shape, smoke
         self.forward_kept_bytes = self.logits_returned = None
 
@@ -282,11 +285,18 @@ def error_text(error: BaseException) -> str:
     return text if len(text) <= 2000 else text[:1000] + " ... " + text[-1000:]
 
 
+def shape_label(shape_name: str, layers: int | None) -> str:
+    """The rows' and result file's name of the shape, cut to ``layers`` decoder layers where given."""
+    return shape_name if layers is None else f"{shape_name}-{layers}-layers"
+
+
 def measure(variant: str, shape_name: str, batch: int, seq: int, args, device: torch.device) -> dict:
-    """One row: the variant's step at the shape, on a fresh model."""
+    """One row: the variant's step at the shape (with --layers, cut to that many decoder layers), on a fresh model."""
     shape = SHAPES[shape_name]
-    training = ShapeTraining(variant, shape, device, args.smoke)
-    row = {"shape": shape_name, "variant": variant, "batch": batch, "seq": seq, "loss": loss_kind(variant),
+    training = ShapeTraining(variant, shape, device, args.smoke, args.layers)
+    row = {"shape": shape_label(shape_name, args.layers), "variant": variant, "batch": batch, "seq": seq,
+           "layers": training.config.get_text_config().num_hidden_layers, "shape layers": shape.layers(args.smoke),
+           "loss": loss_kind(variant),
            "compiled": variant.endswith("compiled")}
     if isinstance(shape, VisionLanguageShape):  # of the seq tokens of each sample
         row["image tokens"] = shape.image_tokens(args.smoke)
@@ -328,7 +338,7 @@ def measure(variant: str, shape_name: str, batch: int, seq: int, args, device: t
         row.update({"peak GiB": "error", "error": error})
     else:
         row.update(result or {"peak GiB": "OOM"})
-    print(f"{shape_name} {variant}: {row}", flush=True)
+    print(f"{row['shape']} {variant}: {row}", flush=True)
     return row
 
 
@@ -437,6 +447,10 @@ def main():
                    help=f"rows, of: {', '.join(VARIANTS)} (default: all; --smoke: {', '.join(SMOKE_VARIANTS)})")
     p.add_argument("--batch", type=int, help="micro-batch of every shape (default: the shape's)")
     p.add_argument("--seq", type=int, help="sequence length of every shape (default: the shape's)")
+    p.add_argument("--layers", type=int,
+                   help="decoder layers of every shape's (language) model, fewer than the shape's: where BF16 mixed "
+                        "precision does not fit the GPU at the full depth, the rows at this depth give the speed "
+                        "ratios of the layers kept; the rows' shape and the file are named SHAPE-N-layers")
     p.add_argument("--profile", action="store_true",
                    help="one more pair of steps per row under torch.profiler: its kernels, most time first, in the "
                         "row and printed (GPU only)")
@@ -480,6 +494,9 @@ def main():
         shape = SHAPES[shape_name]
         sizes[shape_name] = (SMOKE_BATCH if args.smoke else args.batch or shape.batch,
                              SMOKE_SEQ if args.smoke else args.seq or shape.seq)
+        if args.layers is not None and not 1 <= args.layers < shape.layers(args.smoke):
+            p.error(f"--layers {args.layers}: {shape_name} has {shape.layers(args.smoke)} decoder layers; give fewer, "
+                    "at least 1")
         least = shape.image_tokens(args.smoke) + 3  # the image between its start and end tokens, and some text
         if sizes[shape_name][1] < least:
             p.error(f"--seq {sizes[shape_name][1]} leaves {shape_name} no text beside its image: give at least {least}")
@@ -489,7 +506,7 @@ def main():
                 missing[f"{variant} on {shape_name}"] = why
                 print(f"{variant} on {shape_name}: skipped, {why}", flush=True)
 
-    name = "e2e-shapes-smoke" if args.smoke else "e2e-shapes-" + "+".join(shapes)
+    name = "e2e-shapes-smoke" if args.smoke else "e2e-shapes-" + "+".join(shape_label(s, args.layers) for s in shapes)
     rows = []
     for shape_name in shapes:
         batch, seq = sizes[shape_name]

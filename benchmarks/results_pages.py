@@ -560,6 +560,28 @@ def _measured(results, family_name: str, field: str, **match) -> list[tuple[Resu
         return []
 
 
+def _cut_depth_figure(results: list[Result], shape: str) -> tuple[str, list] | None:
+    """The latest run of ``shape`` cut to fewer decoder layers (``e2e_shapes.py --layers``, where BF16 does not fit
+    the card at the full depth) with both a coat and a BF16 row that ran: coat's tokens/s and peak against BF16's,
+    with the depth and the device; None where there is none."""
+    family = next(f for f in FAMILIES if f.page == "models")
+    runs = {}
+    for result in (r for r in results if r.script in family.scripts):
+        rows = {row["variant"]: row for row in result.rows
+                if str(row["shape"]).startswith(f"{shape}-") and "shape layers" in row
+                and isinstance(row.get("peak GiB"), float)}
+        if "coat" in rows and "bf16" in rows:
+            runs[result] = rows
+    if not runs:
+        return None
+    result = max(runs, key=lambda r: r.date)
+    coat_row, bf16 = runs[result]["coat"], runs[result]["bf16"]
+    figure = (f"cut to {coat_row['layers']} of its {coat_row['shape layers']} decoder layers, where BF16 fits the "
+              f"{result.device}: coat {_speed_ratio(coat_row, bf16)} BF16's tokens/s, "
+              f"{coat_row['peak GiB'] / bf16['peak GiB']:.2f}x its peak ({_peak(coat_row)} against {_peak(bf16)})")
+    return figure, [(result, coat_row), (result, bf16)]
+
+
 def _moe_model_figures(results: list[Result]) -> list[tuple[str, str, list]]:
     """(what, figure, found) of the README rows of the whole-model MoE shapes, those measured: the lowest-memory
     settings with BF16's outcome on the same device (on an 80 GB card it runs out of memory) and, for OLMoE, coat
@@ -588,6 +610,11 @@ def _moe_model_figures(results: list[Result]) -> list[tuple[str, str, list]]:
             figure += f"; {_peak(coat_row)}, {coat_row['tokens/s/GPU']:,.0f} tokens/s"
             if bf16 and (ratio := _speed_ratio(coat_row, bf16[0][1])):  # where BF16 fits
                 figure += f", {ratio} BF16's"
+        bf16_ran = bool(bf16) and isinstance(bf16[0][1]["peak GiB"], float)
+        if not bf16_ran and (cut := _cut_depth_figure(results, shape)):
+            what += "; of coat against BF16 at fewer layers"
+            figure += "; " + cut[0]
+            coat_rows += cut[1]
         rows.append((what, figure, found + bf16 + coat_rows))
     return rows
 
@@ -619,10 +646,16 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
             figure += f"; vision side FP8: {_peak(vision)}" + (f", {ratio} coat's tokens/s" if ratio else "")
         if "coat-lowmem" in same_run:
             figure += f"; lowest-memory settings: {_peak(same_run['coat-lowmem'])}"
-        rows.append((f"Qwen2.5-VL-3B shape (3.75B with its vision tower), SFT step, batch {coat_row['batch']} x "
-                     f"{coat_row['seq']} ({coat_row['image tokens']:,} of them image tokens): peak memory; tokens/s "
-                     "against BF16 and torchao float8 (compiled, the language model's linears); with "
-                     "`vision_linears=True`; lowest-memory settings", figure, found))
+        what = (f"Qwen2.5-VL-3B shape (3.75B with its vision tower), SFT step, batch {coat_row['batch']} x "
+                f"{coat_row['seq']} ({coat_row['image tokens']:,} of them image tokens): peak memory; tokens/s "
+                "against BF16 and torchao float8 (compiled, the language model's linears); with "
+                "`vision_linears=True`; lowest-memory settings")
+        if "bf16" not in same_run or not isinstance(same_run["bf16"]["peak GiB"], float):
+            if cut := _cut_depth_figure(results, "qwen2.5-vl-3b"):
+                what += "; coat against BF16 at fewer language-model layers"
+                figure += "; " + cut[0]
+                found = found + cut[1]
+        rows.append((what, figure, found))
     found = _measured(results, "models", "peak GiB", variant="coat-lowmem", shape="qwen2.5-vl-7b")
     if found:
         result, lowmem = found[0]

@@ -350,6 +350,29 @@ def test_e2e_shapes_vision_language_samples_and_sizes(monkeypatch):
         assert tied == (name == "qwen2.5-vl-3b")
 
 
+def test_e2e_shapes_layers_cuts_the_language_model_and_names_the_rows(monkeypatch, tmp_path):
+    """--layers N builds the shape with N decoder layers (a vision-language model's tower untouched), names its rows
+    and file SHAPE-N-layers so that they never stand for the whole shape, and refuses N at or above the shape's."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e_shapes
+
+    olmoe, vlm = e2e_shapes.SHAPES["olmoe-1b-7b"], e2e_shapes.SHAPES["qwen2.5-vl-3b"]
+    assert (olmoe.layers(smoke=False), vlm.layers(smoke=False)) == (16, 36)
+    assert olmoe.make_config(smoke=False, layers=8).num_hidden_layers == 8
+    cut = vlm.make_config(smoke=False, layers=18)
+    assert (cut.text_config.num_hidden_layers, cut.vision_config.depth) == (18, 32)
+    assert vlm.make_config(smoke=False).text_config.num_hidden_layers == 36
+    monkeypatch.setattr(sys, "argv", ["e2e_shapes.py", "--smoke", "--shapes", "olmoe-1b-7b", "--layers", "1",
+                                      "--variants", "bf16", "--results-dir", str(tmp_path)])
+    e2e_shapes.main()
+    rows = json.loads((tmp_path / "e2e-shapes-smoke-cpu.json").read_text())["rows"]
+    assert [(row["shape"], row["layers"], row["shape layers"]) for row in rows] == [("olmoe-1b-7b-1-layers", 1, 2)]
+    for layers in ("2", "0"):  # the smoke shapes have 2 layers
+        monkeypatch.setattr(sys, "argv", ["e2e_shapes.py", "--smoke", "--shapes", "olmoe-1b-7b", "--layers", layers])
+        with pytest.raises(SystemExit):
+            e2e_shapes.main()
+
+
 def test_e2e_shapes_torchao_row_converts_the_linears_coat_converts(monkeypatch):
     """torchao's float8 linears replace the decoder layers' linears only: a vision-language model's vision tower
     and merger stay BF16 as in the coat row, and the LM head as in every row."""

@@ -286,6 +286,35 @@ def test_moe_model_rows_take_bf16s_outcome_from_an_earlier_file_or_say_what_it_w
                       "1.50x BF16's")
 
 
+def test_a_shape_cut_to_fewer_layers_compares_coat_with_bf16_only_where_bf16_did_not_fit_the_whole(pages, tmp_path):
+    """Rows of e2e_shapes.py --layers (shape SHAPE-N-layers) never stand for the whole shape; where BF16 ran out of
+    memory at the full depth, the README row adds coat against BF16 at the cut depth, naming it and the device."""
+    def row(shape, variant, peak, speed, layers=None):
+        cut = {"layers": layers, "shape layers": 16} if layers else {}
+        return {"shape": shape, "variant": variant, "batch": 1, "seq": 4096, "peak GiB": peak,
+                "tokens/s/GPU": speed, "state B/param": 10.09, **cut}
+
+    _write(tmp_path, "olmoe.json", "2026-01-01T00:00:00+00:00", [
+        row("olmoe-1b-7b", "coat-lowmem", 34.2, 17000.0), {"shape": "olmoe-1b-7b", "variant": "bf16", "batch": 1,
+                                                           "seq": 4096, "peak GiB": "OOM"}],
+        command="benchmarks/e2e_shapes.py")
+    _write(tmp_path, "olmoe-8.json", "2026-02-01T00:00:00+00:00", [
+        row("olmoe-1b-7b-8-layers", "coat", 40.0, 21000.0, 8), row("olmoe-1b-7b-8-layers", "bf16", 64.0, 15000.0, 8)],
+        command="benchmarks/e2e_shapes.py --layers 8")
+    (what, figure, found), = pages._moe_model_figures(pages.load_results(str(tmp_path)))
+    assert figure == ("34.2 GiB, 17,000 tokens/s, 10.09 B/param (BF16: OOM); cut to 8 of its 16 decoder layers, "
+                      "where BF16 fits the GPU X: coat 1.40x BF16's tokens/s, 0.62x its peak (40.0 GiB against 64.0 "
+                      "GiB)")
+    assert what.endswith("at fewer layers") and [r.path for r, _ in found] == ["olmoe.json", "olmoe.json", "olmoe-8.json",
+                                                                               "olmoe-8.json"]
+    # Where BF16 fits the whole shape, that comparison stands alone.
+    _write(tmp_path, "olmoe-h200.json", "2026-03-01T00:00:00+00:00", [
+        row("olmoe-1b-7b", "coat-lowmem", 34.0, 17000.0), row("olmoe-1b-7b", "coat", 66.0, 18000.0),
+        row("olmoe-1b-7b", "bf16", 110.0, 12000.0)], command="benchmarks/e2e_shapes.py")
+    (_, figure, _), = pages._moe_model_figures(pages.load_results(str(tmp_path)))
+    assert figure.endswith("66.0 GiB, 18,000 tokens/s, 1.50x BF16's")
+
+
 def test_the_routers_balance_is_the_mean_normalized_entropy_of_the_expert_shares(pages, tmp_path):
     def run(name, coat, shares, seed=0):
         (tmp_path / f"{name}.json").write_text(json.dumps({
