@@ -487,15 +487,19 @@ def _speed_ratio(row: dict, base: dict) -> str | None:
 
 def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list]]:
     """(what, figure, found) of the README rows of train_vlm's coat runs against BF16: FP8 defaults, with the
-    vision side in FP8 too, and with unquantized output gradients; each with the mean over seeds, then every run."""
+    vision side in FP8 too, with unquantized output gradients, and with torch's AdamW in place of coat's; each with
+    the mean over seeds, then every run."""
     rows = []
-    for vision, gradients, label in ((False, "e5m2", "FP8 defaults"),
-                                     (True, "e5m2", "the vision side in FP8 too (`--vision-linears`)"),
-                                     (False, "none", "output gradients unquantized (`--gradient-format none`)")):
+    for vision, gradients, torch_adamw, label in (
+            (False, "e5m2", False, "FP8 defaults"),
+            (True, "e5m2", False, "the vision side in FP8 too (`--vision-linears`)"),
+            (False, "none", False, "output gradients unquantized (`--gradient-format none`)"),
+            (False, "e5m2", True, "torch's AdamW, float32 moments, in place of coat's (`--torch-adamw`)")):
         runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_vlm" and "vs BF16" in r.rows[0]
                        and r.rows[0]["vision_linears"] == vision and not r.rows[0]["bf16_weights"]
                        and r.rows[0]["fp8_grads"] is None and not r.rows[0]["fast_accum"]
-                       and r.rows[0].get("gradient_format", "e5m2") == gradients),  # recorded from 2026-12-06
+                       and r.rows[0].get("gradient_format", "e5m2") == gradients  # recorded from 2026-12-06
+                       and r.rows[0].get("torch_adamw", False) == torch_adamw),
                       key=lambda item: (item[1]["steps"], item[1]["seed"], item[0].date))
         if not runs:
             continue
@@ -676,6 +680,7 @@ def _configuration(run: dict, family: str = "llama") -> tuple | None:
     their tree is superseded."""
     defaults = (not run.get("bf16_weights") and run.get("fp8_grads") is None and not run.get("fast_accum")
                 and not run.get("uniform_fp4") and run.get("gradient_format", "e5m2") == "e5m2"
+                and not run.get("torch_adamw")
                 and run.get("family", "llama") == family)
     if not run.get("coat") or not defaults or run.get("saved_format") is None:
         return None
@@ -765,15 +770,18 @@ def _arm(row: dict) -> str | None:
     if not row["coat"]:
         return "BF16"
     if (row["bf16_weights"] or row["fp8_grads"] or row["fast_accum"] or row.get("saved_format", "e4m3") != "e4m3"
-            or row.get("group_size", 16) != 16 or row.get("fused_loss") is False):
+            or row.get("group_size", 16) != 16 or row.get("fused_loss") is False
+            or (row.get("torch_adamw") and (row["vision_linears"] or row.get("gradient_format") == "none"))):
         return None
+    if row.get("torch_adamw"):
+        return "coat, torch's AdamW"
     arm = "coat, vision side in FP8" if row["vision_linears"] else "coat"
     return arm + (", output gradients unquantized" if row.get("gradient_format", "e5m2") == "none" else "")
 
 
 ARM_COLOURS = {"BF16": "black", "coat": "tab:orange", "coat, vision side in FP8": "tab:green",
                "coat, output gradients unquantized": "tab:blue",
-               "coat, vision side in FP8, output gradients unquantized": "tab:purple"}
+               "coat, vision side in FP8, output gradients unquantized": "tab:purple", "coat, torch's AdamW": "tab:red"}
 SEED_STYLES = ("-", "--", ":", "-.")
 PLOTTED_LAYERS = ("coat eager", "torchao compiled", "coat fp4 G=128 eager")
 PLOTTED_RUNS = ("100m-bf16", "100m-coat", "100m-coat-fp4", "100m-coat-fp6")

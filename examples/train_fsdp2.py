@@ -217,6 +217,7 @@ def main() -> None:
     autocast = contextlib.nullcontext  # FSDP2's mixed-precision policy casts instead
     setup = {"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
              "fp8_reduce_scatter": args.fp8_reduce_scatter, "fp8_all_gather": args.fp8_all_gather,
+             "gradient_format": args.gradient_format if args.coat else None, "torch_adamw": args.torch_adamw,
              "sdpa_backends": args.sdpa_backends, "lr": args.lr, "warmup": args.warmup,
              "preset": None if args.model else args.preset, "family": args.family, "fused_loss": args.coat and not args.unfused_loss, "parameters": parameters,
              "world_size": world, "batch_per_rank": args.batch, "seq": args.seq}

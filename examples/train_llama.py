@@ -131,6 +131,7 @@ def main() -> None:
     setup = {"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
              "fp8_grads": args.fp8_grads, "saved_format": args.saved_format, "group_size": args.group_size,
              "fast_accum": args.fast_accum, "gradient_format": args.gradient_format if args.coat else None,
+             "torch_adamw": args.torch_adamw,
              "uniform_fp4": args.uniform_fp4, "sdpa_backends": args.sdpa_backends,
              "lr": args.lr, "warmup": args.warmup,
              "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,

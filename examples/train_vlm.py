@@ -265,7 +265,7 @@ def main() -> None:
     setup = {"coat": args.coat, "vision_linears": args.vision_linears, "bf16_weights": args.bf16_weights,
              "param_rounding": args.param_rounding, "fp8_grads": args.fp8_grads, "saved_format": args.saved_format,
              "group_size": args.group_size, "fast_accum": args.fast_accum,
-             "gradient_format": args.gradient_format if args.coat else None,
+             "gradient_format": args.gradient_format if args.coat else None, "torch_adamw": args.torch_adamw,
              "fused_loss": args.coat and not args.unfused_loss,
              "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
              "bf16_matmul_time_ratio": bf16_time_ratio, "preset": args.preset, "seed": args.seed, "lr": args.lr,

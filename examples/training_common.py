@@ -113,6 +113,10 @@ def add_coat_arguments(parser: argparse.ArgumentParser, auto_saved_format: bool 
                         help="how --bf16-weights rounds each update (stochastic keeps updates below half an ulp)")
     parser.add_argument("--fp8-grads", choices=["e5m2", "e4m3"],
                         help="with --coat: keep gradients in FP8 with a per-tensor scale after backward (1 byte)")
+    parser.add_argument("--torch-adamw", action="store_true",
+                        help="with --coat: torch.optim.AdamW (float32 moments) instead of coat.optim.AdamW, the "
+                             "FP8 layers as they are: tells the FP8 optimizer states' share of a difference from "
+                             "BF16 from the layers'")
     parser.add_argument("--saved-format", choices=["e4m3", "fp6", "fp4", *(["auto"] if auto_saved_format else [])],
                         default="e4m3",
                         help="with --coat: how RMSNorm and SiLU*mul keep their inputs for backward (fp4: 4 bits "
@@ -173,6 +177,10 @@ def resolve(args: argparse.Namespace, presets: dict = PRESETS, model_name: str |
         args.eval_every = max(args.log_every, args.steps // 10 // args.log_every * args.log_every)
     if (args.bf16_weights or args.fp8_grads) and not args.coat:
         raise SystemExit("--bf16-weights and --fp8-grads are options of coat.optim.AdamW: add --coat")
+    if args.torch_adamw and not args.coat:
+        raise SystemExit("--torch-adamw replaces coat.optim.AdamW in a coat run: add --coat")
+    if args.torch_adamw and (args.bf16_weights or args.fp8_grads):
+        raise SystemExit("--bf16-weights and --fp8-grads are options of coat.optim.AdamW: drop --torch-adamw")
     if (args.saved_format != "e4m3" or args.fast_accum or args.group_size != 16 or args.unfused_loss
             or args.gradient_format != "e5m2") and not args.coat:
         raise SystemExit("--saved-format, --group-size, --fast-accum, --gradient-format and --unfused-loss are "
@@ -208,6 +216,8 @@ def variant_name(args: argparse.Namespace) -> str:
         variant += "-bf16w" + ("-nearest" if args.param_rounding == "nearest" else "")
     if args.fp8_grads:
         variant += f"-{args.fp8_grads}-grads"
+    if args.torch_adamw:
+        variant += "-torch-adamw"
     if args.saved_format != "e4m3":
         variant += f"-{args.saved_format}-saved"
     if args.group_size != 16:
@@ -429,7 +439,8 @@ def autocast_for(device: torch.device, compute_dtype: torch.dtype):
 
 
 def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on norms, biases); coat's FP8 one with --coat."""
+    """AdamW with weight decay on matrices only (not on norms, biases); coat's FP8 one with --coat (unless
+    --torch-adamw)."""
     import coat
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -437,7 +448,7 @@ def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.o
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    if args.coat:
+    if args.coat and not args.torch_adamw:
         return coat.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), param_rounding=args.param_rounding,
                                 fp8_grads=args.fp8_grads)
     fused = all(p.device.type == "cuda" for p in params)

@@ -411,6 +411,33 @@ def test_gradient_format_none_trains_with_unquantized_output_gradients(tmp_path,
     assert summary["gradient_format"] == "none" and summary["coat"] and summary["final_val_loss"] > 0
 
 
+def test_torch_adamw_keeps_coats_layers_and_takes_torchs_optimizer(training_common):
+    """--torch-adamw: the FP8 layers with torch.optim.AdamW, to tell the optimizer's share of a difference from
+    BF16; its name says so, and it refuses coat.optim.AdamW's options and a run without --coat."""
+    import coat
+
+    model = torch.nn.Linear(4, 4)
+    args = argparse.Namespace(coat=True, torch_adamw=True, lr=1e-3, weight_decay=0.1, param_rounding="stochastic",
+                              fp8_grads=None)
+    optimizer = training_common.build_optimizer(args, model)
+    assert type(optimizer) is torch.optim.AdamW and optimizer.param_groups[0]["betas"] == (0.9, 0.95)
+    assert isinstance(training_common.build_optimizer(argparse.Namespace(**{**vars(args), "torch_adamw": False}),
+                                                      model), coat.optim.AdamW)
+    parser = argparse.ArgumentParser()
+    training_common.add_coat_arguments(parser)
+    training_common.add_run_arguments(parser)
+
+    def resolve(*arguments):
+        args = argparse.Namespace(**vars(parser.parse_args(arguments)), preset="tiny", model=None, family="llama")
+        return training_common.resolve(args)
+
+    for arguments, error in ((["--torch-adamw"], "--torch-adamw replaces coat.optim.AdamW in a coat run: add --coat"),
+                             (["--coat", "--torch-adamw", "--bf16-weights"], "drop --torch-adamw")):
+        with pytest.raises(SystemExit, match=error):
+            resolve(*arguments)
+    assert resolve("--coat", "--torch-adamw").name == "tiny-coat-torch-adamw"
+
+
 def test_train_vlm_explains_bad_options(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(EXAMPLES)
     monkeypatch.chdir(tmp_path)

@@ -238,6 +238,14 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     assert unquantized[1].startswith("mean of 1 seed: +5.00%, +0.0 points")
     assert pages._plot_specs(results)["vlm-convergence-gpu.png"]["styles"]["coat-long-g"] == [
         "coat, output gradients unquantized", 0]
+    # torch's AdamW in place of coat's (--torch-adamw): a row and a colour of its own too.
+    run("coat-long-torch-adamw", True, 0.20, 0.40, steps=3000, lr=5e-4, torch_adamw=True)
+    results = pages.load_results(str(tmp_path))
+    defaults, unquantized, torch_adamw = pages._vlm_convergence_figures(results)
+    assert "coat-long-torch-adamw.json" not in [r.path for r, _ in defaults[2] + unquantized[2]]
+    assert "torch's AdamW" in torch_adamw[0] and torch_adamw[1].startswith("mean of 1 seed: +0.00%, +0.0 points")
+    assert pages._plot_specs(results)["vlm-convergence-gpu.png"]["styles"]["coat-long-torch-adamw"] == [
+        "coat, torch's AdamW", 0]
     # A setting the colours do not tell apart is drawn under its name.
     run("coat-long-fp4", True, 0.21, 0.40, steps=3000, lr=5e-4, saved_format="fp4")
     spec = pages._plot_specs(pages.load_results(str(tmp_path)))["vlm-convergence-gpu.png"]
