@@ -496,10 +496,7 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
             (False, "none", False, "output gradients unquantized (`--gradient-format none`)"),
             (False, "e5m2", True, "torch's AdamW, float32 moments, in place of coat's (`--torch-adamw`)")):
         runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_vlm" and "vs BF16" in r.rows[0]
-                       and r.rows[0]["vision_linears"] == vision and not r.rows[0]["bf16_weights"]
-                       and r.rows[0]["fp8_grads"] is None and not r.rows[0]["fast_accum"]
-                       and r.rows[0].get("gradient_format", "e5m2") == gradients  # recorded from 2026-12-06
-                       and r.rows[0].get("torch_adamw", False) == torch_adamw),
+                       and _vlm_ablation(r.rows[0]) == (vision, gradients, torch_adamw)),
                       key=lambda item: (item[1]["steps"], item[1]["seed"], item[0].date))
         if not runs:
             continue
@@ -521,6 +518,16 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
                                      f"question alone {row['question-alone accuracy']:.1%})" for _, row in runs)
         rows.append((what, figure, runs))
     return rows
+
+
+def _vlm_ablation(row: dict) -> tuple | None:
+    """(vision_linears, gradient format, torch's AdamW) of a train_vlm coat run whose other options are the defaults,
+    else None (its settings have no README row)."""
+    defaults = (not row["bf16_weights"] and row["fp8_grads"] is None and not row["fast_accum"]
+                and row.get("saved_format", "e4m3") == "e4m3" and row.get("group_size", 16) == 16
+                and row.get("fused_loss") is not False and not row.get("bf16_modules"))
+    # gradient_format and torch_adamw are recorded from 2026-12-06
+    return (row["vision_linears"], row.get("gradient_format", "e5m2"), row.get("torch_adamw", False)) if defaults else None
 
 
 def _seeds_mean(rows: list[dict]) -> str:
@@ -680,7 +687,7 @@ def _configuration(run: dict, family: str = "llama") -> tuple | None:
     their tree is superseded."""
     defaults = (not run.get("bf16_weights") and run.get("fp8_grads") is None and not run.get("fast_accum")
                 and not run.get("uniform_fp4") and run.get("gradient_format", "e5m2") == "e5m2"
-                and not run.get("torch_adamw")
+                and not run.get("torch_adamw") and not run.get("bf16_modules")
                 and run.get("family", "llama") == family)
     if not run.get("coat") or not defaults or run.get("saved_format") is None:
         return None
@@ -769,14 +776,14 @@ def _arm(row: dict) -> str | None:
     labelled by its name)."""
     if not row["coat"]:
         return "BF16"
-    if (row["bf16_weights"] or row["fp8_grads"] or row["fast_accum"] or row.get("saved_format", "e4m3") != "e4m3"
-            or row.get("group_size", 16) != 16 or row.get("fused_loss") is False
-            or (row.get("torch_adamw") and (row["vision_linears"] or row.get("gradient_format") == "none"))):
+    setting = _vlm_ablation(row)
+    if setting is None or setting[1] not in ("e5m2", "none"):
         return None
-    if row.get("torch_adamw"):
-        return "coat, torch's AdamW"
-    arm = "coat, vision side in FP8" if row["vision_linears"] else "coat"
-    return arm + (", output gradients unquantized" if row.get("gradient_format", "e5m2") == "none" else "")
+    vision, gradients, torch_adamw = setting
+    if torch_adamw:
+        return "coat, torch's AdamW" if not vision and gradients == "e5m2" else None
+    arm = "coat, vision side in FP8" if vision else "coat"
+    return arm + (", output gradients unquantized" if gradients == "none" else "")
 
 
 ARM_COLOURS = {"BF16": "black", "coat": "tab:orange", "coat, vision side in FP8": "tab:green",

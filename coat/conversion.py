@@ -75,7 +75,8 @@ def convert(
         the matching decoder layers are converted, and matching ``nn.Linear`` modules outside them become
         :class:`coat.nn.Linear`. None (the default) converts every decoder layer and nothing else.
     skip_modules: patterns of modules to leave as they are (e.g. ``["model.layers.0", "model.layers.31"]``
-        to keep the first and last layers in BF16).
+        to keep the first and last layers in BF16). A decoder layer is converted whole, so a pattern that
+        matches only modules inside decoder layers is refused, as is one that matches no module.
     fused_loss: for the causal LMs of these families (LlamaForCausalLM, ..., Gemma3ForCausalLM with its final
         logit soft-cap) and the vision-language models above, compute the loss fused with the LM head
         (:mod:`coat.nn.causal_lm`) when labels are given in training mode: the [batch, seq, vocab] logits are never
@@ -128,11 +129,22 @@ def convert(
             f"{type(model).__name__} has none of them"
         )
 
+    inside_layers = tuple(f"{name}." for name, _ in decoder_layers)
+    for pattern in skip_modules:  # a pattern that skips nothing is a typo or a misunderstanding, not a no-op
+        hits = [name for name, _ in named if fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            raise ValueError(f"coat.convert: skip_modules pattern {pattern!r} matches no module")
+        if all(name.startswith(inside_layers) for name in hits):
+            layer = next(layer for layer in inside_layers if hits[0].startswith(layer)).rstrip(".")
+            raise ValueError(
+                f"coat.convert: skip_modules pattern {pattern!r} matches only modules inside decoder layers "
+                f"({hits[0]}), which coat converts whole: name the layer ({layer!r}) to keep it as it is"
+            )
+
     def selected(name: str) -> bool:
         return not _matches(name, skip_modules) and (modules_to_convert is None or _matches(name, modules_to_convert))
 
     layers = [(name, layer) for name, layer in decoder_layers if selected(name)]
-    inside_layers = tuple(f"{name}." for name, _ in decoder_layers)
     linears = []
     if modules_to_convert is not None:
         for pattern in modules_to_convert:

@@ -199,7 +199,8 @@ def main() -> None:
         if args.saved_format == "auto":
             raise SystemExit("--saved-format auto is train_llama.py's (it captures a report step): use e4m3, fp6 or fp4")
         coat.convert(model, saved_format=args.saved_format, fast_accum=args.fast_accum, group_size=args.group_size,
-                     fused_loss=not args.unfused_loss, gradient_format=convert_gradient_format(args))
+                     fused_loss=not args.unfused_loss, gradient_format=convert_gradient_format(args),
+                     skip_modules=args.bf16_modules)
     shard(model, device, args.fp8_all_gather)
     if args.fp8_reduce_scatter:
         coat.distributed.fp8_reduce_scatter(model)
@@ -218,6 +219,7 @@ def main() -> None:
     setup = {"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
              "fp8_reduce_scatter": args.fp8_reduce_scatter, "fp8_all_gather": args.fp8_all_gather,
              "gradient_format": args.gradient_format if args.coat else None, "torch_adamw": args.torch_adamw,
+             "bf16_modules": args.bf16_modules,
              "sdpa_backends": args.sdpa_backends, "lr": args.lr, "warmup": args.warmup,
              "preset": None if args.model else args.preset, "family": args.family, "fused_loss": args.coat and not args.unfused_loss, "parameters": parameters,
              "world_size": world, "batch_per_rank": args.batch, "seq": args.seq}

@@ -112,7 +112,8 @@ def main() -> None:
     if args.coat:
         coat.convert(model, saved_format="fp4" if args.saved_format == "auto" else args.saved_format,
                      fast_accum=args.fast_accum, group_size=args.group_size,
-                     fused_loss=not args.unfused_loss, gradient_format=convert_gradient_format(args))
+                     fused_loss=not args.unfused_loss, gradient_format=convert_gradient_format(args),
+                     skip_modules=args.bf16_modules)
     optimizer = build_optimizer(args, model)
     scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
     data = load_text(args, tokenizer)
@@ -131,7 +132,7 @@ def main() -> None:
     setup = {"coat": args.coat, "bf16_weights": args.bf16_weights, "param_rounding": args.param_rounding,
              "fp8_grads": args.fp8_grads, "saved_format": args.saved_format, "group_size": args.group_size,
              "fast_accum": args.fast_accum, "gradient_format": args.gradient_format if args.coat else None,
-             "torch_adamw": args.torch_adamw,
+             "torch_adamw": args.torch_adamw, "bf16_modules": args.bf16_modules,
              "uniform_fp4": args.uniform_fp4, "sdpa_backends": args.sdpa_backends,
              "lr": args.lr, "warmup": args.warmup,
              "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,

@@ -231,7 +231,7 @@ def main() -> None:
     if args.coat:
         coat.convert(model, vision_linears=args.vision_linears, saved_format=args.saved_format,
                      fast_accum=args.fast_accum, group_size=args.group_size, fused_loss=not args.unfused_loss,
-                     gradient_format=convert_gradient_format(args))
+                     gradient_format=convert_gradient_format(args), skip_modules=args.bf16_modules)
     else:  # the vision attention's kernels as coat.convert chooses them, so that only the precision differs
         avoid_cudnn_attention(model)
     optimizer = build_optimizer(args, model)
@@ -266,6 +266,7 @@ def main() -> None:
              "param_rounding": args.param_rounding, "fp8_grads": args.fp8_grads, "saved_format": args.saved_format,
              "group_size": args.group_size, "fast_accum": args.fast_accum,
              "gradient_format": args.gradient_format if args.coat else None, "torch_adamw": args.torch_adamw,
+             "bf16_modules": args.bf16_modules,
              "fused_loss": args.coat and not args.unfused_loss,
              "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
              "bf16_matmul_time_ratio": bf16_time_ratio, "preset": args.preset, "seed": args.seed, "lr": args.lr,

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -135,6 +136,10 @@ def add_coat_arguments(parser: argparse.ArgumentParser, auto_saved_format: bool 
                         help="with --coat: the FP8 format output gradients take in the backward GEMMs, or none: "
                              "unquantized, the backward GEMMs in the compute dtype, as the COAT paper's appendix "
                              "G.5 trains (coat.convert(gradient_format=...)); slower backward")
+    parser.add_argument("--bf16-modules", nargs="+", default=[], metavar="PATTERN",
+                        help="with --coat: leave the modules these fnmatch patterns name as they are "
+                             "(coat.convert(skip_modules=...)), e.g. model.layers.0 to keep the first decoder layer "
+                             "in BF16; a decoder layer is kept whole")
     parser.add_argument("--unfused-loss", action="store_true",
                         help="with --coat: leave the LM head and loss to transformers (the full logits, then "
                              "cross_entropy) instead of coat's fused LM head + loss (coat.convert(fused_loss=False))")
@@ -182,9 +187,9 @@ def resolve(args: argparse.Namespace, presets: dict = PRESETS, model_name: str |
     if args.torch_adamw and (args.bf16_weights or args.fp8_grads):
         raise SystemExit("--bf16-weights and --fp8-grads are options of coat.optim.AdamW: drop --torch-adamw")
     if (args.saved_format != "e4m3" or args.fast_accum or args.group_size != 16 or args.unfused_loss
-            or args.gradient_format != "e5m2") and not args.coat:
-        raise SystemExit("--saved-format, --group-size, --fast-accum, --gradient-format and --unfused-loss are "
-                         "options of coat.convert: add --coat")
+            or args.gradient_format != "e5m2" or args.bf16_modules) and not args.coat:
+        raise SystemExit("--saved-format, --group-size, --fast-accum, --gradient-format, --bf16-modules and "
+                         "--unfused-loss are options of coat.convert: add --coat")
     if args.name is None:
         if model_name is None:
             model_name = os.path.basename(os.path.normpath(args.model)) if args.model else args.preset
@@ -226,6 +231,8 @@ def variant_name(args: argparse.Namespace) -> str:
         variant += "-fast-accum"
     if args.gradient_format != "e5m2":
         variant += f"-{args.gradient_format}-grad-output"
+    for pattern in args.bf16_modules:  # model.layers.* -> -bf16-model-layers-all
+        variant += "-bf16-" + re.sub(r"[^A-Za-z0-9]+", "-", pattern.replace("*", "all")).strip("-")
     if args.unfused_loss:
         variant += "-unfused-loss"
     if getattr(args, "uniform_fp4", False):

@@ -262,10 +262,10 @@ def test_train_llama_from_a_local_model_directory(tmp_path):
     ("--eval-every (4) must be a multiple of --log-every (3)", ["--eval-every", "4", "--log-every", "3"]),
     ("--compare: no CSV log at missing.csv", ["--compare", "missing.csv"]),
     ("--report-every needs --coat", ["--report-every", "5"]),
-    *[("--saved-format, --group-size, --fast-accum, --gradient-format and --unfused-loss are options of coat.convert: "
-       "add --coat", option)
+    *[("--saved-format, --group-size, --fast-accum, --gradient-format, --bf16-modules and --unfused-loss are options "
+       "of coat.convert: add --coat", option)
       for option in (["--saved-format", "fp4"], ["--group-size", "128"], ["--fast-accum"], ["--unfused-loss"],
-                     ["--gradient-format", "none"])],
+                     ["--gradient-format", "none"], ["--bf16-modules", "model.layers.0"])],
     ("argument --group-size: invalid choice: 12", ["--coat", "--group-size", "12"]),
     ("--uniform-fp4 extends coat's FP4-kept activations to every saved activation: add --coat --saved-format fp4",
      ["--coat", "--uniform-fp4"]),
@@ -436,6 +436,18 @@ def test_torch_adamw_keeps_coats_layers_and_takes_torchs_optimizer(training_comm
         with pytest.raises(SystemExit, match=error):
             resolve(*arguments)
     assert resolve("--coat", "--torch-adamw").name == "tiny-coat-torch-adamw"
+
+
+def test_bf16_modules_keep_the_named_decoder_layers_as_they_are(tmp_path):
+    """--bf16-modules is coat.convert(skip_modules=...): the layers named stay BF16; the run's name and summary say
+    which, and a pattern coat.convert would skip nothing with stops the run with its error."""
+    run([os.path.join(EXAMPLES, "train_vlm.py"), *QUICK_VLM, "--coat", "--bf16-modules",
+         "model.language_model.layers.*"], tmp_path)
+    summary = json.loads((tmp_path / "runs" / "tiny-vlm-coat-bf16-model-language-model-layers-all.json").read_text())
+    assert summary["bf16_modules"] == ["model.language_model.layers.*"] and summary["final_val_loss"] > 0
+    failed = run([os.path.join(EXAMPLES, "train_vlm.py"), *QUICK_VLM, "--coat", "--bf16-modules", "model.layers.0"],
+                 tmp_path, expect_success=False)
+    assert "skip_modules pattern 'model.layers.0' matches no module" in failed.stderr
 
 
 def test_train_vlm_explains_bad_options(tmp_path, monkeypatch, capsys):

@@ -596,6 +596,15 @@ def test_which_modules_are_converted():
     model = coat.convert(tiny_model("llama"), skip_modules=["model.layers.0"])
     assert type(model.model.layers[0]) is LlamaDecoderLayer
     assert isinstance(model.model.layers[1], FP8LlamaDecoderLayer)
+    # A pattern that would skip nothing is refused before anything is converted: one that matches no module, and
+    # one that matches only a part of a decoder layer, which is converted whole.
+    for pattern, error in (("model.layer.0", "'model.layer.0' matches no module"),
+                           ("model.layers.*.self_attn", r"inside decoder layers \(model.layers.0.self_attn\), which "
+                                                        r"coat converts whole: name the layer \('model.layers.0'\)")):
+        model = tiny_model("llama")
+        with pytest.raises(ValueError, match=error):
+            coat.convert(model, skip_modules=[pattern])
+        assert not any(isinstance(layer, FP8LlamaDecoderLayer) for layer in model.model.layers)
 
     model = coat.convert(tiny_model("llama"), modules_to_convert=["model.layers.1", "lm_head"], group_size=32,
                          fast_accum=True, experts_fast_accum=False)

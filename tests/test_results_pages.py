@@ -246,10 +246,14 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     assert "torch's AdamW" in torch_adamw[0] and torch_adamw[1].startswith("mean of 1 seed: +0.00%, +0.0 points")
     assert pages._plot_specs(results)["vlm-convergence-gpu.png"]["styles"]["coat-long-torch-adamw"] == [
         "coat, torch's AdamW", 0]
-    # A setting the colours do not tell apart is drawn under its name.
+    # A setting the colours do not tell apart is drawn under its name, and kept out of the README's rows.
     run("coat-long-fp4", True, 0.21, 0.40, steps=3000, lr=5e-4, saved_format="fp4")
-    spec = pages._plot_specs(pages.load_results(str(tmp_path)))["vlm-convergence-gpu.png"]
-    assert spec["styles"]["coat-long-fp4"] is None
+    run("coat-long-bf16-layers", True, 0.21, 0.40, steps=3000, lr=5e-4, bf16_modules=["model.layers.*"])
+    results = pages.load_results(str(tmp_path))
+    spec = pages._plot_specs(results)["vlm-convergence-gpu.png"]
+    assert spec["styles"]["coat-long-fp4"] is None and spec["styles"]["coat-long-bf16-layers"] is None
+    shown = [r.path for _, _, found in pages._vlm_convergence_figures(results) for r, _ in found]
+    assert "coat-long-bf16-layers.json" not in shown and "coat-long-fp4.json" not in shown
     pages._draw(spec, str(tmp_path / "plot.png"))
     # Nor with a run of another learning rate, or whose vision attention could take cuDNN's kernel where the other's
     # could not (coat.nn.attention): runs from before the example kept it off, unless --sdpa-backends left it out.
