@@ -116,8 +116,8 @@ def add_coat_arguments(parser: argparse.ArgumentParser, auto_saved_format: bool 
                         help="with --coat: keep gradients in FP8 with a per-tensor scale after backward (1 byte)")
     parser.add_argument("--torch-adamw", action="store_true",
                         help="with --coat: torch.optim.AdamW (float32 moments) instead of coat.optim.AdamW, the "
-                             "FP8 layers as they are: tells the FP8 optimizer states' share of a difference from "
-                             "BF16 from the layers'")
+                             "FP8 layers as they are: to tell how much of a difference from BF16 comes from the "
+                             "FP8 optimizer states")
     parser.add_argument("--saved-format", choices=["e4m3", "fp6", "fp4", *(["auto"] if auto_saved_format else [])],
                         default="e4m3",
                         help="with --coat: how RMSNorm and SiLU*mul keep their inputs for backward (fp4: 4 bits "
