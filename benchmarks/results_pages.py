@@ -509,13 +509,15 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
                           + " and ".join(lengths) for (p, b), lengths in by_model.items())
                 + f"; questions about pictures: held-out loss and answer accuracy against BF16, {label}, every run")
         several_lengths = len({n for _, _, n, _ in presets}) > 1
-        figure = "; ".join(
-            f"{n} steps, " * several_lengths + _seeds_mean([row for _, row in runs if row["steps"] == n])
-            for n in sorted({row["steps"] for _, row in runs}))
-        figure += "; " + "; ".join(f"{row['steps']} steps, " * several_lengths
+        # The mean over seeds where a length has several; one seed's figure is its own item below.
+        step_counts = sorted({row["steps"] for _, row in runs})
+        by_length = {n: [row for _, row in runs if row["steps"] == n] for n in step_counts}
+        means = [f"{n} steps, " * several_lengths + _seeds_mean(group) for n, group in by_length.items()
+                 if len(group) > 1]
+        figure = "; ".join(means + [f"{row['steps']} steps, " * several_lengths
                                    + f"seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
                                      f"{row['final_answer_accuracy']:.1%}, BF16 {row['BF16 accuracy']:.1%}, the "
-                                     f"question alone {row['question-alone accuracy']:.1%})" for _, row in runs)
+                                     f"question alone {row['question-alone accuracy']:.1%})" for _, row in runs])
         rows.append((what, figure, runs))
     return rows
 
@@ -535,7 +537,7 @@ def _seeds_mean(rows: list[dict]) -> str:
     BF16 runs', and the difference of the mean answer accuracies in points."""
     loss = statistics.mean(r["final_val_loss"] for r in rows) / statistics.mean(r["BF16 loss"] for r in rows) - 1
     accuracy = 100 * statistics.mean(r["final_answer_accuracy"] - r["BF16 accuracy"] for r in rows)
-    return f"mean of {len(rows)} seed{'s' * (len(rows) > 1)}: {loss:+.2%}, {accuracy:+.1f} points"
+    return f"mean of {len(rows)} seeds: {loss:+.2%}, {accuracy:+.1f} points"
 
 
 def _routing_balance(results: list[Result], runs: list[tuple[Result, dict]]) -> str:

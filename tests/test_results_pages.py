@@ -197,8 +197,8 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     assert rows["coat"]["vs BF16"] == "-10.00%" and rows["coat"]["accuracy vs BF16"] == "+5.0 points"
     ((what, figure, found),) = pages._vlm_convergence_figures(results)
     assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 1000 steps")
-    assert figure == ("mean of 1 seed: -10.00%, +5.0 points; "
-                      "seed 0: -10.00%, +5.0 points (coat 25.0%, BF16 20.0%, the question alone 14.0%)")
+    # one seed: its own figure, no mean
+    assert figure == "seed 0: -10.00%, +5.0 points (coat 25.0%, BF16 20.0%, the question alone 14.0%)"
     assert [r.path for r, _ in found] == ["coat.json"]
     monkeypatch.setattr(pages, "RESULTS", str(tmp_path))  # where the plot reads the runs' CSVs
     # The plot draws the setting measured last (not the older 100-step run), a colour per arm; no position panel
@@ -214,15 +214,15 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     ((what, figure, _),) = pages._vlm_convergence_figures(pages.load_results(str(tmp_path)))
     assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 1000 steps at learning rate "
                            "0.001 and 3000 steps at learning rate 0.0005; questions about pictures")
-    assert figure.startswith("1000 steps, mean of 1 seed: -10.00%, +5.0 points; 3000 steps, mean of 1 seed: +10.00%, "
-                             "+1.0 points; 1000 steps, seed 0: -10.00%")
+    assert figure.startswith("1000 steps, seed 0: -10.00%, +5.0 points")
     assert "; 3000 steps, seed 0: +10.00%, +1.0 points" in figure
     # The issue's measure over seeds: the coat runs' mean loss against their BF16 runs' mean, accuracy in points.
     run("bf16-long-s2", False, 0.30, 0.30, steps=3000, lr=5e-4, seed=2)
     run("coat-long-s2", True, 0.24, 0.36, steps=3000, lr=5e-4, seed=2, position=True, date="2026-01-03")
     results = pages.load_results(str(tmp_path))
     ((_, figure, _),) = pages._vlm_convergence_figures(results)
-    assert "; 3000 steps, mean of 2 seeds: -8.00%, +3.5 points; " in figure  # (0.22 + 0.24) / (0.20 + 0.30) - 1
+    # (0.22 + 0.24) / (0.20 + 0.30) - 1; the 1000-step length has one seed, so no mean
+    assert figure.startswith("3000 steps, mean of 2 seeds: -8.00%, +3.5 points; 1000 steps, seed 0: ")
     spec = pages._plot_specs(results)["vlm-convergence-gpu.png"]
     assert set(spec["curves"]) == {"bf16-long", "coat-long", "bf16-long-s2", "coat-long-s2"}
     assert spec["position"] == {"coat-long-s2": [(500, 5.0), (1000, 30.0)]}
@@ -235,7 +235,7 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     defaults, unquantized = pages._vlm_convergence_figures(results)
     assert "coat-long-g.json" not in [r.path for r, _ in defaults[2]]
     assert "output gradients unquantized" in unquantized[0] and [r.path for r, _ in unquantized[2]] == ["coat-long-g.json"]
-    assert unquantized[1].startswith("mean of 1 seed: +5.00%, +0.0 points")
+    assert unquantized[1].startswith("seed 0: +5.00%, +0.0 points")
     assert pages._plot_specs(results)["vlm-convergence-gpu.png"]["styles"]["coat-long-g"] == [
         "coat, output gradients unquantized", 0]
     # torch's AdamW in place of coat's (--torch-adamw): a row and a colour of its own too.
@@ -243,7 +243,7 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     results = pages.load_results(str(tmp_path))
     defaults, unquantized, torch_adamw = pages._vlm_convergence_figures(results)
     assert "coat-long-torch-adamw.json" not in [r.path for r, _ in defaults[2] + unquantized[2]]
-    assert "torch's AdamW" in torch_adamw[0] and torch_adamw[1].startswith("mean of 1 seed: +0.00%, +0.0 points")
+    assert "torch's AdamW" in torch_adamw[0] and torch_adamw[1].startswith("seed 0: +0.00%, +0.0 points")
     assert pages._plot_specs(results)["vlm-convergence-gpu.png"]["styles"]["coat-long-torch-adamw"] == [
         "coat, torch's AdamW", 0]
     # A setting the colours do not tell apart is drawn under its name, and kept out of the README's rows.
