@@ -442,3 +442,43 @@ def test_e2e_shapes_row_releases_the_parameters_its_accounting_step_keeps_refere
     alive = [p() for p in params if p() is not None]
     assert alive, "MemTracker no longer keeps the parameters: the release in ShapeTraining.free can go"
     assert sum(p.untyped_storage().nbytes() for p in alive) == 0
+
+
+@pytest.fixture
+def mrope_probe(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import mrope_position_probe
+
+    return mrope_position_probe
+
+
+@pytest.mark.parametrize("swap_axes", [False, True])
+def test_mrope_probe_positions_are_a_pictures(mrope_probe, swap_axes):
+    """The probe's grid has the M-RoPE positions get_rope_index gives a picture of 4 x 4 merged tokens (8 x 8
+    patches) after <vision_start>, the tokens after it too; --swap-axes exchanges the height and width streams."""
+    model = mrope_probe.build_model(mrope_probe.parse_arguments(["--out", "unused"]))
+    config = model.config
+    grid = mrope_probe.CELLS
+    input_ids = torch.tensor([[config.vision_start_token_id] + [config.image_token_id] * grid + [0, 0]])
+    expected, _ = model.model.get_rope_index(input_ids, (input_ids == config.image_token_id).int(),
+                                             torch.tensor([[1, 8, 8]]))
+    expected = expected[:, 0]
+    if swap_axes:
+        expected[1:, 1:1 + grid] = expected[[2, 1], 1:1 + grid]
+    assert torch.equal(mrope_probe.positions(swap_axes), expected)
+
+
+def test_mrope_probe_runs_and_logs_each_kind_of_question(mrope_probe, tmp_path):
+    """Both arms train and write the row and column accuracy of the held-out questions; a coat-only option without
+    --coat is refused."""
+    for arm in ([], ["--coat", "--gradient-format", "none"]):
+        out = tmp_path / "probe.json"
+        result = mrope_probe.main([*arm, "--steps", "2", "--batch", "4", "--out", str(out)])
+        assert json.loads(out.read_text()) == result
+        (entry,) = result["log"]
+        assert entry["step"] == 2 and math.isfinite(entry["held_out_loss"])
+        assert 0 <= entry["row_accuracy"] <= 1 and 0 <= entry["column_accuracy"] <= 1
+        assert {"device", "torch", "transformers", "date", "command"} <= result.keys()
+        assert result["options"]["coat"] == bool(arm)
+    with pytest.raises(SystemExit, match="add --coat"):
+        mrope_probe.main(["--gradient-format", "none", "--out", str(tmp_path / "no.json")])
