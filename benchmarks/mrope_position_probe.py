@@ -19,6 +19,7 @@ questions (1,024 samples; chance is 25%); the JSON has the log, the options, the
 
     python benchmarks/mrope_position_probe.py --out runs/probe-bf16.json
     python benchmarks/mrope_position_probe.py --coat --out runs/probe-coat.json
+    python benchmarks/mrope_position_probe.py --plot runs/probe.png runs/probe-*.json   # both accuracies per run
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ VOCAB = (FIRST_ANSWER + SIDE + 7) // 8 * 8
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plot", metavar="PNG", help="draw the logs given as arguments instead of training")
+    parser.add_argument("logs", nargs="*", help="with --plot: the JSON logs to draw")
     parser.add_argument("--coat", action="store_true", help="coat.convert the model (its decoder layers in FP8)")
     parser.add_argument("--gradient-format", default="e5m2", choices=["e5m2", "e4m3", "none"],
                         help="with --coat: the FP8 format of the layers' output gradients, or none (unquantized)")
@@ -52,8 +55,11 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3, help="after 100 warm-up steps, constant")
-    parser.add_argument("--out", required=True, help="the JSON log")
-    return parser.parse_args(argv)
+    parser.add_argument("--out", help="the JSON log")
+    args = parser.parse_args(argv)
+    if (args.plot is None) != (args.out is not None) or (args.plot is None and args.logs):
+        parser.error("give --out to train, or --plot PNG with the JSON logs to draw")
+    return args
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -107,8 +113,43 @@ def answer_loss(model, ids: torch.Tensor, position_ids: torch.Tensor):
     return torch.nn.functional.cross_entropy(logits, ids[:, -1]), logits[:, FIRST_ANSWER:FIRST_ANSWER + SIDE]
 
 
-def main(argv=None) -> dict:
+def plot(logs: list[str], png: str) -> None:
+    """The row and the column accuracy over the steps, a panel each, BF16 runs in black and coat's in orange."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for path in logs:
+        with open(path) as f:
+            run = json.load(f)
+        options = run["options"]
+        label = "coat" if options["coat"] else "BF16"
+        if options["coat"] and options["gradient_format"] != "e5m2":
+            label += f", output gradients {options['gradient_format']}"
+        label += ", axes swapped" * options["swap_axes"] + f", seed {options['seed']}"
+        colour = "tab:orange" if options["coat"] else "black"
+        style = "--" if options["coat"] and options["gradient_format"] != "e5m2" else "-"
+        steps = [entry["step"] for entry in run["log"]]
+        for ax, key in zip(axes, ("row_accuracy", "column_accuracy")):
+            ax.plot(steps, [100 * entry[key] for entry in run["log"]], style, color=colour, alpha=0.8, label=label)
+    for ax, title in zip(axes, ("row questions", "column questions")):
+        ax.set(title=title, xlabel="step", ylabel="held-out accuracy (%)")
+        ax.axhline(100 / SIDE, color="grey", lw=0.8)
+    axes[1].legend(fontsize=7)
+    figure.suptitle("benchmarks/mrope_position_probe.py: a grid cell's row (M-RoPE's height stream) and column (its "
+                    "width stream; the two swapped where the legend says)", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(png, dpi=120)
+    print(f"plot: {png}")
+
+
+def main(argv=None) -> dict | None:
     args = parse_arguments(argv)
+    if args.plot:
+        plot(args.logs, args.plot)
+        return None
     if args.gradient_format != "e5m2" and not args.coat:
         raise SystemExit("--gradient-format is an option of coat.convert: add --coat")
     model = build_model(args)

@@ -469,10 +469,12 @@ def test_mrope_probe_positions_are_a_pictures(mrope_probe, swap_axes):
 
 
 def test_mrope_probe_runs_and_logs_each_kind_of_question(mrope_probe, tmp_path):
-    """Both arms train and write the row and column accuracy of the held-out questions; a coat-only option without
-    --coat is refused."""
-    for arm in ([], ["--coat", "--gradient-format", "none"]):
-        out = tmp_path / "probe.json"
+    """Both arms train and write the row and column accuracy of the held-out questions, which --plot draws; a
+    coat-only option without --coat is refused."""
+    logs = []
+    for arm in ([], ["--coat", "--gradient-format", "none", "--swap-axes"]):
+        out = tmp_path / f"probe-{len(logs)}.json"
+        logs.append(str(out))
         result = mrope_probe.main([*arm, "--steps", "2", "--batch", "4", "--out", str(out)])
         assert json.loads(out.read_text()) == result
         (entry,) = result["log"]
@@ -480,5 +482,9 @@ def test_mrope_probe_runs_and_logs_each_kind_of_question(mrope_probe, tmp_path):
         assert 0 <= entry["row_accuracy"] <= 1 and 0 <= entry["column_accuracy"] <= 1
         assert {"device", "torch", "transformers", "date", "command"} <= result.keys()
         assert result["options"]["coat"] == bool(arm)
+    mrope_probe.main(["--plot", str(tmp_path / "probe.png"), *logs])
+    assert (tmp_path / "probe.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="add --coat"):
         mrope_probe.main(["--gradient-format", "none", "--out", str(tmp_path / "no.json")])
+    with pytest.raises(SystemExit):  # neither a log to write nor logs to draw
+        mrope_probe.main([])
