@@ -15,7 +15,8 @@ The model: the language model of a Qwen2.5-VL built from a config (hidden 128, t
 bf16 autocast, gradient clipping at 1.0; ``--coat`` converts it with ``coat.convert`` (its decoder layers in FP8,
 ``--gradient-format`` their output gradients'). The loss is the cross-entropy of the answer token, computed here
 the same way for both. Every 100 steps it prints and logs the held-out accuracy of the row and of the column
-questions (1,024 samples; chance is 25%); the JSON has the log, the options, the versions and the command.
+questions (1,024 samples; chance is 25%); the JSON has the log (its rows), the options (its summary), the
+versions and the command.
 
     python benchmarks/mrope_position_probe.py --out runs/probe-bf16.json
     python benchmarks/mrope_position_probe.py --coat --out runs/probe-coat.json
@@ -124,16 +125,16 @@ def plot(logs: list[str], png: str) -> None:
     for path in logs:
         with open(path) as f:
             run = json.load(f)
-        options = run["options"]
+        options = run["summary"]
         label = "coat" if options["coat"] else "BF16"
         if options["coat"] and options["gradient_format"] != "e5m2":
             label += f", output gradients {options['gradient_format']}"
         label += ", axes swapped" * options["swap_axes"] + f", seed {options['seed']}"
         colour = "tab:orange" if options["coat"] else "black"
         style = "--" if options["coat"] and options["gradient_format"] != "e5m2" else "-"
-        steps = [entry["step"] for entry in run["log"]]
+        steps = [entry["step"] for entry in run["rows"]]
         for ax, key in zip(axes, ("row_accuracy", "column_accuracy")):
-            ax.plot(steps, [100 * entry[key] for entry in run["log"]], style, color=colour, alpha=0.8, label=label)
+            ax.plot(steps, [100 * entry[key] for entry in run["rows"]], style, color=colour, alpha=0.8, label=label)
     for ax, title in zip(axes, ("row questions", "column questions")):
         ax.set(title=title, xlabel="step", ylabel="held-out accuracy (%)")
         ax.axhline(100 / SIDE, color="grey", lw=0.8)
@@ -179,7 +180,9 @@ def main(argv=None) -> dict | None:
                   f"row {row:.1%}, column {column:.1%} ({time.perf_counter() - start:.0f} s)", flush=True)
     import transformers
 
-    result = dict(options=vars(args), log=log, device=platform.processor() or platform.machine(),
+    # The results files' layout (benchmarks/results_pages.py reads every one): the options as the summary, an
+    # evaluation a row.
+    result = dict(summary=vars(args), rows=log, device=platform.processor() or platform.machine(),
                   torch=torch.__version__, transformers=transformers.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   command=" ".join(["benchmarks/mrope_position_probe.py", *(sys.argv[1:] if argv is None else argv)]))

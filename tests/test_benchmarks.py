@@ -477,11 +477,11 @@ def test_mrope_probe_runs_and_logs_each_kind_of_question(mrope_probe, tmp_path):
         logs.append(str(out))
         result = mrope_probe.main([*arm, "--steps", "2", "--batch", "4", "--out", str(out)])
         assert json.loads(out.read_text()) == result
-        (entry,) = result["log"]
+        (entry,) = result["rows"]
         assert entry["step"] == 2 and math.isfinite(entry["held_out_loss"])
         assert 0 <= entry["row_accuracy"] <= 1 and 0 <= entry["column_accuracy"] <= 1
         assert {"device", "torch", "transformers", "date", "command"} <= result.keys()
-        assert result["options"]["coat"] == bool(arm)
+        assert result["summary"]["coat"] == bool(arm)
     mrope_probe.main(["--plot", str(tmp_path / "probe.png"), *logs])
     assert (tmp_path / "probe.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="add --coat"):
