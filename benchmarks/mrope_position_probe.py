@@ -32,6 +32,7 @@ import sys
 import time
 
 import torch
+import transformers
 
 import coat
 
@@ -64,19 +65,17 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
     text = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
                 pad_token_id=None,
                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 12, 12]))
     # A vision tower the probe never calls (no pictures): the class needs one.
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=1, out_hidden_size=128, patch_size=14)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=VOCAB - 1,
-                              video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 4,
-                              tie_word_embeddings=False)
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=VOCAB - 1, video_token_id=VOCAB - 2,
+        vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 4, tie_word_embeddings=False)
     torch.manual_seed(args.seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
     if args.coat:
         coat.convert(model, gradient_format=None if args.gradient_format == "none" else args.gradient_format)
     return model
@@ -178,8 +177,6 @@ def main(argv=None) -> dict | None:
                             column_accuracy=column))
             print(f"{name} seed {args.seed} step {step}: loss {loss.item():.3f}, held-out {held_loss.item():.3f}, "
                   f"row {row:.1%}, column {column:.1%} ({time.perf_counter() - start:.0f} s)", flush=True)
-    import transformers
-
     # The results files' layout (benchmarks/results_pages.py reads every one): the options as the summary, an
     # evaluation a row.
     result = dict(summary=vars(args), rows=log, device=platform.processor() or platform.machine(),
