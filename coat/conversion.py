@@ -1,5 +1,5 @@
 """coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model, or a vision-language
-model built on one (LLaVA, Gemma 3, Qwen2.5-VL, Qwen3-VL), into an FP8-trained one, in place."""
+model built on one (LLaVA, Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), into an FP8-trained one, in place."""
 from __future__ import annotations
 
 import fnmatch
@@ -62,9 +62,10 @@ def convert(
     Parameters are shared, not copied, so ``state_dict()`` keys and values, ``save_pretrained`` /
     ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
     Vision-language models (LlavaForConditionalGeneration with a Llama, Mistral or Qwen2 language model,
-    Gemma3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration) get their
-    language model's decoder layers converted the same way (Qwen2.5-VL's and Qwen3-VL's, with multimodal rotary
-    positions: :mod:`coat.nn.families.vlm`); the vision tower and the projector stay as they are unless
+    Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration) get their language model's decoder layers
+    converted the same way (the Qwen models', with multimodal rotary positions, and Qwen3-VL-MoE's experts:
+    :mod:`coat.nn.families.vlm`); the vision tower and the projector stay as they are unless
     vision_linears is True, except that the tower's attention leaves out cuDNN's SDPA kernel, whose backward can
     turn finite gradients into NaN there (:mod:`coat.nn.attention`; so does a decoder layer's attention given a
     mask tensor).

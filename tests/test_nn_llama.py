@@ -125,6 +125,11 @@ def loss_and_grads(model, tokens):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def moe_layers(model) -> list:
+    """The decoder layers with a sparse MLP (of a causal LM or of a vision-language model's language model)."""
+    return [module for module in model.modules() if hasattr(getattr(module, "mlp", None), "experts")]
+
+
 @contextlib.contextmanager
 def pinned_routing(follower, leader):
     """MoE models: the follower's routers choose the experts the leader's chose in its last forward (each token's
@@ -132,8 +137,8 @@ def pinned_routing(follower, leader):
     k-th and (k+1)-th experts nearly tie (3 of 64 here) then goes to another expert: a whole token's contribution
     moves between experts with a few rows each, a difference of order 1 in their gradients that no precision
     removes. Pinned, the two models differ by their arithmetic alone. Dense models: nothing changes."""
-    routers = [(layer.mlp.gate, leading.mlp.gate) for layer, leading in zip(follower.model.layers, leader.model.layers)
-               if hasattr(layer.mlp, "experts")]
+    routers = [(layer.mlp.gate, leading.mlp.gate) for layer, leading in zip(moe_layers(follower), moe_layers(leader),
+                                                                            strict=True)]
     chosen, hooks = {}, []
     for router, leading in routers:
         hooks.append(leading.register_forward_hook(lambda _, __, out, key=router: chosen.__setitem__(key, out[2])))

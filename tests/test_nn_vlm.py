@@ -1,5 +1,5 @@
 """coat.convert on tiny vision-language models: LLaVA (with a Llama, Mistral or Qwen2 language model), Gemma 3,
-Qwen2.5-VL and Qwen3-VL (coat/nn/families/vlm.py). The language model's decoder layers convert as their dense
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (coat/nn/families/vlm.py). The language model's decoder layers convert as their dense
 families' do, the vision tower and projector stay as they are (their attention off cuDNN's kernel), and the fused LM head + loss is installed on the
 top model. Inputs are built as the processors build them: each image's placeholder tokens in the text, pixel values
 of the vision tower's shape, Gemma 3's token_type_ids and the Qwen models' mm_token_type_ids and image_grid_thw.
@@ -27,6 +27,8 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Config,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     Qwen3VLMoeConfig,
@@ -37,7 +39,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import AttentionInterface
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+from transformers.models.qwen2_vl import modeling_qwen2_vl
 from transformers.models.qwen3_vl import modeling_qwen3_vl
+from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe
 
 import coat
 from coat.nn import functional as coat_functional
@@ -47,7 +51,7 @@ from coat.nn.vision import VISION_MODULES, avoid_cudnn_attention
 from reference_nn import relative_error
 from test_causal_lm import assert_same_training_step
 from test_nn_llama import (CACHED_BOUND, FORWARD_BOUND, GRADIENT_BOUND, LOSS_BOUND, TINY, cache_keyword,
-                           gradient_bound, tiny_model)
+                           gradient_bound, pinned_routing, tiny_model)
 
 pytestmark = pytest.mark.transformers  # .ci/run runs these against the newest supported release too
 
@@ -62,7 +66,7 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
 IMAGE_SIZE, PATCH = 32, 8
 # Qwen: a 16 x 16 image in 4 x 4 patches (a 4 x 4 grid, the frame repeated to temporal_patch_size = 2, as the
 # processor does), merged 2 x 2 into 4 tokens; M-RoPE sections of 2 + 3 + 3 = head_dim / 2 (head_dim 16), Qwen3-VL's
-# interleaved over head_dim 32.
+# interleaved over head_dim 32. Qwen3-VL-MoE: 4 experts, 2 a token.
 QWEN_GRID, QWEN_PATCH, QWEN_TEMPORAL = 4, 4, 2
 QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT["hidden_size"],
                    patch_size=QWEN_PATCH, spatial_merge_size=2, temporal_patch_size=QWEN_TEMPORAL)
@@ -85,6 +89,14 @@ def gemma3_config(**text):
                         boi_token_id=IMAGE_START, eoi_token_id=IMAGE_END)
 
 
+def qwen2_vl_config(**text):
+    rope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
+    vision = dict(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=TEXT["hidden_size"],
+                  patch_size=QWEN_PATCH, spatial_merge_size=2, temporal_patch_size=QWEN_TEMPORAL)
+    text = {**QWEN_TEXT, "rope_parameters": rope, **text}
+    return Qwen2VLConfig(vision_config=vision, text_config=text, **QWEN_TOKENS)
+
+
 def qwen2_5_vl_config(**text):
     rope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
     vision = dict(QWEN_VISION, window_size=16, fullatt_block_indexes=[1])
@@ -105,11 +117,17 @@ VLMS = {
     "llava_qwen2": (LlavaForConditionalGeneration, functools.partial(llava_config, Qwen2Config)),
     "gemma3": (Gemma3ForConditionalGeneration, gemma3_config),
     "qwen2_5_vl": (Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config),
+    "qwen2_vl": (Qwen2VLForConditionalGeneration, qwen2_vl_config),
     "qwen3_vl": (Qwen3VLForConditionalGeneration, qwen3_vl_config),
+    "qwen3_vl_moe": (Qwen3VLMoeForConditionalGeneration,
+                     functools.partial(qwen3_vl_config, Qwen3VLMoeConfig, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=32)),
 }
-# One LLaVA stands for the three where what is checked does not depend on the language model's family.
-MAIN_VLMS = ["llava_llama", "gemma3", "qwen2_5_vl", "qwen3_vl"]
-QWEN_VLMS = ["qwen2_5_vl", "qwen3_vl"]
+# One LLaVA stands for the three where what is checked does not depend on the language model's family; Qwen2-VL
+# (Qwen2.5-VL's layers and rotary module, another vision tower) is in VLMS and QWEN_VLMS.
+MAIN_VLMS = ["llava_llama", "gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+QWEN_VLMS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+INTERLEAVED_MROPE = {"qwen3_vl": modeling_qwen3_vl, "qwen3_vl_moe": modeling_qwen3_vl_moe}
 
 
 def tiny_vlm(name, seed=0, **text):
@@ -245,12 +263,13 @@ def test_loss_and_gradients_close_to_bf16(name, device):
     converted = coat.convert(copy.deepcopy(model))
     tokens, labels, images = on_device(device, *image_batch(name))
     fp8_features, bf16_features, replayed = {}, {}, {}
-    with image_feature_gradients(converted, fp8_features):
-        fp8_loss, fp8_grads = loss_and_grads(converted, tokens, labels, images)
-    with image_feature_gradients(model, bf16_features):
-        bf16_loss, bf16_grads = loss_and_grads(model, tokens, labels, images)
-    with image_feature_gradients(model, replayed, replacements=fp8_features):
-        _, replayed_grads = loss_and_grads(model, tokens, labels, images)
+    with pinned_routing(follower=model, leader=converted):  # Qwen3-VL-MoE: the experts coat's forward chose
+        with image_feature_gradients(converted, fp8_features):
+            fp8_loss, fp8_grads = loss_and_grads(converted, tokens, labels, images)
+        with image_feature_gradients(model, bf16_features):
+            bf16_loss, bf16_grads = loss_and_grads(model, tokens, labels, images)
+        with image_feature_gradients(model, replayed, replacements=fp8_features):
+            _, replayed_grads = loss_and_grads(model, tokens, labels, images)
     print(f"\n{name}: loss {fp8_loss.item():.4f} vs BF16 {bf16_loss.item():.4f}")
     assert abs(fp8_loss - bf16_loss) <= LOSS_BOUND * abs(bf16_loss)
     assert fp8_grads.keys() == bf16_grads.keys()
@@ -297,7 +316,7 @@ def test_mrope_rotation_matches_transformers(name):
     hidden = torch.zeros(*tokens.shape, TEXT["hidden_size"])
     cos, sin = rotary(hidden, positions)
     sections = model.config.text_config.rope_parameters["mrope_section"]
-    want_cos, want_sin = mrope_tables(positions, rotary.inv_freq, sections, interleaved=name == "qwen3_vl")
+    want_cos, want_sin = mrope_tables(positions, rotary.inv_freq, sections, interleaved=name in INTERLEAVED_MROPE)
     torch.testing.assert_close(cos.double(), want_cos, rtol=0, atol=2e-6)
     torch.testing.assert_close(sin.double(), want_sin, rtol=0, atol=2e-6)
 
@@ -306,7 +325,7 @@ def test_mrope_rotation_matches_transformers(name):
     heads = (*tokens.shape, -1, attn.head_dim)
     query = torch.randn(*tokens.shape, attn.q_proj.out_features, generator=generator).view(heads)
     key = torch.randn(*tokens.shape, attn.k_proj.out_features, generator=generator).view(heads)
-    modeling = {"qwen2_5_vl": modeling_qwen2_5_vl, "qwen3_vl": modeling_qwen3_vl}[name]
+    modeling = {"qwen2_vl": modeling_qwen2_vl, "qwen2_5_vl": modeling_qwen2_5_vl, **INTERLEAVED_MROPE}[name]
     want_query, want_key = modeling.apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
     rotated_query, rotated_key = coat_functional.rotary_embedding(query, key, cos, sin)
     assert torch.equal(rotated_query, want_query.transpose(1, 2))
@@ -449,8 +468,7 @@ def test_qwen3_vl_layer_keeps_the_stock_order_of_arguments():
 
 def test_configurations_the_plan_does_not_cover_are_refused():
     """Refused with the model untouched: the families' own limits, named by the layer (an MLP activation other than
-    SiLU, head_dim above the fused q/k norm kernel's 256), and Qwen3-VL-MoE, whose text layers coat does not
-    convert."""
+    SiLU, head_dim above the fused q/k norm kernel's 256, expert widths the FP8 grouped GEMM cannot take)."""
     gelu = tiny_vlm("qwen2_5_vl", hidden_act="gelu")
     with pytest.raises(ValueError, match=r"cannot convert model\.language_model\.layers\.0: .*SiLU"):
         coat.convert(gelu)
@@ -458,11 +476,25 @@ def test_configurations_the_plan_does_not_cover_are_refused():
     wide = tiny_vlm("qwen3_vl", head_dim=288)
     with pytest.raises(ValueError, match=r"layers\.0: head_dim 288 is above the 256 .*skip_modules"):
         coat.convert(wide)
-    torch.manual_seed(0)
-    moe = Qwen3VLMoeForConditionalGeneration._from_config(
-        qwen3_vl_config(Qwen3VLMoeConfig, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
-    with pytest.raises(ValueError, match=r"Qwen2_5_VLDecoderLayer.*Qwen3VLMoeForConditionalGeneration has none"):
-        coat.convert(moe)
+    odd_experts = tiny_vlm("qwen3_vl_moe", moe_intermediate_size=40)
+    with pytest.raises(ValueError, match=r"layers\.0: the FP8 grouped GEMM needs .* got 64 and 40"):
+        coat.convert(odd_experts)
+    assert not any(type(layer) in FP8_DECODER_LAYERS.values() for layer in language_model(odd_experts).layers)
+
+
+def test_qwen3_vl_moe_fused_loss_adds_the_routers_loss():
+    """Qwen3-VL-MoE's forward adds its router's load-balancing loss, weighted by the text config's
+    router_aux_loss_coef, when output_router_logits is passed: the fused loss adds the same."""
+    model = tiny_vlm("qwen3_vl_moe", router_aux_loss_coef=0.5)
+    unfused = coat.convert(copy.deepcopy(model), fused_loss=False)
+    fused = coat.convert(model)
+    tokens, labels, images = image_batch("qwen3_vl_moe")
+    assert_same_training_step(fused, unfused, tokens, labels=labels, output_router_logits=True, **images)
+    with torch.no_grad():
+        routed = fused(tokens, labels=labels, output_router_logits=True, **images)
+        plain = fused(tokens, labels=labels, **images)
+    assert routed.aux_loss is not None and plain.aux_loss is None
+    torch.testing.assert_close(routed.loss, plain.loss + 0.5 * routed.aux_loss, rtol=0, atol=1e-5)
 
 
 def vision_side_linears(model) -> dict:

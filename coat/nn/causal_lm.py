@@ -2,7 +2,8 @@
 Qwen3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, Gemma3ForCausalLM; the mixtures of experts Qwen3MoeForCausalLM,
 Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, with the router's auxiliary loss added as their forward
 adds it when ``output_router_logits``) and vision-language models (LlavaForConditionalGeneration,
-Gemma3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration: the LM head
+Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
+Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration with its router's loss: the LM head
 on the top model, the loss transformers' own, over every position whose label is not ignore_index; a data set
 ignores the image tokens by labelling them -100, as with transformers' loss).
 
@@ -46,9 +47,11 @@ from transformers.models.phi3.modeling_phi3 import Phi3ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeForCausalLM
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
 from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 
 from coat.nn.cross_entropy import linear_cross_entropy
 from coat.nn.decoder import CACHE_ARGUMENTS, UNPADDED_CAUSAL
@@ -134,7 +137,7 @@ def _fused_loss_forward(base_forward):
         loss = outputs.logits
         aux_loss = getattr(outputs, "aux_loss", None)
         if aux_loss is not None:  # MoE models: the router's load-balancing loss, added as their forward adds it
-            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+            loss = loss + _router_aux_loss_coef(self) * aux_loss.to(loss.device)
         # A new output rather than assignments: ModelOutput's tuple view keeps the fields it was built with.
         outputs = type(outputs)(**{**outputs, "loss": loss, "logits": None})
         if return_dict is None:
@@ -142,6 +145,13 @@ def _fused_loss_forward(base_forward):
         return outputs if return_dict else outputs.to_tuple()
 
     return forward
+
+
+def _router_aux_loss_coef(model: nn.Module) -> float:
+    """The weight of the router's loss where the model's forward reads it: the causal LMs' attribute, Qwen3-VL-MoE's
+    text config."""
+    coef = getattr(model, "router_aux_loss_coef", None)
+    return model.config.get_text_config().router_aux_loss_coef if coef is None else coef
 
 
 def _fused_loss_class(base: type) -> type:
@@ -161,7 +171,8 @@ FUSED_LOSS_CAUSAL_LMS = {
     for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
                  Olmo2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
                  OlmoeForCausalLM, LlavaForConditionalGeneration, Gemma3ForConditionalGeneration,
-                 Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration)
+                 Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
+                 Qwen3VLMoeForConditionalGeneration)
 }
 globals().update({cls.__name__: cls for cls in FUSED_LOSS_CAUSAL_LMS.values()})  # where pickle finds them
 

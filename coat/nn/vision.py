@@ -22,7 +22,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gemma3.modeling_gemma3 import Gemma3ForConditionalGeneration
 from transformers.models.llava.modeling_llava import LlavaForConditionalGeneration
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 
 from coat.nn.attention import sdpa_without_cudnn
 
@@ -30,8 +32,10 @@ from coat.nn.attention import sdpa_without_cudnn
 VISION_MODULES = {
     LlavaForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
     Gemma3ForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
+    Qwen2VLForConditionalGeneration: ("model.visual",),
     Qwen2_5_VLForConditionalGeneration: ("model.visual",),
     Qwen3VLForConditionalGeneration: ("model.visual",),
+    Qwen3VLMoeForConditionalGeneration: ("model.visual",),
 }
 
 

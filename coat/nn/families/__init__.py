@@ -7,7 +7,8 @@
     olmo2    OLMo 2: post-norms, full-width q/k norms with 16-bit outputs
     gemma3   Gemma 3: (1 + w) norms, four a layer, and GeGLU
     moe      Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: their dense family's attention, the sparse MLP in coat.nn.experts
-    vlm      Qwen2.5-VL's and Qwen3-VL's text layers (LLaVA's and Gemma 3's are llama's and gemma3's)
+    vlm      the Qwen VLMs' text layers, Qwen3-VL-MoE's with moe's experts (LLaVA's and Gemma 3's are llama's and
+             gemma3's)
 
 Importing this package imports every family, so that the registry is complete: coat.convert does so after it has
 checked the transformers release (coat.compat), since the family modules import transformers' decoder layers. A new
