@@ -1,5 +1,5 @@
-"""coat.convert on tiny vision-language models: LLaVA (with a Llama, Mistral or Qwen2 language model), Gemma 3,
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (coat/nn/families/vlm.py). The language model's decoder layers convert as their dense
+"""coat.convert on tiny vision-language models: LLaVA (with a Llama, Mistral or Qwen2 language model), LLaVA-NeXT,
+LLaVA-OneVision, Mistral 3, Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (coat/nn/families/vlm.py). The language model's decoder layers convert as their dense
 families' do, the vision tower and projector stay as they are (their attention off cuDNN's kernel), and the fused LM head + loss is installed on the
 top model. Inputs are built as the processors build them: each image's placeholder tokens in the text, pixel values
 of the vision tower's shape, Gemma 3's token_type_ids and the Qwen models' mm_token_type_ids and image_grid_thw.
@@ -23,7 +23,14 @@ from transformers import (
     LlamaForCausalLM,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     MistralConfig,
+    PixtralVisionConfig,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Config,
@@ -62,8 +69,12 @@ IMAGE, IMAGE_START, IMAGE_END, VIDEO = 100, 101, 102, 103
 TEXT_TOKENS = 96
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 # LLaVA and Gemma 3: 32 x 32 images in 8 x 8 patches, 16 of them; LLaVA gives the language model every patch but
-# CLIP's class token, Gemma 3 pools them 2 x 2 into mm_tokens_per_image = 4.
+# CLIP's class token, Gemma 3 pools them 2 x 2 into mm_tokens_per_image = 4. Mistral 3: the same image, Pixtral's
+# patches merged 2 x 2 into 4 tokens. LLaVA-NeXT and LLaVA-OneVision ("any resolution"): a 16 x 16 image as the
+# processor sends it, the image resized to the tower's 16 x 16 and one 16 x 16 tile of it, 2 x 2 patches each: 4 tokens
+# of the resized image, then the tile's 4 with a newline token after each of its 2 rows, 10 in all.
 IMAGE_SIZE, PATCH = 32, 8
+ANY_RESOLUTION, ANY_RESOLUTION_TOKENS = 16, 10
 # Qwen: a 16 x 16 image in 4 x 4 patches (a 4 x 4 grid, the frame repeated to temporal_patch_size = 2, as the
 # processor does), merged 2 x 2 into 4 tokens; M-RoPE sections of 2 + 3 + 3 = head_dim / 2 (head_dim 16), Qwen3-VL's
 # interleaved over head_dim 32. Qwen3-VL-MoE: 4 experts, 2 a token.
@@ -79,6 +90,18 @@ def llava_config(text_config):
     vision = CLIPVisionConfig(**VISION, image_size=IMAGE_SIZE, patch_size=PATCH)
     return LlavaConfig(vision_config=vision, text_config=text_config(**TEXT), image_token_id=IMAGE,
                        vision_feature_layer=-1)
+
+
+def llava_next_config(config_class, vision_config, text_config):
+    vision = vision_config(**VISION, image_size=ANY_RESOLUTION, patch_size=PATCH)
+    return config_class(vision_config=vision, text_config=text_config(**TEXT), image_token_id=IMAGE,
+                        vision_feature_layer=-1, image_grid_pinpoints=[[ANY_RESOLUTION, ANY_RESOLUTION]])
+
+
+def mistral3_config(**text):
+    vision = PixtralVisionConfig(**VISION, image_size=IMAGE_SIZE, patch_size=PATCH, head_dim=16)
+    return Mistral3Config(vision_config=vision, text_config=MistralConfig(**{**TEXT, **text}), image_token_id=IMAGE,
+                          vision_feature_layer=-1, spatial_merge_size=2)
 
 
 def gemma3_config(**text):
@@ -115,6 +138,11 @@ VLMS = {
     "llava_llama": (LlavaForConditionalGeneration, functools.partial(llava_config, LlamaConfig)),
     "llava_mistral": (LlavaForConditionalGeneration, functools.partial(llava_config, MistralConfig)),
     "llava_qwen2": (LlavaForConditionalGeneration, functools.partial(llava_config, Qwen2Config)),
+    "llava_next": (LlavaNextForConditionalGeneration,
+                   functools.partial(llava_next_config, LlavaNextConfig, CLIPVisionConfig, LlamaConfig)),
+    "llava_onevision": (LlavaOnevisionForConditionalGeneration,
+                        functools.partial(llava_next_config, LlavaOnevisionConfig, SiglipVisionConfig, Qwen2Config)),
+    "mistral3": (Mistral3ForConditionalGeneration, mistral3_config),
     "gemma3": (Gemma3ForConditionalGeneration, gemma3_config),
     "qwen2_5_vl": (Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config),
     "qwen2_vl": (Qwen2VLForConditionalGeneration, qwen2_vl_config),
@@ -125,7 +153,9 @@ VLMS = {
 }
 # One LLaVA stands for the three where what is checked does not depend on the language model's family; Qwen2-VL
 # (Qwen2.5-VL's layers and rotary module, another vision tower) is in VLMS and QWEN_VLMS.
-MAIN_VLMS = ["llava_llama", "gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+MAIN_VLMS = ["llava_llama", "llava_next", "llava_onevision", "mistral3", "gemma3", "qwen2_5_vl", "qwen3_vl",
+             "qwen3_vl_moe"]
+ANY_RESOLUTION_VLMS = ("llava_next", "llava_onevision")
 QWEN_VLMS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 INTERLEAVED_MROPE = {"qwen3_vl": modeling_qwen3_vl, "qwen3_vl_moe": modeling_qwen3_vl_moe}
 
@@ -148,6 +178,8 @@ def tiny_vlm(name, seed=0, **text):
 
 
 def image_tokens(name) -> int:
+    if name in ANY_RESOLUTION_VLMS:
+        return ANY_RESOLUTION_TOKENS
     if name.startswith("llava"):
         return (IMAGE_SIZE // PATCH) ** 2
     return 4
@@ -159,7 +191,7 @@ def image_batch(name, batch=2, length=32, prompt=3, seed=1):
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, TEXT_TOKENS, (batch, length), generator=generator)
     count = image_tokens(name)
-    if name.startswith("llava"):
+    if name.startswith("llava") or name == "mistral3":
         tokens[:, prompt:prompt + count] = IMAGE
     else:
         tokens[:, prompt] = IMAGE_START
@@ -170,9 +202,14 @@ def image_batch(name, batch=2, length=32, prompt=3, seed=1):
         patches = torch.randn(batch * QWEN_GRID ** 2, 3 * QWEN_TEMPORAL * QWEN_PATCH ** 2, generator=generator)
         grids = torch.tensor([[1, QWEN_GRID, QWEN_GRID]] * batch)
         images = dict(pixel_values=patches.to(torch.bfloat16), image_grid_thw=grids, mm_token_type_ids=is_image.int())
+    elif name in ANY_RESOLUTION_VLMS:  # the resized image and its tile
+        pixels = torch.randn(batch, 2, 3, ANY_RESOLUTION, ANY_RESOLUTION, generator=generator)
+        images = dict(pixel_values=pixels.to(torch.bfloat16), image_sizes=torch.tensor([[ANY_RESOLUTION] * 2] * batch))
     else:
         pixels = torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
         images = dict(pixel_values=pixels.to(torch.bfloat16))
+        if name == "mistral3":
+            images["image_sizes"] = torch.tensor([[IMAGE_SIZE] * 2] * batch)
         if name == "gemma3":
             images["token_type_ids"] = is_image.long()
     return tokens, tokens.masked_fill(is_image, -100), images
@@ -522,7 +559,7 @@ def test_vision_linears_converts_the_vision_towers_and_projectors_linear_layers(
     assert type(model.lm_head) is FusedLossLMHead
 
 
-def vision_side_step(model, name, images, upstream=None):
+def vision_side_step(model, images, upstream=None):
     """The image features (the outputs of image_feature_modules) and the vision side's gradients for the loss
     sum(features * upstream), upstream random unless given: the vision side on its own, the same gradient
     arriving in both models."""
@@ -530,9 +567,9 @@ def vision_side_step(model, name, images, upstream=None):
     hooks = [m.register_forward_hook(lambda module, args, output: features.append(output))
              for m in image_feature_modules(model)]
     model.zero_grad()
-    grid = {"image_grid_thw": images["image_grid_thw"]} if name in QWEN_VLMS else {}
+    layout = {key: images[key] for key in ("image_grid_thw", "image_sizes") if key in images}
     try:
-        model.model.get_image_features(images["pixel_values"], **grid)
+        model.model.get_image_features(images["pixel_values"], **layout)
     finally:
         for hook in hooks:
             hook.remove()
@@ -561,8 +598,8 @@ def test_fp8_vision_side_close_to_bf16(name, device):
     model = tiny_vlm(name).to(device)
     converted = coat.convert(copy.deepcopy(model), vision_linears=True)
     tokens, labels, images = on_device(device, *image_batch(name))
-    bf16_features, upstream, bf16_grads = vision_side_step(model, name, images)
-    fp8_features, _, fp8_grads = vision_side_step(converted, name, images, upstream)
+    bf16_features, upstream, bf16_grads = vision_side_step(model, images)
+    fp8_features, _, fp8_grads = vision_side_step(converted, images, upstream)
     for fp8, bf16 in zip(fp8_features, bf16_features, strict=True):
         assert relative_error(fp8, bf16) <= FORWARD_BOUND
     assert fp8_grads.keys() == bf16_grads.keys()

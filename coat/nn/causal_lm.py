@@ -2,6 +2,7 @@
 Qwen3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, Gemma3ForCausalLM; the mixtures of experts Qwen3MoeForCausalLM,
 Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, with the router's auxiliary loss added as their forward
 adds it when ``output_router_logits``) and vision-language models (LlavaForConditionalGeneration,
+LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, Mistral3ForConditionalGeneration,
 Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
 Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration with its router's loss: the LM head
 on the top model, the loss transformers' own, over every position whose label is not ignore_index; a data set
@@ -39,6 +40,9 @@ from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 from transformers.models.llava.modeling_llava import LlavaForConditionalGeneration
+from transformers.models.llava_next.modeling_llava_next import LlavaNextForConditionalGeneration
+from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionForConditionalGeneration
+from transformers.models.mistral3.modeling_mistral3 import Mistral3ForConditionalGeneration
 from transformers.models.mistral.modeling_mistral import MistralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM
 from transformers.models.olmo2.modeling_olmo2 import Olmo2ForCausalLM
@@ -170,7 +174,8 @@ FUSED_LOSS_CAUSAL_LMS = {
     base: _fused_loss_class(base)
     for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
                  Olmo2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
-                 OlmoeForCausalLM, LlavaForConditionalGeneration, Gemma3ForConditionalGeneration,
+                 OlmoeForCausalLM, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration,
+                 LlavaOnevisionForConditionalGeneration, Mistral3ForConditionalGeneration, Gemma3ForConditionalGeneration,
                  Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
                  Qwen3VLMoeForConditionalGeneration)
 }

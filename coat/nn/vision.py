@@ -21,6 +21,9 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gemma3.modeling_gemma3 import Gemma3ForConditionalGeneration
 from transformers.models.llava.modeling_llava import LlavaForConditionalGeneration
+from transformers.models.llava_next.modeling_llava_next import LlavaNextForConditionalGeneration
+from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionForConditionalGeneration
+from transformers.models.mistral3.modeling_mistral3 import Mistral3ForConditionalGeneration
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
@@ -31,6 +34,9 @@ from coat.nn.attention import sdpa_without_cudnn
 # The vision side of each model: its vision tower and projector (the Qwen models' patch merger is in "visual").
 VISION_MODULES = {
     LlavaForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
+    LlavaNextForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
+    LlavaOnevisionForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
+    Mistral3ForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
     Gemma3ForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
     Qwen2VLForConditionalGeneration: ("model.visual",),
     Qwen2_5_VLForConditionalGeneration: ("model.visual",),
