@@ -1,6 +1,6 @@
 """coat.convert: turns a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model, a mixture of
-experts, or a vision-language model built on one (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Mistral 3, Gemma 3, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), into an FP8-trained one, in place."""
+experts, or a vision-language model built on one (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Mistral 3, InternVL,
+Idefics3, SmolVLM, Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), into an FP8-trained one, in place."""
 from __future__ import annotations
 
 import fnmatch
@@ -64,11 +64,12 @@ def convert(
     ``from_pretrained``, ``eval()`` and ``generate()`` work as before.
     Vision-language models (LlavaForConditionalGeneration, LlavaNextForConditionalGeneration and
     LlavaOnevisionForConditionalGeneration with a Llama, Mistral or Qwen2 language model,
-    Mistral3ForConditionalGeneration, Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
-    Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration) get their language model's decoder layers
-    converted the same way (the Qwen models', with multimodal rotary positions, and Qwen3-VL-MoE's experts:
-    :mod:`coat.nn.families.vlm`); the vision tower and the projector stay as they are unless
-    vision_linears is True, except that the tower's attention leaves out cuDNN's SDPA kernel, whose backward can
+    Mistral3ForConditionalGeneration, InternVLForConditionalGeneration, Idefics3ForConditionalGeneration,
+    SmolVLMForConditionalGeneration, Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration) get
+    their language model's decoder layers converted the same way (the Qwen models', with multimodal rotary positions,
+    and Qwen3-VL-MoE's experts: :mod:`coat.nn.families.vlm`); the vision tower and the projector stay as they are
+    unless vision_linears is True, except that the tower's attention leaves out cuDNN's SDPA kernel, whose backward can
     turn finite gradients into NaN there (:mod:`coat.nn.attention`; so does a decoder layer's attention given a
     mask tensor).
 

@@ -1,7 +1,8 @@
 """coat.convert on tiny vision-language models: LLaVA (with a Llama, Mistral or Qwen2 language model), LLaVA-NeXT,
-LLaVA-OneVision, Mistral 3, Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE (coat/nn/families/vlm.py). The language model's decoder layers convert as their dense
-families' do, the vision tower and projector stay as they are (their attention off cuDNN's kernel), and the fused LM head + loss is installed on the
-top model. Inputs are built as the processors build them: each image's placeholder tokens in the text, pixel values
+LLaVA-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, Gemma 3, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE
+(coat/nn/families/vlm.py). The language model's decoder layers convert as their dense families' do, the vision tower
+and projector stay as they are (their attention off cuDNN's kernel), and the fused LM head + loss is installed on
+the top model. Inputs are built as the processors build them: each image's placeholder tokens in the text, pixel values
 of the vision tower's shape, Gemma 3's token_type_ids and the Qwen models' mm_token_type_ids and image_grid_thw.
 Bounds are those of tests/test_nn_llama.py, which explains them."""
 import contextlib
@@ -19,6 +20,10 @@ from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
+    InternVLConfig,
+    InternVLForConditionalGeneration,
     LlamaConfig,
     LlamaForCausalLM,
     LlavaConfig,
@@ -41,6 +46,8 @@ from transformers import (
     Qwen3VLMoeConfig,
     Qwen3VLMoeForConditionalGeneration,
     SiglipVisionConfig,
+    SmolVLMConfig,
+    SmolVLMForConditionalGeneration,
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import AttentionInterface
@@ -70,9 +77,11 @@ TEXT_TOKENS = 96
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 # LLaVA and Gemma 3: 32 x 32 images in 8 x 8 patches, 16 of them; LLaVA gives the language model every patch but
 # CLIP's class token, Gemma 3 pools them 2 x 2 into mm_tokens_per_image = 4. Mistral 3: the same image, Pixtral's
-# patches merged 2 x 2 into 4 tokens. LLaVA-NeXT and LLaVA-OneVision ("any resolution"): a 16 x 16 image as the
-# processor sends it, the image resized to the tower's 16 x 16 and one 16 x 16 tile of it, 2 x 2 patches each: 4 tokens
-# of the resized image, then the tile's 4 with a newline token after each of its 2 rows, 10 in all.
+# patches merged 2 x 2 into 4 tokens, as InternVL's (pixel shuffle, downsample_ratio 0.5), Idefics3's and SmolVLM's
+# (scale_factor 2), whose processors send each image as a list of tiles, one here. LLaVA-NeXT and LLaVA-OneVision
+# ("any resolution"): a 16 x 16 image as the processor sends it, the image resized to the tower's 16 x 16 and one
+# 16 x 16 tile of it, 2 x 2 patches each: 4 tokens of the resized image, then the tile's 4 with a newline token after
+# each of its 2 rows, 10 in all.
 IMAGE_SIZE, PATCH = 32, 8
 ANY_RESOLUTION, ANY_RESOLUTION_TOKENS = 16, 10
 # Qwen: a 16 x 16 image in 4 x 4 patches (a 4 x 4 grid, the frame repeated to temporal_patch_size = 2, as the
@@ -102,6 +111,17 @@ def mistral3_config(**text):
     vision = PixtralVisionConfig(**VISION, image_size=IMAGE_SIZE, patch_size=PATCH, head_dim=16)
     return Mistral3Config(vision_config=vision, text_config=MistralConfig(**{**TEXT, **text}), image_token_id=IMAGE,
                           vision_feature_layer=-1, spatial_merge_size=2)
+
+
+def internvl_config(**text):
+    vision = dict(VISION, image_size=[IMAGE_SIZE] * 2, patch_size=[PATCH] * 2)
+    return InternVLConfig(vision_config=vision, text_config=Qwen2Config(**{**TEXT, **text}), image_token_id=IMAGE,
+                          downsample_ratio=0.5, vision_feature_layer=-1)
+
+
+def idefics3_config(config_class, **text):
+    return config_class(vision_config=dict(VISION, image_size=IMAGE_SIZE, patch_size=PATCH),
+                        text_config=LlamaConfig(**{**TEXT, **text}), image_token_id=IMAGE, scale_factor=2)
 
 
 def gemma3_config(**text):
@@ -143,6 +163,9 @@ VLMS = {
     "llava_onevision": (LlavaOnevisionForConditionalGeneration,
                         functools.partial(llava_next_config, LlavaOnevisionConfig, SiglipVisionConfig, Qwen2Config)),
     "mistral3": (Mistral3ForConditionalGeneration, mistral3_config),
+    "internvl": (InternVLForConditionalGeneration, internvl_config),
+    "idefics3": (Idefics3ForConditionalGeneration, functools.partial(idefics3_config, Idefics3Config)),
+    "smolvlm": (SmolVLMForConditionalGeneration, functools.partial(idefics3_config, SmolVLMConfig)),
     "gemma3": (Gemma3ForConditionalGeneration, gemma3_config),
     "qwen2_5_vl": (Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config),
     "qwen2_vl": (Qwen2VLForConditionalGeneration, qwen2_vl_config),
@@ -153,8 +176,9 @@ VLMS = {
 }
 # One LLaVA stands for the three where what is checked does not depend on the language model's family; Qwen2-VL
 # (Qwen2.5-VL's layers and rotary module, another vision tower) is in VLMS and QWEN_VLMS.
-MAIN_VLMS = ["llava_llama", "llava_next", "llava_onevision", "mistral3", "gemma3", "qwen2_5_vl", "qwen3_vl",
-             "qwen3_vl_moe"]
+MAIN_VLMS = ["llava_llama", "llava_next", "llava_onevision", "mistral3", "internvl", "idefics3", "smolvlm", "gemma3",
+             "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+TILED_VLMS = ("idefics3", "smolvlm")  # pixel values [batch, tiles, channels, height, width]
 ANY_RESOLUTION_VLMS = ("llava_next", "llava_onevision")
 QWEN_VLMS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 INTERLEAVED_MROPE = {"qwen3_vl": modeling_qwen3_vl, "qwen3_vl_moe": modeling_qwen3_vl_moe}
@@ -191,12 +215,12 @@ def image_batch(name, batch=2, length=32, prompt=3, seed=1):
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, TEXT_TOKENS, (batch, length), generator=generator)
     count = image_tokens(name)
-    if name.startswith("llava") or name == "mistral3":
-        tokens[:, prompt:prompt + count] = IMAGE
-    else:
+    if name in QWEN_VLMS or name == "gemma3":
         tokens[:, prompt] = IMAGE_START
         tokens[:, prompt + 1:prompt + 1 + count] = IMAGE
         tokens[:, prompt + 1 + count] = IMAGE_END
+    else:
+        tokens[:, prompt:prompt + count] = IMAGE
     is_image = tokens == IMAGE
     if name in QWEN_VLMS:
         patches = torch.randn(batch * QWEN_GRID ** 2, 3 * QWEN_TEMPORAL * QWEN_PATCH ** 2, generator=generator)
@@ -206,7 +230,8 @@ def image_batch(name, batch=2, length=32, prompt=3, seed=1):
         pixels = torch.randn(batch, 2, 3, ANY_RESOLUTION, ANY_RESOLUTION, generator=generator)
         images = dict(pixel_values=pixels.to(torch.bfloat16), image_sizes=torch.tensor([[ANY_RESOLUTION] * 2] * batch))
     else:
-        pixels = torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
+        tiles = (1,) if name in TILED_VLMS else ()
+        pixels = torch.randn(batch, *tiles, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
         images = dict(pixel_values=pixels.to(torch.bfloat16))
         if name == "mistral3":
             images["image_sizes"] = torch.tensor([[IMAGE_SIZE] * 2] * batch)
@@ -228,12 +253,12 @@ def loss_and_grads(model, tokens, labels, images):
 
 
 def language_model(model):
-    return model.model.language_model
+    return getattr(model.model, "language_model", None) or model.model.text_model  # Idefics3's and SmolVLM's
 
 
 def vision_side(model):
     """The vision tower and the projector: every child of the multimodal model but the language model."""
-    return [child for name, child in model.model.named_children() if name != "language_model"]
+    return [child for child in model.model.children() if child is not language_model(model)]
 
 
 @pytest.mark.parametrize("name", VLMS)
@@ -260,8 +285,9 @@ def test_conversion_keeps_parameters_and_keys(name):
 def image_feature_modules(model):
     """The modules whose outputs the language model reads from the vision side: the projector (Qwen: the merger;
     Qwen3-VL's DeepStack mergers too, whose outputs are added to the first layers' outputs)."""
-    if hasattr(model.model, "multi_modal_projector"):
-        return [model.model.multi_modal_projector]
+    projector = getattr(model.model, "multi_modal_projector", None) or getattr(model.model, "connector", None)
+    if projector is not None:
+        return [projector]
     visual = model.model.visual
     return [visual.merger, *getattr(visual, "deepstack_merger_list", [])]
 
@@ -285,7 +311,7 @@ def image_feature_gradients(model, received: dict, replacements: dict | None = N
 
 
 def is_vision_side(name: str) -> bool:
-    return name.startswith(("model.vision_tower.", "model.visual.", "model.multi_modal_projector."))
+    return name.startswith(tuple(f"{module}." for modules in VISION_MODULES.values() for module in modules))
 
 
 @pytest.mark.parametrize("name", VLMS)
@@ -537,7 +563,7 @@ def test_qwen3_vl_moe_fused_loss_adds_the_routers_loss():
 def vision_side_linears(model) -> dict:
     """The qualified names and types of the linear layers (nn.Linear and its subclasses) on the vision side."""
     return {f"model.{part}.{name}": type(module) for part, child in model.model.named_children()
-            if part != "language_model" for name, module in child.named_modules()
+            if child is not language_model(model) for name, module in child.named_modules()
             if isinstance(module, torch.nn.Linear)}
 
 

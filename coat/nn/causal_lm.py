@@ -3,6 +3,7 @@ Qwen3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM, Gemma3ForCausalLM; the mixt
 Qwen2MoeForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, with the router's auxiliary loss added as their forward
 adds it when ``output_router_logits``) and vision-language models (LlavaForConditionalGeneration,
 LlavaNextForConditionalGeneration, LlavaOnevisionForConditionalGeneration, Mistral3ForConditionalGeneration,
+InternVLForConditionalGeneration, Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration,
 Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
 Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration with its router's loss: the LM head
 on the top model, the loss transformers' own, over every position whose label is not ignore_index; a data set
@@ -38,6 +39,8 @@ import functools
 import torch
 from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from transformers.models.idefics3.modeling_idefics3 import Idefics3ForConditionalGeneration
+from transformers.models.internvl.modeling_internvl import InternVLForConditionalGeneration
 from transformers.models.llama.modeling_llama import LlamaForCausalLM
 from transformers.models.llava.modeling_llava import LlavaForConditionalGeneration
 from transformers.models.llava_next.modeling_llava_next import LlavaNextForConditionalGeneration
@@ -56,6 +59,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3ForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
+from transformers.models.smolvlm.modeling_smolvlm import SmolVLMForConditionalGeneration
 
 from coat.nn.cross_entropy import linear_cross_entropy
 from coat.nn.decoder import CACHE_ARGUMENTS, UNPADDED_CAUSAL
@@ -175,9 +179,10 @@ FUSED_LOSS_CAUSAL_LMS = {
     for base in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
                  Olmo2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
                  OlmoeForCausalLM, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration,
-                 LlavaOnevisionForConditionalGeneration, Mistral3ForConditionalGeneration, Gemma3ForConditionalGeneration,
-                 Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
-                 Qwen3VLMoeForConditionalGeneration)
+                 LlavaOnevisionForConditionalGeneration, Mistral3ForConditionalGeneration,
+                 InternVLForConditionalGeneration, Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration,
+                 Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
+                 Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration)
 }
 globals().update({cls.__name__: cls for cls in FUSED_LOSS_CAUSAL_LMS.values()})  # where pickle finds them
 

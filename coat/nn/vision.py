@@ -20,6 +20,8 @@ import importlib
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gemma3.modeling_gemma3 import Gemma3ForConditionalGeneration
+from transformers.models.idefics3.modeling_idefics3 import Idefics3ForConditionalGeneration
+from transformers.models.internvl.modeling_internvl import InternVLForConditionalGeneration
 from transformers.models.llava.modeling_llava import LlavaForConditionalGeneration
 from transformers.models.llava_next.modeling_llava_next import LlavaNextForConditionalGeneration
 from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionForConditionalGeneration
@@ -28,6 +30,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLForCond
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLForConditionalGeneration
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
+from transformers.models.smolvlm.modeling_smolvlm import SmolVLMForConditionalGeneration
 
 from coat.nn.attention import sdpa_without_cudnn
 
@@ -37,6 +40,9 @@ VISION_MODULES = {
     LlavaNextForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
     LlavaOnevisionForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
     Mistral3ForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
+    InternVLForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
+    Idefics3ForConditionalGeneration: ("model.vision_model", "model.connector"),
+    SmolVLMForConditionalGeneration: ("model.vision_model", "model.connector"),
     Gemma3ForConditionalGeneration: ("model.vision_tower", "model.multi_modal_projector"),
     Qwen2VLForConditionalGeneration: ("model.visual",),
     Qwen2_5_VLForConditionalGeneration: ("model.visual",),
