@@ -6,7 +6,8 @@ expansion.
 coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear, RMSNorm, SwiGLUMLP), and
 coat.convert(model) converts a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model, a mixture
 of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: FP8 experts in coat.nn.experts), or a vision-language model built
-on one of the dense families (LLaVA, Gemma 3, Qwen2.5-VL, Qwen3-VL), to the FP8 precision flow.
+on one of them (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, Gemma 3, Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE), to the FP8 precision flow.
 coat.optim.AdamW is a drop-in for torch.optim.AdamW that keeps both moments in FP8.
 coat.report.QuantizationReport measures what quantization does to each tensor of a converted model during
 training: amax, flushed and saturated shares, relative error, the optimizer's expansion exponents.
