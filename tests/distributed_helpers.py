@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -60,10 +59,9 @@ def assert_all_equal(compared: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> 
     assert not differing, f"{len(differing)} of {len(compared)} tensors differ, e.g. {differing[:5]}"
 
 
-def run_scenarios(rank: int, world_size: int, backend: str, port: int, out: str, scenarios) -> None:
+def run_scenarios(rank: int, world_size: int, backend: str, out: str, scenarios) -> None:
     """A worker's body: joins the process group and runs every scenario in this one process (starting processes,
     with torch and transformers, costs more than the scenarios themselves)."""
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)  # same CPU kernels, same sums, in the workers and in the references they compute
     if backend == "nccl":
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -72,7 +70,15 @@ def run_scenarios(rank: int, world_size: int, backend: str, port: int, out: str,
         device = torch.device("cuda", rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    # A file in the test's own folder, not a TCP port: a free port picked here can be taken by another test
+    # process before the store binds it (EADDRINUSE on CI).
+    dist.init_process_group(
+        backend,
+        init_method=(Path(out) / "rendezvous").resolve().as_uri(),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
     try:
         for scenario in scenarios:
             scenario_dir = Path(out) / scenario.__name__
@@ -82,17 +88,11 @@ def run_scenarios(rank: int, world_size: int, backend: str, port: int, out: str,
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_and_load(worker, backend: str, out: Path, scenarios, weights_only: bool = True) -> dict[str, list]:
-    """Runs ``worker(rank, WORLD_SIZE, backend, port, out)`` in WORLD_SIZE processes, failing the test after
+    """Runs ``worker(rank, WORLD_SIZE, backend, out)`` in WORLD_SIZE processes, failing the test after
     TIMEOUT_S, and returns {scenario name: [rank 0's results, rank 1's, ...]}."""
     context = mp.start_processes(
-        worker, args=(WORLD_SIZE, backend, free_port(), str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
+        worker, args=(WORLD_SIZE, backend, str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + TIMEOUT_S
     try:

@@ -201,8 +201,8 @@ def precomputed_scales_refuse_stale_weights(rank: int, world_size: int, device: 
 SCENARIOS = (modes_train_bit_for_bit, precomputed_scales_refuse_stale_weights)
 
 
-def worker(rank: int, world_size: int, backend: str, port: int, out: str) -> None:
-    run_scenarios(rank, world_size, backend, port, out, SCENARIOS)
+def worker(rank: int, world_size: int, backend: str, out: str) -> None:
+    run_scenarios(rank, world_size, backend, out, SCENARIOS)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

@@ -95,8 +95,8 @@ def families(rank: int, world_size: int, device: torch.device, out: Path) -> Non
     torch.save(results, out / f"rank{rank}.pt")
 
 
-def worker(rank: int, world_size: int, backend: str, port: int, out: str) -> None:
-    run_scenarios(rank, world_size, backend, port, out, (families,))
+def worker(rank: int, world_size: int, backend: str, out: str) -> None:
+    run_scenarios(rank, world_size, backend, out, (families,))
 
 
 @pytest.fixture(scope="module")

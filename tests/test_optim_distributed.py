@@ -422,8 +422,8 @@ SCENARIOS = (
 )
 
 
-def worker(rank: int, world_size: int, backend: str, port: int, out: str) -> None:
-    run_scenarios(rank, world_size, backend, port, out, SCENARIOS)
+def worker(rank: int, world_size: int, backend: str, out: str) -> None:
+    run_scenarios(rank, world_size, backend, out, SCENARIOS)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
