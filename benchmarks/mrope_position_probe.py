@@ -8,7 +8,10 @@ tokens in a random order). Nothing but M-RoPE tells the cells apart, so the row 
 of the rotary frequencies and the column from the width section, which Qwen2.5-VL's contiguous ``mrope_section``
 gives the lowest frequencies: at this head size and theta one column turns a width frequency by at most 0.0032
 radians, one row a height frequency by up to 0.1. ``--swap-axes`` puts the row in the width stream and the column
-in the height stream, to tell the frequencies from the two axes' roles.
+in the height stream, to tell the frequencies from the two axes' roles. ``--content-noise S`` multiplies each
+element of each grid cell's input embedding by 1 + S * N(0, 1), drawn per sample: content that varies from picture
+to picture as a vision tower's features do, so that FP8's rounding errors differ from sample to sample instead of
+repeating with the 19 fixed embeddings (0, the default: no noise).
 
 The model: the language model of a Qwen2.5-VL built from a config (hidden 128, two layers, head size 64, theta 1e4,
 ``mrope_section`` 8, 12, 12: the example's gpu preset's rotary layout), trained from scratch with torch's AdamW,
@@ -37,6 +40,7 @@ import transformers
 import coat
 
 SIDE = 4  # cells per side of the grid
+HIDDEN = 128
 CELLS = SIDE * SIDE
 # Token ids: 0..15 fillers, then the special tokens, then the answers 0..3; the vocabulary rounded up to 8.
 VISION_START, ROW_QUESTION, COLUMN_QUESTION, MARK = CELLS, CELLS + 1, CELLS + 2, CELLS + 3
@@ -53,19 +57,23 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="with --coat: the FP8 format of the layers' output gradients, or none (unquantized)")
     parser.add_argument("--swap-axes", action="store_true",
                         help="the row in the width stream and the column in the height stream")
+    parser.add_argument("--content-noise", type=float, default=0.0, metavar="S",
+                        help="multiply the grid cells' input embeddings by 1 + S * N(0, 1) per element and sample")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and training stream")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3, help="after 100 warm-up steps, constant")
     parser.add_argument("--out", help="the JSON log")
     args = parser.parse_args(argv)
+    if args.content_noise < 0:
+        parser.error(f"--content-noise is a standard deviation, at least 0, got {args.content_noise}")
     if (args.plot is None) != (args.out is not None) or (args.plot is None and args.logs):
         parser.error("give --out to train, or --plot PNG with the JSON logs to draw")
     return args
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    text = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+    text = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
                 pad_token_id=None,
                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 12, 12]))
@@ -92,8 +100,9 @@ def positions(swap_axes: bool) -> torch.Tensor:
     return torch.cat([torch.zeros(3, 1, dtype=torch.long), grid, after], 1)
 
 
-def samples(generator: torch.Generator, size: int):
-    """(token ids [size, 1 + CELLS + 2] ending in the answer, question kind (0 row, 1 column), answer index)."""
+def samples(generator: torch.Generator, size: int, content_noise: float = 0.0):
+    """(token ids [size, 1 + CELLS + 2] ending in the answer, question kind (0 row, 1 column), answer index, the
+    [size, CELLS, HIDDEN] factors of the grid cells' embeddings or None without content noise)."""
     fillers = torch.stack([torch.randperm(CELLS, generator=generator) for _ in range(size)])
     cell = torch.randint(0, CELLS, (size,), generator=generator)
     kind = torch.randint(0, 2, (size,), generator=generator)
@@ -102,14 +111,23 @@ def samples(generator: torch.Generator, size: int):
     question = torch.where(kind == 0, ROW_QUESTION, COLUMN_QUESTION)
     start = torch.full((size, 1), VISION_START)
     ids = torch.cat([start, fillers, question[:, None], (FIRST_ANSWER + answer)[:, None]], 1)
-    return ids, kind, answer
+    # Drawn after the tokens, and only with noise: the runs without it see the streams they saw before the option.
+    factors = 1 + content_noise * torch.randn(size, CELLS, HIDDEN, generator=generator) if content_noise else None
+    return ids, kind, answer, factors
 
 
-def answer_loss(model, ids: torch.Tensor, position_ids: torch.Tensor):
-    """(cross-entropy of the answer token, the logits of the SIDE answers) from the tokens before it."""
+def answer_loss(model, ids: torch.Tensor, position_ids: torch.Tensor, factors: torch.Tensor | None = None):
+    """(cross-entropy of the answer token, the logits of the SIDE answers) from the tokens before it; factors: the
+    grid cells' embeddings are multiplied by them."""
     position_ids = position_ids[:, None, :-1].expand(-1, ids.shape[0], -1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(input_ids=ids[:, :-1], position_ids=position_ids).logits[:, -1].float()
+        if factors is None:
+            inputs = dict(input_ids=ids[:, :-1])
+        else:
+            embeds = model.get_input_embeddings()(ids[:, :-1])
+            cells = embeds[:, 1:1 + CELLS] * factors
+            inputs = dict(inputs_embeds=torch.cat([embeds[:, :1], cells, embeds[:, 1 + CELLS:]], 1))
+        logits = model(**inputs, position_ids=position_ids).logits[:, -1].float()
     return torch.nn.functional.cross_entropy(logits, ids[:, -1]), logits[:, FIRST_ANSWER:FIRST_ANSWER + SIDE]
 
 
@@ -129,6 +147,8 @@ def plot(logs: list[str], png: str) -> None:
         if options["coat"] and options["gradient_format"] != "e5m2":
             label += f", output gradients {options['gradient_format']}"
         label += ", axes swapped" * options["swap_axes"] + f", seed {options['seed']}"
+        if options.get("content_noise"):  # logs from before the option have none
+            label += f", content noise {options['content_noise']:g}"
         colour = "tab:orange" if options["coat"] else "black"
         style = "--" if options["coat"] and options["gradient_format"] != "e5m2" else "-"
         steps = [entry["step"] for entry in run["rows"]]
@@ -156,13 +176,14 @@ def main(argv=None) -> dict | None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
     position_ids = positions(args.swap_axes)
-    held_ids, held_kind, held_answer = samples(torch.Generator().manual_seed(10_000 + args.seed), 1024)
+    held_ids, held_kind, held_answer, held_factors = samples(torch.Generator().manual_seed(10_000 + args.seed), 1024,
+                                                             args.content_noise)
     stream = torch.Generator().manual_seed(args.seed)
     name = "coat" if args.coat else "bf16"
     log, start = [], time.perf_counter()
     for step in range(1, args.steps + 1):
-        ids, _, _ = samples(stream, args.batch)
-        loss, _ = answer_loss(model, ids, position_ids)
+        ids, _, _, factors = samples(stream, args.batch, args.content_noise)
+        loss, _ = answer_loss(model, ids, position_ids, factors)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -170,7 +191,7 @@ def main(argv=None) -> dict | None:
         warmup.step()
         if step % 100 == 0 or step == args.steps:
             with torch.no_grad():
-                held_loss, logits = answer_loss(model, held_ids, position_ids)
+                held_loss, logits = answer_loss(model, held_ids, position_ids, held_factors)
             right = logits.argmax(-1) == held_answer
             row, column = (right[held_kind == kind].float().mean().item() for kind in (0, 1))
             log.append(dict(step=step, train_loss=loss.item(), held_out_loss=held_loss.item(), row_accuracy=row,

@@ -468,11 +468,30 @@ def test_mrope_probe_positions_are_a_pictures(mrope_probe, swap_axes):
     assert torch.equal(mrope_probe.positions(swap_axes), expected)
 
 
+def test_mrope_probe_content_noise_scales_the_grid_cells_embeddings_only(mrope_probe):
+    """--content-noise draws its factors after the tokens (the token stream is the one without it) and multiplies
+    the grid cells' input embeddings by them: factors of one give the model's own embedding of the tokens."""
+    model = mrope_probe.build_model(mrope_probe.parse_arguments(["--out", "unused"]))
+    ids, kind, answer, factors = mrope_probe.samples(torch.Generator().manual_seed(3), 8)
+    noisy_ids, noisy_kind, noisy_answer, noisy_factors = mrope_probe.samples(torch.Generator().manual_seed(3), 8, 0.1)
+    assert factors is None and noisy_factors.shape == (8, mrope_probe.CELLS, mrope_probe.HIDDEN)
+    assert torch.equal(ids, noisy_ids) and torch.equal(kind, noisy_kind) and torch.equal(answer, noisy_answer)
+    assert 0.09 < noisy_factors.std().item() < 0.11 and abs(noisy_factors.mean().item() - 1) < 0.01
+    positions = mrope_probe.positions(False)
+    with torch.no_grad():
+        loss, logits = mrope_probe.answer_loss(model, ids, positions)
+        ones_loss, ones_logits = mrope_probe.answer_loss(model, ids, positions, torch.ones_like(noisy_factors))
+        noisy_loss, _ = mrope_probe.answer_loss(model, ids, positions, noisy_factors)
+    assert torch.equal(loss, ones_loss) and torch.equal(logits, ones_logits) and not torch.equal(loss, noisy_loss)
+    with pytest.raises(SystemExit):
+        mrope_probe.parse_arguments(["--content-noise", "-0.1", "--out", "unused"])
+
+
 def test_mrope_probe_runs_and_logs_each_kind_of_question(mrope_probe, tmp_path):
     """Both arms train and write the row and column accuracy of the held-out questions, which --plot draws; a
     coat-only option without --coat is refused."""
     logs = []
-    for arm in ([], ["--coat", "--gradient-format", "none", "--swap-axes"]):
+    for arm in ([], ["--coat", "--gradient-format", "none", "--swap-axes", "--content-noise", "0.1"]):
         out = tmp_path / f"probe-{len(logs)}.json"
         logs.append(str(out))
         result = mrope_probe.main([*arm, "--steps", "2", "--batch", "4", "--out", str(out)])
