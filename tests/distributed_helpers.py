@@ -74,7 +74,7 @@ def run_scenarios(rank: int, world_size: int, backend: str, out: str, scenarios)
     # process before the store binds it (EADDRINUSE on CI).
     dist.init_process_group(
         backend,
-        init_method=(Path(out) / "rendezvous").resolve().as_uri(),
+        init_method=rendezvous_file(out).resolve().as_uri(),
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
@@ -88,9 +88,14 @@ def run_scenarios(rank: int, world_size: int, backend: str, out: str, scenarios)
         dist.destroy_process_group()
 
 
+def rendezvous_file(out) -> Path:
+    return Path(out) / "rendezvous"
+
+
 def spawn_and_load(worker, backend: str, out: Path, scenarios, weights_only: bool = True) -> dict[str, list]:
     """Runs ``worker(rank, WORLD_SIZE, backend, out)`` in WORLD_SIZE processes, failing the test after
     TIMEOUT_S, and returns {scenario name: [rank 0's results, rank 1's, ...]}."""
+    rendezvous_file(out).unlink(missing_ok=True)  # a file left by an earlier group would join this one to it
     context = mp.start_processes(
         worker, args=(WORLD_SIZE, backend, str(out)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
     )
