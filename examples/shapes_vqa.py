@@ -43,6 +43,9 @@ POSITIONS = ("top left", "top", "top right", "left", "centre", "right", "bottom 
 COUNTS = ("one", "two", "three", "four", "five", "six")
 KINDS = ("colour", "shape", "position", "count")
 GRID = 3  # cells per side; POSITIONS names them row by row
+# The two halves of a position answer, scored apart: its row (top, middle, bottom) and its column (left, centre,
+# right). A model that reads where a shape is along one axis only gets a third of the position questions right.
+POSITION_AXES = ("position_row", "position_column")
 COLOUR_JITTER, BACKGROUND_MAX = 0.08, 0.35  # per channel; the background is a grey from 0 to BACKGROUND_MAX
 # A shape's half-width as a fraction of its cell's side: never out of its cell, and several patches wide.
 MIN_RADIUS, MAX_RADIUS = 0.22, 0.42
@@ -253,11 +256,27 @@ def text_only_accuracy(training: list[Sample], held_out: list[Sample]) -> dict[s
     right = collections.Counter()
     for sample in held_out:
         seen = answers.get(sample.question)
-        right[sample.kind] += bool(seen) and seen.most_common(1)[0][0] == sample.answer
+        right.update(score(sample, seen.most_common(1)[0][0] if seen else None))
     return accuracy_by_kind(held_out, right)
 
 
+def score(sample: Sample, answer: str | None) -> collections.Counter:
+    """1 for the sample's kind where ``answer`` is its answer, and for a position question, 1 for each of
+    POSITION_AXES that a named position gets right ("top" for "top left": the row, not the column)."""
+    right = collections.Counter({sample.kind: int(answer == sample.answer)})
+    if sample.kind == "position" and answer in POSITIONS:
+        given, asked = POSITIONS.index(answer), POSITIONS.index(sample.answer)
+        right.update({"position_row": int(given // GRID == asked // GRID),
+                      "position_column": int(given % GRID == asked % GRID)})
+    return right
+
+
 def accuracy_by_kind(samples: list[Sample], right: collections.Counter) -> dict[str, float]:
-    """``right[kind]`` correct answers as accuracies per kind of question, and over all samples ("all")."""
+    """Accuracies from the counts of :func:`score`: over all samples ("all"), per kind of question asked, and per
+    axis of the position questions (POSITION_AXES) where any was asked."""
     asked = collections.Counter(s.kind for s in samples)
-    return {"all": sum(right.values()) / len(samples), **{kind: right[kind] / asked[kind] for kind in KINDS if asked[kind]}}
+    accuracies = {"all": sum(right[kind] for kind in KINDS) / len(samples),
+                  **{kind: right[kind] / asked[kind] for kind in KINDS if asked[kind]}}
+    if asked["position"]:
+        accuracies.update({axis: right[axis] / asked["position"] for axis in POSITION_AXES})
+    return accuracies

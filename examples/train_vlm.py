@@ -25,7 +25,8 @@ that does not look at the picture reaches at most.
 
 As in train_llama.py, a progress bar shows the loss and tokens/s (the language model's tokens: image placeholders,
 question and answer); every --log-every steps a row goes to OUT/NAME.csv (with answer_accuracy, and
-answer_accuracy_colour, _shape, _position and _count, where evaluated); OUT/NAME.json holds the summary (with the
+answer_accuracy_colour, _shape, _position and _count, where evaluated, and _position_row and _position_column: the
+position answers' row and column scored apart); OUT/NAME.json holds the summary (with the
 final accuracy per kind of question); OUT/NAME.png plots loss and accuracy, overall and per kind of question, of this
 run and of every --compare CSV.
 
@@ -47,8 +48,8 @@ import torch
 
 import coat
 from coat.nn.vision import avoid_cudnn_attention
-from shapes_vqa import END, IMAGE, KINDS, PAD, VIDEO, VISION_END, VISION_START, VOCAB_SIZE, ShapesVQA, \
-    accuracy_by_kind, decode_answer, text_only_accuracy
+from shapes_vqa import END, IMAGE, KINDS, PAD, POSITION_AXES, VIDEO, VISION_END, VISION_START, VOCAB_SIZE, \
+    ShapesVQA, accuracy_by_kind, decode_answer, score, text_only_accuracy
 from training_common import (
     NonFiniteStep,
     TrainingLog,
@@ -215,7 +216,9 @@ def answers(model, data: ShapesVQA, prompts: list[dict], autocast) -> list[str |
 
 
 def accuracy(data: ShapesVQA, generated: list[str | None]) -> dict[str, float]:
-    right = collections.Counter(s.kind for s, answer in zip(data.held_out, generated, strict=True) if answer == s.answer)
+    right = collections.Counter()
+    for sample, answer in zip(data.held_out, generated, strict=True):
+        right.update(score(sample, answer))
     return accuracy_by_kind(data.held_out, right)
 
 
@@ -275,7 +278,7 @@ def main() -> None:
              "vision_parameters": vision, "batch": args.batch, "held_out": args.held_out,
              "text_only_accuracy": blind}
     log = TrainingLog(args, first_step=0, tokens_per_step=round(args.batch * tokens_per_sample), device=device,
-                      setup=setup, accuracy_kinds=KINDS)
+                      setup=setup, accuracy_kinds=(*KINDS, *POSITION_AXES))
     last_accuracy = {}
 
     def evaluate() -> tuple[float, dict[str, float]]:

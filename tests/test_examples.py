@@ -377,7 +377,8 @@ def test_train_vlm_bf16_and_coat_with_vision_linears_log_loss_and_accuracy(tmp_p
         assert all(0 <= float(row["answer_accuracy"]) <= 1 and math.isfinite(float(row["val_loss"]))
                    for row in rows if row["answer_accuracy"])
         # each kind's accuracy where evaluated (empty for a kind the 4 held-out questions do not ask)
-        kinds = [f"answer_accuracy_{kind}" for kind in shapes_vqa.KINDS]
+        scored = (*shapes_vqa.KINDS, *shapes_vqa.POSITION_AXES)
+        kinds = [f"answer_accuracy_{kind}" for kind in scored]
         assert list(rows[0])[-len(kinds):] == kinds and not any(rows[0][k] for k in kinds)
         assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
         summary = json.loads((runs / f"{name}.json").read_text())
@@ -385,10 +386,10 @@ def test_train_vlm_bf16_and_coat_with_vision_linears_log_loss_and_accuracy(tmp_p
         assert summary["final_val_loss"] == float(rows[-1]["val_loss"])
         # accuracy per kind of question asked among the held-out samples, and over all of them
         by_kind, blind = summary["answer_accuracy_by_kind"], summary["text_only_accuracy"]
-        assert by_kind["all"] == summary["final_answer_accuracy"] and set(by_kind) <= {"all", *shapes_vqa.KINDS}
+        assert by_kind["all"] == summary["final_answer_accuracy"] and set(by_kind) <= {"all", *scored}
         assert {kind: float(rows[-1][f"answer_accuracy_{kind}"]) for kind in by_kind if kind != "all"} == \
             {kind: value for kind, value in by_kind.items() if kind != "all"}
-        assert not any(rows[-1][f"answer_accuracy_{kind}"] for kind in shapes_vqa.KINDS if kind not in by_kind)
+        assert not any(rows[-1][f"answer_accuracy_{kind}"] for kind in scored if kind not in by_kind)
         assert set(blind) == set(by_kind) and 0 <= blind["all"] <= 1
         assert summary["coat"] == (name != "tiny-vlm-bf16") and summary["vision_linears"] == name.endswith("vision")
         assert (runs / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -560,8 +561,33 @@ def test_shapes_vqa_questions_alone_answer_at_chance(shapes_vqa):
     dataset = data.ShapesVQA(seed=0, image_size=48, patch=8, max_objects=3, held_out=2000)
     training = [s for step in range(100) for s in dataset.samples(step, 100)]
     accuracy = data.text_only_accuracy(training, dataset.held_out)
-    chance = {"colour": 1 / 6, "shape": 1 / 6, "position": 1 / 9, "count": 1 / 3}
+    chance = {"colour": 1 / 6, "shape": 1 / 6, "position": 1 / 9, "count": 1 / 3, "position_row": 1 / 3,
+              "position_column": 1 / 3}
     assert all(accuracy[kind] <= chance[kind] + 0.06 for kind in chance), accuracy
+
+
+def test_shapes_vqa_scores_a_position_answers_row_and_column_apart(shapes_vqa):
+    """A position answer's row and column count apart (POSITIONS is the 3 x 3 grid row by row); an answer that is no
+    position scores neither; other kinds of question have no axes. The accuracies divide them by the position
+    questions asked."""
+    data = shapes_vqa
+
+    def sample(kind, answer):
+        return data.Sample(objects=(), background=0.0, kind=kind, question="?", answer=answer)
+
+    where = sample("position", "top left")
+    cases = {"top left": (1, 1, 1), "top": (0, 1, 0), "top right": (0, 1, 0), "left": (0, 0, 1), "centre": (0, 0, 0),
+             "bottom left": (0, 0, 1)}
+    for answer, (right, row, column) in cases.items():
+        assert data.score(where, answer) == {"position": right, "position_row": row, "position_column": column}, answer
+    assert data.score(where, "square") == data.score(where, None) == {"position": 0}
+    assert data.score(sample("position", "centre"), "right") == {"position": 0, "position_row": 1, "position_column": 0}
+    assert data.score(sample("colour", "red"), "red") == {"colour": 1}
+    samples = [where, where, sample("colour", "red")]
+    right = data.score(where, "top") + data.score(where, "bottom left") + data.score(samples[2], "red")
+    assert data.accuracy_by_kind(samples, right) == {"all": 1 / 3, "colour": 1.0, "position": 0.0,
+                                                    "position_row": 0.5, "position_column": 0.5}
+    assert "position_row" not in data.accuracy_by_kind(samples[2:], data.score(samples[2], "red"))
 
 
 def test_shapes_vqa_pixel_values_are_the_image_processors(shapes_vqa):
