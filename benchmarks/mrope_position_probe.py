@@ -11,7 +11,7 @@ radians, one row a height frequency by up to 0.1. ``--swap-axes`` puts the row i
 in the height stream, to tell the frequencies from the two axes' roles. ``--content-noise S`` multiplies each
 element of each grid cell's input embedding by 1 + S * N(0, 1), drawn per sample: content that varies from picture
 to picture as a vision tower's features do, so that FP8's rounding errors differ from sample to sample instead of
-repeating with the 19 fixed embeddings (0, the default: no noise).
+repeating with the grid's 17 fixed embeddings, 16 fillers and the mark. The default, 0, adds none.
 
 The model: the language model of a Qwen2.5-VL built from a config (hidden 128, two layers, head size 64, theta 1e4,
 ``mrope_section`` 8, 12, 12: the example's gpu preset's rotary layout), trained from scratch with torch's AdamW,

@@ -24,13 +24,14 @@ def cuda_skip_reason() -> str | None:
 
 _CUDA_SKIP = cuda_skip_reason()
 
+# For tests that only mean something on a GPU, e.g. comparing a CUDA run with a CPU run.
+requires_cuda = pytest.mark.skipif(_CUDA_SKIP is not None, reason=_CUDA_SKIP or "")
+
 # Under pytest-xdist, one CPU thread per worker and per process a test starts: with torch's default of a thread per
 # core in each of them, `-n 2` on two cores ran four or more threads on two and the suite took longer.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-# For tests that only mean something on a GPU, e.g. comparing a CUDA run with a CPU run.
-requires_cuda = pytest.mark.skipif(_CUDA_SKIP is not None, reason=_CUDA_SKIP or "")
 
 
 @pytest.fixture(
