@@ -26,6 +26,7 @@ import datetime
 import glob
 import hashlib
 import inspect
+import itertools
 import json
 import math
 import os
@@ -495,9 +496,14 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
             (True, "e5m2", False, "the vision side in FP8 too (`--vision-linears`)"),
             (False, "none", False, "output gradients unquantized (`--gradient-format none`)"),
             (False, "e5m2", True, "torch's AdamW, float32 moments, in place of coat's (`--torch-adamw`)")):
-        runs = sorted(((r, r.rows[0]) for r in results if r.script == "train_vlm" and "vs BF16" in r.rows[0]
-                       and _vlm_ablation(r.rows[0]) == (vision, gradients, torch_adamw)),
-                      key=lambda item: (item[1]["steps"], item[1]["seed"], item[0].date))
+        # A seed run again with the same settings repeats its trajectory (the seed-1 runs of 2026-12-07 gave the
+        # first ones' figures to the digit): its latest run stands for it.
+        latest = {}
+        for result in sorted((r for r in results if r.script == "train_vlm" and "vs BF16" in r.rows[0]
+                              and _vlm_ablation(r.rows[0]) == (vision, gradients, torch_adamw)), key=lambda r: r.date):
+            row = result.rows[0]
+            latest[row["preset"], row["batch"], row["steps"], row.get("lr", VLM_LR_UNRECORDED), row["seed"]] = result
+        runs = sorted(((r, r.rows[0]) for r in latest.values()), key=lambda item: (item[1]["steps"], item[1]["seed"]))
         if not runs:
             continue
         presets = sorted({(row["preset"], row["batch"], row["steps"], row.get("lr", VLM_LR_UNRECORDED))
@@ -507,7 +513,7 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
             by_model.setdefault((p, b), []).append(f"{n} steps at learning rate {lr:g}")
         what = ("; ".join(f"{_parameters(results, p)} Qwen2.5-VL (`train_vlm.py --preset {p}`), batch {b}, "
                           + " and ".join(lengths) for (p, b), lengths in by_model.items())
-                + f"; questions about pictures: held-out loss and answer accuracy against BF16, {label}, every run")
+                + f"; questions about pictures: held-out loss and answer accuracy against BF16, {label}, every seed")
         several_lengths = len({n for _, _, n, _ in presets}) > 1
         # The mean over seeds where a length has several; one seed's figure is its own item below.
         step_counts = sorted({row["steps"] for _, row in runs})
@@ -791,6 +797,7 @@ def _arm(row: dict) -> str | None:
 ARM_COLOURS = {"BF16": "black", "coat": "tab:orange", "coat, vision side in FP8": "tab:green",
                "coat, output gradients unquantized": "tab:blue",
                "coat, vision side in FP8, output gradients unquantized": "tab:purple", "coat, torch's AdamW": "tab:red"}
+OTHER_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
 SEED_STYLES = ("-", "--", ":", "-.")
 PLOTTED_LAYERS = ("coat eager", "torchao compiled", "coat fp4 G=128 eager")
 PLOTTED_RUNS = ("100m-bf16", "100m-coat", "100m-coat-fp4", "100m-coat-fp6")
@@ -811,9 +818,12 @@ def _draw(spec: dict, path: str) -> None:
                   ("position", '"where is the X?" answered (%)', "linear")]
         panels = [panel for panel in panels if panel[0] in spec]
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+        # Runs whose settings have no arm: colours no arm takes, the same run the same colour in every panel
+        unnamed = [name for name in spec["curves"] if not spec.get("styles", {}).get(name)]
+        colours = dict(zip(unnamed, itertools.cycle(OTHER_COLOURS)))
         for ax, (key, ylabel, yscale) in zip(axes[0], panels):
             for name, points in spec[key].items():
-                style = {}
+                style = {"color": colours[name]} if name in colours else {}
                 if spec.get("styles", {}).get(name):  # a colour per arm, a line style per seed
                     arm, seed = spec["styles"][name]
                     style = {"color": ARM_COLOURS[arm], "linestyle": SEED_STYLES[seed % len(SEED_STYLES)],

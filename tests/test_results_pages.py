@@ -264,6 +264,13 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     rows = {r.rows[0]["name"]: r.rows[0] for r in pages.load_results(str(tmp_path))}
     assert "vs BF16" not in rows["coat-long-lr"] and "vs BF16" not in rows["coat-long-kernels"]
     assert rows["coat-long"]["vs BF16"] == "+10.00%" and rows["coat-long-flash"]["vs BF16"] == "-50.00%"
+    # A seed run again with the same settings repeats its trajectory: it counts once, as its latest run.
+    before = pages._vlm_convergence_figures(pages.load_results(str(tmp_path)))[0]
+    run("coat-long-s2-again", True, 0.24, 0.36, steps=3000, lr=5e-4, seed=2, date="2026-01-04")
+    after = pages._vlm_convergence_figures(pages.load_results(str(tmp_path)))[0]
+    assert after[1] == before[1] and "3000 steps, mean of 3 seeds" in after[1]
+    paths = [r.path for r, _ in after[2]]
+    assert "coat-long-s2-again.json" in paths and "coat-long-s2.json" not in paths
 
 
 
