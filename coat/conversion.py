@@ -10,7 +10,7 @@ from torch import nn
 
 from coat.compat import check_transformers_version
 from coat.nn.config import FP8Config
-from coat.nn.modules import Linear
+from coat.nn.modules import MLP_PROJECTIONS, Linear, SwiGLUMLP
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -86,10 +86,12 @@ def convert(
         (:mod:`coat.nn.causal_lm`) when labels are given in training mode: the [batch, seq, vocab] logits are never
         held, and the output's logits are None then. In eval mode (the Trainer's evaluate()) and without labels
         (generate()) the logits come back as before, with labels the loss too, both as the stock model computes them.
-    vision_linears: for the vision-language models above, also turn every ``torch.nn.Linear`` of the vision tower
-        and the projector (attention and MLP projections, the projector's or patch merger's linears) into
-        :class:`coat.nn.Linear`, FP8 GEMMs that keep their input in FP8 for backward (:mod:`coat.nn.vision`);
-        skip_modules applies to them by their names (``"model.visual.merger.*"``). Off by default: the vision
+    vision_linears: for the vision-language models above, also put the vision tower and the projector through FP8
+        (:mod:`coat.nn.vision`): a gated SiLU MLP (Qwen2.5-VL's and Pixtral's towers) becomes a
+        :class:`coat.nn.SwiGLUMLP`, every other ``torch.nn.Linear`` (attention and MLP projections, the projector's
+        or patch merger's linears) a :class:`coat.nn.Linear`, FP8 GEMMs that keep their input in FP8 for backward;
+        skip_modules applies to them by their names (``"model.visual.merger.*"``; naming a projection of a gated
+        MLP leaves that MLP unfused). Off by default: the vision
         side stays as it is, BF16 or frozen as a recipe keeps it. Refused for a model whose vision side coat does
         not know.
 
@@ -159,21 +161,30 @@ def convert(
             for name, module in named
             if isinstance(module, nn.Linear) and not name.startswith(inside_layers) and selected(name)
         ]
+    mlps = []
     if vision_linears:
+        from coat.nn.vision import vision_gated_mlps
         from coat.nn.vision import vision_linears as find_vision_linears
 
+        # A gated MLP is fused whole, unless skip_modules names it or one of its projections.
+        mlps = [(name, mlp) for name, mlp in vision_gated_mlps(model)
+                if not any(_matches(n, skip_modules) for n in (name, *(f"{name}.{c}" for c in MLP_PROJECTIONS)))]
         converted = {name for name, _ in linears}
         linears += [(name, linear) for name, linear in find_vision_linears(model)
                     if name not in converted and not _matches(name, skip_modules)]
+        inside_mlps = tuple(f"{name}." for name, _ in mlps)
+        linears = [(name, linear) for name, linear in linears if not name.startswith(inside_mlps)]
     _refuse_tied_weights(model, linears)
 
     # Build every replacement first, so that a layer that does not fit leaves the model untouched.
     plans = [(layer, plan_decoder_layer(layer, name, config)) for name, layer in layers]
+    replacements = [(name, Linear.from_linear(linear, config)) for name, linear in linears]
+    replacements += [(name, SwiGLUMLP.from_mlp(mlp, config)) for name, mlp in mlps]
     for layer, plan in plans:
         install_decoder_layer(layer, plan, config)
-    for name, linear in linears:
+    for name, module in replacements:
         parent_name, _, child_name = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child_name, Linear.from_linear(linear, config))
+        setattr(model.get_submodule(parent_name), child_name, module)
     if fused_loss:
         from coat.nn.causal_lm import install_fused_loss
 

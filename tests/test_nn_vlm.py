@@ -108,7 +108,8 @@ def llava_next_config(config_class, vision_config, text_config):
 
 
 def mistral3_config(**text):
-    vision = PixtralVisionConfig(**VISION, image_size=IMAGE_SIZE, patch_size=PATCH, head_dim=16)
+    # hidden_act: the released Pixtral towers' gated SiLU MLP (the config's default is GELU)
+    vision = PixtralVisionConfig(**VISION, image_size=IMAGE_SIZE, patch_size=PATCH, head_dim=16, hidden_act="silu")
     return Mistral3Config(vision_config=vision, text_config=MistralConfig(**{**TEXT, **text}), image_token_id=IMAGE,
                           vision_feature_layer=-1, spatial_merge_size=2)
 
@@ -595,13 +596,22 @@ def vision_side_linears(model) -> dict:
             if isinstance(module, torch.nn.Linear)}
 
 
+# The towers with gated MLPs: Qwen2.5-VL's (SiLU, with biases) and Pixtral's (Mistral 3: SiLU)
+GATED_VISION_MLPS = ("qwen2_5_vl", "mistral3")
+
+
 @pytest.mark.parametrize("name", MAIN_VLMS)
 def test_vision_linears_converts_the_vision_towers_and_projectors_linear_layers(name):
+    """Every nn.Linear of the vision side becomes a coat.nn.Linear, the gated MLPs' three inside a SwiGLUMLP."""
     model = tiny_vlm(name)
     stock = vision_side_linears(model)
+    gated = [n for n, m in model.named_modules() if is_vision_side(n) and hasattr(m, "gate_proj")]
+    assert bool(gated) == (name in GATED_VISION_MLPS)
     before = dict(model.named_parameters())
     keys = list(model.state_dict())
     coat.convert(model, vision_linears=True)
+    assert all(type(model.get_submodule(n)) is coat.nn.SwiGLUMLP for n in gated)
+    assert {model.get_submodule(n).activation for n in gated} <= {"silu"}
     converted = vision_side_linears(model)
     assert converted.keys() == stock.keys()
     plain = [n for n, cls in stock.items() if cls is torch.nn.Linear]
@@ -672,6 +682,13 @@ def test_vision_linears_follow_skip_modules_and_need_a_known_vision_side():
     linears = vision_side_linears(model)
     assert {cls for n, cls in linears.items() if n.startswith("model.visual.merger.")} == {torch.nn.Linear}
     assert {cls for n, cls in linears.items() if n.startswith("model.visual.blocks.")} == {coat.nn.Linear}
+
+    # A gated MLP one of whose projections is skipped stays the stock module, its other projections FP8 one by one.
+    model = coat.convert(tiny_vlm("qwen2_5_vl"), vision_linears=True, skip_modules=["model.visual.blocks.0.mlp.up_proj"])
+    kept, fused = model.model.visual.blocks[0].mlp, model.model.visual.blocks[1].mlp
+    assert type(kept).__name__ == "Qwen2_5_VLMLP" and type(fused) is coat.nn.SwiGLUMLP
+    assert [type(getattr(kept, n)) for n in ("gate_proj", "up_proj", "down_proj")] == [
+        coat.nn.Linear, torch.nn.Linear, coat.nn.Linear]
 
     text_only = tiny_model("llama")
     with pytest.raises(ValueError, match=r"vision_linears=True converts the vision side of .*LlamaForCausalLM is "

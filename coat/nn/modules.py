@@ -115,7 +115,7 @@ def activation_name(activation: nn.Module) -> str | None:
     return next((name for name, f in _GATED_ACTIVATIONS.items() if torch.allclose(output, f(probe))), None)
 
 
-_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # a gated MLP's children, SwiGLUMLP's names
 
 
 def converted_child(parent: nn.Module, name: str, expected: type) -> nn.Module:
@@ -173,7 +173,7 @@ class SwiGLUMLP(nn.Module):
         """From a module with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear) and an ``act_fn`` that
         :func:`activation_name` knows, as transformers' LlamaMLP, MistralMLP and Qwen2MLP (SiLU) and Gemma3MLP
         (gelu_pytorch_tanh); shares their parameters. Any other activation is refused (ValueError)."""
-        projections = [getattr(mlp, name, None) for name in _MLP_PROJECTIONS]
+        projections = [getattr(mlp, name, None) for name in MLP_PROJECTIONS]
         if not all(isinstance(p, nn.Linear) for p in projections):
             raise TypeError(
                 f"coat.nn.SwiGLUMLP.from_mlp expects gate_proj, up_proj and down_proj nn.Linear children, "
@@ -198,7 +198,7 @@ class SwiGLUMLP(nn.Module):
         return converted.train(mlp.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = (converted_child(self, name, Linear) for name in _MLP_PROJECTIONS)
+        gate, up, down = (converted_child(self, name, Linear) for name in MLP_PROJECTIONS)
         return coat_functional.swiglu_mlp(
             x, (gate.weight, gate.bias), (up.weight, up.bias), (down.weight, down.bias), self.config,
             activation=self.activation,

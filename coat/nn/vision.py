@@ -1,10 +1,13 @@
 """The vision side of transformers' vision-language models, which ``coat.convert(model, vision_linears=True)``
-puts through FP8 GEMMs: every ``torch.nn.Linear`` of the vision tower and of the projector becomes a
-:class:`coat.nn.Linear` (attention's q/k/v and output projections, the MLP's, the projector's or patch merger's),
-sharing its parameters. Subclasses of nn.Linear are left out: nn.MultiheadAttention's output projection (in
-SigLIP's pooling head) is read by its weight, not called. Everything else there stays as transformers computes
-it: the patch embedding (a convolution), LayerNorms, activations (GELU, Qwen2.5-VL's gated SiLU), attention,
-Gemma 3's projector (a matrix product with a plain parameter, not a linear layer).
+puts through FP8 GEMMs. A gated MLP there (Qwen2.5-VL's tower and Pixtral's, Mistral 3's: ``down_proj(silu(
+gate_proj(x)) * up_proj(x))``) becomes a :class:`coat.nn.SwiGLUMLP`, as a decoder layer's MLP does: its input
+quantized once for gate and up, the fused SiLU*mul kernel saving gate and up in FP8 and writing the down GEMM's
+FP8 input. Every other ``torch.nn.Linear`` of the vision tower and of the projector becomes a
+:class:`coat.nn.Linear` (attention's q/k/v and output projections, fc1 / fc2 of the GELU MLPs, the projector's or
+patch merger's), sharing its parameters. Subclasses of nn.Linear are left out: nn.MultiheadAttention's output
+projection (in SigLIP's pooling head) is read by its weight, not called. Everything else there stays as
+transformers computes it: the patch embedding (a convolution), the norms, the GELU activations between fc1 and
+fc2, attention, Gemma 3's projector (a matrix product with a plain parameter, not a linear layer).
 
 :func:`avoid_cudnn_attention`, which coat.convert applies to every vision-language model with or without
 vision_linears, keeps the vision tower's attention off cuDNN's SDPA kernel, whose backward can make NaN there
@@ -33,6 +36,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeFor
 from transformers.models.smolvlm.modeling_smolvlm import SmolVLMForConditionalGeneration
 
 from coat.nn.attention import sdpa_without_cudnn
+from coat.nn.modules import MLP_PROJECTIONS, activation_name
 
 # The vision side of each model: its vision tower and projector (the Qwen models' patch merger is in "visual").
 VISION_MODULES = {
@@ -57,9 +61,9 @@ def vision_modules(model: nn.Module) -> tuple[str, ...] | None:
     return next((names for cls, names in VISION_MODULES.items() if isinstance(model, cls)), None)
 
 
-def vision_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The qualified names and modules of the ``nn.Linear`` layers on the vision side of ``model``; raises a
-    ValueError for a model whose vision side coat does not know."""
+def _vision_side(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The qualified names and modules inside the vision side of ``model``; raises a ValueError for a model whose
+    vision side coat does not know."""
     prefixes = vision_modules(model)
     if prefixes is None:
         known = ", ".join(cls.__name__ for cls in VISION_MODULES)
@@ -69,8 +73,26 @@ def vision_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
             "decoder layers', e.g. ['model.language_model.layers.*', 'model.vision_tower.*'])"
         )
     prefixes = tuple(f"{name}." for name in prefixes)
-    return [(name, module) for name, module in model.named_modules()
-            if type(module) is nn.Linear and name.startswith(prefixes)]
+    return [(name, module) for name, module in model.named_modules() if name.startswith(prefixes)]
+
+
+def vision_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The qualified names and modules of the ``nn.Linear`` layers on the vision side of ``model``; raises a
+    ValueError for a model whose vision side coat does not know."""
+    return [(name, module) for name, module in _vision_side(model) if type(module) is nn.Linear]
+
+
+def vision_gated_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The qualified names and modules of the gated MLPs on the vision side of ``model`` that
+    :meth:`coat.nn.SwiGLUMLP.from_mlp` takes: ``gate_proj``, ``up_proj`` and ``down_proj`` ``nn.Linear`` children and
+    an ``act_fn`` that :func:`coat.nn.modules.activation_name` knows. Raises as :func:`vision_linears`."""
+    def gated(module: nn.Module) -> bool:
+        projections = [getattr(module, name, None) for name in MLP_PROJECTIONS]
+        act_fn = getattr(module, "act_fn", None)
+        return (all(type(p) is nn.Linear for p in projections) and isinstance(act_fn, nn.Module)
+                and activation_name(act_fn) is not None)
+
+    return [(name, module) for name, module in _vision_side(model) if gated(module)]
 
 
 def _forward_without_cudnn(base_forward):
