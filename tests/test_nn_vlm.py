@@ -322,14 +322,18 @@ def is_vision_side(name: str) -> bool:
 def deterministic_algorithms():
     """torch's deterministic kernels inside the block (cuDNN's convolution backward, which the vision towers' patch
     embeddings run on a GPU, may otherwise sum in a different order from one call to the next); warn_only: ops with no
-    deterministic kernel warn instead of raising."""
+    deterministic kernel warn instead of raising. New tensors are not filled with NaN, as the mode would otherwise do:
+    this is about summation order only."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 @pytest.mark.parametrize("name", VLMS)
