@@ -350,7 +350,7 @@ def test_loss_and_gradients_close_to_bf16(name, device):
     avoid_cudnn_attention(model)  # the vision attention's kernels coat.convert chose, so that the replay runs them
     tokens, labels, images = on_device(device, *image_batch(name))
     fp8_features, bf16_features, replayed = {}, {}, {}
-    # Qwen3-VL-MoE: the experts coat's forward chose
+    # pinned_routing: Qwen3-VL-MoE's stock model takes the experts coat's forward chose
     with pinned_routing(follower=model, leader=converted), deterministic_algorithms():
         with image_feature_gradients(converted, fp8_features):
             fp8_loss, fp8_grads = loss_and_grads(converted, tokens, labels, images)
