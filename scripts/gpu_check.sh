@@ -9,6 +9,8 @@
 #           extra ARGS comma-separated, e.g. bench:layer:--settings,4096x2048,--profile),
 #           torchrun:NAME[:ARGS] (benchmarks/NAME.py on every visible GPU under torchrun, ARGS as for bench),
 #           script:NAME[:ARGS] (scripts/NAME.py, e.g. script:check_sdpa_backward; its output in logs/script_NAME.log),
+#           beside:STAGE (STAGE in the background, beside the stages after it, e.g. the CUDA tests beside long
+#           convergence runs once a benchmark has had the GPU alone; waited for before packing),
 #           convergence:PRESET[:ARGS] (examples/train_llama.py --preset PRESET, BF16 and coat side by side, or
 #           the runs CONVERGENCE_RUNS names, e.g. "bf16=;coat=--coat;coat-fp8g=--coat,--bf16-weights,--fp8-grads,e5m2",
 #           spread over the GPUs; extra ARGS comma-separated, for every run; CSVs, summaries and the plot in
@@ -33,9 +35,10 @@ status=0
 # The GPU machine has no network: optional packages (torchao and Liger-Kernel for the benchmarks' anchors) travel
 # as wheels in .wheels/ (pip download torchao==0.18.0 --no-deps --only-binary=:all: --python-version 3.12 -d .wheels,
 # the same for liger-kernel==0.8.5, which needs only torch and triton).
-if compgen -G ".wheels/*.whl" > /dev/null; then
+# A beside: stage's own run finds them installed (COAT_WHEELS on PYTHONPATH already).
+if compgen -G ".wheels/*.whl" > /dev/null && [ -z "${COAT_WHEELS:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/coat-wheels .wheels/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/coat-wheels"
+    && export PYTHONPATH="$PYTHONPATH:/tmp/coat-wheels" COAT_WHEELS=/tmp/coat-wheels
 fi
 
 { nvidia-smi; nvcc --version; "${CXX:-g++}" --version | head -n 1; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"; } \
@@ -49,8 +52,14 @@ run_bench() {
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 
+beside=()
 for stage in "${stages[@]}"; do
   case $stage in
+    beside:*)
+      inner=${stage#beside:}
+      echo "== beside: $inner (its output in logs/beside_${inner//[^A-Za-z0-9_.-]/_}.out) =="
+      "$0" "$out" "$inner" > "$out/logs/beside_${inner//[^A-Za-z0-9_.-]/_}.out" 2>&1 &
+      beside+=("$!:$inner") ;;
     build)
       echo "== build =="
       if ! python3 setup.py build_ext --inplace > "$out/logs/build.log" 2>&1; then
@@ -136,6 +145,10 @@ for stage in "${stages[@]}"; do
   esac
 done
 
+for entry in "${beside[@]}"; do
+  wait "${entry%%:*}" || { status=1; echo "beside ${entry#*:}: failed"; }
+  tail -n 5 "$out/logs/beside_$(sed 's/[^A-Za-z0-9_.-]/_/g' <<< "${entry#*:}").out"
+done
 tar czf "$out/gpu_check.tgz" -C "$out" logs results
 echo "gpu_check status: $status"
 exit $status

@@ -34,3 +34,15 @@ def test_a_background_run_is_waited_for_and_packed(tmp_path):
     assert "unknown stage no-such-stage" in waited.stdout and "finished, exit status 2" in waited.stdout
     with tarfile.open(out / "work.tgz") as archive:
         assert {"work/gpu_check.out", "work/exit_status", "work/logs/env.txt"} <= set(archive.getnames())
+
+
+def test_a_beside_stage_runs_in_the_background_and_is_waited_for_before_packing(tmp_path):
+    """beside:STAGE returns at once; the script waits for it before it packs, keeps its output, and fails when it
+    fails."""
+    result = run("gpu_check.sh", str(tmp_path), "beside:script:check_sdpa_backward", "beside:no-such-stage")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "beside no-such-stage: failed" in result.stdout
+    assert "unknown stage no-such-stage" in (tmp_path / "logs" / "beside_no-such-stage.out").read_text()
+    assert "gpu_check status: 0" in (tmp_path / "logs" / "beside_script_check_sdpa_backward.out").read_text()
+    with tarfile.open(tmp_path / "gpu_check.tgz") as archive:
+        assert "logs/script_check_sdpa_backward.log" in archive.getnames()
