@@ -22,6 +22,7 @@ out=${1:?usage: scripts/gpu_check.sh OUTDIR [STAGE...]}
 shift
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(build tests bench)
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"  # for beside: stages, wherever the script was started from
 cd "$(dirname "$0")/.."
 mkdir -p "$out/logs" "$out/results"
 out=$(cd "$out" && pwd)
@@ -58,7 +59,7 @@ for stage in "${stages[@]}"; do
     beside:*)
       inner=${stage#beside:}
       echo "== beside: $inner (its output in logs/beside_${inner//[^A-Za-z0-9_.-]/_}.out) =="
-      "$0" "$out" "$inner" > "$out/logs/beside_${inner//[^A-Za-z0-9_.-]/_}.out" 2>&1 &
+      "$self" "$out" "$inner" > "$out/logs/beside_${inner//[^A-Za-z0-9_.-]/_}.out" 2>&1 &
       beside+=("$!:$inner") ;;
     build)
       echo "== build =="
