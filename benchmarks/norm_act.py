@@ -19,6 +19,9 @@ and SiLU*mul"), with N = rows * H elements and bf16 inputs:
       gates' sigmoids once per code of a group (16 per 128 gates) instead of once per gate
     F.rms_norm (bf16)      4    N  (x 2N, y 2N): the "plain RMSNorm pass"
     silu(g) * u (bf16)     6    N  (g, u 4N, y 2N) by the same rule, although eager PyTorch runs two kernels
+    the non-gated act (--non-gated: up=None, the act of CLIP's, SigLIP's and Qwen3-VL's vision MLPs), at vision
+      towers' widths: quantize 6.25 N (gate read twice 4N, saved N + N/4, y N) + N with y_t, backward 5.25 N,
+      requantize 2.25 N; FP4 saved 5.75 N, 4.75 N (G=128: 4.53 N), 1.75 N; act(g) (bf16, eager) 4 N
 
 Target (COAT appendix J): rmsnorm_quantize within 5% of a plain RMSNorm pass by bytes, i.e. its GB/s at least
 95% of F.rms_norm's. The unfused chain of standalone ops is timed for context. "ms" is the GPU's time (each
@@ -27,8 +30,8 @@ with dispatch" adds the host's time to enqueue the call on an idle GPU.
 
     python benchmarks/norm_act.py            (needs a CUDA GPU)
     python benchmarks/norm_act.py --activation gelu_tanh      (the act*mul rows with GeGLU's activation)
+    python benchmarks/norm_act.py --activation quick_gelu --non-gated      (CLIP's MLP activation)
 """
-import functools
 import sys
 
 import torch
@@ -36,11 +39,22 @@ import torch.nn.functional as F
 
 import coat
 from coat import ops
+from coat.nn.layers import ACTIVATION_FUNCTIONS
 
 from _common import parser, print_table, time_cuda_gpu_ms, time_cuda_ms, write_results
 
 RMSNORM_SHAPES = [(4096, 4096), (16384, 4096), (8192, 8192)]
 SILU_SHAPES = [(4096, 11008), (16384, 14336)]
+# The non-gated act's rows at vision towers' MLPs: 4,096 patches of SigLIP-so400m's / Qwen3-VL's width (4,304, not a
+# multiple of 8: the kernels' element-wise path), and 16,384 of CLIP ViT-L's (4,096).
+NON_GATED_SHAPES = [(4096, 4304), (16384, 4096)]
+# Bytes per element each act*mul row moves at the least (the docstring's counts), gated and non-gated.
+SILU_BYTES = {
+    True: dict(eager=6, quantize=11.5, backward=8.5, requantize=3.5, fp4_quantize=10.5, fp4_backward=7.5,
+               fp4_g128_backward=7.0625, fp4_requantize=2.5),
+    False: dict(eager=4, quantize=6.25, backward=5.25, requantize=2.25, fp4_quantize=5.75, fp4_backward=4.75,
+                fp4_g128_backward=4.53125, fp4_requantize=1.75),
+}
 TARGET = 0.95
 
 
@@ -85,43 +99,48 @@ def rmsnorm_cases(rows, cols):
     }
 
 
-def silu_cases(rows, cols, activation="silu"):
-    """The act*mul ops with `activation` (--activation: silu, SwiGLU; gelu_tanh, GeGLU); the byte counts are the
-    same for both."""
+def silu_cases(rows, cols, activation="silu", gated=True):
+    """The act*mul ops with `activation` (--activation: silu, SwiGLU; gelu_tanh, GeGLU; quick_gelu), or without
+    `gated` the non-gated act (up=None); the byte counts depend on gated only (SILU_BYTES)."""
     n = rows * cols
+    nbytes = {name: count * n for name, count in SILU_BYTES[gated].items()}
     act = dict(activation=activation)
     fused = torch.randn(rows, 2 * cols, device="cuda", dtype=torch.bfloat16)
-    gate, up = fused[:, :cols], fused[:, cols:]  # the halves of one GEMM output, read in place
+    gate, up = fused[:, :cols], fused[:, cols:] if gated else None  # the halves of one GEMM output, read in place
     dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     _, y_scale, _, *saved = ops.silu_mul_quantize(gate, up, **act)
     _, _, _, *saved_fp4 = ops.silu_mul_quantize(gate, up, save_format="fp4", **act)
     _, _, _, *saved_fp4_g128 = ops.silu_mul_quantize(gate, up, save_group_size=128, save_format="fp4", **act)
     copy_dst = torch.empty_like(dy)
-    eager = F.silu if activation == "silu" else functools.partial(F.gelu, approximate="tanh")
+    eager = ACTIVATION_FUNCTIONS[activation]
     return {
         "copy (bf16)": (lambda: copy_dst.copy_(dy), 4 * n),
-        eager_name(activation): (lambda: eager(gate) * up, 6 * n),
-        "silu_mul_quantize": (lambda: ops.silu_mul_quantize(gate, up, **act), 11.5 * n),
-        "silu_mul_quantize +transpose": (lambda: ops.silu_mul_quantize(gate, up, transpose=True, **act), 12.5 * n),
-        "silu_mul_backward": (lambda: ops.silu_mul_backward(dy, *saved, **act), 8.5 * n),
-        "silu_mul_requantize": (lambda: ops.silu_mul_requantize(*saved, None, y_scale, **act), 3.5 * n),
-        "silu_mul_quantize, FP4 saved": (lambda: ops.silu_mul_quantize(gate, up, save_format="fp4", **act), 10.5 * n),
+        eager_name(activation, gated): ((lambda: eager(gate) * up) if gated else (lambda: eager(gate)),
+                                        nbytes["eager"]),
+        "silu_mul_quantize": (lambda: ops.silu_mul_quantize(gate, up, **act), nbytes["quantize"]),
+        "silu_mul_quantize +transpose": (lambda: ops.silu_mul_quantize(gate, up, transpose=True, **act),
+                                         nbytes["quantize"] + n),
+        "silu_mul_backward": (lambda: ops.silu_mul_backward(dy, *saved, **act), nbytes["backward"]),
+        "silu_mul_requantize": (lambda: ops.silu_mul_requantize(*saved, None, y_scale, **act), nbytes["requantize"]),
+        "silu_mul_quantize, FP4 saved": (lambda: ops.silu_mul_quantize(gate, up, save_format="fp4", **act),
+                                         nbytes["fp4_quantize"]),
         "silu_mul_backward, FP4 saved": (
-            lambda: ops.silu_mul_backward(dy, *saved_fp4, saved_format="fp4", **act), 7.5 * n
+            lambda: ops.silu_mul_backward(dy, *saved_fp4, saved_format="fp4", **act), nbytes["fp4_backward"]
         ),
         "silu_mul_backward, FP4 saved, G=128": (
             lambda: ops.silu_mul_backward(dy, *saved_fp4_g128, save_group_size=128, saved_format="fp4", **act),
-            7.0625 * n,
+            nbytes["fp4_g128_backward"],
         ),
         "silu_mul_requantize, FP4 saved": (
-            lambda: ops.silu_mul_requantize(*saved_fp4, None, y_scale, saved_format="fp4", cols=cols, **act), 2.5 * n
+            lambda: ops.silu_mul_requantize(*saved_fp4, None, y_scale, saved_format="fp4", cols=cols, **act),
+            nbytes["fp4_requantize"],
         ),
     }
 
 
-def eager_name(activation):
+def eager_name(activation, gated=True):
     """The eager PyTorch baseline of the act*mul rows."""
-    return "silu(g) * u (bf16, eager)" if activation == "silu" else "gelu_tanh(g) * u (bf16, eager)"
+    return f"{activation}(g){' * u' if gated else ''} (bf16, eager)"
 
 
 def measure(family, shape, cases, warmup, repeat, baseline):
@@ -145,20 +164,23 @@ def measure(family, shape, cases, warmup, repeat, baseline):
 def main():
     cli = parser(__doc__)
     cli.add_argument("--activation", choices=ops.ACTIVATIONS, default="silu",
-                     help="the act*mul ops' activation: silu (SwiGLU, the default) or gelu_tanh (GeGLU)")
+                     help="the act*mul ops' activation: silu (SwiGLU, the default), gelu_tanh (GeGLU) or quick_gelu")
+    cli.add_argument("--non-gated", action="store_true",
+                     help="the non-gated act (up=None) at vision towers' MLP widths, instead of act*mul")
     args = cli.parse_args()
     if not torch.cuda.is_available() or not coat.built_with_cuda():
         sys.exit("benchmarks/norm_act.py needs a CUDA GPU and coat built with CUDA")
     torch.manual_seed(0)
     rows = []
-    for shape in RMSNORM_SHAPES:
+    gated = not args.non_gated
+    for shape in RMSNORM_SHAPES if gated else ():  # the RMSNorm rows do not depend on the options
         rows += measure("rmsnorm", shape, rmsnorm_cases(*shape), args.warmup, args.repeat, "F.rms_norm (bf16, plain)")
-    family = "silu_mul" if args.activation == "silu" else "gelu_tanh_mul"
-    for shape in SILU_SHAPES:
-        rows += measure(family, shape, silu_cases(*shape, args.activation), args.warmup, args.repeat,
-                        eager_name(args.activation))
+    family = f"{args.activation}_mul" if gated else args.activation
+    for shape in SILU_SHAPES if gated else NON_GATED_SHAPES:
+        rows += measure(family, shape, silu_cases(*shape, args.activation, gated), args.warmup, args.repeat,
+                        eager_name(args.activation, gated))
     print_table(rows, ["family", "shape", "op", "ms", "ms with dispatch", "GB/s", "vs copy", "vs plain", "meets 95%"])
-    name = "norm_act" if args.activation == "silu" else "norm_act_gelu_tanh"
+    name = "norm_act" + ("" if args.activation == "silu" else f"_{args.activation}") + ("" if gated else "_non_gated")
     path = write_results(args.results_dir, name, rows, {"target_fraction_of_plain_rmsnorm": TARGET})
     print(f"wrote {path}")
 

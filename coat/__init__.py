@@ -3,7 +3,7 @@
 coat.ops holds the FP8 operators: group and per-tensor quantization, dequantization, the fused RMSNorm
 and SiLU*mul layers with FP8 outputs and FP8-saved inputs, and the fused FP8 AdamW step with dynamic range
 expansion.
-coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear, RMSNorm, SwiGLUMLP), and
+coat.nn holds the FP8 layers (coat.nn.Linear, a drop-in for torch.nn.Linear, RMSNorm, SwiGLUMLP, MLP), and
 coat.convert(model) converts a transformers Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2 or Gemma 3 model, a mixture
 of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE: FP8 experts in coat.nn.experts), or a vision-language model built
 on one of them (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Mistral 3, InternVL, Idefics3, SmolVLM, Gemma 3, Qwen2-VL,

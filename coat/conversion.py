@@ -10,7 +10,7 @@ from torch import nn
 
 from coat.compat import check_transformers_version
 from coat.nn.config import FP8Config
-from coat.nn.modules import MLP_PROJECTIONS, Linear, SwiGLUMLP
+from coat.nn.modules import Linear
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:
@@ -88,10 +88,11 @@ def convert(
         (generate()) the logits come back as before, with labels the loss too, both as the stock model computes them.
     vision_linears: for the vision-language models above, also put the vision tower and the projector through FP8
         (:mod:`coat.nn.vision`): a gated SiLU MLP (Qwen2.5-VL's and Pixtral's towers) becomes a
-        :class:`coat.nn.SwiGLUMLP`, every other ``torch.nn.Linear`` (attention and MLP projections, the projector's
-        or patch merger's linears) a :class:`coat.nn.Linear`, FP8 GEMMs that keep their input in FP8 for backward;
-        skip_modules applies to them by their names (``"model.visual.merger.*"``; naming a projection of a gated
-        MLP leaves that MLP unfused). Off by default: the vision
+        :class:`coat.nn.SwiGLUMLP`, a non-gated MLP with a tanh GELU or quick_gelu (CLIP, SigLIP, Qwen2-VL and
+        Qwen3-VL towers) a :class:`coat.nn.MLP`, every other ``torch.nn.Linear`` (attention projections, erf-GELU
+        MLPs' projections, the projector's or patch merger's linears) a :class:`coat.nn.Linear`, FP8 GEMMs that keep
+        their input in FP8 for backward; skip_modules applies to them by their names (``"model.visual.merger.*"``;
+        naming a projection of an MLP leaves that MLP unfused). Off by default: the vision
         side stays as it is, BF16 or frozen as a recipe keeps it. Refused for a model whose vision side coat does
         not know.
 
@@ -163,23 +164,25 @@ def convert(
         ]
     mlps = []
     if vision_linears:
-        from coat.nn.vision import vision_gated_mlps
         from coat.nn.vision import vision_linears as find_vision_linears
+        from coat.nn.vision import vision_mlps
 
-        # A gated MLP is fused whole, unless skip_modules names it or one of its projections.
-        mlps = [(name, mlp) for name, mlp in vision_gated_mlps(model)
-                if not any(_matches(n, skip_modules) for n in (name, *(f"{name}.{c}" for c in MLP_PROJECTIONS)))]
+        # An MLP is fused whole, unless skip_modules names it or one of its children.
+        def skipped(name: str, mlp: nn.Module) -> bool:
+            return any(_matches(n, skip_modules) for n in (name, *(f"{name}.{c}" for c, _ in mlp.named_children())))
+
+        mlps = [(name, mlp, cls) for name, mlp, cls in vision_mlps(model) if not skipped(name, mlp)]
         converted = {name for name, _ in linears}
         linears += [(name, linear) for name, linear in find_vision_linears(model)
                     if name not in converted and not _matches(name, skip_modules)]
-        inside_mlps = tuple(f"{name}." for name, _ in mlps)
+        inside_mlps = tuple(f"{name}." for name, _, _ in mlps)
         linears = [(name, linear) for name, linear in linears if not name.startswith(inside_mlps)]
     _refuse_tied_weights(model, linears)
 
     # Build every replacement first, so that a layer that does not fit leaves the model untouched.
     plans = [(layer, plan_decoder_layer(layer, name, config)) for name, layer in layers]
     replacements = [(name, Linear.from_linear(linear, config)) for name, linear in linears]
-    replacements += [(name, SwiGLUMLP.from_mlp(mlp, config)) for name, mlp in mlps]
+    replacements += [(name, cls.from_mlp(mlp, config)) for name, mlp, cls in mlps]
     for layer, plan in plans:
         install_decoder_layer(layer, plan, config)
     for name, module in replacements:

@@ -23,6 +23,8 @@ converted decoder layer, ``model.layers.3``, or a coat.nn module outside one, e.
     gate_up_input         the RMSNorm's output, FP8 input of the gate/up GEMMs; gate_up_weight
     gate_output, up_output  the gate and up GEMM outputs, saved in 1 x G groups for SiLU*mul's backward
     down_input            SiLU(gate) * up, the FP8 input of the down GEMM; down_weight
+    fc1_input, fc1_weight, fc1_output, fc2_input, fc2_weight   the same of a non-gated coat.nn.MLP: fc1's FP8
+                          input, its output kept in 1 x G groups for the activation's backward, act(fc1's output)
     *_grad_output         output gradients of the projections, quantized for both backward GEMMs
                           (E5M2 by default; none with gradient_format=None)
     input, weight, grad_output, norm_input, norm_output   of a lone coat.nn.Linear / RMSNorm
@@ -96,7 +98,7 @@ from torch import nn
 
 from coat import ops
 from coat.nn import _capture
-from coat.nn.modules import Linear, RMSNorm, SwiGLUMLP
+from coat.nn.modules import MLP, Linear, RMSNorm, SwiGLUMLP
 from coat.optim.adamw import AdamW
 
 TENSOR_METRICS = ("amax", "nonfinite", "flushed", "saturated", "rel_error")
@@ -105,7 +107,7 @@ METRICS = tuple(dict.fromkeys(TENSOR_METRICS + MOMENT_METRICS))
 CSV_COLUMNS = ("step", "layer", "tensor", "format", "numel", *METRICS)
 # The inputs of RMSNorm and SiLU*mul that a layer keeps for backward in its saved_format, and the largest
 # relative error at which QuantizationReport.choose_saved_formats keeps a layer's low-bit format by default.
-KEPT_INPUTS = ("attn_norm_input", "mlp_norm_input", "gate_output", "up_output", "norm_input")
+KEPT_INPUTS = ("attn_norm_input", "mlp_norm_input", "gate_output", "up_output", "fc1_output", "norm_input")
 MAX_KEPT_REL_ERROR = 0.12
 # choose_saved_formats' ladder: a layer whose kept inputs fail at one format goes to the next, wider one.
 WIDER_FORMAT = {"fp4": "fp6", "fp6": "e4m3"}
@@ -283,7 +285,7 @@ def _report_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The modules rows are named after, in model order: converted decoder layers and coat.nn modules
     outside them (the coat modules inside a converted layer are never called; the layer computes them)."""
     decoder = sys.modules.get("coat.nn.decoder")  # imported by coat.convert: absent, nothing was converted
-    coat_types = (Linear, RMSNorm, SwiGLUMLP) + ((decoder.FP8DecoderLayerMixin,) if decoder else ())
+    coat_types = (Linear, RMSNorm, SwiGLUMLP, MLP) + ((decoder.FP8DecoderLayerMixin,) if decoder else ())
     modules: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         inside = any(name.startswith(f"{outer}.") for outer in modules)

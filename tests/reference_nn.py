@@ -46,11 +46,22 @@ def rms_norm_backward(grad_y, x_saved, rstd, weight):
     return grad_x, (grad_y * xhat).reshape(-1, xhat.shape[-1]).sum(0)
 
 
+def act_fn(gate, name: str):
+    """silu, gelu(approximate="tanh") (GeGLU, SigLIP) or quick_gelu, g * sigmoid(1.702 g) (CLIP), from the formulas."""
+    if name == "quick_gelu":
+        return gate * torch.sigmoid(1.702 * gate)
+    return torch.nn.functional.silu(gate) if name == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+
+
 def swiglu_mlp(x, gate_weight, up_weight, down_weight, activation="silu"):
-    """LlamaMLP: down(act(x gate^T) * (x up^T)), act silu or (GeGLU, Gemma's MLP) gelu(approximate="tanh")."""
-    gate = x @ gate_weight.t()
-    act = torch.nn.functional.silu(gate) if activation == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
-    return (act * (x @ up_weight.t())) @ down_weight.t()
+    """LlamaMLP: down(act(x gate^T) * (x up^T)) (:func:`act_fn`)."""
+    return (act_fn(x @ gate_weight.t(), activation) * (x @ up_weight.t())) @ down_weight.t()
+
+
+def mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation="gelu_tanh"):
+    """CLIPMLP: fc2(act(fc1(x))) (:func:`act_fn`)."""
+    hidden = act_fn(x @ fc1_weight.t() + fc1_bias, activation)
+    return hidden @ fc2_weight.t() + fc2_bias
 
 
 class LowRankAdapter(torch.nn.Module):

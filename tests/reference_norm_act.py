@@ -1,4 +1,5 @@
-"""Test oracles for coat's fused RMSNorm and act*mul (coat.ops.rmsnorm_* / silu_mul_*, act = silu or gelu_tanh).
+"""Test oracles for coat's fused RMSNorm and act*mul (coat.ops.rmsnorm_* / silu_mul_*, act = silu, gelu_tanh or
+quick_gelu; the non-gated act is act*mul with up = 1).
 
 Two kinds of reference, kept apart:
 
@@ -54,11 +55,13 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 def activation64(gate: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(act(g), act'(g)) in float64, from the formulas: silu(g) = g * sigmoid(g), silu' = s (1 + g (1 - s));
     gelu_tanh(g) = 0.5 g (1 + t), t = tanh(sqrt(2/pi) (g + 0.044715 g^3)) (Hendrycks & Gimpel 2016, PyTorch's
-    gelu(approximate="tanh")), gelu_tanh' = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2)."""
+    gelu(approximate="tanh")), gelu_tanh' = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2);
+    quick_gelu(g) = g * sigmoid(1.702 g) (CLIP's, Radford et al. 2021), quick_gelu' = s (1 + 1.702 g (1 - s))."""
     g = gate.double()
-    if activation == "silu":
-        s = torch.sigmoid(g)
-        return g * s, s * (1 + g * (1 - s))
+    if activation in ("silu", "quick_gelu"):
+        a = 1.0 if activation == "silu" else 1.702
+        s = torch.sigmoid(a * g)
+        return g * s, s * (1 + a * g * (1 - s))
     assert activation == "gelu_tanh", activation
     t = torch.tanh(SQRT_2_OVER_PI * (g + 0.044715 * g**3))
     return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * g * (1 - t * t) * SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
@@ -223,9 +226,12 @@ def sigmoid_f32(g: torch.Tensor) -> torch.Tensor:
 
 
 def activation_arg_f32(g: torch.Tensor, activation: str) -> torch.Tensor:
-    """z(g) of act(g) = g * sigmoid(z(g)): g (silu), 1.5957691 * (g + 0.044715 * ((g * g) * g)) (gelu_tanh)."""
+    """z(g) of act(g) = g * sigmoid(z(g)): g (silu), 1.5957691 * (g + 0.044715 * ((g * g) * g)) (gelu_tanh),
+    1.702f * g (quick_gelu)."""
     if activation == "silu":
         return g
+    if activation == "quick_gelu":
+        return _f32(1.702) * g
     return _f32(1.59576912160573071) * (g + _f32(0.044715) * ((g * g) * g))
 
 
@@ -250,11 +256,14 @@ def silu_mul_requantize_f32(gate32, up32, smooth_scale=None, activation="silu") 
 
 
 def activation_slope_f32(gate32: torch.Tensor, s: torch.Tensor, activation: str) -> torch.Tensor:
-    """act'(g) in norm_act_math.h's order: s (1 + g (1 - s)) for silu; for gelu_tanh, with c = g clamped to
-    [-64, 64], s (1 + (c (1 - s)) * (1.5957691 * (1 + 0.134145 * (c * c))))."""
+    """act'(g) in norm_act_math.h's order: s (1 + g (1 - s)) for silu; with c = g clamped to [-64, 64],
+    s (1 + (c (1 - s)) * (1.5957691 * (1 + 0.134145 * (c * c)))) for gelu_tanh and s (1 + (c (1 - s)) * 1.702f)
+    for quick_gelu."""
     if activation == "silu":
         return s * (_f32(1.0) + gate32 * (_f32(1.0) - s))
     c = torch.where(gate32.isnan(), gate32, gate32.clamp(-64.0, 64.0))
+    if activation == "quick_gelu":
+        return s * (_f32(1.0) + (c * (_f32(1.0) - s)) * _f32(1.702))
     slope = _f32(1.59576912160573071) * (_f32(1.0) + _f32(0.134145) * (c * c))
     return s * (_f32(1.0) + (c * (_f32(1.0) - s)) * slope)
 
@@ -295,7 +304,7 @@ def e4m3_half_step(x: torch.Tensor, scales: torch.Tensor, group_size: int) -> to
     return 0.5 * fp8_step(rows / group_scales, torch.float8_e4m3fn) * group_scales
 
 
-# The largest |act'(g)| (silu: about 1.0998, at g near 2.4; gelu_tanh: about 1.1289, at g near 1.5), rounded up:
-# act is Lipschitz with this constant.
-LIPSCHITZ = {"silu": 1.1, "gelu_tanh": 1.13}
+# The largest |act'(g)| (silu: about 1.0998, at g near 2.4; quick_gelu, silu of 1.702 g over 1.702: the same, at g
+# near 1.4; gelu_tanh: about 1.1289, at g near 1.5), rounded up: act is Lipschitz with this constant.
+LIPSCHITZ = {"silu": 1.1, "gelu_tanh": 1.13, "quick_gelu": 1.1}
 SILU_LIPSCHITZ = LIPSCHITZ["silu"]

@@ -1,4 +1,4 @@
-"""coat.nn.RMSNorm, coat.nn.SwiGLUMLP and the decoder blocks of coat.nn.functional against float64 oracles.
+"""coat.nn.RMSNorm, coat.nn.SwiGLUMLP, coat.nn.MLP and the decoder blocks of coat.nn.functional against float64 oracles.
 
 Bounds, as in test_nn_linear.py: where an op's own arithmetic can be isolated, it is compared with float64
 evaluated at the FP8 operands it read (from the oracles in tests/reference_nn.py, or captured from the FP8
@@ -153,7 +153,7 @@ def test_rmsnorm_from_rmsnorm():
 # SwiGLUMLP
 
 
-ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama) and GeGLU (Gemma)
+ACTIVATIONS = ("silu", "gelu_tanh", "quick_gelu")  # SwiGLU (Llama), GeGLU (Gemma), CLIP's quick_gelu
 
 
 def make_mlp(device, config=coat.nn.FP8Config(), seed=0, activation="silu"):
@@ -235,8 +235,7 @@ def test_smooth_swiglu_scale(activation):
     gate = torch.tensor([[1.0, 0.0, -2.0, 30.0, 1.0], [2.0, 0.0, 1.0, -1.0, 1.0]])
     up = torch.tensor([[1.0, 5.0, 0.25, 100.0, 1e-40], [-3.0, 1.0, 1.0, 1.0, 0.0]])
     scale = coat_functional.smooth_swiglu_scale(gate, up, activation)
-    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    amax = (act * up).abs().amax(0)
+    amax = (reference.act_fn(gate, activation) * up).abs().amax(0)
     assert torch.equal(scale[1], torch.tensor(1.0))  # an all-zero channel is left alone
     assert torch.equal(scale[4], torch.tensor(2.0**126))  # a subnormal channel: the largest normal scale
     for channel in (0, 2, 3):
@@ -274,7 +273,7 @@ def test_swiglu_mlp_from_mlp_errors():
     for act_fn in (torch.nn.GELU(), torch.nn.ReLU(), torch.nn.Tanh()):  # erf GELU is not the tanh one
         mlp = GeluMLP()
         mlp.act_fn = act_fn
-        with pytest.raises(ValueError, match="must be SiLU .* or the tanh GELU"):
+        with pytest.raises(ValueError, match="must be SiLU .*, the tanh GELU .* or quick_gelu"):
             coat.nn.SwiGLUMLP.from_mlp(mlp)
     with pytest.raises(TypeError, match="gate_proj"):
         coat.nn.SwiGLUMLP.from_mlp(torch.nn.Linear(8, 8))
@@ -290,7 +289,8 @@ def transformers_activations():
     return [(torch.nn.SiLU(), "silu"), (activations.SiLUActivation(), "silu"), (activations.ACT2FN["silu"], "silu"),
             (activations.ACT2FN["swish"], "silu"), (torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
             (activations.GELUTanh(), "gelu_tanh"), (activations.PytorchGELUTanh(), "gelu_tanh"),
-            (activations.ACT2FN["gelu_pytorch_tanh"], "gelu_tanh")]
+            (activations.ACT2FN["gelu_pytorch_tanh"], "gelu_tanh"), (activations.QuickGELUActivation(), "quick_gelu"),
+            (activations.ACT2FN["quick_gelu"], "quick_gelu")]
 
 
 def test_swiglu_mlp_from_mlp_detects_the_activation(device):
@@ -326,6 +326,115 @@ def test_a_wrapped_projection_is_refused_not_ignored():
     mlp = coat.nn.SwiGLUMLP(16, 32)
     mlp.up_proj = LowRankAdapter(mlp.up_proj)
     with pytest.raises(TypeError, match=r"SwiGLUMLP.up_proj is now a LowRankAdapter.*PEFT.*skip_modules"):
+        mlp(torch.randn(4, 16))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MLP: the non-gated MLP of vision towers, fc2(act(fc1(x)))
+
+
+def make_non_gated_mlp(device, activation="gelu_tanh", seed=0, names=("fc1", "fc2")):
+    x = randn(*TOKENS, HIDDEN, seed=seed, device=device)
+    params = [randn(INTERMEDIATE, HIDDEN, scale=HIDDEN**-0.5, seed=seed + 1), randn(INTERMEDIATE, scale=0.1, seed=seed + 2),
+              randn(HIDDEN, INTERMEDIATE, scale=INTERMEDIATE**-0.5, seed=seed + 3), randn(HIDDEN, scale=0.1, seed=seed + 4)]
+    mlp = coat.nn.MLP(HIDDEN, INTERMEDIATE, dtype=torch.bfloat16, activation=activation, names=names)
+    with torch.no_grad():
+        for name, (weight, bias) in zip(names, (params[:2], params[2:])):
+            getattr(mlp, name).weight.copy_(weight)
+            getattr(mlp, name).bias.copy_(bias)
+    return x, [p.to(device) for p in params], mlp.to(device)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_mlp_forward_and_backward(device, gemm_calls, activation):
+    """fc2's GEMM at the FP8 operands it read within 2x BF16's error; end to end, output and every gradient (biases
+    included) within the chain bounds of float64 CLIPMLP."""
+    x, params, mlp = make_non_gated_mlp(device, activation)
+    grad_out = randn(*TOKENS, HIDDEN, seed=9, device=device)
+    x_leaf = x.clone().requires_grad_()
+    out = mlp(x_leaf)
+    assert len(gemm_calls) == 2
+    act_q, act_scale = gemm_calls[1][:2]
+    act = dequantized(act_q, act_scale)
+    fc2_at_fp8 = act @ quantize_per_tensor_dequantized(params[2], E4M3).t() + params[3].double()
+    error_bf16 = bf16_error(lambda a, w: a @ w.t(), act.bfloat16(), params[2])
+    assert relative_error(out.reshape(-1, HIDDEN), fc2_at_fp8) <= 2 * error_bf16
+    out.backward(grad_out)
+    leaves = [t.double().requires_grad_() for t in (x, *params)]
+    exact = reference.mlp(*leaves, activation=activation)
+    exact.backward(grad_out.double())
+    print(f"mlp ({activation}) forward end to end {relative_error(out, exact):.3f}")
+    assert relative_error(out, exact.detach()) <= FORWARD_CHAIN_BOUND
+    actual = [x_leaf.grad, mlp.fc1.weight.grad, mlp.fc1.bias.grad, mlp.fc2.weight.grad, mlp.fc2.bias.grad]
+    for name, grad, leaf in zip(("dx", "dfc1", "dfc1_bias", "dfc2", "dfc2_bias"), actual, leaves):
+        print(f"mlp ({activation}) {name} end to end {relative_error(grad, leaf.grad):.3f}")
+        assert grad.dtype == torch.bfloat16 and relative_error(grad, leaf.grad) <= BACKWARD_CHAIN_BOUND
+
+
+def test_mlp_saves_fp8_only(device):
+    """The input transposed in E4M3 for fc1's wgrad, fc1's output in E4M3 1 x 16 groups (the act's backward and fc2's
+    wgrad operand), scales: no 16-bit activation, and no copy of the act's output."""
+    x, _, mlp = make_non_gated_mlp(device)
+    _, saved = run_saving(lambda: mlp(x.clone().requires_grad_()))
+    parameters = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
+    activations = [t for t in saved if t is not None and t.untyped_storage().data_ptr() not in parameters]
+    rows = x[..., 0].numel()
+    assert {(t.dtype, tuple(t.shape)) for t in activations} == {
+        (E4M3, (HIDDEN, rows)), (E4M3, (rows, INTERMEDIATE)), (torch.float32, (rows, INTERMEDIATE // 16)),
+        (torch.float32, ())}
+    # input + scale, fc1's output + scales, the act's scale, amax of fc1's and fc2's weights
+    assert len(activations) == 7
+
+
+def transformers_mlps():
+    """transformers' non-gated MLPs of vision towers: (module, its activation's kernel name, its linear children)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.clip.modeling_clip import CLIPMLP
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionMlp
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionMLP
+    from transformers.models.siglip.modeling_siglip import SiglipMLP
+
+    sizes = dict(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_attention_heads=2)
+    return [
+        (CLIPMLP(transformers.CLIPVisionConfig(**sizes)), "quick_gelu", ("fc1", "fc2")),
+        (SiglipMLP(transformers.SiglipVisionConfig(**sizes)), "gelu_tanh", ("fc1", "fc2")),
+        (VisionMlp(HIDDEN, INTERMEDIATE, "quick_gelu"), "quick_gelu", ("fc1", "fc2")),
+        (Qwen3VLVisionMLP(transformers.models.qwen3_vl.Qwen3VLVisionConfig(**sizes)), "gelu_tanh",
+         ("linear_fc1", "linear_fc2")),
+    ]
+
+
+def test_mlp_from_transformers_mlps(device):
+    """from_mlp keeps the module's children names, parameters and state-dict keys, takes its activation, and computes
+    what coat.nn.MLP built directly with the same weights computes."""
+    for source, activation, names in transformers_mlps():
+        source = source.bfloat16()
+        keys, before = list(source.state_dict()), dict(source.named_parameters())
+        converted = coat.nn.MLP.from_mlp(source)
+        assert converted.activation == activation and converted.names == names, type(source).__name__
+        assert list(converted.state_dict()) == keys
+        assert all(p is before[n] for n, p in converted.named_parameters())
+        assert all(type(getattr(converted, n)) is coat.nn.Linear for n in names)
+        x, _, direct = make_non_gated_mlp(device, activation, names=names)
+        direct.load_state_dict(converted.state_dict())
+        with torch.no_grad():
+            assert torch.equal(converted.to(device)(x), direct(x))
+
+
+def test_mlp_errors():
+    clip = transformers_mlps()[0][0]
+    clip.activation_fn = torch.nn.GELU()  # the erf GELU: no fused kernel
+    with pytest.raises(ValueError, match=r"MLP.from_mlp expects .*gelu_pytorch_tanh, quick_gelu or SiLU, got CLIPMLP"):
+        coat.nn.MLP.from_mlp(clip)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        coat.nn.MLP(8, 16, activation="gelu")
+    with pytest.raises(ValueError, match="activation must be 'silu'.*'quick_gelu'"):
+        coat_functional.mlp(torch.randn(2, 8), (torch.randn(16, 8), None), (torch.randn(8, 16), None), activation="relu")
+    with pytest.raises(ValueError, match=r"coat.nn.functional.mlp: input has 4 features .* expects 8"):
+        coat_functional.mlp(torch.randn(2, 4), (torch.randn(16, 8), None), (torch.randn(8, 16), None))
+    mlp = coat.nn.MLP(16, 32)
+    mlp.fc2 = LowRankAdapter(mlp.fc2)
+    with pytest.raises(TypeError, match=r"MLP.fc2 is now a LowRankAdapter"):
         mlp(torch.randn(4, 16))
 
 

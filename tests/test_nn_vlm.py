@@ -8,6 +8,7 @@ Bounds are those of tests/test_nn_llama.py, which explains them."""
 import contextlib
 import copy
 import functools
+import re
 import subprocess
 import sys
 
@@ -600,22 +601,35 @@ def vision_side_linears(model) -> dict:
             if isinstance(module, torch.nn.Linear)}
 
 
-# The towers with gated MLPs: Qwen2.5-VL's (SiLU, with biases) and Pixtral's (Mistral 3: SiLU)
-GATED_VISION_MLPS = ("qwen2_5_vl", "mistral3")
+# The vision towers' MLPs, fused by vision_linears: the coat class and its activation. Gated: Qwen2.5-VL's (SiLU, with
+# biases) and Pixtral's (Mistral 3: SiLU). Non-gated: CLIP's (quick_gelu), SigLIP's, Idefics3's and Qwen3-VL's
+# (gelu_pytorch_tanh). InternVL's tower has the erf GELU, which no kernel fuses: its fc1 and fc2 are coat.nn.Linears.
+VISION_MLPS = {"llava_llama": ("MLP", "quick_gelu"), "llava_next": ("MLP", "quick_gelu"),
+               "llava_onevision": ("MLP", "gelu_tanh"), "mistral3": ("SwiGLUMLP", "silu"), "internvl": None,
+               "idefics3": ("MLP", "gelu_tanh"), "smolvlm": ("MLP", "gelu_tanh"), "gemma3": ("MLP", "gelu_tanh"),
+               "qwen2_5_vl": ("SwiGLUMLP", "silu"), "qwen2_vl": ("MLP", "quick_gelu"),
+               "qwen3_vl": ("MLP", "gelu_tanh"), "qwen3_vl_moe": ("MLP", "gelu_tanh")}
 
 
-@pytest.mark.parametrize("name", MAIN_VLMS)
+@pytest.mark.parametrize("name", [*MAIN_VLMS, "qwen2_vl"])
 def test_vision_linears_converts_the_vision_towers_and_projectors_linear_layers(name):
-    """Every nn.Linear of the vision side becomes a coat.nn.Linear, the gated MLPs' three inside a SwiGLUMLP."""
+    """Every nn.Linear of the vision side becomes a coat.nn.Linear; each block's MLP becomes the fused coat MLP of its
+    kind (VISION_MLPS), its linear layers inside it, with the tower's activation."""
     model = tiny_vlm(name)
     stock = vision_side_linears(model)
-    gated = [n for n, m in model.named_modules() if is_vision_side(n) and hasattr(m, "gate_proj")]
-    assert bool(gated) == (name in GATED_VISION_MLPS)
+    # each block's MLP: "...blocks.0.mlp", "...layers.0.mlp" (Pixtral's: "feed_forward")
+    mlps = [n for n, m in model.named_modules() if is_vision_side(n)
+            and re.search(r"\.\d+\.(mlp|feed_forward)$", n)]
+    assert mlps
     before = dict(model.named_parameters())
     keys = list(model.state_dict())
     coat.convert(model, vision_linears=True)
-    assert all(type(model.get_submodule(n)) is coat.nn.SwiGLUMLP for n in gated)
-    assert {model.get_submodule(n).activation for n in gated} <= {"silu"}
+    fused = {n: model.get_submodule(n) for n in mlps}
+    if VISION_MLPS[name] is None:
+        assert not any(isinstance(m, (coat.nn.MLP, coat.nn.SwiGLUMLP)) for m in fused.values())
+    else:
+        cls, activation = VISION_MLPS[name]
+        assert {(type(m).__name__, m.activation) for m in fused.values()} == {(cls, activation)}
     converted = vision_side_linears(model)
     assert converted.keys() == stock.keys()
     plain = [n for n, cls in stock.items() if cls is torch.nn.Linear]

@@ -220,6 +220,8 @@ def test_opcheck(device):
         torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default, (x, x * 2, s, 32, 64, E5M2, transpose))
         torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default,
                               (x, x * 2, s, 32, 64, E5M2, transpose, "e4m3", "gelu_tanh"))
+        torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default,
+                              (x, None, s, 32, 64, E5M2, transpose, "e4m3", "quick_gelu"))
     # test_schema compares the inputs before and after the call with torch.allclose, which torch does not
     # implement for FP8 tensors, and the backward ops take FP8 inputs; the other checks all run.
     fp8_input_checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -229,12 +231,15 @@ def test_opcheck(device):
             torch.ops.coat.rmsnorm_backward.default, (x, x_saved, x_saved_scales, rstd, weight, 16, residual),
             test_utils=fp8_input_checks,
         )
-    for s, activation in ((None, "silu"), (smooth, "silu"), (smooth, "gelu_tanh")):
+    for s, activation in ((None, "silu"), (smooth, "silu"), (smooth, "gelu_tanh"), (None, "quick_gelu")):
         torch.library.opcheck(
             torch.ops.coat.silu_mul_backward.default,
             (x, x_saved, x_saved_scales, x_saved, x_saved_scales, s, 16, "e4m3", activation),
             test_utils=fp8_input_checks,
         )
+    torch.library.opcheck(torch.ops.coat.silu_mul_backward.default,
+                          (x, x_saved, x_saved_scales, None, None, smooth, 16, "e4m3", "gelu_tanh"),
+                          test_utils=fp8_input_checks)
     y_scale = on_device(torch.tensor(0.01), device)
     torch.library.opcheck(
         torch.ops.coat.rmsnorm_requantize.default, (x_saved, x_saved_scales, rstd, weight, y_scale, 16, E4M3),
@@ -246,6 +251,11 @@ def test_opcheck(device):
             (x_saved, x_saved_scales, x_saved, x_saved_scales, s, y_scale, 16, fp8, "e4m3", None, activation),
             test_utils=fp8_input_checks,
         )
+    torch.library.opcheck(
+        torch.ops.coat.silu_mul_requantize.default,
+        (x_saved, x_saved_scales, None, None, None, y_scale, 16, E4M3, "e4m3", None, "quick_gelu"),
+        test_utils=fp8_input_checks,
+    )
 
 
 
@@ -259,6 +269,8 @@ def test_opcheck_fp4_and_fp6_copies(device, fmt):
     smooth = on_device(torch.rand(66) + 0.5, device)
     torch.library.opcheck(torch.ops.coat.rmsnorm_quantize.default, (x, weight, EPS, 16, 128, E4M3, True, fmt))
     torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default, (x, x * 2, smooth, 32, 64, E5M2, False, fmt))
+    torch.library.opcheck(torch.ops.coat.silu_mul_quantize.default,
+                          (x, None, None, 32, 64, E5M2, False, fmt, "quick_gelu"))
     _, _, _, packed, packed_scales, rstd = torch.ops.coat.rmsnorm_quantize(x, weight, EPS, 16, 128, E4M3, False, fmt)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 5, {"fp4": 33, "fp6": 50}[fmt])
     y_scale = on_device(torch.tensor(0.01), device)
@@ -273,6 +285,10 @@ def test_opcheck_fp4_and_fp6_copies(device, fmt):
     for s, fp8, activation in ((None, E5M2, "silu"), (smooth, E4M3, "silu"), (smooth, E5M2, "gelu_tanh")):
         torch.library.opcheck(torch.ops.coat.silu_mul_requantize.default,
                               (packed, packed_scales, packed, packed_scales, s, y_scale, 16, fp8, fmt, 66, activation))
+    torch.library.opcheck(torch.ops.coat.silu_mul_backward.default,
+                          (x, packed, packed_scales, None, None, None, 16, fmt, "quick_gelu"))
+    torch.library.opcheck(torch.ops.coat.silu_mul_requantize.default,
+                          (packed, packed_scales, None, None, None, y_scale, 16, E4M3, fmt, 66, "gelu_tanh"))
 
 
 def test_errors():

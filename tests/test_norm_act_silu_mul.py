@@ -1,6 +1,7 @@
 """Tests of the fused SiLU*mul ops: coat.ops.silu_mul_quantize / silu_mul_backward / silu_mul_requantize
-(csrc/include/coat/norm_act.h) with either activation (silu: SwiGLU; gelu_tanh: GeGLU), each test taking both where
-it has `activation`, and the activations' own fp32 arithmetic (coat_exp, gelu_tanh), against the references and
+(csrc/include/coat/norm_act.h) with every activation (silu: SwiGLU; gelu_tanh: GeGLU; quick_gelu: CLIP's), each test
+taking all where it has `activation`, the non-gated op (up=None), and the activations' own fp32 arithmetic (coat_exp,
+gelu_tanh, quick_gelu), against the references and
 bounds that tests/test_norm_act.py's module docstring states; CUDA (skipped without a GPU) against the C core, bit
 for bit.
 """
@@ -156,9 +157,10 @@ def check_silu_mul_backward(dy, saved, smooth, group_size, dgate, dup, d_amax, a
     # the same formula, computed by PyTorch in bf16 (gelu_tanh: torch's own gelu and gelu_backward)
     dy_b = dy.bfloat16() if smooth is None else dy.bfloat16() * smooth.bfloat16()
     g_b, u_b = g.bfloat16(), u.bfloat16()
-    if activation == "silu":
-        s = torch.sigmoid(g_b)
-        dgate_bf16, dup_bf16 = dy_b * u_b * s * (1 + g_b * (1 - s)), dy_b * g_b * s
+    if activation in ("silu", "quick_gelu"):
+        a = 1.0 if activation == "silu" else 1.702
+        s = torch.sigmoid(a * g_b)
+        dgate_bf16, dup_bf16 = dy_b * u_b * s * (1 + a * g_b * (1 - s)), dy_b * g_b * s
     else:
         dgate_bf16 = torch.ops.aten.gelu_backward(dy_b * u_b, g_b, approximate="tanh")
         dup_bf16 = dy_b * torch.nn.functional.gelu(g_b, approximate="tanh")
@@ -214,21 +216,25 @@ def test_coat_exp_accuracy():
 
 
 # ----------------------------------------------------------------------------------------------------
-# GeGLU's gelu_tanh: accuracy of the documented fp32 arithmetic, which the kernels equal bit for bit (above)
+# GeGLU's gelu_tanh and CLIP's quick_gelu: accuracy of the documented fp32 arithmetic, which the kernels equal bit for
+# bit (above)
 
 GELU_GATES = torch.cat([torch.linspace(-12.0, 12.0, 480_001),
                         3 * torch.randn(200_000, generator=torch.Generator().manual_seed(9))])
 
 
-def test_gelu_tanh_accuracy():
-    """act and act' of gelu_tanh in fp32 (coat's g * sigmoid(z), replayed) against the float64 formula: max error at
-    most 2x that of torch's own float32 gelu(approximate="tanh") and its autograd, the bf16 rule at fp32."""
+@pytest.mark.parametrize("activation", ["gelu_tanh", "quick_gelu"])
+def test_gelu_accuracy(activation):
+    """act and act' of gelu_tanh and quick_gelu in fp32 (coat's g * sigmoid(z), replayed) against the float64
+    formula: max error at most 2x that of torch's own float32 function (gelu(approximate="tanh"); transformers'
+    QuickGELUActivation, g * sigmoid(1.702 g)) and its autograd, the bf16 rule at fp32."""
     g = GELU_GATES
-    act64, dact64 = ref.activation64(g, "gelu_tanh")
-    act32 = g * ref.activation_sigmoid_f32(g, "gelu_tanh")
-    dact32 = ref.activation_slope_f32(g, ref.activation_sigmoid_f32(g, "gelu_tanh"), "gelu_tanh")
+    act64, dact64 = ref.activation64(g, activation)
+    act32 = g * ref.activation_sigmoid_f32(g, activation)
+    dact32 = ref.activation_slope_f32(g, ref.activation_sigmoid_f32(g, activation), activation)
     g_torch = g.clone().requires_grad_()
-    act_torch = torch.nn.functional.gelu(g_torch, approximate="tanh")
+    act_torch = (torch.nn.functional.gelu(g_torch, approximate="tanh") if activation == "gelu_tanh"
+                 else g_torch * torch.sigmoid(1.702 * g_torch))
     act_torch.sum().backward()
     assert max_error(act32, act64) <= 2 * max_error(act_torch.detach(), act64)
     assert max_error(dact32, dact64) <= 2 * max_error(g_torch.grad, dact64)
@@ -245,9 +251,9 @@ def unit_saved(gates: torch.Tensor, group_size=16):
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_activation_special_gates(device, activation):
     """act and act' at +-Inf, NaN, huge, tiny, zero and very negative gates, through the backward with dy = 1 and
-    up = 1 (dup = act(g), dgate = act'(g), exactly): act as torch's float32 (silu, gelu(approximate="tanh")) at
-    every such gate; gelu_tanh' finite for every finite gate, its limits 1 and 0 at +-Inf (torch: NaN from
-    |g| ~ 1.8e19 on), silu' NaN at +-Inf (Inf * 0)."""
+    up = 1 (dup = act(g), dgate = act'(g), exactly): act as torch's float32 (silu, gelu(approximate="tanh"),
+    g * sigmoid(1.702 g)) at every such gate; gelu_tanh' and quick_gelu' finite for every finite gate, their limits
+    1 and 0 at +-Inf (torch's gelu: NaN from |g| ~ 1.8e19 on), silu' NaN at +-Inf (Inf * 0)."""
     gates = torch.tensor([math.inf, -math.inf, math.nan, 1e30, -1e30, 3e38, -3e38, 2e19, -2e19, 1e-30, 1e-39,
                           0.0, -0.0, -10.0, -20.0, -88.0, 10.0, 0.5, -0.5])
     gate_saved, gate_scales = unit_saved(gates)
@@ -256,22 +262,25 @@ def test_activation_special_gates(device, activation):
     dgate, dup, _ = run(torch.ops.coat.silu_mul_backward, dy, gate_saved, gate_scales, up_saved, up_scales, None, 16,
                         "e4m3", activation, device=device)
     act, dact = dup[:, 0], dgate[:, 0]
-    torch_act = (gates * torch.sigmoid(gates) if activation == "silu"
-                 else torch.nn.functional.gelu(gates, approximate="tanh"))
+    torch_act = {"silu": lambda g: g * torch.sigmoid(g), "quick_gelu": lambda g: g * torch.sigmoid(1.702 * g),
+                 "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}[activation](gates)
     assert_same_bits(act.isnan(), torch_act.isnan(), "act's NaNs vs torch's")
     assert act[0] == math.inf and act[1].isnan() and act[2].isnan()
     # act within float32's reach of float64's: g * sigmoid(z), which 0.5 g (1 + tanh(z / 2)) equals but computes without
     # cancelling to 0 below about -9 (torch's float32 and the float64 formula's float64 do)
     finite = gates.isfinite()
     g64 = gates[finite].double()
-    z64 = g64 if activation == "silu" else 2 * ref.SQRT_2_OVER_PI * (g64 + 0.044715 * g64**3)
+    z64 = {"silu": g64, "quick_gelu": 1.702 * g64,
+           "gelu_tanh": 2 * ref.SQRT_2_OVER_PI * (g64 + 0.044715 * g64**3)}[activation]
     act64 = g64 * torch.sigmoid(z64)
     assert torch.allclose(act[finite].double(), act64, rtol=1e-4, atol=1e-44)
     assert (act[finite].signbit() == gates[finite].signbit()).all()
-    if activation == "gelu_tanh":
+    if activation in ("gelu_tanh", "quick_gelu"):
         assert dact[2].isnan() and not dact[torch.arange(gates.numel()) != 2].isnan().any()
         assert dact[0] == 1.0 and dact[1] == 0.0 and dact[3] == 1.0 and dact[4] == 0.0 and dact[7] == 1.0
-        assert dact[9] == 0.5 and dact[11] == 0.5 and abs(dact[13]) < 1e-30 and dact[14] == 0.0
+        assert dact[9] == 0.5 and dact[11] == 0.5
+        if activation == "gelu_tanh":  # z(-10) is -87: sigmoid is below 2^-125
+            assert abs(dact[13]) < 1e-30 and dact[14] == 0.0
     else:
         assert dact[:3].isnan().all() and not dact[3:].isnan().any()
     g, u = ref.decode_saved(gate_saved, gate_scales, 16), ref.decode_saved(up_saved, up_scales, 16)
@@ -282,7 +291,7 @@ def test_activation_special_gates(device, activation):
 def test_activation_errors():
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     _, y_scale, _, *saved = ops.silu_mul_quantize(x, x)
-    message = "activation must be 'silu' \\(SwiGLU\\) or 'gelu_tanh' \\(GeGLU"
+    message = "activation must be 'silu' \\(SwiGLU\\), 'gelu_tanh' \\(GeGLU.*or 'quick_gelu'"
     for call in (lambda: ops.silu_mul_quantize(x, x, activation="gelu"),
                  lambda: ops.silu_mul_backward(x, *saved, activation="relu"),
                  lambda: ops.silu_mul_requantize(*saved, None, y_scale, activation="swish")):
@@ -434,11 +443,12 @@ def test_silu_mul_ops_read_fp4_and_fp6_as_their_e4m3_expansion(device, fmt, shap
 # output is compared with the C core's bit for bit (run).
 
 # Gates around the edges of the kernels' fast paths: the bf16 table holds 2^-24 <= |g| < 2^8 for silu, 2^-25 <= |g| <
-# 2^7 for gelu_tanh; the computed sigmoid takes z(g) >= -80 and sends smaller ones through coat_exp's full range
-# (-88.7, -103.3); gelu_tanh's z(g) reaches -80 near g = -9.67.
+# 2^7 for gelu_tanh and quick_gelu; the computed sigmoid takes z(g) >= -80 and sends smaller ones through coat_exp's
+# full range (-88.7, -103.3); gelu_tanh's z(g) reaches -80 near g = -9.67, quick_gelu's near g = -47.0.
 EDGE_GATES = [0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-24 * (1 - 2.0**-8), 1e-30, 1e-39, 255.0, -255.0, 256.0,
               -256.0, 300.0, -80.0, -80.5, -81.0, -87.5, -88.5, -89.0, -103.0, -104.0, -200.0, 80.5, 88.5, 100.0,
-              2.0**-25, -(2.0**-25), 127.5, 128.0, -128.0, -9.625, -9.6875, -9.75, -10.0]
+              2.0**-25, -(2.0**-25), 127.5, 128.0, -128.0, -9.625, -9.6875, -9.75, -10.0, -46.75, -47.0, -47.25,
+              -52.0, -61.0]
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -463,3 +473,67 @@ def test_silu_mul_several_rounds(cuda_device, activation):
     outputs = silu_mul_forward(gate, up, device=cuda_device, activation=activation)
     dy = activations(tuple(gate.shape), torch.bfloat16, seed=62, outliers=False)
     run(torch.ops.coat.silu_mul_backward, dy, *outputs[3:], None, 16, "e4m3", activation, device=cuda_device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The non-gated act (up=None): a non-gated MLP's activation, fc2(act(fc1(x))) (CLIP's quick_gelu, SigLIP's and
+# Qwen3-VL's gelu_tanh). Every op reads up as exactly 1, so each output equals, bit for bit, the gated op's with up a
+# tensor of ones (whose saved copy decodes to exactly 1, and whose product with act is exact), which the tests above
+# hold to the references; it writes no copy of up and no dup, and its d_amax is dgate's alone.
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("fmt", ["e4m3", *BLOCK_FORMATS])
+@pytest.mark.parametrize("shape, group_size", [((37, 176), 16), ((9, 1000), 64), ((3, 7), 32)], ids=str)
+def test_non_gated_act_is_act_mul_by_ones(device, activation, fmt, shape, group_size):
+    wide = with_special_values(activations((shape[0], shape[1] + 8), torch.bfloat16, seed=shape[1] + 60))
+    gate = wide[:, 3 : 3 + shape[1]]  # a row-strided view
+    ones = torch.ones(shape, dtype=torch.bfloat16)
+    smooth = torch.exp(torch.randn(shape[1], generator=torch.Generator().manual_seed(61)))
+    dy = activations(shape, torch.bfloat16, seed=62, outliers=False)
+    cols = shape[1] if fmt != "e4m3" else None
+    for s in (None, smooth):
+        y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = run(
+            torch.ops.coat.silu_mul_quantize, gate, None, s, group_size, 128, E4M3, True, fmt, activation,
+            device=device)
+        assert up_saved.numel() == 0 and up_scales.numel() == 0
+        gated = run(torch.ops.coat.silu_mul_quantize, gate, ones, s, group_size, 128, E4M3, True, fmt, activation,
+                    device=device)
+        for name, a, b in zip(("y", "y_scale", "y_t", "gate_saved", "gate_scales"), (y, y_scale, y_t, gate_saved,
+                                                                                        gate_scales), gated):
+            assert_same_bits(a, b, f"{name} without up vs with up = 1")
+        if fmt == "e4m3":
+            check_fp8_output(y, y_scale, ref.silu_mul(gate, ones, s, activation))
+        dgate, dup, d_amax = run(torch.ops.coat.silu_mul_backward, dy, gate_saved, gate_scales, None, None, s,
+                                 group_size, fmt, activation, device=device)
+        gated_dgate, _, _ = run(torch.ops.coat.silu_mul_backward, dy, *gated[3:], s, group_size, fmt, activation,
+                                device=device)
+        assert dup.numel() == 0
+        assert_same_bits(dgate, gated_dgate, "dgate without up vs with up = 1")
+        expected_amax = torch.nan_to_num(dgate.float().abs(), nan=0.0).max()
+        assert_same_bits(d_amax, expected_amax, "d_amax vs max |dgate|")
+        (requantized,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), gate_saved, gate_scales, None,
+                             None, s, y_scale, group_size, E4M3, fmt, cols, activation, device=device)
+        (gated_requantized,) = run(lambda *a: (torch.ops.coat.silu_mul_requantize(*a),), *gated[3:], s, y_scale,
+                                   group_size, E4M3, fmt, cols, activation, device=device)
+        assert_same_bits(requantized, gated_requantized, "requantized y_t without up vs with up = 1")
+
+
+def test_non_gated_wrappers_return_none_for_up():
+    gate = activations((5, 64), torch.bfloat16, seed=63)
+    y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(gate, None,
+                                                                                           activation="quick_gelu")
+    assert up_saved is None and up_scales is None and y_t is None
+    dgate, dup, _ = ops.silu_mul_backward(gate, gate_saved, gate_scales, None, None, activation="quick_gelu")
+    assert dup is None and dgate.shape == gate.shape
+    y_t = ops.silu_mul_requantize(gate_saved, gate_scales, None, None, None, y_scale, activation="quick_gelu")
+    assert y_t.shape == (64, 5)
+    for call in (lambda: ops.silu_mul_backward(gate, gate_saved, gate_scales, gate_saved, None),
+                 lambda: ops.silu_mul_requantize(gate_saved, gate_scales, None, gate_scales, None, y_scale)):
+        with pytest.raises(RuntimeError, match="pass both up_saved and up_scales .* or neither"):
+            call()
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake_saved, fake_scales = mode.from_tensor(gate_saved), mode.from_tensor(gate_scales)
+        with pytest.raises(RuntimeError, match="pass both up_saved and up_scales .* or neither"):
+            torch.ops.coat.silu_mul_backward(mode.from_tensor(gate), fake_saved, fake_scales, fake_saved, None,
+                                             None, 16)

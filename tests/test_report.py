@@ -342,13 +342,16 @@ def test_kept_inputs_are_reported_in_their_format_and_each_layer_climbs_4_6_8_bi
 def test_choose_saved_formats_sets_the_config_of_lone_coat_modules():
     config = coat.nn.FP8Config(saved_format="fp4")
     torch.manual_seed(0)
-    model = nn.Sequential(coat.nn.RMSNorm(64, config=config), coat.nn.SwiGLUMLP(64, 96, config=config))
+    model = nn.Sequential(coat.nn.RMSNorm(64, config=config), coat.nn.SwiGLUMLP(64, 96, config=config),
+                          coat.nn.MLP(64, 96, config=config, activation="quick_gelu"))
     report = coat.report.QuantizationReport(model)
     with report.capture():
         model(torch.randn(8, 64, requires_grad=True)).sum().backward()
-    assert report.choose_saved_formats(max_rel_error=1.0) == {"0": "fp4", "1": "fp4"}
-    assert report.choose_saved_formats(max_rel_error=0.0) == {"0": "fp6", "1": "fp6"}
-    assert model[0].config.saved_format == model[1].config.saved_format == "fp6"
+    assert {row["tensor"] for row in report.rows() if row["layer"] == "2"} == {
+        "fc1_input", "fc1_weight", "fc1_output", "fc2_input", "fc2_weight", "fc1_grad_output", "fc2_grad_output"}
+    assert report.choose_saved_formats(max_rel_error=1.0) == {"0": "fp4", "1": "fp4", "2": "fp4"}
+    assert report.choose_saved_formats(max_rel_error=0.0) == {"0": "fp6", "1": "fp6", "2": "fp6"}
+    assert model[0].config.saved_format == model[1].config.saved_format == model[2].config.saved_format == "fp6"
 
 
 def test_sampled_amax_of_an_fp4_kept_input_is_the_tensors():

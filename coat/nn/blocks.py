@@ -24,8 +24,8 @@ from coat.nn.layers import (
     _rmsnorm_quantize,
     _save,
     _saved,
-    _swiglu_backward,
-    _swiglu_forward,
+    _mlp_backward,
+    _mlp_forward,
     rms_norm_save,
     swiglu_mlp,
 )
@@ -216,7 +216,7 @@ class _MLPResidualFunction(torch.autograd.Function):
             _record_rmsnorm(site, "mlp_norm_input", "gate_up_input", x2d, norm_weight, quantized, config,
                             norm_weight_offset)
         n_q, n_scale, _, x_saved, x_saved_scales, rstd = quantized
-        mlp_out, mlp_saved = _swiglu_forward(n_q, n_scale, params, config, out_dtype, keep_for_backward=True,
+        mlp_out, mlp_saved = _mlp_forward(n_q, n_scale, params, config, out_dtype, keep_for_backward=True,
                                              site=site, activation=activation)
         _save(
             ctx,
@@ -244,7 +244,7 @@ class _MLPResidualFunction(torch.autograd.Function):
         if _params_need_grad(needs[1][:-1]):
             n_q_t = _rmsnorm_output_t(saved, saved["norm_weight"], saved["n_scale"], ctx.config, offset)
         grad_out2d = _matrix(grad_out)
-        grad_n, param_grads = _swiglu_backward(
+        grad_n, param_grads = _mlp_backward(
             grad_out2d, saved, n_q_t, saved["n_scale"], params, needs, ctx.config, ctx.x_dtype, ctx.out_dtype,
             _capture.backward_site(ctx), ctx.activation,
         )
@@ -284,7 +284,7 @@ def mlp_residual(x, norm_weight, eps: float, gate, up, down, config: FP8Config =
                                              activation, *flat_params)
         else:
             n_q, n_scale, *_ = _rmsnorm_quantize(_matrix(x), norm_weight, eps, config, weight_offset=norm_weight_offset)
-            out, _ = _swiglu_forward(n_q, n_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False,
+            out, _ = _mlp_forward(n_q, n_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False,
                                      activation=activation)
             out = out.view(*x.shape[:-1], out.shape[-1])
             out = x + out if add_residual else out

@@ -1,5 +1,5 @@
-"""The autograd Functions of coat's single FP8 layers, :func:`linear`, :func:`rms_norm`, :func:`rms_norm_save`
-and :func:`swiglu_mlp`, and the pieces of them that the decoder blocks (:mod:`coat.nn.blocks`) reuse: the fused
+"""The autograd Functions of coat's single FP8 layers, :func:`linear`, :func:`rms_norm`, :func:`rms_norm_save`,
+:func:`swiglu_mlp` and :func:`mlp`, and the pieces of them that the decoder blocks (:mod:`coat.nn.blocks`) reuse: the fused
 RMSNorm and SiLU*mul steps with their report records, and the saved-tensor plumbing. The public names are
 re-exported by :mod:`coat.nn.functional`, whose docstring says what the layers save for backward.
 """
@@ -22,14 +22,24 @@ def _rows(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return t if rows is None else t.index_select(0, rows)
 
 
-def _gated_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) with torch's function for coat.ops.silu_mul_quantize's ``activation``."""
-    return F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)  # transformers' QuickGELUActivation
+
+
+#: torch's function for each activation of coat.ops.silu_mul_quantize (the ``activation`` of coat's MLPs).
+ACTIVATION_FUNCTIONS = {
+    "silu": F.silu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "quick_gelu": _quick_gelu,
+}
 
 
 def _silu_mul_rows(gate, up, smooth_scale, activation, rows):
-    """act(gate) * up (times the Smooth-SwiGLU scale) in float32, for the given rows (all when None)."""
-    product = _gated_activation(_rows(gate, rows).float(), activation) * _rows(up, rows)  # up is promoted exactly
+    """act(gate) [* up] (times the Smooth-SwiGLU scale) in float32, for the given rows (all when None); up None:
+    the non-gated MLP's act(gate)."""
+    product = ACTIVATION_FUNCTIONS[activation](_rows(gate, rows).float())
+    if up is not None:
+        product = product * _rows(up, rows)  # up is promoted exactly
     return product if smooth_scale is None else product * smooth_scale
 
 
@@ -182,7 +192,7 @@ def smooth_swiglu_scale(gate: torch.Tensor, up: torch.Tensor, activation: str = 
     folded into the down projection, exact; the exponent is clamped to [-126, 126] so that both stay normal
     float32 numbers. Channels that are all zero (or not finite) get s = 1. float32 [channels]."""
     with torch.no_grad():
-        amax = (_gated_activation(gate, activation) * up).abs().amax(dim=0).float()
+        amax = (ACTIVATION_FUNCTIONS[activation](gate) * up).abs().amax(dim=0).float()
         exponent = torch.clamp(torch.ceil(torch.log2(amax)), -126, 126)
         usable = torch.isfinite(amax) & (amax > 0)
         return torch.where(usable, torch.exp2(-exponent), torch.ones_like(amax))
@@ -203,22 +213,35 @@ def _gate_up_projections(params) -> Projections:
     return Projections(gate_up, "gate_up")
 
 
-def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for_backward: bool, site=None,
-                    activation: str = "silu"):
+def _input_projections(params, gated: bool) -> Projections:
+    """The projections that read an MLP's input: gate and up of a gated MLP (:func:`_gate_up_projections`), fc1 of
+    a non-gated one."""
+    return _gate_up_projections(params) if gated else Projections(params[:1], "fc1")
+
+
+def _output_projection(params, smooth_scale, gated: bool) -> Projections:
+    """The MLP's last projection, down (1 / smooth_scale folded in) or fc2."""
+    return Projections([_smoothed_down(params[-1], smooth_scale)], "down" if gated else "fc2")
+
+
+def _mlp_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for_backward: bool, site=None,
+                 activation: str = "silu", gated: bool = True):
     """down(act(gate(x)) * up(x)) from an input already in FP8, act = ``activation`` ("silu": SwiGLU,
     "gelu_tanh": GeGLU). params: [(w, b)] for gate, up, down, or for a fused gate_up and down
     (:func:`_gate_up_projections`): then one GEMM writes gate and up side by side, and the fused op reads the two
-    halves in place.
-    Returns the output and the tensors backward needs: the weights' amax, SiLU*mul's inputs in 1 x G groups
+    halves in place. Without ``gated``, a non-gated MLP, fc2(act(fc1(x))): params [(w, b)] for fc1 and fc2, and the
+    same op without up (no Smooth-SwiGLU scale: config.smooth_swiglu is for gated MLPs).
+    Returns the output and the tensors backward needs: the weights' amax, act*mul's inputs in 1 x G groups
     (in ``config.saved_format`` when ``keep_for_backward``) and the scale of the FP8 product that feeds the
     down projection. The product itself is not saved: backward recomputes its transpose (the down wgrad's
     operand) from the saved inputs.
     gate and up themselves live only until the fused op has read them."""
-    gate_up = _gate_up_projections(params)
-    gate_up_amax = gate_up.weight_amax()
-    gate, up = (gate_up.forward_joint if gate_up.fused else gate_up.forward)(x_q, x_scale, config, out_dtype,
-                                                                            gate_up_amax, site)
-    smooth_scale = smooth_swiglu_scale(gate, up, activation) if config.smooth_swiglu else None
+    first = _input_projections(params, gated)
+    in_proj_amax = first.weight_amax()
+    outputs = (first.forward_joint if first.fused else first.forward)(x_q, x_scale, config, out_dtype, in_proj_amax,
+                                                                      site)
+    gate, up = outputs if gated else (outputs[0], None)
+    smooth_scale = smooth_swiglu_scale(gate, up, activation) if config.smooth_swiglu and gated else None
     act_q, act_scale, _, gate_saved, gate_scales, up_saved, up_scales = ops.silu_mul_quantize(
         gate,
         up,
@@ -231,21 +254,22 @@ def _swiglu_forward(x_q, x_scale, params, config: FP8Config, out_dtype, keep_for
     )
     if site is not None:
         cols = gate.shape[1]
-        site.record("gate_output", gate, *_as_e4m3(gate_saved, gate_scales, cols, config), config.group_size,
-                    config.saved_format)
-        site.record("up_output", up, *_as_e4m3(up_saved, up_scales, cols, config), config.group_size,
-                    config.saved_format)
+        site.record("gate_output" if gated else "fc1_output", gate, *_as_e4m3(gate_saved, gate_scales, cols, config),
+                    config.group_size, config.saved_format)
+        if gated:
+            site.record("up_output", up, *_as_e4m3(up_saved, up_scales, cols, config), config.group_size,
+                        config.saved_format)
         # The kernel's fp32 product before quantization, recomputed with torch's SiLU (the kernel has its own
         # exp, so a value may differ in its last float32 bit). A partial, not a closure: closing over gate and
         # up would make the `del` below a bytecode torch.compile cannot trace.
-        site.record("down_input", functools.partial(_silu_mul_rows, gate, up, smooth_scale, activation), act_q,
-                    act_scale)
-    del gate, up
-    down = Projections([_smoothed_down(params[-1], smooth_scale)], "down")
+        site.record("down_input" if gated else "fc2_input",
+                    functools.partial(_silu_mul_rows, gate, up, smooth_scale, activation), act_q, act_scale)
+    del gate, up, outputs
+    down = _output_projection(params, smooth_scale, gated)
     down_amax = down.weight_amax()
     (out,) = down.forward(_matrix(act_q), act_scale, config, out_dtype, down_amax, site)
     saved = dict(
-        gate_up_amax=gate_up_amax,
+        in_proj_amax=in_proj_amax,
         down_amax=down_amax,
         gate_saved=gate_saved,
         gate_scales=gate_scales,
@@ -262,23 +286,23 @@ def _smoothed_down(down, smooth_scale):
     return _smoothed_down_weight(weight, smooth_scale), bias
 
 
-def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, config: FP8Config, x_dtype, act_dtype,
-                     site=None, activation: str = "silu"):
-    """Backward of :func:`_swiglu_forward`. needs: (need_input_grad, [(need_w, need_b)] for gate, up, down).
+def _mlp_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, config: FP8Config, x_dtype, act_dtype,
+                  site=None, activation: str = "silu", gated: bool = True):
+    """Backward of :func:`_mlp_forward`. needs: (need_input_grad, [(need_w, need_b)] for each of params).
     The gradients of the product and of gate and up are in act_dtype, the dtype the forward computed them
     in (autocast's); the input's gradient is in x_dtype. Returns the input's gradient and [grad_w, grad_b]
     for each of params."""
     need_input_grad, need_param_grads = needs
     smooth_scale = saved["smooth_scale"]
-    gate_up = _gate_up_projections(params)
+    first = _input_projections(params, gated)
     act_q_t = None
     if _params_need_grad(need_param_grads[-1:]):
         act_q_t = ops.silu_mul_requantize(
             saved["gate_saved"], saved["gate_scales"], saved["up_saved"], saved["up_scales"], smooth_scale,
             saved["act_scale"], config.group_size, config.forward_dtype, saved_format=config.saved_format,
-            cols=gate_up.output_widths[0], activation=activation,
+            cols=first.output_widths[0], activation=activation,
         )
-    grad_act, down_grads = Projections([_smoothed_down(params[-1], smooth_scale)], "down").backward(
+    grad_act, down_grads = _output_projection(params, smooth_scale, gated).backward(
         [grad_out2d], act_q_t, saved["act_scale"], saved["down_amax"], (True, need_param_grads[-1:]),
         config, act_dtype, site,
     )
@@ -298,11 +322,11 @@ def _swiglu_backward(grad_out2d, saved: dict, x_q_t, x_scale, params, needs, con
         activation=activation,
     )
     del grad_act
-    grad_input, gate_up_grads = gate_up.backward(
-        [grad_gate, grad_up], x_q_t, x_scale, saved["gate_up_amax"], (need_input_grad, need_param_grads[:-1]), config,
-        x_dtype, site, grad_amax,
+    grad_input, first_grads = first.backward(
+        [grad_gate, grad_up] if gated else [grad_gate], x_q_t, x_scale, saved["in_proj_amax"],
+        (need_input_grad, need_param_grads[:-1]), config, x_dtype, site, grad_amax,
     )
-    return grad_input, gate_up_grads + down_grads
+    return grad_input, first_grads + down_grads
 
 
 def _param_needs(needs_input_grad, first_param_index: int, count: int):
@@ -316,7 +340,7 @@ def _params_need_grad(param_needs) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# coat.nn.RMSNorm and coat.nn.SwiGLUMLP on their own
+# coat.nn.RMSNorm, coat.nn.SwiGLUMLP and coat.nn.MLP on their own
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -389,28 +413,28 @@ def rms_norm_save(x, weight, eps: float, config: FP8Config = FP8Config(), *, wei
     return _RMSNormSaveFunction.apply(x, weight, eps, weight_offset, residual, config)
 
 
-class _SwiGLUMLPFunction(torch.autograd.Function):
-    """down(act(gate(x)) * up(x)), LlamaMLP's computation (GemmaMLP's with act gelu_tanh), in FP8. Saves the
-    transposed FP8 input (read by both the gate and up wgrads) and its scale, plus what :func:`_swiglu_forward`
-    lists."""
+class _MLPFunction(torch.autograd.Function):
+    """down(act(gate(x)) * up(x)), LlamaMLP's computation (GemmaMLP's with act gelu_tanh), in FP8; without
+    ``gated``, fc2(act(fc1(x))), CLIPMLP's. Saves the transposed FP8 input (read by the gate and up wgrads, or
+    fc1's) and its scale, plus what :func:`_mlp_forward` lists."""
 
     @staticmethod
     @_capture.measures_records
-    def forward(ctx, x, config: FP8Config, out_dtype, activation: str, *flat_params):
+    def forward(ctx, x, config: FP8Config, out_dtype, activation: str, gated: bool, *flat_params):
         params = _pairs(flat_params)
-        param_needs = _param_needs(ctx.needs_input_grad, 4, 3)
+        param_needs = _param_needs(ctx.needs_input_grad, 5, len(params))
         site = ctx.report_site = _capture.forward_site()
         x2d = _matrix(x)
         x_q, x_scale, x_q_t = quantize_per_tensor(
-            x2d, config.forward_dtype, columnwise=_params_need_grad(param_needs[:2])
+            x2d, config.forward_dtype, columnwise=_params_need_grad(param_needs[:-1])
         )
         if site is not None:
-            site.record("gate_up_input", x2d, x_q, x_scale)
-        out, saved = _swiglu_forward(x_q, x_scale, params, config, out_dtype, keep_for_backward=True, site=site,
-                                     activation=activation)
+            site.record("gate_up_input" if gated else "fc1_input", x2d, x_q, x_scale)
+        out, saved = _mlp_forward(x_q, x_scale, params, config, out_dtype, keep_for_backward=True, site=site,
+                                  activation=activation, gated=gated)
         _save(ctx, x_q_t=x_q_t, x_scale=x_scale, **saved, **_named_params(flat_params))
         ctx.config, ctx.x_shape, ctx.x_dtype, ctx.out_dtype = config, x.shape, x.dtype, out_dtype
-        ctx.activation = activation
+        ctx.activation, ctx.gated = activation, gated
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -418,12 +442,12 @@ class _SwiGLUMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = _saved(ctx)
         params = _pairs(_params_from(saved))
-        needs = (ctx.needs_input_grad[0], _param_needs(ctx.needs_input_grad, 4, 3))
-        grad_x, param_grads = _swiglu_backward(
+        needs = (ctx.needs_input_grad[0], _param_needs(ctx.needs_input_grad, 5, len(params)))
+        grad_x, param_grads = _mlp_backward(
             _matrix(grad_out), saved, saved["x_q_t"], saved["x_scale"], params, needs, ctx.config, ctx.x_dtype,
-            ctx.out_dtype, _capture.backward_site(ctx), ctx.activation,
+            ctx.out_dtype, _capture.backward_site(ctx), ctx.activation, ctx.gated,
         )
-        return (None if grad_x is None else grad_x.view(ctx.x_shape), None, None, None, *param_grads)
+        return (None if grad_x is None else grad_x.view(ctx.x_shape), None, None, None, None, *param_grads)
 
 
 def _named_params(flat_params) -> dict:
@@ -434,16 +458,31 @@ def _params_from(saved: dict) -> list:
     return [saved[f"param_{i}"] for i in range(sum(name.startswith("param_") for name in saved))]
 
 
+def _mlp(x: torch.Tensor, params, config: FP8Config, activation: str, gated: bool, op: str) -> torch.Tensor:
+    flat_params = tuple(t for pair in params for t in pair)
+    if x.shape[-1] != params[0][0].shape[1]:
+        raise ValueError(f"{op}: input has {x.shape[-1]} features in its last dimension but the first projection "
+                         f"expects {params[0][0].shape[1]} (weight shape {tuple(params[0][0].shape)})")
+    out_dtype = output_dtype(x)
+    _checked_activation(activation, op)
+    if _needs_autograd(x, *flat_params):
+        return _MLPFunction.apply(x, config, out_dtype, activation, gated, *flat_params)
+    x_q, x_scale, _ = quantize_per_tensor(_matrix(x), config.forward_dtype)
+    out, _ = _mlp_forward(x_q, x_scale, list(params), config, out_dtype, keep_for_backward=False,
+                          activation=activation, gated=gated)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def swiglu_mlp(x: torch.Tensor, gate, up, down, config: FP8Config = FP8Config(), *,
                activation: str = "silu") -> torch.Tensor:
     """FP8 LlamaMLP, down(act(gate(x)) * up(x)): gate, up, down are (weight, bias) pairs (bias may be None);
-    ``activation`` "silu" (SwiGLU) or "gelu_tanh" (GeGLU, as Gemma's MLP)."""
-    flat_params = (*gate, *up, *down)
-    out_dtype = output_dtype(x)
-    _checked_activation(activation, "coat.nn.functional.swiglu_mlp")
-    if _needs_autograd(x, *flat_params):
-        return _SwiGLUMLPFunction.apply(x, config, out_dtype, activation, *flat_params)
-    x_q, x_scale, _ = quantize_per_tensor(_matrix(x), config.forward_dtype)
-    out, _ = _swiglu_forward(x_q, x_scale, _pairs(flat_params), config, out_dtype, keep_for_backward=False,
-                             activation=activation)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    ``activation`` "silu" (SwiGLU), "gelu_tanh" (GeGLU, as Gemma's MLP) or "quick_gelu"."""
+    return _mlp(x, (gate, up, down), config, activation, True, "coat.nn.functional.swiglu_mlp")
+
+
+def mlp(x: torch.Tensor, fc1, fc2, config: FP8Config = FP8Config(), *, activation: str = "gelu_tanh") -> torch.Tensor:
+    """FP8 non-gated MLP, fc2(act(fc1(x))) (CLIPMLP, SiglipMLP, the Qwen-VL vision MLPs): fc1, fc2 are (weight,
+    bias) pairs (bias may be None); ``activation`` "gelu_tanh" (gelu_pytorch_tanh: SigLIP, Qwen3-VL), "quick_gelu"
+    (CLIP, Qwen2-VL) or "silu". fc1's output is saved in 1 x G groups and act is one fused kernel whose FP8
+    output is fc2's input, as in :func:`swiglu_mlp` without up."""
+    return _mlp(x, (fc1, fc2), config, activation, False, "coat.nn.functional.mlp")

@@ -1,7 +1,6 @@
 """coat's FP8 modules: drop-in replacements that keep the parameter names of the modules they replace."""
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -9,6 +8,7 @@ from torch import nn
 
 from coat.nn import functional as coat_functional
 from coat.nn.config import FP8Config
+from coat.nn.layers import ACTIVATION_FUNCTIONS
 
 
 class Linear(nn.Linear):
@@ -91,19 +91,13 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}, config={self.config}"
 
 
-# The fused kernel's activations (coat.ops.silu_mul_quantize's `activation`) and torch's function for each.
-_GATED_ACTIVATIONS = {
-    "silu": torch.nn.functional.silu,
-    "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
-}
-
-
 def activation_name(activation: nn.Module) -> str | None:
     """The fused kernel's name of a parameterless activation module: "silu" for nn.SiLU and transformers'
     SiLUActivation (hidden_act "silu" / "swish"), "gelu_tanh" for nn.GELU(approximate="tanh") and transformers'
-    GELUTanh (PytorchGELUTanh, hidden_act "gelu_pytorch_tanh"; also the same formula as NewGELU / FastGELU), None
-    for any other. Modules other than torch's are probed on the CPU (whatever the default device: a model built
-    and converted inside ``with torch.device("meta")`` has no values to probe there)."""
+    GELUTanh (PytorchGELUTanh, hidden_act "gelu_pytorch_tanh"; also the same formula as NewGELU / FastGELU),
+    "quick_gelu" for transformers' QuickGELUActivation (hidden_act "quick_gelu"), None for any other (the erf GELU,
+    hidden_act "gelu", among them). Modules other than torch's are probed on the CPU (whatever the default device: a
+    model built and converted inside ``with torch.device("meta")`` has no values to probe there)."""
     if isinstance(activation, nn.SiLU):
         return "silu"
     if isinstance(activation, nn.GELU):
@@ -112,7 +106,7 @@ def activation_name(activation: nn.Module) -> str | None:
         return None
     probe = torch.tensor([-3.0, -0.5, 0.0, 0.75, 4.0], device="cpu")
     output = activation(probe)
-    return next((name for name, f in _GATED_ACTIVATIONS.items() if torch.allclose(output, f(probe))), None)
+    return next((name for name, f in ACTIVATION_FUNCTIONS.items() if torch.allclose(output, f(probe))), None)
 
 
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # a gated MLP's children, SwiGLUMLP's names
@@ -143,8 +137,8 @@ class SwiGLUMLP(nn.Module):
     """LlamaMLP, ``down_proj(act(gate_proj(x)) * up_proj(x))``, in FP8: the input is quantized once for
     both gate and up GEMMs, act*mul runs as one fused kernel that saves gate and up as E4M3 in 1 x G
     groups and writes its product in FP8 for the down GEMM (optionally with Smooth-SwiGLU, see
-    :class:`coat.nn.FP8Config`). ``activation``: "silu" (SwiGLU: Llama, Mistral, Qwen) or "gelu_tanh"
-    (GeGLU: Gemma's gelu_pytorch_tanh). Children and parameter names are LlamaMLP's."""
+    :class:`coat.nn.FP8Config`). ``activation``: "silu" (SwiGLU: Llama, Mistral, Qwen), "gelu_tanh"
+    (GeGLU: Gemma's gelu_pytorch_tanh) or "quick_gelu". Children and parameter names are LlamaMLP's."""
 
     def __init__(
         self,
@@ -158,8 +152,8 @@ class SwiGLUMLP(nn.Module):
         activation: str = "silu",
     ):
         super().__init__()
-        if activation not in _GATED_ACTIVATIONS:
-            raise ValueError(f"coat.nn.SwiGLUMLP: activation must be one of {tuple(_GATED_ACTIVATIONS)}, "
+        if activation not in ACTIVATION_FUNCTIONS:
+            raise ValueError(f"coat.nn.SwiGLUMLP: activation must be one of {tuple(ACTIVATION_FUNCTIONS)}, "
                              f"got {activation!r}")
         self.activation = activation
         factory = dict(device=device, dtype=dtype, config=config)
@@ -172,7 +166,8 @@ class SwiGLUMLP(nn.Module):
     def from_mlp(cls, mlp: nn.Module, config: FP8Config = FP8Config()) -> "SwiGLUMLP":
         """From a module with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear) and an ``act_fn`` that
         :func:`activation_name` knows, as transformers' LlamaMLP, MistralMLP and Qwen2MLP (SiLU) and Gemma3MLP
-        (gelu_pytorch_tanh); shares their parameters. Any other activation is refused (ValueError)."""
+        (gelu_pytorch_tanh); shares their parameters. An activation :func:`activation_name` does not know is refused
+        (ValueError)."""
         projections = [getattr(mlp, name, None) for name in MLP_PROJECTIONS]
         if not all(isinstance(p, nn.Linear) for p in projections):
             raise TypeError(
@@ -183,9 +178,9 @@ class SwiGLUMLP(nn.Module):
         activation = activation_name(act_fn) if isinstance(act_fn, nn.Module) else None
         if activation is None:
             raise ValueError(
-                f"coat.nn.SwiGLUMLP.from_mlp: {type(mlp).__name__}.act_fn must be SiLU (hidden_act='silu') or "
-                f"the tanh GELU (hidden_act='gelu_pytorch_tanh'), got {act_fn!r}; the fused kernel computes "
-                "silu(gate) * up or gelu_tanh(gate) * up only"
+                f"coat.nn.SwiGLUMLP.from_mlp: {type(mlp).__name__}.act_fn must be SiLU (hidden_act='silu'), "
+                f"the tanh GELU (hidden_act='gelu_pytorch_tanh') or quick_gelu, got {act_fn!r}; the fused kernel "
+                "computes act(gate) * up for these only"
             )
         gate, up, down = projections
         converted = cls(
@@ -203,6 +198,82 @@ class SwiGLUMLP(nn.Module):
             x, (gate.weight, gate.bias), (up.weight, up.bias), (down.weight, down.bias), self.config,
             activation=self.activation,
         )
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, config={self.config}"
+
+
+# A non-gated MLP's children, as transformers names them: (first, second projection) and the activation.
+_MLP_LINEAR_NAMES = (("fc1", "fc2"), ("linear_fc1", "linear_fc2"))
+_MLP_ACTIVATION_NAMES = ("activation_fn", "act_fn", "act")
+
+
+def non_gated_mlp_layout(mlp: nn.Module) -> tuple[tuple[str, str], str] | None:
+    """((fc1's name, fc2's name), the activation's name) of a non-gated MLP whose two projections are nn.Linear
+    and whose activation :func:`activation_name` knows, as CLIPMLP, SiglipMLP, Idefics3VisionMLP, Qwen2-VL's
+    VisionMlp and Qwen3VLVisionMLP; None for any other module."""
+    for names in _MLP_LINEAR_NAMES:
+        if all(type(getattr(mlp, name, None)) is nn.Linear for name in names):
+            for act_name in _MLP_ACTIVATION_NAMES:
+                act = getattr(mlp, act_name, None)
+                if isinstance(act, nn.Module) and activation_name(act) is not None:
+                    return names, act_name
+    return None
+
+
+class MLP(nn.Module):
+    """A non-gated MLP, ``fc2(act(fc1(x)))``, in FP8: fc1's input is quantized per tensor, act runs as one fused
+    kernel that saves fc1's output as E4M3 in 1 x G groups (the paper's mixed granularity) and writes its result in
+    FP8 for fc2. It is :class:`SwiGLUMLP` without up (:func:`coat.nn.functional.mlp`). ``activation``: "gelu_tanh"
+    (gelu_pytorch_tanh: SigLIP, Qwen3-VL), "quick_gelu" (CLIP, Qwen2-VL) or "silu". ``names``: the two linear
+    children's names, those of the module it replaces (fc1 and fc2, or Qwen3-VL's linear_fc1 and linear_fc2), so
+    that parameter names and state-dict keys stay."""
+
+    def __init__(
+        self,
+        in_features: int,
+        hidden_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        config: FP8Config = FP8Config(),
+        activation: str = "gelu_tanh",
+        names: tuple[str, str] = ("fc1", "fc2"),
+    ):
+        super().__init__()
+        if activation not in ACTIVATION_FUNCTIONS:
+            raise ValueError(f"coat.nn.MLP: activation must be one of {tuple(ACTIVATION_FUNCTIONS)}, "
+                             f"got {activation!r}")
+        self.activation, self.names, self.config = activation, tuple(names), config
+        factory = dict(device=device, dtype=dtype, config=config)
+        setattr(self, self.names[0], Linear(in_features, hidden_features, bias, **factory))
+        setattr(self, self.names[1], Linear(hidden_features, in_features, bias, **factory))
+
+    @classmethod
+    def from_mlp(cls, mlp: nn.Module, config: FP8Config = FP8Config()) -> "MLP":
+        """From a non-gated MLP that :func:`non_gated_mlp_layout` reads (transformers' CLIPMLP, SiglipMLP,
+        Idefics3VisionMLP, Qwen2-VL's VisionMlp, Qwen3VLVisionMLP); shares its parameters. Raises a ValueError for
+        any other, naming what it lacks (an erf GELU, hidden_act='gelu', has no fused kernel)."""
+        layout = non_gated_mlp_layout(mlp)
+        if layout is None:
+            raise ValueError(
+                f"coat.nn.MLP.from_mlp expects two nn.Linear children named fc1 and fc2 (or linear_fc1 and linear_fc2) "
+                f"and an activation (activation_fn, act_fn or act) that is gelu_pytorch_tanh, quick_gelu or SiLU, got "
+                f"{type(mlp).__name__}: {mlp!r}"
+            )
+        names, act_name = layout
+        fc1, fc2 = (getattr(mlp, name) for name in names)
+        converted = cls(fc1.in_features, fc1.out_features, device="meta", dtype=fc1.weight.dtype, config=config,
+                        activation=activation_name(getattr(mlp, act_name)), names=names)
+        for name, linear in zip(names, (fc1, fc2)):
+            setattr(converted, name, Linear.from_linear(linear, config))
+        return converted.train(mlp.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = (converted_child(self, name, Linear) for name in self.names)
+        return coat_functional.mlp(x, (fc1.weight, fc1.bias), (fc2.weight, fc2.bias), self.config,
+                                   activation=self.activation)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}, config={self.config}"

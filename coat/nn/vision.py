@@ -2,12 +2,15 @@
 puts through FP8 GEMMs. A gated MLP there (Qwen2.5-VL's tower and Pixtral's, Mistral 3's: ``down_proj(silu(
 gate_proj(x)) * up_proj(x))``) becomes a :class:`coat.nn.SwiGLUMLP`, as a decoder layer's MLP does: its input
 quantized once for gate and up, the fused SiLU*mul kernel saving gate and up in FP8 and writing the down GEMM's
-FP8 input. Every other ``torch.nn.Linear`` of the vision tower and of the projector becomes a
-:class:`coat.nn.Linear` (attention's q/k/v and output projections, fc1 / fc2 of the GELU MLPs, the projector's or
-patch merger's), sharing its parameters. Subclasses of nn.Linear are left out: nn.MultiheadAttention's output
-projection (in SigLIP's pooling head) is read by its weight, not called. Everything else there stays as
-transformers computes it: the patch embedding (a convolution), the norms, the GELU activations between fc1 and
-fc2, attention, Gemma 3's projector (a matrix product with a plain parameter, not a linear layer).
+FP8 input. A non-gated MLP with a tanh GELU or quick_gelu (``fc2(act(fc1(x)))``: CLIP's in LLaVA, SigLIP's in
+Gemma 3, LLaVA-OneVision and SmolVLM, Qwen2-VL's and Qwen3-VL's) becomes a :class:`coat.nn.MLP`, the same without
+up: fc1's output saved in FP8 groups, the activation's output written in FP8 for fc2. Every other
+``torch.nn.Linear`` of the vision tower and of the projector becomes a :class:`coat.nn.Linear` (attention's q/k/v
+and output projections, fc1 / fc2 of MLPs with the erf GELU, which has no fused kernel (InternVL's), the
+projector's or patch merger's), sharing its parameters. Subclasses of nn.Linear are left out:
+nn.MultiheadAttention's output projection (in SigLIP's pooling head) is read by its weight, not called.
+Everything else there stays as transformers computes it: the patch embedding (a convolution), the norms, the erf
+GELU activations, attention, Gemma 3's projector (a matrix product with a plain parameter, not a linear layer).
 
 :func:`avoid_cudnn_attention`, which coat.convert applies to every vision-language model with or without
 vision_linears, keeps the vision tower's attention off cuDNN's SDPA kernel, whose backward can make NaN there
@@ -36,7 +39,7 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeFor
 from transformers.models.smolvlm.modeling_smolvlm import SmolVLMForConditionalGeneration
 
 from coat.nn.attention import sdpa_without_cudnn
-from coat.nn.modules import MLP_PROJECTIONS, activation_name
+from coat.nn.modules import MLP, MLP_PROJECTIONS, SwiGLUMLP, activation_name, non_gated_mlp_layout
 
 # The vision side of each model: its vision tower and projector (the Qwen models' patch merger is in "visual").
 VISION_MODULES = {
@@ -82,17 +85,24 @@ def vision_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, module) for name, module in _vision_side(model) if type(module) is nn.Linear]
 
 
-def vision_gated_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The qualified names and modules of the gated MLPs on the vision side of ``model`` that
-    :meth:`coat.nn.SwiGLUMLP.from_mlp` takes: ``gate_proj``, ``up_proj`` and ``down_proj`` ``nn.Linear`` children and
-    an ``act_fn`` that :func:`coat.nn.modules.activation_name` knows. Raises as :func:`vision_linears`."""
+def vision_mlps(model: nn.Module) -> list[tuple[str, nn.Module, type]]:
+    """The qualified names and modules of the MLPs on the vision side of ``model`` that a fused coat MLP takes, each
+    with that class: :class:`coat.nn.SwiGLUMLP` for a gated one (``gate_proj``, ``up_proj`` and ``down_proj``
+    ``nn.Linear`` children and an ``act_fn`` that :func:`coat.nn.modules.activation_name` knows), :class:`coat.nn.MLP`
+    for a non-gated one (:func:`coat.nn.modules.non_gated_mlp_layout`). Raises as :func:`vision_linears`."""
     def gated(module: nn.Module) -> bool:
         projections = [getattr(module, name, None) for name in MLP_PROJECTIONS]
         act_fn = getattr(module, "act_fn", None)
         return (all(type(p) is nn.Linear for p in projections) and isinstance(act_fn, nn.Module)
                 and activation_name(act_fn) is not None)
 
-    return [(name, module) for name, module in _vision_side(model) if gated(module)]
+    found = []
+    for name, module in _vision_side(model):
+        if gated(module):
+            found.append((name, module, SwiGLUMLP))
+        elif non_gated_mlp_layout(module) is not None:
+            found.append((name, module, MLP))
+    return found
 
 
 def _forward_without_cudnn(base_forward):

@@ -1,6 +1,6 @@
-"""The fused non-linear layers: RMSNorm and SiLU*mul (or GeGLU's gelu_tanh*mul) with FP8 outputs and FP8-saved
-inputs, and RMSNorm with a high-precision output (csrc/include/coat/norm_act.h states every formula, layout and
-reduction order).
+"""The fused non-linear layers: RMSNorm and SiLU*mul (or GeGLU's gelu_tanh*mul, or a non-gated MLP's activation)
+with FP8 outputs and FP8-saved inputs, and RMSNorm with a high-precision output (csrc/include/coat/norm_act.h states
+every formula, layout and reduction order).
 
 Forward: y is written in FP8 with one per-tensor scale, computed by group scaling inside the kernel that
 computes y; y_scale = max(amax(y) / FP8_MAX, 2**-126) and y is bit for bit quantize_tensor of the fp32
@@ -33,8 +33,8 @@ __all__ = [
 RMSNORM_MAX_COLS = 32768
 
 SAVED_FORMATS = ("e4m3", "fp4", "fp6")
-#: The gated-MLP activations of silu_mul_quantize / _backward / _requantize: SwiGLU's and GeGLU's.
-ACTIVATIONS = ("silu", "gelu_tanh")
+#: The activations of silu_mul_quantize / _backward / _requantize: SwiGLU's, GeGLU's and CLIP's quick_gelu.
+ACTIVATIONS = ("silu", "gelu_tanh", "quick_gelu")
 
 
 def _checked_saved_format(format: str, name: str, op: str) -> str:
@@ -45,11 +45,16 @@ def _checked_saved_format(format: str, name: str, op: str) -> str:
 
 
 def _checked_activation(activation: str, op: str, error: type[Exception] = ValueError) -> str:
-    """The ``activation`` of the gated-MLP ops (ValueError before the native op, RuntimeError in the fakes)."""
+    """The ``activation`` of the act*mul ops (ValueError before the native op, RuntimeError in the fakes)."""
     if activation not in ACTIVATIONS:
-        raise error(f"{op}: activation must be 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, gelu(approximate='tanh')), "
-                    f"got {activation!r}")
+        raise error(f"{op}: activation must be 'silu' (SwiGLU), 'gelu_tanh' (GeGLU, gelu(approximate='tanh')) or "
+                    f"'quick_gelu' (x * sigmoid(1.702 x)), got {activation!r}")
     return activation
+
+
+def _given_or_none(t: torch.Tensor, given) -> torch.Tensor | None:
+    """An output of a non-gated op (no up) that only the gated op has: the native op's empty tensor, as None."""
+    return t if given is not None else None
 
 
 def _saved_format_name(format: str, name: str, op: str) -> str:
@@ -144,7 +149,7 @@ def rmsnorm_backward(
 
 def silu_mul_quantize(
     gate: torch.Tensor,
-    up: torch.Tensor,
+    up: torch.Tensor | None,
     smooth_scale: torch.Tensor | None = None,
     *,
     save_group_size: int = 16,
@@ -153,9 +158,12 @@ def silu_mul_quantize(
     transpose: bool = False,
     save_format: str = "e4m3",
     activation: str = "silu",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None,
+           torch.Tensor | None]:
     """A gated MLP's activation, ``y = act(gate) * up [* smooth_scale]``, quantized to FP8 per tensor, with
     gate and up saved in FP8 for backward: SwiGLU with ``activation="silu"``, GeGLU with ``"gelu_tanh"``.
+    With ``up=None``, a non-gated MLP's activation ``y = act(gate) [* smooth_scale]`` (CLIP's quick_gelu,
+    SigLIP's and Qwen3-VL's gelu_tanh), every formula here and in the backward and requantize ops reading up as 1.
 
     ``gate``, ``up``: same shape [..., I] and dtype (float32 / bfloat16 / float16), contiguous last
     dimension; row-strided views such as the two halves of one [..., 2I] GEMM output are read in place.
@@ -163,11 +171,13 @@ def silu_mul_quantize(
     y is multiplied by it before quantization and the caller folds 1 / smooth_scale into the next layer.
     ``activation``: ``"silu"``, silu(g) = g * sigmoid(g), or ``"gelu_tanh"``, 0.5 g (1 + tanh(sqrt(2/pi)
     (g + 0.044715 g^3))) (torch's ``gelu(approximate="tanh")``, transformers' ``gelu_pytorch_tanh``), computed as
-    g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)) in float32 with coat's own exp (identical on CPU and CUDA).
-    Both give +inf at +inf, NaN at -inf (-inf * 0, as torch) and NaN at NaN; never NaN for a finite gate.
+    g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)), or ``"quick_gelu"``, g * sigmoid(1.702 g) (transformers'
+    ``quick_gelu``), all in float32 with coat's own exp (identical on CPU and CUDA).
+    All give +inf at +inf, NaN at -inf (-inf * 0, as torch) and NaN at NaN; never NaN for a finite gate.
 
     Returns ``(y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales)`` as in
-    :func:`rmsnorm_quantize`, gate and up saved in ``save_format`` ("e4m3", "fp4" or "fp6") likewise.
+    :func:`rmsnorm_quantize`, gate and up saved in ``save_format`` ("e4m3", "fp4" or "fp6") likewise; up_saved
+    and up_scales are None without up.
     """
     check_device_supported(gate, "coat.ops.silu_mul_quantize")
     y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales = torch.ops.coat.silu_mul_quantize(
@@ -175,42 +185,46 @@ def silu_mul_quantize(
         _checked_saved_format(save_format, "save_format", "silu_mul_quantize"),
         _checked_activation(activation, "coat.ops.silu_mul_quantize"),
     )
-    return y, y_scale, y_t if transpose else None, gate_saved, gate_scales, up_saved, up_scales
+    return (y, y_scale, y_t if transpose else None, gate_saved, gate_scales, _given_or_none(up_saved, up),
+            _given_or_none(up_scales, up))
 
 
 def silu_mul_backward(
     dy: torch.Tensor,
     gate_saved: torch.Tensor,
     gate_scales: torch.Tensor,
-    up_saved: torch.Tensor,
-    up_scales: torch.Tensor,
+    up_saved: torch.Tensor | None,
+    up_scales: torch.Tensor | None,
     smooth_scale: torch.Tensor | None = None,
     save_group_size: int = 16,
     *,
     saved_format: str = "e4m3",
     activation: str = "silu",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Gradients ``(dgate, dup, d_amax)`` of :func:`silu_mul_quantize`, dgate and dup in dy's dtype, from the
     dequantized saved inputs g and u, for the forward's ``activation``: with dy_s = dy * smooth_scale (or dy)::
 
         dup   = dy_s * act(g)
         dgate = dy_s * u * act'(g)
-        silu'(g)      = s * (1 + g * (1 - s)),                         s = sigmoid(g)
-        gelu_tanh'(g) = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2),
-                        t = tanh(sqrt(2/pi) (g + 0.044715 g^3))
+        silu'(g)       = s * (1 + g * (1 - s)),                         s = sigmoid(g)
+        gelu_tanh'(g)  = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2),
+                         t = tanh(sqrt(2/pi) (g + 0.044715 g^3))
+        quick_gelu'(g) = s * (1 + 1.702 g (1 - s)),                     s = sigmoid(1.702 g)
 
-    gelu_tanh' is finite for every finite g (torch's float32 one is NaN from |g| ~ 1.8e19 on) and is 1 at +inf,
-    0 at -inf; silu' is NaN at +-inf.
+    gelu_tanh' and quick_gelu' are finite for every finite g (torch's float32 gelu backward is NaN from |g| ~
+    1.8e19 on) and are 1 at +inf, 0 at -inf; silu' is NaN at +-inf. For the non-gated op (its forward had no up)
+    pass ``up_saved=None, up_scales=None``: u = 1, and dup is None.
 
     ``d_amax`` (0-d float32) is the largest |dgate| and |dup|, NaN ignored: :func:`tensor_amax` of the two,
     computed in the same pass, which :func:`quantize_tensors` takes as ``amax`` to quantize both gradients with
     one scale. ``saved_format``: the forward's ``save_format``, read as in :func:`rmsnorm_backward`."""
     check_device_supported(dy, "coat.ops.silu_mul_backward")
-    return torch.ops.coat.silu_mul_backward(
+    dgate, dup, d_amax = torch.ops.coat.silu_mul_backward(
         dy, gate_saved, gate_scales, up_saved, up_scales, smooth_scale, save_group_size,
         _checked_saved_format(saved_format, "saved_format", "silu_mul_backward"),
         _checked_activation(activation, "coat.ops.silu_mul_backward"),
     )
+    return dgate, _given_or_none(dup, up_saved), d_amax
 
 
 def rmsnorm_requantize(
@@ -247,8 +261,8 @@ def rmsnorm_requantize(
 def silu_mul_requantize(
     gate_saved: torch.Tensor,
     gate_scales: torch.Tensor,
-    up_saved: torch.Tensor,
-    up_scales: torch.Tensor,
+    up_saved: torch.Tensor | None,
+    up_scales: torch.Tensor | None,
     smooth_scale: torch.Tensor | None,
     y_scale: torch.Tensor,
     save_group_size: int = 16,
@@ -264,7 +278,7 @@ def silu_mul_requantize(
     rounded to bf16 (nearest even; under 2^-8 relative, so that the GPU reads act from the forward's bf16
     table), then as :func:`rmsnorm_requantize` (saturation, NaN, the tie to the forward's y_t for bf16 gates, and
     ``saved_format``). With ``saved_format="fp4"`` or ``"fp6"`` pass ``cols``, the width I of gate and up: packed
-    rows do not tell every width from the next."""
+    rows do not tell every width from the next. The non-gated op's: ``up_saved=None, up_scales=None`` (u' = 1)."""
     check_device_supported(gate_saved, "coat.ops.silu_mul_requantize")
     return torch.ops.coat.silu_mul_requantize(
         gate_saved, gate_scales, up_saved, up_scales, smooth_scale, y_scale, save_group_size, fp8_dtype(format),
@@ -345,6 +359,18 @@ def _rmsnorm_backward_fake(dy, x_saved, x_saved_scales, rstd, weight, save_group
     return dy.new_empty(dy.shape, dtype=dx_dtype), dy.new_empty((dy.shape[-1],), dtype=torch.float32)
 
 
+def _absent(like: torch.Tensor) -> torch.Tensor:
+    """The native non-gated forward's up_saved and up_scales: an empty float32 tensor."""
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+def _check_saved_up_pair(up_saved, up_scales, op: str) -> bool:
+    if (up_saved is None) != (up_scales is None):
+        raise RuntimeError(f"{op}: pass both up_saved and up_scales (the gated op's) or neither (the non-gated op's, "
+                           "whose forward had no up)")
+    return up_saved is not None
+
+
 @torch.library.register_fake("coat::silu_mul_quantize")
 def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_size, fp8_dtype, transpose,
                             save_format="e4m3", activation="silu"):
@@ -353,7 +379,7 @@ def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_
     _checked_activation(activation, op, RuntimeError)
     check_group_size(save_group_size, op, "save_group_size")
     check_group_size(amax_group_size, op, "amax_group_size")
-    if gate.shape != up.shape:
+    if up is not None and gate.shape != up.shape:
         raise RuntimeError(f"{op}: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     return (
         gate.new_empty(gate.shape, dtype=fp8_dtype),
@@ -361,8 +387,8 @@ def _silu_mul_quantize_fake(gate, up, smooth_scale, save_group_size, amax_group_
         transposed(gate, fp8_dtype, transpose),
         _saved_codes(gate, saved),
         grouped(gate, save_group_size),
-        _saved_codes(gate, saved),
-        grouped(gate, save_group_size),
+        _saved_codes(gate, saved) if up is not None else _absent(gate),
+        grouped(gate, save_group_size) if up is not None else _absent(gate),
     )
 
 
@@ -372,7 +398,9 @@ def _silu_mul_backward_fake(dy, gate_saved, gate_scales, up_saved, up_scales, sm
     _saved_format_name(saved_format, "saved_format", "coat.silu_mul_backward")
     _checked_activation(activation, "coat.silu_mul_backward", RuntimeError)
     check_group_size(save_group_size, "coat.silu_mul_backward", "save_group_size")
-    return dy.new_empty(dy.shape), dy.new_empty(dy.shape), dy.new_empty((), dtype=torch.float32)
+    gated = _check_saved_up_pair(up_saved, up_scales, "coat.silu_mul_backward")
+    return (dy.new_empty(dy.shape), dy.new_empty(dy.shape if gated else (0,)),
+            dy.new_empty((), dtype=torch.float32))
 
 
 @torch.library.register_fake("coat::rmsnorm_requantize")
@@ -391,7 +419,7 @@ def _silu_mul_requantize_fake(gate_saved, gate_scales, up_saved, up_scales, smoo
     op = "coat.silu_mul_requantize"
     _checked_activation(activation, op, RuntimeError)
     check_group_size(save_group_size, op, "save_group_size")
-    if up_saved.shape != gate_saved.shape:
+    if _check_saved_up_pair(up_saved, up_scales, op) and up_saved.shape != gate_saved.shape:
         raise RuntimeError(f"{op}: up_saved has shape {tuple(up_saved.shape)} but gate_saved has shape "
                            f"{tuple(gate_saved.shape)}; pass the tensors the forward op returned")
     saved = _saved_format_name(saved_format, "saved_format", op)

@@ -29,16 +29,16 @@ TORCH_LIBRARY(coat, m) {
   m.def("rmsnorm_save(Tensor x, Tensor weight, float eps, int save_group_size, Tensor? residual=None,"
         " str save_format='e4m3', float weight_offset=0.0)"
         " -> (Tensor out, Tensor x_saved, Tensor x_saved_scales, Tensor rstd)");
-  m.def("silu_mul_quantize(Tensor gate, Tensor up, Tensor? smooth_scale, int save_group_size, int amax_group_size,"
+  m.def("silu_mul_quantize(Tensor gate, Tensor? up, Tensor? smooth_scale, int save_group_size, int amax_group_size,"
         " ScalarType fp8_dtype, bool transpose, str save_format='e4m3', str activation='silu')"
         " -> (Tensor y, Tensor y_scale, Tensor y_t, Tensor gate_saved, Tensor gate_scales, Tensor up_saved,"
         " Tensor up_scales)");
-  m.def("silu_mul_backward(Tensor dy, Tensor gate_saved, Tensor gate_scales, Tensor up_saved, Tensor up_scales,"
+  m.def("silu_mul_backward(Tensor dy, Tensor gate_saved, Tensor gate_scales, Tensor? up_saved, Tensor? up_scales,"
         " Tensor? smooth_scale, int save_group_size, str saved_format='e4m3', str activation='silu')"
         " -> (Tensor dgate, Tensor dup, Tensor d_amax)");
   m.def("rmsnorm_requantize(Tensor x_saved, Tensor x_saved_scales, Tensor rstd, Tensor weight, Tensor y_scale,"
         " int save_group_size, ScalarType fp8_dtype, str saved_format='e4m3', float weight_offset=0.0) -> Tensor");
-  m.def("silu_mul_requantize(Tensor gate_saved, Tensor gate_scales, Tensor up_saved, Tensor up_scales,"
+  m.def("silu_mul_requantize(Tensor gate_saved, Tensor gate_scales, Tensor? up_saved, Tensor? up_scales,"
         " Tensor? smooth_scale, Tensor y_scale, int save_group_size, ScalarType fp8_dtype, str saved_format='e4m3',"
         " int? cols=None, str activation='silu') -> Tensor");
   m.def("fp8_adamw_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_metas,"

@@ -42,8 +42,20 @@ coat_saved_format saved_format(c10::string_view format, const char* op, const ch
 coat_activation activation_of(c10::string_view activation, const char* op) {
   if (activation == "silu") return COAT_ACT_SILU;
   if (activation == "gelu_tanh") return COAT_ACT_GELU_TANH;
-  TORCH_CHECK(false, op, ": activation must be 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, gelu(approximate='tanh')), "
-              "got '", activation, "'");
+  if (activation == "quick_gelu") return COAT_ACT_QUICK_GELU;
+  TORCH_CHECK(false, op, ": activation must be 'silu' (SwiGLU), 'gelu_tanh' (GeGLU, gelu(approximate='tanh')) or "
+              "'quick_gelu' (x * sigmoid(1.702 x)), got '", activation, "'");
+}
+
+// What the non-gated forward (no up) returns in place of up's saved copy and its scales: an empty float32 tensor.
+at::Tensor absent(const at::Tensor& like) { return at::empty({0}, like.options().dtype(at::kFloat)); }
+
+// The saved up of the backward and requantize ops: both tensors, or neither (the non-gated op).
+bool has_saved_up(const std::optional<at::Tensor>& up_saved, const std::optional<at::Tensor>& up_scales,
+                  const char* op) {
+  TORCH_CHECK(up_saved.has_value() == up_scales.has_value(), op, ": pass both up_saved and up_scales (the gated "
+              "op's) or neither (the non-gated op's, whose forward had no up)");
+  return up_saved.has_value();
 }
 
 // FP4 and FP6 codes are packed into bytes; an E4M3 copy holds one code per element.
@@ -305,7 +317,7 @@ const float* smooth_scale_data(const std::optional<at::Tensor>& smooth_scale, co
   return data_as<const float>(*smooth_scale);
 }
 
-SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor& up,
+SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const std::optional<at::Tensor>& up,
                                         const std::optional<at::Tensor>& smooth_scale, int64_t save_group_size,
                                         int64_t amax_group_size, at::ScalarType fp8_dtype, bool transpose,
                                         c10::string_view save_format, c10::string_view activation_arg) {
@@ -313,17 +325,19 @@ SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor
   const coat_saved_format saved = saved_format(save_format, op, "save_format");
   const coat_activation activation = activation_of(activation_arg, op);
   check_device(gate, op, "gate");
-  check_same_device(gate, up, op, "up");
   const coat_dtype dtype = input_dtype(gate, op, "gate");
-  TORCH_CHECK(up.scalar_type() == gate.scalar_type(), op, ": gate and up must have the same dtype, got ",
-              gate.scalar_type(), " and ", up.scalar_type());
-  TORCH_CHECK(up.sizes() == gate.sizes(), op, ": gate and up must have the same shape, got ", gate.sizes(), " and ",
-              up.sizes());
+  if (up) {
+    check_same_device(gate, *up, op, "up");
+    TORCH_CHECK(up->scalar_type() == gate.scalar_type(), op, ": gate and up must have the same dtype, got ",
+                gate.scalar_type(), " and ", up->scalar_type());
+    TORCH_CHECK(up->sizes() == gate.sizes(), op, ": gate and up must have the same shape, got ", gate.sizes(),
+                " and ", up->sizes());
+  }
   const coat_fp8_format format = fp8_format(fp8_dtype, op, "fp8_dtype");
   check_named_group_size(save_group_size, op, "save_group_size");
   check_named_group_size(amax_group_size, op, "amax_group_size");
   const RowMatrix gate_m = as_row_matrix(gate, op, "gate");
-  const RowMatrix up_m = as_row_matrix(up, op, "up");
+  const std::optional<RowMatrix> up_m = up ? std::optional<RowMatrix>(as_row_matrix(*up, op, "up")) : std::nullopt;
   check_max_cols(gate_m.cols, op, "gate");
   const float* smooth = smooth_scale_data(smooth_scale, gate, gate_m.cols, op);
 
@@ -333,21 +347,22 @@ SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const at::Tensor
   at::Tensor y_t = transposed_output(gate, gate_m, fp8_dtype, transpose);
   at::Tensor gate_saved = saved_codes(gate, saved);
   at::Tensor gate_scales = at::empty(grouped_shape(gate, save_group_size), float_options);
-  at::Tensor up_saved = saved_codes(gate, saved);
-  at::Tensor up_scales = at::empty(grouped_shape(gate, save_group_size), float_options);
+  at::Tensor up_saved = up ? saved_codes(gate, saved) : absent(gate);
+  at::Tensor up_scales = up ? at::empty(grouped_shape(gate, save_group_size), float_options) : absent(gate);
   at::Tensor y_amax = at::empty({1}, float_options);
-  COAT_CALL_CORE(gate, coat_silu_mul_quantize, gate.data_ptr(), up.data_ptr(), dtype, gate_m.rows, gate_m.cols,
-                 gate_m.row_stride, up_m.row_stride, smooth, activation, save_group_size,
-                 saved, format, data_as<uint8_t>(y),
+  COAT_CALL_CORE(gate, coat_silu_mul_quantize, gate.data_ptr(), up ? up->data_ptr() : nullptr, dtype, gate_m.rows,
+                 gate_m.cols, gate_m.row_stride, up_m ? up_m->row_stride : gate_m.cols, smooth, activation,
+                 save_group_size, saved, format, data_as<uint8_t>(y),
                  data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(gate_saved),
-                 data_as<float>(gate_scales), data_as<uint8_t>(up_saved), data_as<float>(up_scales),
-                 data_as<float>(y_amax));
+                 data_as<float>(gate_scales), up ? data_as<uint8_t>(up_saved) : nullptr,
+                 up ? data_as<float>(up_scales) : nullptr, data_as<float>(y_amax));
   return {y, y_scale, y_t, gate_saved, gate_scales, up_saved, up_scales};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& dy, const at::Tensor& gate_saved,
-                                                     const at::Tensor& gate_scales, const at::Tensor& up_saved,
-                                                     const at::Tensor& up_scales,
+                                                     const at::Tensor& gate_scales,
+                                                     const std::optional<at::Tensor>& up_saved,
+                                                     const std::optional<at::Tensor>& up_scales,
                                                      const std::optional<at::Tensor>& smooth_scale,
                                                      int64_t save_group_size, c10::string_view saved_format_arg,
                                                      c10::string_view activation_arg) {
@@ -359,24 +374,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> silu_mul_backward(const at::Tenso
   check_named_group_size(save_group_size, op, "save_group_size");
   const RowMatrix m = as_row_matrix(dy, op, "dy");
   check_max_cols(m.cols, op, "dy");
+  const bool gated = has_saved_up(up_saved, up_scales, op);
   check_saved(gate_saved, dy, dy.sizes(), format, op, "gate_saved");
-  check_saved(up_saved, dy, dy.sizes(), format, op, "up_saved");
   check_saved_scales(gate_scales, dy, dy.sizes(), save_group_size, op, "gate_scales");
-  check_saved_scales(up_scales, dy, dy.sizes(), save_group_size, op, "up_scales");
+  if (gated) {
+    check_saved(*up_saved, dy, dy.sizes(), format, op, "up_saved");
+    check_saved_scales(*up_scales, dy, dy.sizes(), save_group_size, op, "up_scales");
+  }
   const float* smooth = smooth_scale_data(smooth_scale, dy, m.cols, op);
 
   at::Tensor dgate = at::empty(dy.sizes(), dy.options());
-  at::Tensor dup = at::empty(dy.sizes(), dy.options());
+  at::Tensor dup = gated ? at::empty(dy.sizes(), dy.options()) : at::empty({0}, dy.options());
   at::Tensor d_amax = zero_amax(dy);
   COAT_CALL_CORE(dy, coat_silu_mul_backward, dy.data_ptr(), dy_dtype, m.rows, m.cols, m.row_stride,
                  data_as<const uint8_t>(gate_saved), data_as<const float>(gate_scales),
-                 data_as<const uint8_t>(up_saved), data_as<const float>(up_scales), smooth, activation,
-                 save_group_size, format, dgate.data_ptr(), dup.data_ptr(), data_as<float>(d_amax));
+                 gated ? data_as<const uint8_t>(*up_saved) : nullptr,
+                 gated ? data_as<const float>(*up_scales) : nullptr, smooth, activation, save_group_size, format,
+                 dgate.data_ptr(), gated ? dup.data_ptr() : nullptr, data_as<float>(d_amax));
   return {dgate, dup, d_amax};
 }
 
-at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& gate_scales, const at::Tensor& up_saved,
-                               const at::Tensor& up_scales, const std::optional<at::Tensor>& smooth_scale,
+at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& gate_scales,
+                               const std::optional<at::Tensor>& up_saved, const std::optional<at::Tensor>& up_scales,
+                               const std::optional<at::Tensor>& smooth_scale,
                                const at::Tensor& y_scale, int64_t save_group_size, at::ScalarType fp8_dtype,
                                c10::string_view saved_format_arg, std::optional<int64_t> cols,
                                c10::string_view activation_arg) {
@@ -391,17 +411,19 @@ at::Tensor silu_mul_requantize(const at::Tensor& gate_saved, const at::Tensor& g
               " columns");
   const RowMatrix m = contiguous_matrix(shape);
   check_max_cols(m.cols, op, "gate_saved");
-  check_saved(up_saved, gate_saved, shape, saved, op, "up_saved", "gate_saved");
+  const bool gated = has_saved_up(up_saved, up_scales, op);
+  if (gated) check_saved(*up_saved, gate_saved, shape, saved, op, "up_saved", "gate_saved");
   check_named_group_size(save_group_size, op, "save_group_size");
   check_saved_scales(gate_scales, gate_saved, shape, save_group_size, op, "gate_scales");
-  check_saved_scales(up_scales, gate_saved, shape, save_group_size, op, "up_scales");
+  if (gated) check_saved_scales(*up_scales, gate_saved, shape, save_group_size, op, "up_scales");
   const float* smooth = smooth_scale_data(smooth_scale, gate_saved, m.cols, op);
   check_given_scale(y_scale, gate_saved, op);
   const coat_fp8_format format = fp8_format(fp8_dtype, op, "fp8_dtype");
 
   at::Tensor y_t = at::empty({m.cols, m.rows}, gate_saved.options().dtype(fp8_dtype));
   COAT_CALL_CORE(gate_saved, coat_silu_mul_requantize, data_as<const uint8_t>(gate_saved),
-                 data_as<const float>(gate_scales), data_as<const uint8_t>(up_saved), data_as<const float>(up_scales),
+                 data_as<const float>(gate_scales), gated ? data_as<const uint8_t>(*up_saved) : nullptr,
+                 gated ? data_as<const float>(*up_scales) : nullptr,
                  save_group_size, saved, m.rows, m.cols, smooth, activation, data_as<const float>(y_scale), format,
                  data_as<uint8_t>(y_t));
   return y_t;

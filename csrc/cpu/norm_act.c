@@ -226,7 +226,8 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
                                        coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
                                        float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
                                        uint8_t* up_saved, float* up_scales, float* y_amax) {
-  if (!valid_matrix(gate, rows, cols, gate_row_stride) || !valid_matrix(up, rows, cols, up_row_stride) ||
+  if (!valid_matrix(gate, rows, cols, gate_row_stride) ||
+      (up != NULL && !valid_matrix(up, rows, cols, up_row_stride)) ||
       !coat_is_valid_group_size(save_group_size) || y_scale == NULL || y_amax == NULL ||
       !valid_saved_format(save_format) || !coat_is_valid_activation(activation))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -236,14 +237,15 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
 #pragma omp parallel for schedule(static) reduction(max : amax)
   for (int64_t r = 0; r < rows; ++r) {
     const void* gate_row = row_at(gate, dtype, r, gate_row_stride);
-    const void* up_row = row_at(up, dtype, r, up_row_stride);
+    const void* up_row = up != NULL ? row_at(up, dtype, r, up_row_stride) : NULL;
     const int64_t saved_offset = r * saved_row_bytes(cols, save_format);
     save_row(gate_row, dtype, cols, save_group_size, save_format, gate_saved + saved_offset, gate_scales + r * ngroups);
-    save_row(up_row, dtype, cols, save_group_size, save_format, up_saved + saved_offset, up_scales + r * ngroups);
+    if (up_row != NULL)
+      save_row(up_row, dtype, cols, save_group_size, save_format, up_saved + saved_offset, up_scales + r * ngroups);
     for (int64_t c = 0; c < cols; ++c) {
       const float g = coat_load_f32(gate_row, dtype, c);
       amax = coat_amax_step(amax, coat_silu_mul(coat_silu(g, coat_activation_sigmoid(activation, g)),
-                                                coat_load_f32(up_row, dtype, c),
+                                                up_row != NULL ? coat_load_f32(up_row, dtype, c) : 1.0f,
                                                 smooth_scale ? smooth_scale[c] : 1.0f));
     }
   }
@@ -254,11 +256,11 @@ coat_status coat_silu_mul_quantize_cpu(const void* gate, const void* up, coat_dt
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const void* gate_row = row_at(gate, dtype, r, gate_row_stride);
-    const void* up_row = row_at(up, dtype, r, up_row_stride);
+    const void* up_row = up != NULL ? row_at(up, dtype, r, up_row_stride) : NULL;
     for (int64_t c = 0; c < cols; ++c) {
       const float g = coat_load_f32(gate_row, dtype, c);
       const float value = coat_canonical_nan(coat_silu_mul(coat_silu(g, coat_activation_sigmoid(activation, g)),
-                                                           coat_load_f32(up_row, dtype, c),
+                                                           up_row != NULL ? coat_load_f32(up_row, dtype, c) : 1.0f,
                                                            smooth_scale ? smooth_scale[c] : 1.0f));
       put_code(coat_quantize_value(value, scale, y_format), r, c, rows, cols, y, y_t);
     }
@@ -273,9 +275,10 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
                                        coat_saved_format saved_format, void* dgate, void* dup, float* d_amax) {
   if (!valid_matrix(dy, rows, cols, row_stride) || !coat_is_valid_group_size(save_group_size) ||
       !valid_saved_format(saved_format) || !coat_is_valid_activation(activation) ||
-      (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || up_saved == NULL || up_scales == NULL ||
-                           dgate == NULL || dup == NULL)))
+      (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || dgate == NULL ||
+                           (up_saved != NULL && (up_scales == NULL || dup == NULL)))))
     return COAT_ERROR_INVALID_ARGUMENT;
+  const int gated = up_saved != NULL;
   const int64_t ngroups = coat_ceil_div(cols, save_group_size);
   float amax = 0.0f; /* of the unrounded values: rounded once at the end (coat_round_as) */
 #pragma omp parallel for schedule(static) reduction(max : amax)
@@ -285,14 +288,18 @@ coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int6
       const int64_t scale_index = r * ngroups + c / save_group_size;
       const float gate_value =
           coat_saved_value(saved_code(gate_saved, saved_format, r, c, cols), gate_scales[scale_index]);
-      const float up_value = coat_saved_value(saved_code(up_saved, saved_format, r, c, cols), up_scales[scale_index]);
+      const float up_value =
+          gated ? coat_saved_value(saved_code(up_saved, saved_format, r, c, cols), up_scales[scale_index]) : 1.0f;
       float dgate_value, dup_value;
       coat_silu_mul_grads(activation, coat_load_f32(dy_row, dy_dtype, c), gate_value,
                           coat_activation_sigmoid(activation, gate_value), up_value,
                           smooth_scale ? smooth_scale[c] : 1.0f, &dgate_value, &dup_value);
       coat_store_as(dgate, dy_dtype, r * cols + c, dgate_value);
-      coat_store_as(dup, dy_dtype, r * cols + c, dup_value);
-      amax = coat_amax_step(coat_amax_step(amax, dgate_value), dup_value);
+      amax = coat_amax_step(amax, dgate_value);
+      if (gated) {
+        coat_store_as(dup, dy_dtype, r * cols + c, dup_value);
+        amax = coat_amax_step(amax, dup_value);
+      }
     }
   }
   if (d_amax != NULL) d_amax[0] = coat_amax_step(d_amax[0], coat_round_as(dy_dtype, amax));
@@ -332,7 +339,7 @@ coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float*
   if (rows < 0 || cols < 0 || cols > COAT_NORM_ACT_MAX_COLS || y_scale == NULL ||
       !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
       !coat_is_valid_activation(activation) ||
-      (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || up_saved == NULL || up_scales == NULL ||
+      (rows * cols > 0 && (gate_saved == NULL || gate_scales == NULL || (up_saved != NULL && up_scales == NULL) ||
                            y_t == NULL)))
     return COAT_ERROR_INVALID_ARGUMENT;
   const int64_t ngroups = coat_ceil_div(cols, save_group_size);
@@ -343,7 +350,9 @@ coat_status coat_silu_mul_requantize_cpu(const uint8_t* gate_saved, const float*
       const int64_t scale_index = r * ngroups + c / save_group_size;
       const float gate =
           coat_requantize_gate(saved_code(gate_saved, saved_format, r, c, cols), gate_scales[scale_index]);
-      const float up = coat_saved_value(saved_code(up_saved, saved_format, r, c, cols), up_scales[scale_index]);
+      const float up = up_saved != NULL
+                           ? coat_saved_value(saved_code(up_saved, saved_format, r, c, cols), up_scales[scale_index])
+                           : 1.0f;
       const float value = coat_canonical_nan(
           coat_silu_mul(coat_silu(gate, coat_activation_sigmoid(activation, gate)), up,
                         smooth_scale ? smooth_scale[c] : 1.0f));

@@ -1,5 +1,6 @@
-// CUDA implementation of coat/norm_act.h's act*mul (SiLU*mul and GeGLU's gelu_tanh*mul, each kernel templated on the
-// coat_activation kAct): forward (quantize), backward and requantize. What it shares with
+// CUDA implementation of coat/norm_act.h's act*mul (SiLU*mul, GeGLU's gelu_tanh*mul, quick_gelu*mul, each kernel
+// templated on the coat_activation kAct) and of the non-gated act (up NULL: each kernel templated on kGated, whose
+// false drops up's loads, saves and stores): forward (quantize), backward and requantize. What it shares with
 // rmsnorm.cu (chunks, I/O, saving inputs, the second pass of the forward and the requantize op) is in norm_act.cuh,
 // which says how the work is cut and where the fast paths are; this file's are sigmoid_near and SiluOfGates (a table
 // of act for bf16 gates). "silu" in names below stands for the activation: both are g * sigmoid(z(g))
@@ -89,10 +90,10 @@ __device__ __forceinline__ void load_smooth(const float* smooth_scale, int col, 
 
 // The table of act(g) for bf16 g with first <= |g| < 2^32 * first: entry (sign << 12) | (bits - first), bits the
 // 15 low bits of g's, in [first, first + 0x1000): 32 binades of 128 values in one 4096-entry plane per sign.
-// first = 2^-24 for silu, 2^-25 for gelu_tanh, so that sigmoid(z(g)) is exactly 0.5 at and below the first entry
-// (SiluOfDecodedGates<true> relies on it): gelu_tanh's z = 1.6 g makes sigmoid(z(2^-24)) 0.5 + 2^-25.
+// first = 2^-24 for silu, 2^-25 for gelu_tanh and quick_gelu, so that sigmoid(z(g)) is exactly 0.5 at and below the
+// first entry (SiluOfDecodedGates<true> relies on it): gelu_tanh's z = 1.6 g makes sigmoid(z(2^-24)) 0.5 + 2^-25.
 template <coat_activation kAct>
-constexpr uint32_t kSiluTableFirst = kAct == COAT_ACT_GELU_TANH ? 0x3300 : 0x3380;  // the bf16 bits of first
+constexpr uint32_t kSiluTableFirst = kAct == COAT_ACT_SILU ? 0x3380 : 0x3300;  // the bf16 bits of first
 constexpr int kSiluTablePlane = 4096;
 
 // The gate of table entry i.
@@ -300,7 +301,8 @@ struct SourceGates<SavedRows<kVectorCodes, kFormat>, kAct> {
   }
 };
 
-template <class Source, coat_activation kAct>
+// kGated false: the non-gated act, y = act(gate) [* smooth]; up is not read.
+template <class Source, coat_activation kAct, bool kGated>
 struct SiluMulApply {
   using Rows = Source;
   static constexpr bool kVector = Source::kVector;
@@ -317,7 +319,10 @@ struct SiluMulApply {
   };
 
   __device__ __forceinline__ Inputs load(int64_t row, int col, int count) const {
-    return {gate.load(row, col, count), up.load(row, col, count)};
+    Inputs in;
+    in.gate = gate.load(row, col, count);
+    if constexpr (kGated) in.up = up.load(row, col, count);
+    return in;
   }
   __device__ __forceinline__ Column column(int col, int count) const {
     Column c;
@@ -329,10 +334,10 @@ struct SiluMulApply {
                                           float y[kChunk]) const {
     float g[kChunk], u[kChunk], silu[kChunk];
     gate.values(in.gate, g);
-    up.values(in.up, u);
+    if constexpr (kGated) up.values(in.up, u);
     SourceGates<Source, kAct>::silu(table, in.gate, g, silu);
 #pragma unroll
-    for (int e = 0; e < kChunk; ++e) y[e] = coat_silu_mul(silu[e], u[e], c.smooth[e]);
+    for (int e = 0; e < kChunk; ++e) y[e] = coat_silu_mul(silu[e], kGated ? u[e] : 1.0f, c.smooth[e]);
   }
 };
 
@@ -395,8 +400,9 @@ constexpr int kSiluStatsMinBlocks =
     kFormat == COAT_SAVED_FP4 && std::is_same<Io, VectorIo<COAT_BFLOAT16>>::value ? 3 : 1;
 
 // Each warp walks its rows with the next row's gate and up in flight; a quantization group (G <= 128
-// columns, 16 per lane) never spans two warps. gate and up are saved in kFormat.
-template <class Io, coat_saved_format kFormat, coat_activation kAct>
+// columns, 16 per lane) never spans two warps. gate and up are saved in kFormat; up neither read nor saved
+// without kGated.
+template <class Io, coat_saved_format kFormat, coat_activation kAct, bool kGated>
 __global__ void __launch_bounds__(kElementwiseThreads, (kSiluStatsMinBlocks<Io, kFormat>))
     silu_mul_stats_kernel(SiluMulStatsArgs a) {
   using Gates = SiluOfGates<Io, kAct>;
@@ -409,12 +415,11 @@ __global__ void __launch_bounds__(kElementwiseThreads, (kSiluStatsMinBlocks<Io, 
   const auto load_row = [&](int64_t row) {
     SiluMulStatsInputs<Io> in;
     const void* gate_row = row_at(a.gate, io.element_size(), row, a.gate_row_stride);
-    const void* up_row = row_at(a.up, io.element_size(), row, a.up_row_stride);
 #pragma unroll
     for (int c = 0; c < kUnitChunks; ++c) {
       const int col = unit_col + c * kChunk, count = chunk_count(col, a.cols);
       in.gate[c] = io.load(gate_row, col, count);
-      in.up[c] = io.load(up_row, col, count);
+      if constexpr (kGated) in.up[c] = io.load(row_at(a.up, io.element_size(), row, a.up_row_stride), col, count);
     }
     return in;
   };
@@ -431,12 +436,13 @@ __global__ void __launch_bounds__(kElementwiseThreads, (kSiluStatsMinBlocks<Io, 
 #pragma unroll
     for (int c = 0; c < kUnitChunks; ++c) {
       io.unpack(current.gate[c], gate[c]);
-      io.unpack(current.up[c], up[c]);
+      if constexpr (kGated) io.unpack(current.up[c], up[c]);
     }
     save_chunks<kFormat, Io>(current.gate, gate, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector,
                              a.gate_saved + row * a.saved_row_bytes, a.gate_scales + row * ngroups);
-    save_chunks<kFormat, Io>(current.up, up, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector,
-                             a.up_saved + row * a.saved_row_bytes, a.up_scales + row * ngroups);
+    if constexpr (kGated)
+      save_chunks<kFormat, Io>(current.up, up, unit_col, a.cols, lanes_per_group, a.group_shift, Io::kVector,
+                               a.up_saved + row * a.saved_row_bytes, a.up_scales + row * ngroups);
     // Past the row gate and up are 0, and so is y: a lane wholly past it skips y (a zero gate lies below the silu
     // table, and computing silu there kept the lanes of a warp past the row's end diverged behind the others).
     // Without Smooth-SwiGLU scales (the usual case) y is silu * up, the bits of silu * up * 1, with no ones to set and
@@ -448,13 +454,14 @@ __global__ void __launch_bounds__(kElementwiseThreads, (kSiluStatsMinBlocks<Io, 
         Gates::chunk(silu_table, current.gate[c], gate[c], silu);
         if (a.smooth_scale == nullptr) {
 #pragma unroll
-          for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, silu[e] * up[c][e]);
+          for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, kGated ? silu[e] * up[c][e] : silu[e]);
         } else {
           float smooth[kChunk];
           load_smooth(a.smooth_scale, unit_col + c * kChunk, chunk_count(unit_col + c * kChunk, a.cols),
                       Io::kVector, smooth);
 #pragma unroll
-          for (int e = 0; e < kChunk; ++e) amax = amax_step(amax, coat_silu_mul(silu[e], up[c][e], smooth[e]));
+          for (int e = 0; e < kChunk; ++e)
+            amax = amax_step(amax, coat_silu_mul(silu[e], kGated ? up[c][e] : 1.0f, smooth[e]));
         }
       }
     }
@@ -545,7 +552,8 @@ struct GateFactorsOfCodes {
 
 // kFormat: the saved format, a compile-time constant so that each format's kernel holds only its own decoding.
 // kGroupLanes: 0, or the lanes of a save group when the gate's factors come from GateFactorsOfCodes.
-template <class Io, coat_saved_format kFormat, int kGroupLanes, coat_activation kAct>
+// kGated false: the non-gated act's backward, up = 1, no dup.
+template <class Io, coat_saved_format kFormat, int kGroupLanes, coat_activation kAct, bool kGated>
 __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(SiluMulBackwardArgs a) {
   static_assert(kGroupLanes == 0 || kFormat == COAT_SAVED_FP4, "the codes' factors are shared in FP4 only");
   const Io io{a.dy_dtype};
@@ -560,9 +568,11 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
       const int group = col >> a.group_shift;  // a lane past the row may share a group with lanes in it
       in.dy[c] = io.load(dy_row, col, count);
       in.gate[c] = a.gate_saved.load_as<kFormat>(row, col, count, Io::kVector);
-      in.up[c] = a.up_saved.load_as<kFormat>(row, col, count, Io::kVector);
       in.gate_scale[c] = group < ngroups ? a.gate_scales[row * ngroups + group] : 0.0f;
-      in.up_scale[c] = count > 0 ? a.up_scales[row * ngroups + group] : 0.0f;
+      if constexpr (kGated) {
+        in.up[c] = a.up_saved.load_as<kFormat>(row, col, count, Io::kVector);
+        in.up_scale[c] = count > 0 ? a.up_scales[row * ngroups + group] : 0.0f;
+      }
     }
     return in;
   };
@@ -590,17 +600,22 @@ __global__ void __launch_bounds__(kElementwiseThreads) silu_mul_backward_kernel(
           GateFactorsOfElements<kFormat, kAct>::chunk(current.gate[c], current.gate_scale[c], silu, dsilu);
         float dy[kChunk], up[kChunk], smooth[kChunk], dgate[kChunk], dup[kChunk];
         io.unpack(current.dy[c], dy);
-        decode_saved(SavedCodes::e4m3_as<kFormat>(current.up[c]), current.up_scale[c], up);
+        if constexpr (kGated) {
+          decode_saved(SavedCodes::e4m3_as<kFormat>(current.up[c]), current.up_scale[c], up);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kChunk; ++e) up[e] = 1.0f;
+        }
         if constexpr (kSmooth) load_chunk(a.smooth_scale, COAT_FLOAT32, col, count, Io::kVector, smooth);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e)
           coat_silu_mul_grads_of_factors(dy[e], up[e], kSmooth ? smooth[e] : 1.0f, silu[e], dsilu[e], &dgate[e],
                                          &dup[e]);
         io.store(row_at(a.dgate, io.element_size(), row, a.cols), col, count, dgate);
-        io.store(row_at(a.dup, io.element_size(), row, a.cols), col, count, dup);
+        if constexpr (kGated) io.store(row_at(a.dup, io.element_size(), row, a.cols), col, count, dup);
 #pragma unroll
         for (int e = 0; e < kChunk; ++e)
-          if (e < count) amax = amax_step(amax_step(amax, dgate[e]), dup[e]);
+          if (e < count) amax = kGated ? amax_step(amax_step(amax, dgate[e]), dup[e]) : amax_step(amax, dgate[e]);
       }
     }
   };
@@ -625,12 +640,18 @@ bool silu_mul_grid(int64_t rows, int cols, int* segments, int* strands, unsigned
   return true;
 }
 
-// Calls launch(activation) with the activation as a std::integral_constant.
+// Calls launch(activation, gated): the activation as a std::integral_constant, and whether the op has an up input
+// (false: the non-gated act) as a std::bool_constant.
 template <class Launch>
-auto with_activation(coat_activation activation, Launch&& launch) {
+auto with_activation(coat_activation activation, bool gated, Launch&& launch) {
+  const auto with_gating = [&](auto act) {
+    return gated ? launch(act, std::true_type{}) : launch(act, std::false_type{});
+  };
   if (activation == COAT_ACT_GELU_TANH)
-    return launch(std::integral_constant<coat_activation, COAT_ACT_GELU_TANH>{});
-  return launch(std::integral_constant<coat_activation, COAT_ACT_SILU>{});
+    return with_gating(std::integral_constant<coat_activation, COAT_ACT_GELU_TANH>{});
+  if (activation == COAT_ACT_QUICK_GELU)
+    return with_gating(std::integral_constant<coat_activation, COAT_ACT_QUICK_GELU>{});
+  return with_gating(std::integral_constant<coat_activation, COAT_ACT_SILU>{});
 }
 
 template <auto kKernel>
@@ -651,7 +672,8 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
                                         coat_saved_format save_format, coat_fp8_format y_format, uint8_t* y,
                                         float* y_scale, uint8_t* y_t, uint8_t* gate_saved, float* gate_scales,
                                         uint8_t* up_saved, float* up_scales, float* y_amax, coat_cuda_stream stream) {
-  if (!valid_matrix(gate, rows, cols, gate_row_stride) || !valid_matrix(up, rows, cols, up_row_stride) ||
+  if (!valid_matrix(gate, rows, cols, gate_row_stride) ||
+      (up != nullptr && !valid_matrix(up, rows, cols, up_row_stride)) ||
       !coat_is_valid_group_size(save_group_size) || y_scale == nullptr || y_amax == nullptr ||
       !valid_saved_format(save_format) || !coat_is_valid_activation(activation))
     return COAT_ERROR_INVALID_ARGUMENT;
@@ -675,18 +697,20 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
   args.y_amax = y_amax;
   // The saved codes move 8 bytes (E4M3), 4 (FP4) or 2 (FP6) at a time: rows of cols % 8 == 0 codes keep them
   // aligned.
+  const bool gated = up != nullptr;
   const bool vector = cols % kChunk == 0 && rows_aligned16(gate, dtype, gate_row_stride) &&
-                      rows_aligned16(up, dtype, up_row_stride) &&
+                      (!gated || rows_aligned16(up, dtype, up_row_stride)) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(gate_saved, 8) &&
-                      aligned(up_saved, 8);
+                      (!gated || aligned(up_saved, 8));
   coat_status status = COAT_SUCCESS;
   with_io(dtype, vector, [&](auto io) {
-    status = with_activation(activation, [&](auto act) {
+    status = with_activation(activation, gated, [&](auto act, auto gating) {
       using Io = decltype(io);
       constexpr coat_activation kAct = decltype(act)::value;
+      constexpr bool kGated = decltype(gating)::value;
       if (rows > 0 && cols > 0) {
         const coat_status stats = with_saved_format(save_format, [&](auto format) {
-          constexpr auto kKernel = silu_mul_stats_kernel<Io, decltype(format)::value, kAct>;
+          constexpr auto kKernel = silu_mul_stats_kernel<Io, decltype(format)::value, kAct, kGated>;
           unsigned blocks = 0;
           if (!silu_mul_grid<kKernel>(rows, args.cols, &args.segments, &args.strands, &blocks))
             return COAT_ERROR_CUDA;
@@ -695,7 +719,7 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
         });
         if (stats != COAT_SUCCESS) return stats;
       }
-      const SiluMulApply<HighPrecisionRows<Io>, kAct> op{
+      const SiluMulApply<HighPrecisionRows<Io>, kAct, kGated> op{
           {io, gate, gate_row_stride}, {io, up, up_row_stride}, smooth_scale};
       return launch_apply_quantize(op, rows, args.cols, OutputScale::from_amax(y_amax, y_scale), y_format, y, y_t,
                                    cuda_stream);
@@ -713,22 +737,23 @@ coat_status coat_silu_mul_requantize_cuda(const uint8_t* gate_saved, const float
   if (rows < 0 || cols < 0 || cols > COAT_NORM_ACT_MAX_COLS || y_scale == nullptr ||
       !coat_is_valid_group_size(save_group_size) || !valid_saved_format(saved_format) ||
       !coat_is_valid_activation(activation) ||
-      (rows * cols > 0 && (gate_saved == nullptr || gate_scales == nullptr || up_saved == nullptr ||
-                           up_scales == nullptr || y_t == nullptr)))
+      (rows * cols > 0 && (gate_saved == nullptr || gate_scales == nullptr ||
+                           (up_saved != nullptr && up_scales == nullptr) || y_t == nullptr)))
     return COAT_ERROR_INVALID_ARGUMENT;
   if (rows * cols == 0) return COAT_SUCCESS;
   const int group_shift = coat::device::ceil_log2(save_group_size);
   const int ngroups = static_cast<int>(coat_ceil_div(cols, save_group_size));
   const SavedCodes gate_codes = saved_codes(gate_saved, cols, saved_format);
   const SavedCodes up_codes = saved_codes(up_saved, cols, saved_format);
-  const bool vector = cols % kChunk == 0 && vector_aligned(gate_codes) && vector_aligned(up_codes) &&
+  const bool gated = up_saved != nullptr;
+  const bool vector = cols % kChunk == 0 && vector_aligned(gate_codes) && (!gated || vector_aligned(up_codes)) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16));
   return with_saved_rows(vector, gate_codes.format, [&](auto vector_codes, auto format) {
-    return with_activation(activation, [&](auto act) {
+    return with_activation(activation, gated, [&](auto act, auto gating) {
       using Saved = SavedRows<decltype(vector_codes)::value, decltype(format)::value>;
       const Saved gate{gate_codes, gate_scales, ngroups, group_shift};
       const Saved up{up_codes, up_scales, ngroups, group_shift};
-      const SiluMulApply<Saved, decltype(act)::value> op{gate, up, smooth_scale};
+      const SiluMulApply<Saved, decltype(act)::value, decltype(gating)::value> op{gate, up, smooth_scale};
       return launch_apply_quantize(op, rows, static_cast<int>(cols), OutputScale::of(y_scale), y_format, nullptr,
                                    y_t, reinterpret_cast<cudaStream_t>(stream));
     });
@@ -743,8 +768,8 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
                                         coat_cuda_stream stream) {
   if (!valid_matrix(dy, rows, cols, row_stride) || !coat_is_valid_group_size(save_group_size) ||
       !valid_saved_format(saved_format) || !coat_is_valid_activation(activation) ||
-      (rows * cols > 0 && (gate_saved == nullptr || gate_scales == nullptr || up_saved == nullptr ||
-                           up_scales == nullptr || dgate == nullptr || dup == nullptr)))
+      (rows * cols > 0 && (gate_saved == nullptr || gate_scales == nullptr || dgate == nullptr ||
+                           (up_saved != nullptr && (up_scales == nullptr || dup == nullptr)))))
     return COAT_ERROR_INVALID_ARGUMENT;
   if (rows * cols == 0) return COAT_SUCCESS;
   SiluMulBackwardArgs args;
@@ -762,24 +787,29 @@ coat_status coat_silu_mul_backward_cuda(const void* dy, coat_dtype dy_dtype, int
   args.dgate = dgate;
   args.dup = dup;
   args.d_amax = d_amax;
+  const bool gated = up_saved != nullptr;
   const bool vector = cols % kChunk == 0 && rows_aligned16(dy, dy_dtype, row_stride) &&
                       (smooth_scale == nullptr || aligned(smooth_scale, 16)) && aligned(dgate, 16) &&
-                      aligned(dup, 16) && vector_aligned(args.gate_saved) && vector_aligned(args.up_saved);
+                      (!gated || aligned(dup, 16)) && vector_aligned(args.gate_saved) &&
+                      (!gated || vector_aligned(args.up_saved));
   coat_status status = COAT_SUCCESS;
   with_io(dy_dtype, vector, [&](auto io) {
     with_saved_format(saved_format, [&](auto format) {
-      status = with_activation(activation, [&](auto act) {
+      status = with_activation(activation, gated, [&](auto act, auto gating) {
         using Io = decltype(io);
         constexpr coat_saved_format kFormat = decltype(format)::value;
         constexpr coat_activation kAct = decltype(act)::value;
+        constexpr bool kGated = decltype(gating)::value;
         const cudaStream_t cuda_stream = reinterpret_cast<cudaStream_t>(stream);
         if constexpr (kFormat == COAT_SAVED_FP4) {
           if (save_group_size == 128)
-            return launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 16, kAct>>(args, cuda_stream);
+            return launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 16, kAct, kGated>>(args,
+                                                                                                    cuda_stream);
           if (save_group_size == 64)
-            return launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 8, kAct>>(args, cuda_stream);
+            return launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 8, kAct, kGated>>(args,
+                                                                                                   cuda_stream);
         }
-        return launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 0, kAct>>(args, cuda_stream);
+        return launch_silu_mul_backward<silu_mul_backward_kernel<Io, kFormat, 0, kAct, kGated>>(args, cuda_stream);
       });
     });
   });

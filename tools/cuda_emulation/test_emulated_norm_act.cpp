@@ -294,13 +294,18 @@ void rmsnorm_case(int64_t rows, int64_t cols, int64_t row_stride, int offset, co
   }
 }
 
-// SiLU*mul forward and backward. gate and up are the two halves of one [rows, 2 cols + pad] matrix (row-strided
-// views, as from one GEMM), or separate matrices when `fused` is false.
+const char* activation_name(coat_activation act) {
+  return act == COAT_ACT_GELU_TANH ? "gelu_tanh" : act == COAT_ACT_QUICK_GELU ? "quick_gelu" : "silu";
+}
+
+// act*mul forward and backward. gate and up are the two halves of one [rows, 2 cols + pad] matrix (row-strided
+// views, as from one GEMM), or separate matrices when `fused` is false. Without `gated`, the non-gated act: up,
+// its saved copy and dup are NULL (gate is still read from the same place).
 void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype, bool fused, bool smooth, int64_t group,
-               coat_fp8_format format, bool transpose, int specials, coat_activation act) {
+               coat_fp8_format format, bool transpose, int specials, coat_activation act, bool gated = true) {
   char name[160];
-  snprintf(name, sizeof name, "%s %lldx%lld pad %d +%d %s %s%s G%lld %s%s%s sms %d",
-           act == COAT_ACT_GELU_TANH ? "gelu_tanh" : "silu", (long long)rows,
+  snprintf(name, sizeof name, "%s%s %lldx%lld pad %d +%d %s %s%s G%lld %s%s%s sms %d", activation_name(act),
+           gated ? "" : " non-gated", (long long)rows,
            (long long)cols, pad, offset, dtype_name(dtype), fused ? "fused" : "separate", smooth ? " smooth" : "",
            (long long)group, format == COAT_E4M3 ? "e4m3" : "e5m2", transpose ? " T" : "", specials ? " specials" : "",
            emu_sms);
@@ -308,7 +313,7 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
   const Matrix first = make_matrix(rows, fused ? 2 * cols + pad : cols, stride, offset, dtype, specials | kFarGates);
   const Matrix second = make_matrix(rows, cols, stride, offset, dtype, specials);
   const void* gate = first.data;
-  const void* up = fused ? static_cast<const char*>(first.data) + cols * bytes_of(dtype) : second.data;
+  const void* up = !gated ? nullptr : fused ? static_cast<const char*>(first.data) + cols * bytes_of(dtype) : second.data;
   std::vector<float> smooth_scale(cols);
   for (float& s : smooth_scale) s = static_cast<float>(exp(normal()));
   const float* smooth_ptr = smooth ? smooth_scale.data() : nullptr;
@@ -332,11 +337,13 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
     const coat_status cpu = coat_silu_mul_quantize_cpu(
         gate, up, dtype, rows, cols, stride, stride, smooth_ptr, act, group, save, format, out[0].y.data(),
         out[0].y_scale.data(), transpose ? out[0].y_t.data() : nullptr, out[0].gate_saved.data(),
-        out[0].gate_scales.data(), out[0].up_saved.data(), out[0].up_scales.data(), out[0].y_amax.data());
+        out[0].gate_scales.data(), gated ? out[0].up_saved.data() : nullptr,
+        gated ? out[0].up_scales.data() : nullptr, out[0].y_amax.data());
     const coat_status gpu = coat_silu_mul_quantize_cuda(
         gate, up, dtype, rows, cols, stride, stride, smooth_ptr, act, group, save, format, out[1].y.data(),
         out[1].y_scale.data(), transpose ? out[1].y_t.data() : nullptr, out[1].gate_saved.data(),
-        out[1].gate_scales.data(), out[1].up_saved.data(), out[1].up_scales.data(), out[1].y_amax.data(), nullptr);
+        out[1].gate_scales.data(), gated ? out[1].up_saved.data() : nullptr,
+        gated ? out[1].up_scales.data() : nullptr, out[1].y_amax.data(), nullptr);
     CHECK(cpu == COAT_SUCCESS && gpu == COAT_SUCCESS, "%s: status %d %d", name, cpu, gpu);
     if (save != COAT_SAVED_E4M3) {
       const int k = save == COAT_SAVED_FP4 ? 0 : 1;
@@ -366,6 +373,8 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
     char saved_name[200];
     snprintf(saved_name, sizeof saved_name, "%s from %s", name, format_name(saved.format));
     const PlacedCodes gate_saved = codes_at(*saved.gate, offset), up_saved = codes_at(*saved.up, 0);
+    const uint8_t* up_codes = gated ? up_saved.data : nullptr;
+    const float* up_scales = gated ? saved.up_scales->data() : nullptr;
     // The forward's gate scales, and a copy in which some groups have an Inf scale (decoded gates +-Inf, NaN) or
     // one that takes the largest codes past the largest bf16 (448 * 7.59e35 is finite in fp32, Inf in bf16).
     std::vector<float> far_gate_scales = *saved.gate_scales;
@@ -377,10 +386,10 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
     for (const float y_scale : requantize_scales(out[0].y_scale[0])) {
       std::vector<uint8_t> y_t[2] = {std::vector<uint8_t>(n, 0xAB), std::vector<uint8_t>(n, 0xCD)};
       const coat_status cpu_r = coat_silu_mul_requantize_cpu(
-          gate_saved.data, gate_scales->data(), up_saved.data, saved.up_scales->data(), group, saved.format, rows,
+          gate_saved.data, gate_scales->data(), up_codes, up_scales, group, saved.format, rows,
           cols, smooth_ptr, act, &y_scale, format, y_t[0].data());
       const coat_status gpu_r = coat_silu_mul_requantize_cuda(
-          gate_saved.data, gate_scales->data(), up_saved.data, saved.up_scales->data(), group, saved.format, rows,
+          gate_saved.data, gate_scales->data(), up_codes, up_scales, group, saved.format, rows,
           cols, smooth_ptr, act, &y_scale, format, y_t[1].data(), nullptr);
       CHECK(cpu_r == COAT_SUCCESS && gpu_r == COAT_SUCCESS, "%s requantize: status %d %d", saved_name, cpu_r, gpu_r);
       same(y_t[0], y_t[1], gate_scales == &far_gate_scales ? "requantized y_t, far gate scales" : "requantized y_t",
@@ -394,21 +403,22 @@ void silu_case(int64_t rows, int64_t cols, int pad, int offset, coat_dtype dtype
       // a nonzero start: the amax accumulates into what the buffer holds
       float d_amax[2] = {0.125f, 0.125f};
       const coat_status cpu_b = coat_silu_mul_backward_cpu(
-          dy.data, dtype, rows, cols, stride, saved.gate->data(), gate_scales->data(), saved.up->data(),
-          saved.up_scales->data(), smooth_ptr, act, group, saved.format, dgate[0].data(), dup[0].data(),
-          &d_amax[0]);
+          dy.data, dtype, rows, cols, stride, saved.gate->data(), gate_scales->data(),
+          gated ? saved.up->data() : nullptr, up_scales, smooth_ptr, act, group, saved.format, dgate[0].data(),
+          gated ? dup[0].data() : nullptr, &d_amax[0]);
       const coat_status gpu_b = coat_silu_mul_backward_cuda(
-          dy.data, dtype, rows, cols, stride, saved.gate->data(), gate_scales->data(), saved.up->data(),
-          saved.up_scales->data(), smooth_ptr, act, group, saved.format, dgate[1].data(), dup[1].data(),
-          &d_amax[1], nullptr);
+          dy.data, dtype, rows, cols, stride, saved.gate->data(), gate_scales->data(),
+          gated ? saved.up->data() : nullptr, up_scales, smooth_ptr, act, group, saved.format, dgate[1].data(),
+          gated ? dup[1].data() : nullptr, &d_amax[1], nullptr);
       CHECK(cpu_b == COAT_SUCCESS && gpu_b == COAT_SUCCESS, "%s backward%s: status %d %d", saved_name, what, cpu_b,
             gpu_b);
       same(dgate[0], dgate[1], gate_scales == &far_gate_scales ? "dgate, far gate scales" : "dgate", saved_name);
       same(dup[0], dup[1], gate_scales == &far_gate_scales ? "dup, far gate scales" : "dup", saved_name);
       float stored_amax = 0.125f;
-      for (int64_t i = 0; i < n; ++i)
-        stored_amax = coat_amax_step(coat_amax_step(stored_amax, coat_load_f32(dgate[0].data(), dtype, i)),
-                                     coat_load_f32(dup[0].data(), dtype, i));
+      for (int64_t i = 0; i < n; ++i) {
+        stored_amax = coat_amax_step(stored_amax, coat_load_f32(dgate[0].data(), dtype, i));
+        if (gated) stored_amax = coat_amax_step(stored_amax, coat_load_f32(dup[0].data(), dtype, i));
+      }
       CHECK(f2u(d_amax[0]) == f2u(stored_amax) && f2u(d_amax[1]) == f2u(stored_amax),
             "%s backward%s: d_amax %a (CPU) %a (CUDA), stored values' amax %a", saved_name, what, d_amax[0],
             d_amax[1], stored_amax);
@@ -450,8 +460,6 @@ long gate_mismatches(const std::vector<long>& mismatches, const std::vector<uint
   }
   return total;
 }
-
-const char* activation_name(coat_activation act) { return act == COAT_ACT_GELU_TANH ? "gelu_tanh" : "silu"; }
 
 // The act the FP4 and FP6 requantize ops take of every bf16 gate (SiluOfDecodedGates<true, kAct>: its sigmoid table
 // filled by a block, every gate looked up with the range clamped) == coat_silu(g, coat_activation_sigmoid(kAct, g)),
@@ -686,8 +694,10 @@ int main(int argc, char** argv) {
   check_sigmoid_near(full ? 1u : 4099u);
   check_decoded_gate_silu<COAT_ACT_SILU>();
   check_decoded_gate_silu<COAT_ACT_GELU_TANH>();
+  check_decoded_gate_silu<COAT_ACT_QUICK_GELU>();
   check_bf16_gate_silu<COAT_ACT_SILU>();
   check_bf16_gate_silu<COAT_ACT_GELU_TANH>();
+  check_bf16_gate_silu<COAT_ACT_QUICK_GELU>();
   check_quotient(full ? 100000000L : 2000000L);
   check_scale_from_amax(full ? 1u : 997u);
   check_e2m_scale_from_amax<1>(full ? 1u : 997u);
@@ -742,13 +752,14 @@ int main(int argc, char** argv) {
 
   const int64_t silu_shapes[][2] = {{5, 64},   {37, 176}, {9, 1000}, {3, 7}, {4, 100},
                                     {6, 1032}, {3, 2048}, {70, 16},  {1, 8}};
+  const coat_activation acts[] = {COAT_ACT_SILU, COAT_ACT_GELU_TANH, COAT_ACT_QUICK_GELU};
   i = 0;
   for (const auto& shape : silu_shapes) {
     for (int variant = 0; variant < (quick ? 1 : 4); ++variant, ++i) {
       emu_sms = 1 + i % 3;
       silu_case(shape[0], shape[1], variant == 2 ? 8 : 0, variant == 3 ? 1 : 0, dtypes[(i + variant) % 3],
                 variant != 1, variant % 2 == 1, groups[(i + variant) % 4], (i + variant) % 2 ? COAT_E5M2 : COAT_E4M3,
-                variant != 2, variant == 0 ? kSpecial : kPlain, (i / 2) % 2 ? COAT_ACT_GELU_TANH : COAT_ACT_SILU);
+                variant != 2, variant == 0 ? kSpecial : kPlain, acts[(i / 2) % 3], i % 3 != 2);
     }
   }
   // Groups of 64 and 128, where the backward shares FP4 gates' factors by shuffle: groups cut by a row's end,
@@ -759,7 +770,7 @@ int main(int argc, char** argv) {
     for (const int64_t group : {64, 128}) {
       emu_sms = 1 + i % 2;
       silu_case(shape[0], shape[1], 0, 0, dtypes[i % 3], true, i % 2 == 1, group, COAT_E4M3, true,
-                i % 2 == 0 ? kSpecial : kPlain, (i / 2) % 2 ? COAT_ACT_GELU_TANH : COAT_ACT_SILU);
+                i % 2 == 0 ? kSpecial : kPlain, acts[(i / 2) % 3], i % 3 != 1);
       ++i;
     }
   }

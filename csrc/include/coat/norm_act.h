@@ -4,9 +4,12 @@
  * Two layers of a Llama-style block, each as a forward/backward pair (and RMSNorm with a high-precision output,
  * coat_rmsnorm_save_*, for norms whose output is no GEMM input):
  *   RMSNorm:  y = x * rstd * (weight + weight_offset),  rstd = 1 / sqrt(mean(x^2) + eps)   (per row)
- *   act*mul:  y = act(gate) * up [* smooth_scale[c]]   act = silu (SwiGLU) or gelu_tanh (GeGLU); Smooth-SwiGLU
- *                                                       when smooth_scale is given (either activation)
- * The act*mul entry points keep their coat_silu_mul_* names; `activation` picks act.
+ *   act*mul:  y = act(gate) * up [* smooth_scale[c]]   act = silu (SwiGLU), gelu_tanh (GeGLU) or quick_gelu;
+ *                                                       Smooth-SwiGLU when smooth_scale is given (any activation)
+ *   act:      y = act(gate) [* smooth_scale[c]]        the same entry points with up = NULL: the activation of a
+ *                                                       non-gated MLP (CLIP's, SigLIP's, Qwen3-VL's vision towers)
+ * The act*mul entry points keep their coat_silu_mul_* names; `activation` picks act, and up = NULL (with
+ * up_saved, up_scales and dup NULL) makes the op non-gated: every formula below then reads up as exactly 1.
  *
  * The forward writes y in FP8 with ONE per-tensor scale ("group scaling", COAT 5.2): the first pass
  * computes the op and the amax of y inside the same kernel, a second pass recomputes the op from the
@@ -71,23 +74,28 @@ typedef enum {
   COAT_SAVED_FP6 = 2,
 } coat_saved_format;
 
-/** The activation of the gated-MLP entry points coat_silu_mul_*: y = act(gate) * up with
- *    COAT_ACT_SILU:      act(g) = silu(g) = g * sigmoid(g)                                     (SwiGLU: Llama, Qwen)
- *    COAT_ACT_GELU_TANH: act(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))          (GeGLU: Gemma, as
- *                        PyTorch's gelu(approximate="tanh") and transformers' "gelu_pytorch_tanh")
- *  Both are computed as g * sigmoid(z(g)) in fp32 with coat's own exp (coat/detail/norm_act_math.h), z = g for
- *  silu and z = 2 sqrt(2/pi) (g + 0.044715 g^3) for gelu_tanh (0.5 (1 + tanh(u)) = sigmoid(2u)), and their
- *  derivatives
- *    silu'(g)      = s (1 + g (1 - s)),                   s = sigmoid(g)
- *    gelu_tanh'(g) = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2)
- *                  = s (1 + g (1 - s) z'(g)),             s = sigmoid(z(g)) = (1 + t) / 2, t = tanh(z / 2)
- *  Special values, both: act(+Inf) = +Inf, act(-Inf) = -Inf * 0 = NaN (as PyTorch), act(NaN) = NaN; a finite
- *  gate never gives NaN. The derivative: silu'(+-Inf) = NaN (Inf * 0); gelu_tanh' takes the gate clamped to
- *  [-64, 64], where sigmoid(z) is already exactly 1 or 0, so it is finite for every finite gate (PyTorch's
- *  fp32 gelu backward gives NaN from |g| ~ 1.8e19 on) and the limits 1 and 0 at +Inf and -Inf. */
+/** The activation of the entry points coat_silu_mul_*: y = act(gate) [* up] with
+ *    COAT_ACT_SILU:       act(g) = silu(g) = g * sigmoid(g)                                    (SwiGLU: Llama, Qwen)
+ *    COAT_ACT_GELU_TANH:  act(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))         (GeGLU: Gemma; SigLIP's
+ *                         and Qwen3-VL's vision MLPs; PyTorch's gelu(approximate="tanh"), transformers'
+ *                         "gelu_pytorch_tanh")
+ *    COAT_ACT_QUICK_GELU: act(g) = g * sigmoid(1.702 g)                (CLIP's and Qwen2-VL's vision MLPs:
+ *                         transformers' "quick_gelu")
+ *  All are computed as g * sigmoid(z(g)) in fp32 with coat's own exp (coat/detail/norm_act_math.h), z = g for
+ *  silu, z = 2 sqrt(2/pi) (g + 0.044715 g^3) for gelu_tanh (0.5 (1 + tanh(u)) = sigmoid(2u)) and z = 1.702 g for
+ *  quick_gelu, and their derivatives
+ *    silu'(g)       = s (1 + g (1 - s)),                  s = sigmoid(g)
+ *    gelu_tanh'(g)  = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2)
+ *                   = s (1 + g (1 - s) z'(g)),            s = sigmoid(z(g)) = (1 + t) / 2, t = tanh(z / 2)
+ *    quick_gelu'(g) = s (1 + 1.702 g (1 - s)),            s = sigmoid(1.702 g)
+ *  Special values, all: act(+Inf) = +Inf, act(-Inf) = -Inf * 0 = NaN (as PyTorch), act(NaN) = NaN; a finite
+ *  gate never gives NaN. The derivative: silu'(+-Inf) = NaN (Inf * 0); gelu_tanh' and quick_gelu' take the gate
+ *  clamped to [-64, 64], where sigmoid(z) is already exactly 1 or 0, so they are finite for every finite gate
+ *  (PyTorch's fp32 gelu backward gives NaN from |g| ~ 1.8e19 on) and the limits 1 and 0 at +Inf and -Inf. */
 typedef enum {
   COAT_ACT_SILU = 0,
   COAT_ACT_GELU_TANH = 1,
+  COAT_ACT_QUICK_GELU = 2,
 } coat_activation;
 
 /** The widest row RMSNorm accepts: a row is reduced by at most 1024 threads holding 32 elements each. */
@@ -179,13 +187,14 @@ coat_status coat_rmsnorm_backward_cuda(const void* dy, coat_dtype dy_dtype, int6
                                        const void* residual, coat_dtype residual_dtype, void* dx, float* dweight,
                                        float* workspace, coat_cuda_stream stream);
 
-/** act*mul forward (SwiGLU's or GeGLU's activation) with FP8 output and FP8-saved inputs.
+/** act*mul forward (SwiGLU's, GeGLU's or a non-gated MLP's activation) with FP8 output and FP8-saved inputs.
  *    y_f32 = (act(gate[r,c]) * up[r,c]) * smooth_scale[c]      (a factor of 1, which is exact, when
- *            smooth_scale is NULL; act = `activation`, g * sigmoid(z(g)) as defined in
- *            coat/detail/norm_act_math.h)
+ *            smooth_scale is NULL, and up[r,c] = 1 when up is NULL; act = `activation`, g * sigmoid(z(g)) as
+ *            defined in coat/detail/norm_act_math.h)
  *  y, y_scale, y_t: the per-tensor FP8 output of y_f32 in `y_format`; y_t may be NULL.
- *  gate_saved / up_saved, gate_scales / up_scales: gate / up saved in save_format (see "Saved inputs").
- *  gate, up: `dtype`, rows x cols, with their own row strides; smooth_scale: `cols` fp32 or NULL;
+ *  gate_saved / up_saved, gate_scales / up_scales: gate / up saved in save_format (see "Saved inputs"); up_saved
+ *  and up_scales are not written (may be NULL) when up is NULL.
+ *  gate, up: `dtype`, rows x cols, with their own row strides (up may be NULL); smooth_scale: `cols` fp32 or NULL;
  *  y_amax: one fp32 of scratch; activation: a coat_activation (another value is COAT_ERROR_INVALID_ARGUMENT, in
  *  every coat_silu_mul_* entry point). Smooth-SwiGLU (Fishman et al., 2024): the caller folds 1/smooth_scale
  *  into the next linear layer, so that the FP8 input of that layer has no per-channel outliers. */
@@ -212,10 +221,11 @@ coat_status coat_silu_mul_quantize_cuda(const void* gate, const void* up, coat_d
  *    dgate    = (dy_s * u') * act'(g')                      (coat_silu_grad_factors' rounding order)
  *  both rounded to dy's dtype. dy: `dy_dtype`, rows x cols with row_stride; gate_saved, up_saved and their scales:
  *  as coat_silu_mul_quantize_* saved them in saved_format; dgate, dup: rows*cols contiguous elements of
- *  `dy_dtype`.
+ *  `dy_dtype`. Non-gated (up_saved NULL, the forward's up was): u' = 1, and up_scales and dup are NULL.
  *  d_amax: NULL, or one fp32 accumulated as coat_tensor_amax_* accumulates (it must hold a value >= 0 and not
  *  NaN, 0 to start):
  *    d_amax[0] = max(d_amax[0], max |dgate|, max |dup|)       over the stored (rounded) values, NaN ignored
+ *                                                              (max |dgate| alone when non-gated)
  *  which is what the per-tensor quantization of the two gradients with one shared scale needs, without
  *  another pass over them (coat_tensor_amax_* of dgate then dup gives the same value). */
 coat_status coat_silu_mul_backward_cpu(const void* dy, coat_dtype dy_dtype, int64_t rows, int64_t cols,
@@ -258,8 +268,8 @@ coat_status coat_rmsnorm_requantize_cuda(const uint8_t* x_saved, const float* x_
                                          coat_cuda_stream stream);
 
 /** act*mul's FP8 transposed output recomputed from the saved inputs g' and u' (decoded as
- *  coat_silu_mul_backward_* decode them), act (the forward's `activation`) taken of g' ROUNDED TO BF16 (nearest,
- *  ties to even):
+ *  coat_silu_mul_backward_* decode them; u' = 1 when up_saved is NULL, the non-gated op, up_scales NULL too), act
+ *  (the forward's `activation`) taken of g' ROUNDED TO BF16 (nearest, ties to even):
  *    y_f32 = (act(bf16(g'[r,c])) * u'[r,c]) * smooth_scale[c]    (coat_silu_mul with the forward's act; u' fp32)
  *    y_t[c*rows + r] = fp8_encode(y_f32 / y_scale[0])            in `y_format`, NaN canonical (0x7F)
  *  Why bf16: the CUDA kernel then reads silu from the same table of silu over bf16 gates as the forward, instead

@@ -179,16 +179,20 @@ COAT_INLINE float coat_exp(float x) {
 /** sigmoid(g) = 1 / (1 + e^-g): 0 for g < -88.7 (and -Inf), 1 for g > 16.6. */
 COAT_INLINE float coat_sigmoid(float g) { return coat_div_rn(1.0f, 1.0f + coat_exp(-g)); }
 
-/* The gated activations act(g) = g * sigmoid(z(g)) (coat_activation in coat/norm_act.h):
- *   silu:      z = g
- *   gelu_tanh: z = 2 sqrt(2/pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = sigmoid(2u) exactly, so that
- *              0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) = g * sigmoid(z): tanh is coat_sigmoid's (built
- *              from coat_exp, the same bits in C and CUDA), and 1 + tanh(u) never cancels for negative g. */
+/* The activations act(g) = g * sigmoid(z(g)) (coat_activation in coat/norm_act.h):
+ *   silu:       z = g
+ *   gelu_tanh:  z = 2 sqrt(2/pi) (g + 0.044715 g^3), since 0.5 (1 + tanh(u)) = sigmoid(2u) exactly, so that
+ *               0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) = g * sigmoid(z): tanh is coat_sigmoid's (built
+ *               from coat_exp, the same bits in C and CUDA), and 1 + tanh(u) never cancels for negative g.
+ *   quick_gelu: z = 1.702 g (1.702f, as transformers' QuickGELUActivation multiplies a float32 input). */
 
 /** Whether `activation` is one of coat_activation's. */
 COAT_INLINE int coat_is_valid_activation(coat_activation activation) {
-  return activation == COAT_ACT_SILU || activation == COAT_ACT_GELU_TANH;
+  return activation == COAT_ACT_SILU || activation == COAT_ACT_GELU_TANH || activation == COAT_ACT_QUICK_GELU;
 }
+
+/** quick_gelu's factor: z(g) = 1.702f * g, and z'(g). */
+#define COAT_QUICK_GELU_FACTOR 1.702f
 
 /** gelu_tanh's z(g) = 1.5957691 * (g + 0.044715 * ((g * g) * g)) in fp32, in this order. g^3 overflowing gives
  *  z = +-Inf, sigmoid 1 or 0: the limits. */
@@ -196,7 +200,8 @@ COAT_INLINE float coat_gelu_tanh_arg(float g) { return 1.59576912160573071f * (g
 
 /** z(g) of the activation (above). */
 COAT_INLINE float coat_activation_arg(coat_activation activation, float g) {
-  return activation == COAT_ACT_GELU_TANH ? coat_gelu_tanh_arg(g) : g;
+  if (activation == COAT_ACT_GELU_TANH) return coat_gelu_tanh_arg(g);
+  return activation == COAT_ACT_QUICK_GELU ? COAT_QUICK_GELU_FACTOR * g : g;
 }
 
 /** sigmoid(z(g)), the factor act(g) = g * sigmoid(z(g)) applies to the gate. */
@@ -221,25 +226,27 @@ COAT_INLINE float coat_requantize_gate(uint8_t code, float scale) {
   return coat_bf16_to_f32(coat_f32_to_bf16(coat_saved_value(code, scale)));
 }
 
-/** The gate gelu_tanh's derivative takes, clamped to [-64, 64]: from |g| = 64 on, sigmoid(z(g)) is exactly 1
- *  (g > 0) or 0 (g < 0), and so is the derivative below, clamped or not, where the unclamped one does not
- *  overflow (g^2 past 2^128, or its product with g, gave Inf * 0 = NaN for large finite gates). +-Inf gates so
+/** The gate gelu_tanh's and quick_gelu's derivatives take, clamped to [-64, 64]: from |g| = 64 on, sigmoid(z(g))
+ *  is exactly 1 (g > 0) or 0 (g < 0), and so is the derivative below, clamped or not, where the unclamped one does
+ *  not overflow (g^2 past 2^128, or its product with g, gave Inf * 0 = NaN for large finite gates). +-Inf gates so
  *  get the limits 1 and 0; a NaN gate gives NaN through sigmoid(z(g)). */
-COAT_INLINE float coat_gelu_tanh_slope_gate(float g) { return fminf(fmaxf(g, -64.0f), 64.0f); }
+COAT_INLINE float coat_activation_slope_gate(float g) { return fminf(fmaxf(g, -64.0f), 64.0f); }
 
 /** The factors of coat_silu_mul_grads that depend on the gate alone: act = coat_silu(gate, s) and its
  *  derivative dact, with s = coat_activation_sigmoid(activation, gate):
- *    silu:      dact = s * (1 + gate * (1 - s))
- *    gelu_tanh: dact = s * (1 + (c * (1 - s)) * z'(c)),  z'(c) = 1.5957691 * (1 + 0.134145 * (c * c)),
- *               c = coat_gelu_tanh_slope_gate(gate)
- *  which is d/dg [g * sigmoid(z(g))] = s + g s (1 - s) z'(g), i.e. 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi)
- *  (1 + 3 * 0.044715 g^2) with t = tanh(z / 2) = 2 s - 1. */
+ *    silu:       dact = s * (1 + gate * (1 - s))
+ *    gelu_tanh:  dact = s * (1 + (c * (1 - s)) * z'(c)),  z'(c) = 1.5957691 * (1 + 0.134145 * (c * c)),
+ *    quick_gelu: dact = s * (1 + (c * (1 - s)) * 1.702),  c = coat_activation_slope_gate(gate) in both
+ *  which is d/dg [g * sigmoid(z(g))] = s + g s (1 - s) z'(g), for gelu_tanh 0.5 (1 + t) + 0.5 g (1 - t^2)
+ *  sqrt(2/pi) (1 + 3 * 0.044715 g^2) with t = tanh(z / 2) = 2 s - 1. */
 COAT_INLINE void coat_silu_grad_factors(coat_activation activation, float gate, float s, float* silu,
                                         float* dsilu) {
   *silu = coat_silu(gate, s);
   if (activation == COAT_ACT_GELU_TANH) {
-    const float c = coat_gelu_tanh_slope_gate(gate);
+    const float c = coat_activation_slope_gate(gate);
     *dsilu = s * (1.0f + (c * (1.0f - s)) * (1.59576912160573071f * (1.0f + 0.134145f * (c * c))));
+  } else if (activation == COAT_ACT_QUICK_GELU) {
+    *dsilu = s * (1.0f + (coat_activation_slope_gate(gate) * (1.0f - s)) * COAT_QUICK_GELU_FACTOR);
   } else {
     *dsilu = s * (1.0f + gate * (1.0f - s));
   }
