@@ -236,11 +236,16 @@ def _day(result: Result) -> str:
     return result.date.strftime("%Y-%m-%d %H:%M UTC")
 
 
-def _vision_attention_cudnn(row: dict) -> bool:
-    """Whether a train_vlm run's vision attention could take cuDNN's SDPA kernel: its runs before 2026-12-06 17:00
-    UTC did, unless --sdpa-backends left it out (coat.nn.attention)."""
-    backends = row.get("sdpa_backends")
-    return not row.get("vision_attention_without_cudnn") and (backends is None or "cudnn" in backends)
+ALL_SDPA_KERNELS = ("cudnn", "efficient", "flash", "math")  # train_vlm's --sdpa-backends, sorted
+
+
+def _vision_attention_kernels(row: dict) -> tuple[str, ...]:
+    """The SDPA kernels a train_vlm run's vision attention could take: those --sdpa-backends named (all by default),
+    less cuDNN's where the example kept it off (coat.nn.attention; its runs before 2026-12-06 17:00 UTC did not)."""
+    kernels = set(row.get("sdpa_backends") or ALL_SDPA_KERNELS)
+    if row.get("vision_attention_without_cudnn"):
+        kernels.discard("cudnn")
+    return tuple(sorted(kernels))
 
 
 def _add_convergence_comparison(results: list[Result]) -> None:
@@ -252,7 +257,7 @@ def _add_convergence_comparison(results: list[Result]) -> None:
         row = result.rows[0]
         lr = row.get("lr", VLM_LR_UNRECORDED if result.script == "train_vlm" else None)
         return (result.script, row.get("family", "llama"), row["preset"], row.get("batch"), row.get("steps"),
-                row["seed"], lr, result.script == "train_vlm" and _vision_attention_cudnn(row))
+                row["seed"], lr, result.script == "train_vlm" and _vision_attention_kernels(row))
 
     baselines: dict[tuple, list[dict]] = {}
     runs = [r for r in results if r.script in TRAINING_SCRIPTS and "diverged_at_step" not in r.rows[0]]
@@ -643,7 +648,10 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
     BF16 and torchao of the same run, with coat-vision and coat-lowmem; the 7B's lowest-memory settings, which
     the issue asks to fit one 80 GB GPU."""
     rows = []
-    found = _measured(results, "models", "peak GiB", variant="coat", shape="qwen2.5-vl-3b")
+    # The run with the baselines, and the latest with the vision option, which may be a later run of coat and
+    # coat-vision alone (each ratio within one run).
+    found = (_latest_run_with(results, "qwen2.5-vl-3b", "torchao-compiled")
+             or _measured(results, "models", "peak GiB", variant="coat", shape="qwen2.5-vl-3b"))
     if found:
         result, coat_row = found[0]
         same_run = {}
@@ -652,6 +660,12 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
                 same_run[variant] = _sibling(result, coat_row, variant, ("shape", "batch", "seq"))
             except LookupError:  # a run without that row
                 pass
+        vision_coat = coat_row  # what coat-vision's tokens/s is compared with, in its own run
+        vision_run = _latest_run_with(results, "qwen2.5-vl-3b", "coat-vision")
+        if vision_run and vision_run[0][0].date > result.date:
+            vision_result, vision_coat = vision_run[0]
+            same_run["coat-vision"] = _sibling(vision_result, vision_coat, "coat-vision", ("shape", "batch", "seq"))
+            found = found + vision_run
         baselines = [f"{label} {_peak(same_run[v])}" for v, label in (("bf16", "BF16"), ("torchao-compiled", "torchao"))
                      if v in same_run]
         figure = _peak(coat_row) + (f" ({', '.join(baselines)})" if baselines else "")
@@ -661,7 +675,7 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
             figure += "; " + ", ".join(speeds)
         if "coat-vision" in same_run:
             vision = same_run["coat-vision"]
-            ratio = _speed_ratio(vision, coat_row)
+            ratio = _speed_ratio(vision, vision_coat)
             figure += f"; vision side FP8: {_peak(vision)}" + (f", {ratio} coat's tokens/s" if ratio else "")
         if "coat-lowmem" in same_run:
             figure += f"; lowest-memory settings: {_peak(same_run['coat-lowmem'])}"
@@ -700,6 +714,23 @@ def _configuration(run: dict, family: str = "llama") -> tuple | None:
     if not run.get("coat") or not defaults or run.get("saved_format") is None:
         return None
     return run["preset"], run["saved_format"], run.get("group_size") or 16
+
+
+def _latest_run_with(results: list[Result], shape: str, variant: str) -> list[tuple[Result, dict]]:
+    """[(result, coat row)] of the latest models run of ``shape`` with a coat row and a ``variant`` row that ran, on
+    the device measured last among such runs; [] where there is none."""
+    family = next(f for f in FAMILIES if f.page == "models")
+    runs = []
+    for result in (r for r in results if r.script in family.scripts):
+        for row in result.rows:
+            if row.get("variant") == "coat" and row.get("shape") == shape and isinstance(row.get("peak GiB"), float):
+                try:
+                    other = _sibling(result, row, variant, ("shape", "batch", "seq"))
+                except LookupError:
+                    continue
+                if isinstance(other.get("peak GiB"), float):
+                    runs.append((result, row))
+    return [max(runs, key=lambda item: item[0].date)] if runs else []
 
 
 def _sibling(result: Result, like: dict, variant: str, same: tuple[str, ...]) -> dict:
@@ -751,7 +782,7 @@ def _plot_specs(results: list[Result]) -> dict[str, dict]:
             with open(os.path.join(RESULTS, os.path.dirname(result.path), row["csv"])) as f:
                 evaluated = [r for r in csv.DictReader(f) if r["val_loss"]]
             lr = row.get("lr", VLM_LR_UNRECORDED)
-            cudnn = _vision_attention_cudnn(row)
+            cudnn = "cudnn" in _vision_attention_kernels(row)
             spec = by_setting.setdefault((row["preset"], row["steps"], lr, cudnn), {
                 "kind": "convergence", "title": f"examples/train_vlm.py --preset {row['preset']}: {row['steps']} "
                                                 f"steps at learning rate {lr:g}"
@@ -781,7 +812,9 @@ def _plot_specs(results: list[Result]) -> dict[str, dict]:
 
 def _arm(row: dict) -> str | None:
     """What a train_vlm run trains in, its plot colour; None for settings the colours do not tell apart (the run is
-    labelled by its name)."""
+    labelled by its name): among them a run whose vision attention had fewer kernels than all (less cuDNN's)."""
+    if _vision_attention_kernels(row) not in (ALL_SDPA_KERNELS, ALL_SDPA_KERNELS[1:]):
+        return None
     if not row["coat"]:
         return "BF16"
     setting = _vlm_ablation(row)
@@ -798,14 +831,15 @@ ARM_COLOURS = {"BF16": "black", "coat": "tab:orange", "coat, vision side in FP8"
                "coat, output gradients unquantized": "tab:blue",
                "coat, vision side in FP8, output gradients unquantized": "tab:purple", "coat, torch's AdamW": "tab:red"}
 OTHER_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
-SEED_STYLES = ("-", "--", ":", "-.")
+SEED_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))  # seeds 0-5 apart
 PLOTTED_LAYERS = ("coat eager", "torchao compiled", "coat fp4 G=128 eager")
 PLOTTED_RUNS = ("100m-bf16", "100m-coat", "100m-coat-fp4", "100m-coat-fp6")
 
 
 def _digest(spec: dict) -> str:
     """Of the data a plot draws and of the code that draws it: either changing makes the PNG stale."""
-    return hashlib.sha256((json.dumps(spec, sort_keys=True) + inspect.getsource(_draw)).encode()).hexdigest()
+    code = inspect.getsource(_draw) + repr((ARM_COLOURS, OTHER_COLOURS, SEED_STYLES))  # with the styles it reads
+    return hashlib.sha256((json.dumps(spec, sort_keys=True) + code).encode()).hexdigest()
 
 
 def _draw(spec: dict, path: str) -> None:

@@ -255,12 +255,15 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     shown = [r.path for _, _, found in pages._vlm_convergence_figures(results) for r, _ in found]
     assert "coat-long-bf16-layers.json" not in shown and "coat-long-fp4.json" not in shown
     pages._draw(spec, str(tmp_path / "plot.png"))
-    # Nor with a run of another learning rate, or whose vision attention could take cuDNN's kernel where the other's
-    # could not (coat.nn.attention): runs from before the example kept it off, unless --sdpa-backends left it out.
+    # Nor with a run of another learning rate, or whose vision attention could take other kernels (cuDNN's where the
+    # other's could not, coat.nn.attention: runs from before the example kept it off, unless --sdpa-backends left it
+    # out; or the math kernel alone, a BF16 run's perturbation, which is no baseline of the default kernels').
     run("coat-long-lr", True, 0.5, 0.1, steps=3000, lr=1e-4)
     run("bf16-long-kernels", False, 0.24, 0.39, steps=3000, lr=5e-4, seed=1, vision_attention_without_cudnn=True)
+    run("bf16-long-math", False, 0.48, 0.2, steps=3000, lr=5e-4, seed=1, sdpa_backends=["math"],
+        vision_attention_without_cudnn=True)
     run("coat-long-kernels", True, 0.18, 0.5, steps=3000, lr=5e-4, seed=1)
-    run("coat-long-flash", True, 0.12, 0.5, steps=3000, lr=5e-4, seed=1, sdpa_backends=["flash", "math"])
+    run("coat-long-flash", True, 0.12, 0.5, steps=3000, lr=5e-4, seed=1, sdpa_backends=["flash", "efficient", "math"])
     rows = {r.rows[0]["name"]: r.rows[0] for r in pages.load_results(str(tmp_path))}
     assert "vs BF16" not in rows["coat-long-lr"] and "vs BF16" not in rows["coat-long-kernels"]
     assert rows["coat-long"]["vs BF16"] == "+10.00%" and rows["coat-long-flash"]["vs BF16"] == "-50.00%"
