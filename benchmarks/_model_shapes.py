@@ -15,6 +15,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 
 SMOKE_BATCH, SMOKE_SEQ = 2, 32
@@ -136,6 +138,18 @@ def _tiny_vlm(tied: bool) -> dict:
                 image_token_id=1021, video_token_id=1022, vision_end_token_id=1023)
 
 
+def _tiny_qwen3_vl() -> dict:
+    """A tiny Qwen3-VL: _tiny_vlm's sizes, Qwen3's head_dim and interleaved M-RoPE sections, a vision tower of 2
+    blocks with the tanh-GELU MLP (not gated; width not a multiple of 16) and a deepstack feature from its first."""
+    config = _tiny_vlm(tied=True)
+    config["text_config"] = {**config["text_config"], "head_dim": 32,
+                             "rope_parameters": {**_qwen2_5_vl_rope([6, 5, 5]), "mrope_interleaved": True}}
+    config["vision_config"] = dict(depth=2, hidden_size=64, intermediate_size=172, num_heads=2, patch_size=4,
+                                   temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=128,
+                                   num_position_embeddings=64, deepstack_visual_indexes=[0])
+    return config
+
+
 SHAPES = {
     "llama3.2-1b": Shape(LlamaForCausalLM, LlamaConfig, dict(
         hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
@@ -176,4 +190,17 @@ SHAPES = {
                          num_key_value_heads=4, intermediate_size=18944, vocab_size=152064),
         vision_config=dict(QWEN2_5_VL_VISION, out_hidden_size=3584), tie_word_embeddings=False, **QWEN2_5_VL_TOKENS),
         batch=1, seq=4096, smoke=_tiny_vlm(tied=False), image_grid=64, smoke_image_grid=8),
+    # Qwen3-VL-4B-Instruct's configuration: a tower of non-gated tanh-GELU MLPs (coat.nn.MLP with vision_linears);
+    # a 1,024 x 1,024-pixel image, 64 x 64 patches of 16 x 16 pixels, 1,024 tokens after the merger.
+    "qwen3-vl-4b": VisionLanguageShape(Qwen3VLForConditionalGeneration, Qwen3VLConfig, dict(
+        text_config=dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, intermediate_size=9728, vocab_size=151936, rms_norm_eps=1e-6,
+                         max_position_embeddings=262144, tie_word_embeddings=True,
+                         rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
+                                              mrope_interleaved=True)),
+        vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, patch_size=16,
+                           temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304,
+                           out_hidden_size=2560, deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh"),
+        tie_word_embeddings=True, **QWEN2_5_VL_TOKENS),
+        batch=1, seq=4096, smoke=_tiny_qwen3_vl(), image_grid=64, smoke_image_grid=8),
 }

@@ -24,6 +24,12 @@ fine-tuning steps of vision-language models, an image in every sample. Random we
                   pixel values; the model computes the three M-RoPE position streams (get_rope_index)
     qwen2.5-vl-7b Qwen2.5-VL-7B-Instruct's configuration, 8.29B: qwen2.5-7b's language model (7.62B, untied) with
                   M-RoPE, and the same vision tower, merging into width 3584; the same samples
+    qwen3-vl-4b   Qwen3VLForConditionalGeneration, 4.44B, Qwen3-VL-4B-Instruct's configuration: a Qwen3 language
+                  model of hidden 2560, 36 layers, 32 / 8 heads of 128, intermediate 9728, vocabulary 151936, tied,
+                  interleaved M-RoPE sections 24 / 20 / 20; a vision tower of 24 blocks, hidden 1024, 16 heads,
+                  non-gated tanh-GELU MLPs of 4096 (coat.nn.MLP under coat-vision), deepstack features from blocks
+                  5, 11 and 17 (0.42B). Batch 1 x 4096: a 1,024 x 1,024-pixel image (64 x 64 patches of 16 x 16
+                  pixels, 1,024 tokens after the merger), then 3,072 text tokens, as for qwen2.5-vl-3b
 
 Variants (rows), each a whole training step: zero_grad, forward with labels (the loss over the batch's own
 tokens), backward, optimizer step; float32 master weights under torch.autocast(bfloat16) unless said otherwise,
@@ -92,6 +98,7 @@ a run cut short keeps the rows it finished.
     python benchmarks/e2e_shapes.py --shapes qwen2.5-7b --batch 2 --seq 2048 --variants NAME...
     python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-3b --variants coat coat-vision coat-lowmem torchao-compiled bf16
     python benchmarks/e2e_shapes.py --shapes qwen2.5-vl-7b --variants coat-lowmem bf16
+    python benchmarks/e2e_shapes.py --shapes qwen3-vl-4b --variants coat coat-vision      (the non-gated tower)
     python benchmarks/e2e_shapes.py --shapes olmoe-1b-7b --layers 8 --variants coat bf16   (an 80 GB card, where BF16
                                                     does not fit the 16 layers: the speed ratio of 8)
     python benchmarks/e2e_shapes.py --variants coat coat-compiled --profile   (and each row's kernels per step)

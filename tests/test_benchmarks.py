@@ -239,7 +239,7 @@ def test_e2e_plots_the_committed_gpu_results(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-VISION_LANGUAGE_SHAPES = ["qwen2.5-vl-3b", "qwen2.5-vl-7b"]
+VISION_LANGUAGE_SHAPES = ["qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen3-vl-4b"]
 
 
 def language_model_kept(row: dict) -> float:
