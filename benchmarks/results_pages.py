@@ -644,9 +644,10 @@ def _moe_model_figures(results: list[Result]) -> list[tuple[str, str, list]]:
 
 
 def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list]]:
-    """(what, figure, found) of the README rows of the Qwen2.5-VL shapes, those measured: the 3B's coat row against
-    BF16 and torchao of the same run, with coat-vision and coat-lowmem; the 7B's lowest-memory settings, which
-    the issue asks to fit one 80 GB GPU."""
+    """(what, figure, found) of the README rows of the vision-language shapes, those measured: the Qwen2.5-VL-3B's
+    coat row against BF16 and torchao of the same run, with coat-vision and coat-lowmem (coat-vision from a later
+    run of its own where there is one); Qwen3-VL-4B's coat and coat-vision; the Qwen2.5-VL-7B's lowest-memory
+    settings, which the issue asks to fit one 80 GB GPU."""
     rows = []
     # The run with the baselines, and the latest with the vision option, which may be a later run of coat and
     # coat-vision alone (each ratio within one run).
@@ -689,6 +690,17 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
                 figure += "; " + cut[0]
                 found = found + cut[1]
         rows.append((what, figure, found))
+    found = _latest_run_with(results, "qwen3-vl-4b", "coat-vision")
+    if found:
+        result, coat_row = found[0]
+        vision = _sibling(result, coat_row, "coat-vision", ("shape", "batch", "seq"))
+        figure = (f"{_peak(coat_row)}, {coat_row['tokens/s/GPU']:,.0f} tokens/s; vision side FP8: {_peak(vision)}, "
+                  f"{_speed_ratio(vision, coat_row)} coat's tokens/s, the tower keeping "
+                  f"{vision['vision kept GiB']:.1f} GiB instead of {coat_row['vision kept GiB']:.1f}")
+        rows.append((f"Qwen3-VL-4B shape (4.44B with its vision tower), SFT step, batch {coat_row['batch']} x "
+                     f"{coat_row['seq']} ({coat_row['image tokens']:,} of them image tokens): peak memory and tokens/s "
+                     "of coat, and with `vision_linears=True` (the tower's non-gated GELU MLPs as `coat.nn.MLP`)",
+                     figure, found))
     found = _measured(results, "models", "peak GiB", variant="coat-lowmem", shape="qwen2.5-vl-7b")
     if found:
         result, lowmem = found[0]
