@@ -1,6 +1,6 @@
 // Runs the kernels of csrc/cuda/rmsnorm.cu and silu_mul.cu under the CPU emulation (cuda_runtime.h here) and compares
-// every output with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and act*mul (silu and gelu_tanh), forward
-// (saving E4M3, FP4 and FP6),
+// every output with the C core (csrc/cpu/norm_act.c), bit for bit: RMSNorm and act*mul (silu, gelu_tanh and
+// quick_gelu, gated and non-gated), forward (saving E4M3, FP4 and FP6),
 // requantize (with the forward's y_scale and with one that saturates, from aligned and misaligned codes) and
 // backward (without a residual gradient, and with one of dy's dtype or another), both from every saved format, the
 // high-precision forward rmsnorm_save (without and with a residual stream), weight offsets 0 and 1 (Gemma), over
