@@ -1,7 +1,8 @@
 """Every model family coat.convert supports, under FSDP2 (fully_shard per decoder layer, then the model) on two
 gloo processes: plain, and with the projection weights all-gathered in FP8 (coat.distributed.fp8_all_gather,
 whose scale groups follow each family's projections: Phi-3's fused qkv_proj and gate_up_proj are one group each),
-and a vision-language model (Qwen2.5-VL, its vision side in FP8 too, sharded per language layer and vision block).
+and vision-language models with their vision side in FP8 too, sharded per language layer and vision block: Qwen2.5-VL
+(gated vision MLPs, coat.nn.SwiGLUMLP) and Qwen3-VL (non-gated ones, coat.nn.MLP).
 
 Both ranks train on the same batches, so the averaged gradient is the single-process one bit for bit, and the
 FP8 all-gather brings the codes and scale of the unsharded weight: a sharded run equals the single-process run
@@ -27,7 +28,7 @@ from test_nn_llama import FAMILIES, tiny_model, token_batch
 pytestmark = pytest.mark.transformers
 
 STEPS = 3
-VISION_LANGUAGE = "qwen2_5_vl, vision_linears=True"
+VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl")  # each with vision_linears=True
 FSDP_FAMILIES = [family for family in FAMILIES if family not in ("llama", "mistral", "qwen2")]  # those three:
 # tests/test_optim_distributed.py (Llama) and the shared decoder layer
 
@@ -76,14 +77,14 @@ def run_family(family: str, rank: int, mesh, gather_in_fp8: bool) -> dict:
                        [dict(input_ids=tokens, labels=tokens)] * STEPS, rank, mesh, gather_in_fp8)
 
 
-def run_vision_language_model(rank: int, mesh, gather_in_fp8: bool) -> dict:
-    """A Qwen2.5-VL with its vision side in FP8 too, fully_shard per language decoder layer and vision block, the
-    image in every batch."""
+def run_vision_language_model(name: str, rank: int, mesh, gather_in_fp8: bool) -> dict:
+    """A vision-language model with its vision side in FP8 too, fully_shard per language decoder layer and vision
+    block, the image in every batch."""
     from test_nn_vlm import image_batch, tiny_vlm
 
-    tokens, labels, images = image_batch("qwen2_5_vl")
+    tokens, labels, images = image_batch(name)
     batch = dict(input_ids=tokens, labels=labels, **{**images, "pixel_values": images["pixel_values"].float()})
-    return run_sharded(coat.convert(tiny_vlm("qwen2_5_vl").float(), vision_linears=True),
+    return run_sharded(coat.convert(tiny_vlm(name).float(), vision_linears=True),
                        lambda model: [*model.model.language_model.layers, *model.model.visual.blocks],
                        [batch] * STEPS, rank, mesh, gather_in_fp8)
 
@@ -91,7 +92,8 @@ def run_vision_language_model(rank: int, mesh, gather_in_fp8: bool) -> dict:
 def families(rank: int, world_size: int, device: torch.device, out: Path) -> None:
     mesh = init_device_mesh(device.type, (world_size,))
     results = {(family, fp8): run_family(family, rank, mesh, fp8) for family in FSDP_FAMILIES for fp8 in (False, True)}
-    results.update({(VISION_LANGUAGE, fp8): run_vision_language_model(rank, mesh, fp8) for fp8 in (False, True)})
+    results.update({(name, fp8): run_vision_language_model(name, rank, mesh, fp8)
+                    for name in VISION_LANGUAGE for fp8 in (False, True)})
     torch.save(results, out / f"rank{rank}.pt")
 
 
@@ -129,20 +131,22 @@ def test_fsdp2_trains_each_family_as_one_process_does(results, family, gather_in
 
 
 @pytest.mark.parametrize("gather_in_fp8", [False, True], ids=["bf16-gather", "fp8-all-gather"])
-def test_fsdp2_trains_a_vision_language_model_as_one_process_does(results, gather_in_fp8):
+@pytest.mark.parametrize("name", VISION_LANGUAGE)
+def test_fsdp2_trains_a_vision_language_model_as_one_process_does(results, name, gather_in_fp8):
     """Gathered in FP8 for forward and backward: the projections of the language model and of the vision blocks'
-    MLPs (*_proj), the vision attention's qkv and proj; once a step: the merger's two linear layers, which sit in the
-    root unit (FSDP2 keeps the root's parameters gathered from forward to backward); not the patch embedding (a
-    convolution)."""
-    vision_attention = re.compile(r"model\.visual\.blocks\.\d+\.attn\.(qkv|proj)\.weight")
-    merger = re.compile(r"model\.visual\.merger\.mlp\.[02]\.weight")
+    MLPs (*_proj, Qwen3-VL's linear_fc1 and linear_fc2), the vision attention's qkv and proj; once a step: the
+    mergers' linear layers (Qwen3-VL's deepstack mergers too), which sit in the root unit (FSDP2 keeps the root's
+    parameters gathered from forward to backward); not the patch embedding (a convolution)."""
+    vision_block = re.compile(r"model\.visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])\.weight")
+    merger = re.compile(r"model\.visual\.(merger\.mlp\.[02]|(merger|deepstack_merger_list\.\d+)\.linear_fc[12])"
+                        r"\.weight")
 
     def gathers_per_step(name: str) -> int:
-        if name.endswith("_proj.weight") or vision_attention.fullmatch(name):
+        if name.endswith("_proj.weight") or vision_block.fullmatch(name):
             return 2
         return 1 if merger.fullmatch(name) else 0
 
     for rank_results in results:
-        got = rank_results[VISION_LANGUAGE, gather_in_fp8]
+        got = rank_results[name, gather_in_fp8]
         assert any(name.startswith("model.visual.") for name in got["compared"])
         assert_trains_as_one_process(got, gathers_per_step)
