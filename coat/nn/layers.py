@@ -1,6 +1,6 @@
 """The autograd Functions of coat's single FP8 layers, :func:`linear`, :func:`rms_norm`, :func:`rms_norm_save`,
-:func:`swiglu_mlp` and :func:`mlp`, and the pieces of them that the decoder blocks (:mod:`coat.nn.blocks`) reuse: the fused
-RMSNorm and SiLU*mul steps with their report records, and the saved-tensor plumbing. The public names are
+:func:`swiglu_mlp` and :func:`mlp`, and the pieces of them that the decoder blocks (:mod:`coat.nn.blocks`) reuse:
+the fused RMSNorm and act*mul steps with their report records, and the saved-tensor plumbing. The public names are
 re-exported by :mod:`coat.nn.functional`, whose docstring says what the layers save for backward.
 """
 from __future__ import annotations
