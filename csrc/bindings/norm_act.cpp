@@ -337,7 +337,7 @@ SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const std::optio
   check_named_group_size(save_group_size, op, "save_group_size");
   check_named_group_size(amax_group_size, op, "amax_group_size");
   const RowMatrix gate_m = as_row_matrix(gate, op, "gate");
-  const std::optional<RowMatrix> up_m = up ? std::optional<RowMatrix>(as_row_matrix(*up, op, "up")) : std::nullopt;
+  const int64_t up_row_stride = up ? as_row_matrix(*up, op, "up").row_stride : gate_m.cols;  // read only with up
   check_max_cols(gate_m.cols, op, "gate");
   const float* smooth = smooth_scale_data(smooth_scale, gate, gate_m.cols, op);
 
@@ -351,7 +351,7 @@ SiluMulForwardOutputs silu_mul_quantize(const at::Tensor& gate, const std::optio
   at::Tensor up_scales = up ? at::empty(grouped_shape(gate, save_group_size), float_options) : absent(gate);
   at::Tensor y_amax = at::empty({1}, float_options);
   COAT_CALL_CORE(gate, coat_silu_mul_quantize, gate.data_ptr(), up ? up->data_ptr() : nullptr, dtype, gate_m.rows,
-                 gate_m.cols, gate_m.row_stride, up_m ? up_m->row_stride : gate_m.cols, smooth, activation,
+                 gate_m.cols, gate_m.row_stride, up_row_stride, smooth, activation,
                  save_group_size, saved, format, data_as<uint8_t>(y),
                  data_as<float>(y_scale), transpose ? data_as<uint8_t>(y_t) : nullptr, data_as<uint8_t>(gate_saved),
                  data_as<float>(gate_scales), up ? data_as<uint8_t>(up_saved) : nullptr,
