@@ -297,13 +297,14 @@ def shape_label(shape_name: str, layers: int | None) -> str:
     return shape_name if layers is None else f"{shape_name}-{layers}-layers"
 
 
-def measure(variant: str, shape_name: str, batch: int, seq: int, args, device: torch.device) -> dict:
-    """One row: the variant's step at the shape (with --layers, cut to that many decoder layers), on a fresh model."""
+def measure(variant: str, shape_name: str, layers: int | None, batch: int, seq: int, args,
+            device: torch.device) -> dict:
+    """One row: the variant's step at the shape (cut to ``layers`` decoder layers where given), on a fresh model."""
     shape = SHAPES[shape_name]
-    training = ShapeTraining(variant, shape, device, args.smoke, args.layers)
-    row = {"shape": shape_label(shape_name, args.layers), "variant": variant, "batch": batch, "seq": seq,
-           "layers": training.config.get_text_config().num_hidden_layers, "shape layers": shape.layers(args.smoke),
-           "loss": loss_kind(variant),
+    training = ShapeTraining(variant, shape, device, args.smoke, layers)
+    row = {"shape": shape_label(shape_name, layers), "base shape": shape_name, "variant": variant, "batch": batch,
+           "seq": seq, "layers": training.config.get_text_config().num_hidden_layers,
+           "shape layers": shape.layers(args.smoke), "loss": loss_kind(variant),
            "compiled": variant.endswith("compiled")}
     if isinstance(shape, VisionLanguageShape):  # of the seq tokens of each sample
         row["image tokens"] = shape.image_tokens(args.smoke)
@@ -349,6 +350,63 @@ def measure(variant: str, shape_name: str, batch: int, seq: int, args, device: t
     return row
 
 
+MIN_FIT_DEPTHS = 3  # cut depths a line needs: two always lie on one, the third tests that it is a line
+
+
+def _line(points: list[tuple[int, float]]) -> dict:
+    """The least-squares line y = fixed + per_layer * layers through (layers, y) points, with its largest residual."""
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+             / sum((x - mean_x) ** 2 for x, _ in points))
+    fixed = mean_y - slope * mean_x
+    return {"per layer": slope, "fixed": fixed,
+            "largest residual": max(abs(y - fixed - slope * x) for x, y in points)}
+
+
+def depth_fits(rows: list[dict]) -> dict:
+    """For each shape measured at several depths (--layers N N ...), each variant with rows at MIN_FIT_DEPTHS or
+    more cut depths: its step ms and peak GiB as lines in the decoder layers (the vision tower, embeddings, head and
+    loss are the same at every depth; each decoder layer adds the same work and memory), their values at the
+    shape's full depth and, where the variant ran there too, the lines' error against what it measured. Where a
+    variant ran out of memory at the full depth, coat's full-depth row against that variant's line ("coat against
+    lines"): an estimate, of a line whose error on coat's own rows shows how far to trust it."""
+    fits = {}
+    for base in dict.fromkeys(r["base shape"] for r in rows if "base shape" in r):
+        of_shape = [r for r in rows if r.get("base shape") == base]
+        lines, full_rows = {}, {}
+        for variant in dict.fromkeys(r["variant"] for r in of_shape):
+            mine = [r for r in of_shape if r["variant"] == variant]
+            full = mine[0]["shape layers"]
+            full_rows[variant] = next((r for r in mine if r["layers"] == full), None)
+            cut = [r for r in mine if r["layers"] < full and isinstance(r.get("peak GiB"), float)]
+            if len(cut) < MIN_FIT_DEPTHS:
+                continue
+            fit = {"depths": [r["layers"] for r in cut], "full depth": full}
+            for key in ("step ms", "peak GiB"):
+                fit[key] = _line([(r["layers"], r[key]) for r in cut])
+                fit[key]["at full depth"] = fit[key]["fixed"] + fit[key]["per layer"] * full
+            fit["tokens/s at full depth"] = mine[0]["batch"] * mine[0]["seq"] / (fit["step ms"]["at full depth"] / 1e3)
+            measured = full_rows[variant]
+            if measured is not None and isinstance(measured.get("peak GiB"), float):
+                fit["error at full depth"] = {key: fit[key]["at full depth"] / measured[key] - 1
+                                              for key in ("step ms", "peak GiB")}
+            elif measured is not None:
+                fit["at full depth measured"] = measured.get("peak GiB")  # "OOM" or "error"
+            lines[variant] = fit
+        if not lines:
+            continue
+        coat_full = full_rows.get("coat")
+        against = {}
+        if coat_full is not None and isinstance(coat_full.get("peak GiB"), float):
+            for variant, fit in lines.items():
+                if variant != "coat" and "error at full depth" not in fit:  # no full-depth row of its own to compare
+                    against[variant] = {"speed ratio": coat_full["tokens/s/GPU"] / fit["tokens/s at full depth"],
+                                        "peak ratio": coat_full["peak GiB"] / fit["peak GiB"]["at full depth"]}
+        fits[base] = {"lines": lines, "coat against lines": against}
+    return fits
+
+
 def summarize(rows: list[dict], args, missing: dict[str, str]) -> dict:
     def ratio(a, b):
         return a / b if a is not None and b is not None else None
@@ -389,6 +447,9 @@ def summarize(rows: list[dict], args, missing: dict[str, str]) -> dict:
         "coat_convert_has_fused_loss": convert_has_fused_loss(),
         "versions": {package: _version(package) for package in ("transformers", "torchao", "liger-kernel", "triton")},
         "per_shape": per_shape,
+        "depth_fits": depth_fits(rows),
+        "device memory GiB": (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+                              if torch.cuda.is_available() else None),
         "errors": {f"{r['shape']} {r['variant']}": r["error"] for r in rows if "error" in r},
         "notes": [f"{v} skipped: {why}" for v, why in missing.items()],
     }
@@ -442,6 +503,50 @@ def plot(result_paths: list[str], png_path: str) -> None:
     plt.close(figure)
 
 
+def plot_depths(result_path: str, png_path: str) -> None:
+    """Step ms and peak GiB against decoder layers, a shape's rows at several depths with the lines of depth_fits
+    drawn out to the full depth (dashed), and the card's memory."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.load(open(result_path))
+    fits = result["summary"].get("depth_fits", {})
+    rows = [r for r in result["rows"] if "base shape" in r]
+    bases = list(dict.fromkeys(r["base shape"] for r in rows))
+    figure, axes = plt.subplots(len(bases), 2, figsize=(10, 4 * len(bases)), squeeze=False)
+    for (ax_ms, ax_gib), base in zip(axes, bases):
+        failed = []  # (layers, variant, "OOM" or "error")
+        for variant in dict.fromkeys(r["variant"] for r in rows if r["base shape"] == base):
+            mine = [r for r in rows if r["base shape"] == base and r["variant"] == variant]
+            color = VARIANT_COLORS[variant]
+            for ax, key in ((ax_ms, "step ms"), (ax_gib, "peak GiB")):
+                ran = [r for r in mine if isinstance(r.get(key), float)]  # the CPU measures no peaks
+                ax.plot([r["layers"] for r in ran], [r[key] for r in ran], "o", color=color, label=variant)
+                if fit := fits.get(base, {}).get("lines", {}).get(variant):
+                    line = fit[key]
+                    xs = [min(fit["depths"]), fit["full depth"]]
+                    ax.plot(xs, [line["fixed"] + line["per layer"] * x for x in xs], "--", color=color, linewidth=1)
+            failed += [(r["layers"], variant, r["peak GiB"]) for r in mine if isinstance(r.get("peak GiB"), str)]
+        for layers, variant, what in failed:  # at the top, once the points have set the axis
+            ax_gib.annotate(f"{variant}: {what}", (layers, ax_gib.get_ylim()[1]), fontsize=7,
+                            color=VARIANT_COLORS[variant], ha="center", va="top")
+        if memory := result["summary"].get("device memory GiB"):
+            ax_gib.axhline(memory, color="black", linewidth=0.8)
+            ax_gib.annotate("the card's memory", (ax_gib.get_xlim()[0], memory), fontsize=7, va="bottom")
+        for ax, unit in ((ax_ms, "step ms (lower is better)"), (ax_gib, "peak GiB (lower is better)")):
+            ax.set_xlabel(f"{base}: decoder layers")
+            ax.set_ylabel(unit)
+            ax.legend(fontsize=8)
+    figure.suptitle(f"rows at several depths and lines through them, {result['device']}, torch {result['torch']}")
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=120)
+    plt.close(figure)
+
+
 def main():
     p = parser(__doc__)
     p.set_defaults(warmup=2, repeat=3)
@@ -454,10 +559,12 @@ def main():
                    help=f"rows, of: {', '.join(VARIANTS)} (default: all; --smoke: {', '.join(SMOKE_VARIANTS)})")
     p.add_argument("--batch", type=int, help="micro-batch of every shape (default: the shape's)")
     p.add_argument("--seq", type=int, help="sequence length of every shape (default: the shape's)")
-    p.add_argument("--layers", type=int,
-                   help="decoder layers of every shape's (language) model, fewer than the shape's: where BF16 mixed "
-                        "precision does not fit the GPU at the full depth, the rows at this depth give the speed "
-                        "ratios of the layers kept; the rows' shape and the file are named SHAPE-N-layers")
+    p.add_argument("--layers", type=int, nargs="+", metavar="N",
+                   help="decoder layers of every shape's (language) model, at most the shape's: where BF16 mixed "
+                        "precision does not fit the GPU at the full depth, the rows at fewer layers give the ratios "
+                        "of the layers kept, and rows at three or more depths give lines through them "
+                        "(summary's depth_fits); a cut row's shape is named SHAPE-N-layers, and so is the file of "
+                        "one depth (of several: SHAPE-depths-N-N-...)")
     p.add_argument("--profile", action="store_true",
                    help="one more pair of steps per row under torch.profiler: its kernels, most time first, in the "
                         "row and printed (GPU only)")
@@ -501,9 +608,10 @@ def main():
         shape = SHAPES[shape_name]
         sizes[shape_name] = (SMOKE_BATCH if args.smoke else args.batch or shape.batch,
                              SMOKE_SEQ if args.smoke else args.seq or shape.seq)
-        if args.layers is not None and not 1 <= args.layers < shape.layers(args.smoke):
-            p.error(f"--layers {args.layers}: {shape_name} has {shape.layers(args.smoke)} decoder layers; give fewer, "
-                    "at least 1")
+        for layers in args.layers or ():
+            if not 1 <= layers <= shape.layers(args.smoke):
+                p.error(f"--layers {layers}: {shape_name} has {shape.layers(args.smoke)} decoder layers; give at "
+                        "most that many, at least 1")
         least = shape.image_tokens(args.smoke) + 3  # the image between its start and end tokens, and some text
         if sizes[shape_name][1] < least:
             p.error(f"--seq {sizes[shape_name][1]} leaves {shape_name} no text beside its image: give at least {least}")
@@ -513,17 +621,31 @@ def main():
                 missing[f"{variant} on {shape_name}"] = why
                 print(f"{variant} on {shape_name}: skipped, {why}", flush=True)
 
-    name = "e2e-shapes-smoke" if args.smoke else "e2e-shapes-" + "+".join(shape_label(s, args.layers) for s in shapes)
+    depths = sorted(set(args.layers)) if args.layers else [None]
+
+    def cut(shape_name: str, layers: int | None) -> int | None:  # None: the shape's own depth
+        return None if layers == SHAPES[shape_name].layers(args.smoke) else layers
+
+    if args.smoke:
+        name = "e2e-shapes-smoke"
+    elif len(depths) > 1:
+        name = "e2e-shapes-" + "+".join(f"{s}-depths-" + "-".join(map(str, depths)) for s in shapes)
+    else:
+        name = "e2e-shapes-" + "+".join(shape_label(s, cut(s, depths[0])) for s in shapes)
     rows = []
     for shape_name in shapes:
         batch, seq = sizes[shape_name]
-        for variant in variants:
-            if variant not in missing and f"{variant} on {shape_name}" not in missing:
-                rows.append(measure(variant, shape_name, batch, seq, args, device))
+        for layers in depths:
+            for variant in variants:
+                if variant in missing or f"{variant} on {shape_name}" in missing:
+                    continue
+                rows.append(measure(variant, shape_name, cut(shape_name, layers), batch, seq, args, device))
                 # after every row, so that a run cut short keeps what it measured
                 path = write_results(args.results_dir, name, rows, summarize(rows, args, missing))
                 png = args.plot_file or path.removesuffix(".json") + ".png"
                 plot([path], png)
+                if len(depths) > 1:
+                    plot_depths(path, path.removesuffix(".json") + "-lines.png")
     if not rows:
         sys.exit("no variant could run here: " + "; ".join(f"{v}: {why}" for v, why in missing.items()))
 
@@ -538,6 +660,15 @@ def main():
             print_table(row["profile"]["kernels"][:20], ["kernel", "class", "calls", "us"])
             print({k: v for k, v in row["profile"].items() if k != "kernels"})
     summary = summarize(rows, args, missing)
+    for base, fits in summary["depth_fits"].items():
+        for variant, fit in fits["lines"].items():
+            check = ", ".join(f"{key} {error:+.1%}" for key, error in fit.get("error at full depth", {}).items())
+            print(f"{base} {variant}: lines through {fit['depths']} layers, at {fit['full depth']}: "
+                  f"{fit['step ms']['at full depth']:.1f} ms, {fit['peak GiB']['at full depth']:.1f} GiB"
+                  + (f" (against its measured row: {check})" if check else ""))
+        for variant, ratios in fits["coat against lines"].items():
+            print(f"{base}: coat at full depth against {variant}'s line: {ratios['speed ratio']:.2f}x its tokens/s, "
+                  f"{ratios['peak ratio']:.2f}x its peak (an estimate)")
     for line in summary["notes"] + [f"{where}: {error}" for where, error in summary["errors"].items()]:
         print(line)
     print(f"wrote {path} and {png}")

@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -299,6 +300,83 @@ def test_e2e_shapes_smoke_mode(tmp_path):
         assert lowmem["weights GiB"] == pytest.approx(bf16["weights GiB"] / 2)
         assert language_model_kept(coat_row) * 1.8 <= language_model_kept(bf16)  # activations saved in FP8
     assert (tmp_path / "e2e-shapes-smoke-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_e2e_shapes_rows_at_several_depths(tmp_path):
+    """--layers N N ... runs every variant at each depth in one process, the shape's own depth among them, each
+    row named by its depth (the CPU has no peaks, so no lines: depth_fits is empty)."""
+    result = run_smoke([sys.executable], "e2e_shapes", tmp_path, "--shapes", "qwen2.5-vl-3b", "--layers", "2", "1",
+                       "--variants", "bf16", "coat")
+    rows = result["rows"]
+    assert [(r["shape"], r["variant"], r["layers"]) for r in rows] == [
+        ("qwen2.5-vl-3b-1-layers", "bf16", 1), ("qwen2.5-vl-3b-1-layers", "coat", 1),
+        ("qwen2.5-vl-3b", "bf16", 2), ("qwen2.5-vl-3b", "coat", 2)]
+    assert {r["base shape"] for r in rows} == {"qwen2.5-vl-3b"} and {r["shape layers"] for r in rows} == {2}
+    assert all(math.isfinite(r["losses"][0]) for r in rows)
+    assert result["summary"]["depth_fits"] == {} and result["summary"]["errors"] == {}
+
+
+def depth_rows(variant: str, depths, step_ms, peak_gib, full: int = 36) -> list[dict]:
+    """e2e_shapes rows of shape "s" at several depths; a step_ms of None: the row ran out of memory."""
+    rows = []
+    for layers, ms, peak in zip(depths, step_ms, peak_gib):
+        row = {"shape": "s" if layers == full else f"s-{layers}-layers", "base shape": "s", "variant": variant,
+               "layers": layers, "shape layers": full, "batch": 1, "seq": 4096}
+        row.update({"peak GiB": "OOM"} if ms is None else
+                   {"peak GiB": float(peak), "step ms": float(ms), "tokens/s/GPU": 4096 / (ms / 1e3)})
+        rows.append(row)
+    return rows
+
+
+def test_e2e_shapes_depth_fits_against_numpy(monkeypatch):
+    """Lines through the rows of each variant at the cut depths, against numpy's least squares in float64; their
+    values at the full depth, their error where the variant ran there, and coat's full-depth row against the line
+    of a variant that ran out of memory there."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e_shapes
+
+    depths = [12, 18, 24, 30]
+    bf16_ms, bf16_gib = [300.0, 391.0, 479.0, 572.0], [40.1, 56.8, 66.2, 76.0]
+    coat_ms, coat_gib = [260.0, 310.0, 362.0, 409.0], [22.0, 28.1, 33.9, 40.2]
+    rows = (depth_rows("bf16", depths + [36], bf16_ms + [None], bf16_gib + [None])
+            + depth_rows("coat", depths + [36], coat_ms + [455.0], coat_gib + [46.0])
+            + depth_rows("coat-vision", [18, 24, 36], [330.0, 380.0, 500.0], [26.0, 31.0, 42.0]))
+    fits = e2e_shapes.depth_fits(rows)["s"]
+    assert set(fits["lines"]) == {"bf16", "coat"}  # coat-vision: two cut depths, too few for a line
+    for variant, ms, gib in (("bf16", bf16_ms, bf16_gib), ("coat", coat_ms, coat_gib)):
+        fit = fits["lines"][variant]
+        assert fit["depths"] == depths and fit["full depth"] == 36
+        for key, ys in (("step ms", ms), ("peak GiB", gib)):
+            slope, fixed = np.polyfit(np.array(depths, dtype=np.float64), np.array(ys, dtype=np.float64), 1)
+            assert fit[key]["per layer"] == pytest.approx(slope, rel=1e-12)
+            assert fit[key]["fixed"] == pytest.approx(fixed, rel=1e-12)
+            assert fit[key]["at full depth"] == pytest.approx(fixed + 36 * slope, rel=1e-12)
+            residuals = np.array(ys) - (fixed + slope * np.array(depths, dtype=np.float64))
+            assert fit[key]["largest residual"] == pytest.approx(np.abs(residuals).max(), rel=1e-9)
+        assert fit["tokens/s at full depth"] == pytest.approx(4096 / (fit["step ms"]["at full depth"] / 1e3))
+    coat_fit, bf16_fit = fits["lines"]["coat"], fits["lines"]["bf16"]
+    assert coat_fit["error at full depth"]["step ms"] == pytest.approx(coat_fit["step ms"]["at full depth"] / 455 - 1)
+    assert coat_fit["error at full depth"]["peak GiB"] == pytest.approx(coat_fit["peak GiB"]["at full depth"] / 46 - 1)
+    assert bf16_fit["at full depth measured"] == "OOM" and "error at full depth" not in bf16_fit
+    assert fits["coat against lines"] == {"bf16": {
+        "speed ratio": pytest.approx(bf16_fit["step ms"]["at full depth"] / 455),
+        "peak ratio": pytest.approx(46 / bf16_fit["peak GiB"]["at full depth"])}}
+    # without coat's full-depth row there is nothing to set against the lines
+    assert e2e_shapes.depth_fits([r for r in rows if not (r["variant"] == "coat" and r["layers"] == 36)])[
+        "s"]["coat against lines"] == {}
+
+
+def test_e2e_shapes_plots_depths(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e_shapes
+
+    rows = (depth_rows("bf16", [12, 18, 24, 36], [300, 391, 479, None], [40.1, 56.8, 66.2, None])
+            + depth_rows("coat", [12, 18, 24, 36], [260, 310, 362, 455], [22.0, 28.1, 33.9, 46.0]))
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"device": "GPU", "torch": "2.13", "rows": rows, "summary": {
+        "depth_fits": e2e_shapes.depth_fits(rows), "device memory GiB": 79.2}}))
+    e2e_shapes.plot_depths(str(path), str(tmp_path / "r.png"))
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_e2e_shapes_passes_fused_loss_where_coat_convert_has_it(monkeypatch):
