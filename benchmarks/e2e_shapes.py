@@ -47,6 +47,9 @@ computed from host-side lists, where Dynamo breaks the graph.)
     coat              coat.convert (FP8 decoder layers, activations saved in FP8) with its fused LM head +
                       cross-entropy where coat.convert has the fused_loss option; coat.optim.AdamW (FP8 moments).
                       A vision-language model's vision side stays BF16, as coat.convert leaves it by default
+    bf16-batched      bf16 with the vision attention coat.convert installs (coat.nn.vision.convert_vision_attention:
+                      one attention call per run of equal windows rather than per window, cuDNN's kernel left out),
+                      vision-language shapes only: what of coat's speed-up over bf16 is not FP8
     coat-vision       coat with coat.convert(vision_linears=True): the vision tower's and the merger's linears too
                       run FP8 GEMMs and keep their inputs in FP8 (vision-language shapes only)
     coat-unfused      coat.convert(fused_loss=False): transformers' loss, so that the fused loss's gain shows
@@ -116,18 +119,19 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 import coat
-from coat.nn.vision import vision_linears
+from coat.nn.vision import convert_vision_attention, vision_linears
 
 from _common import RESULTS_DIR, compile_for_fixed_shapes, kernel_profile, parser, print_table, write_results
 from _model_shapes import SHAPES, SMOKE_BATCH, SMOKE_SEQ, Shape, VisionLanguageShape
 from e2e import GIB, Training, instantiate, make_optimizer, timed_steps, torchao_float8, torchao_missing, trial
 
 # Eager rows first, so that a run cut short keeps them; coat-compiled next, the question the compiled rows answer.
-VARIANTS = ("bf16", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem", "coat-compiled", "bf16-compiled",
-            "torchao-compiled", "liger-compiled")
+VARIANTS = ("bf16", "bf16-batched", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem", "coat-compiled",
+            "bf16-compiled", "torchao-compiled", "liger-compiled")
 # compiling on the CPU takes minutes
-SMOKE_VARIANTS = ("bf16", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem")
-VARIANT_COLORS = {"bf16": "tab:blue", "bf16-compiled": "tab:cyan", "torchao-compiled": "tab:green",
+SMOKE_VARIANTS = ("bf16", "bf16-batched", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem")
+VARIANT_COLORS = {"bf16": "tab:blue", "bf16-batched": "tab:olive", "bf16-compiled": "tab:cyan",
+                  "torchao-compiled": "tab:green",
                   "liger": "tab:gray", "liger-compiled": "silver", "coat": "tab:orange", "coat-compiled": "tab:red",
                   "coat-vision": "tab:pink", "coat-unfused": "tab:brown", "coat-lowmem": "tab:purple"}
 PROFILE_KERNELS = 40  # the kernels of --profile kept per row, most time first
@@ -154,6 +158,8 @@ def shape_excludes(variant: str, shape: Shape) -> str | None:
     vision_language = isinstance(shape, VisionLanguageShape)
     if variant == "coat-vision" and not vision_language:
         return "a text model has no vision side to convert"
+    if variant == "bf16-batched" and not vision_language:
+        return "a text model has no vision attention to batch"
     if variant.startswith("liger") and vision_language:
         return ("not wired for vision-language models (Liger-Kernel's Qwen2.5-VL patch replaces the model's whole "
                 "forward, untried against this transformers release)")
@@ -185,6 +191,8 @@ def build(variant: str, shape: Shape, config, device: torch.device) -> tuple:
     model = instantiate(shape.model_class, config, torch.bfloat16 if bf16_weights else torch.float32, device)
     if variant.startswith("coat"):
         coat.convert(model, **coat_options(variant))
+    elif variant == "bf16-batched":
+        convert_vision_attention(model)
     elif variant.startswith("torchao"):
         # the language model's linears: those coat.convert converts by default (vision_linears=False)
         vision = vision_linears(model) if isinstance(shape, VisionLanguageShape) else []
@@ -425,6 +433,7 @@ def summarize(rows: list[dict], args, missing: dict[str, str]) -> dict:
             "memory_ratio_bf16_over_variant": {v: ratio(gib.get("bf16"), g) for v, g in gib.items()},
             "speed_ratio_over_bf16": {v: ratio(s, speed.get("bf16")) for v, s in speed.items()},
             "speed_ratio_over_torchao": {v: ratio(s, speed.get("torchao-compiled")) for v, s in speed.items()},
+            "speed_ratio_over_bf16_batched": {v: ratio(s, speed.get("bf16-batched")) for v, s in speed.items()},
             # coat's fused loss against transformers' loss on coat (coat-unfused)
             "fused_loss_gib_saved": (gib["coat-unfused"] - gib["coat"]
                                      if gib.get("coat") is not None and gib.get("coat-unfused") is not None else None),

@@ -192,7 +192,7 @@ def convert(
         from coat.nn.causal_lm import install_fused_loss
 
         install_fused_loss(model)
-    from coat.nn.vision import avoid_cudnn_attention
+    from coat.nn.vision import convert_vision_attention
 
-    avoid_cudnn_attention(model)
+    convert_vision_attention(model)
     return model

@@ -11,8 +11,8 @@ lines of it:
 --vision-linears converts the vision encoder's and the merger's linear layers too (coat.convert(model,
 vision_linears=True)), as for training the whole model; --bf16-weights and --fp8-grads e5m2 are train_llama.py's.
 coat.convert keeps the vision attention off cuDNN's SDPA kernel, whose backward made NaN here on an H100
-(coat.nn.attention); the BF16 run does the same (coat.nn.vision.avoid_cudnn_attention), so that only the precision
-differs.
+(coat.nn.attention), and attends within the batch's equal-sized pictures in one call; the BF16 run does the same
+(coat.nn.vision.convert_vision_attention), so that only the precision differs.
 
 The data (shapes_vqa.py) are pictures the script draws itself, coloured shapes on a dark background, each with a
 question whose answer needs the picture: "what colour is the circle?" red, "which shape is blue?" triangle, "where
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 import coat
-from coat.nn.vision import avoid_cudnn_attention
+from coat.nn.vision import convert_vision_attention
 from shapes_vqa import END, IMAGE, KINDS, PAD, POSITION_AXES, VIDEO, VISION_END, VISION_START, VOCAB_SIZE, \
     ShapesVQA, accuracy_by_kind, decode_answer, score, text_only_accuracy
 from training_common import (
@@ -235,8 +235,8 @@ def main() -> None:
         coat.convert(model, vision_linears=args.vision_linears, saved_format=args.saved_format,
                      fast_accum=args.fast_accum, group_size=args.group_size, fused_loss=not args.unfused_loss,
                      gradient_format=convert_gradient_format(args), skip_modules=args.bf16_modules)
-    else:  # the vision attention's kernels as coat.convert chooses them, so that only the precision differs
-        avoid_cudnn_attention(model)
+    else:  # the vision attention as coat.convert runs it, so that only the precision differs
+        convert_vision_attention(model)
     optimizer = build_optimizer(args, model)
     scheduler = cosine_schedule(optimizer, args.warmup, args.steps)
 

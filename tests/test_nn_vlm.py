@@ -62,7 +62,13 @@ import coat
 from coat.nn import functional as coat_functional
 from coat.nn.causal_lm import FusedLossLMHead
 from coat.nn.families import FP8_DECODER_LAYERS
-from coat.nn.vision import VISION_MODULES, avoid_cudnn_attention
+from coat.nn.vision import (
+    VISION_MODULES,
+    avoid_cudnn_attention,
+    batch_equal_chunks,
+    convert_vision_attention,
+    equal_length_runs,
+)
 from reference_nn import relative_error
 from test_causal_lm import assert_same_training_step
 from test_nn_llama import (CACHED_BOUND, FORWARD_BOUND, GRADIENT_BOUND, LOSS_BOUND, TINY, cache_keyword,
@@ -277,12 +283,16 @@ def test_conversion_keeps_parameters_and_keys(name):
     assert all(p is before[n] for n, p in model.named_parameters())
     layers = language_model(model).layers
     assert all(type(layer) in FP8_DECODER_LAYERS.values() for layer in layers)
-    # Left as they are, but for the tower's layers, which take their attention off cuDNN's kernel: instances of a
-    # subclass of the same name.
+    # Left as they are, but for the tower's layers, which take their attention off cuDNN's kernel, and the Qwen
+    # towers' attention modules, which batch equal chunks: instances of a subclass of the same name.
     after = [(n, type(m)) for part in vision_side(model) for n, m in part.named_modules()]
     assert [n for n, _ in after] == [n for n, _ in vision_modules]
     for (n, new), (_, old) in zip(after, vision_modules, strict=True):
-        assert new is old or (issubclass(new, old) and new.__name__ == old.__name__ and new.avoids_cudnn_attention), n
+        changed = getattr(new, "avoids_cudnn_attention", False) or getattr(new, "batches_equal_chunks", False)
+        assert new is old or (issubclass(new, old) and new.__name__ == old.__name__ and changed), n
+    batched = [n for n, m in model.named_modules() if getattr(m, "batches_equal_chunks", False)]
+    assert batched == ([f"model.visual.blocks.{i}.attn" for i in range(len(model.model.visual.blocks))]
+                       if name in QWEN_VLMS else [])
     assert type(model.lm_head) is FusedLossLMHead
     assert type(model).__name__ == f"FusedLoss{VLMS[name][0].__name__}"
 
@@ -348,7 +358,7 @@ def test_loss_and_gradients_close_to_bf16(name, device):
     through the vision tower's norms and attention; BF16's own are 0.01-0.02 from float32.)"""
     model = tiny_vlm(name).to(device)
     converted = coat.convert(copy.deepcopy(model))
-    avoid_cudnn_attention(model)  # the vision attention's kernels coat.convert chose, so that the replay runs them
+    convert_vision_attention(model)  # the vision attention coat.convert installs, so that the replay runs it
     tokens, labels, images = on_device(device, *image_batch(name))
     fp8_features, bf16_features, replayed = {}, {}, {}
     # pinned_routing: Qwen3-VL-MoE's stock model takes the experts coat's forward chose
@@ -543,10 +553,11 @@ def test_whole_model_pickles_into_a_fresh_process(fused_loss, tmp_path):
         "saved = torch.load(sys.argv[1], weights_only=False)\n"
         "tokens, labels, images = saved['inputs']\n"
         "torch.save(saved['model'](tokens, labels=labels, **images).loss, sys.argv[2])\n"
-        "print(type(saved['model']).__name__, type(saved['model'].model.visual.blocks[0]).avoids_cudnn_attention)"),
+        "block = saved['model'].model.visual.blocks[0]\n"
+        "print(type(saved['model']).__name__, type(block).avoids_cudnn_attention, type(block.attn).batches_equal_chunks)"),
         str(tmp_path / "model.pt"), str(tmp_path / "loss.pt")], capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
-    assert loaded.stdout.split() == [type(model).__name__, "True"]
+    assert loaded.stdout.split() == [type(model).__name__, "True", "True"]
     assert torch.equal(torch.load(tmp_path / "loss.pt"), model(tokens, labels=labels, **images).loss)
 
 
@@ -790,6 +801,83 @@ def test_vision_attention_and_masked_attention_leave_out_cudnn(name, checkpointi
         assert any(masked for masked, _ in text) == (name == "gemma3")
         if expected is not None and outer is None:
             assert torch.equal(loss, expected)
+
+
+# Pictures of 4 x 4, 6 x 10 and 8 x 8 patches: Qwen2.5-VL's windows of 4 x 4 patches at most, in its windowed block,
+# are 16, 8 and 4 patches long, in runs of one length, and the pictures are three chunks of the other blocks.
+CHUNK_GRIDS = [[1, 4, 4], [1, 6, 10], [1, 8, 8]]
+
+
+def vision_tower_run(model, device, generator):
+    """The vision tower's output tensors on pictures of CHUNK_GRIDS, and its parameters' gradients of a random
+    weighting of them."""
+    visual = model.model.visual
+    patches = sum(t * h * w for t, h, w in CHUNK_GRIDS)
+    pixels = torch.randn(patches, 3 * QWEN_TEMPORAL * QWEN_PATCH ** 2, generator=generator).to(device, torch.bfloat16)
+    visual.zero_grad()
+    output = visual(pixels, grid_thw=torch.tensor(CHUNK_GRIDS, device=device))
+    tensors = [t for t in output.to_tuple() for t in (t if isinstance(t, (list, tuple)) else [t])]
+    weights = [torch.randn(t.shape, generator=generator).to(device) for t in tensors]
+    sum((t.float() * w).sum() for t, w in zip(tensors, weights)).backward()
+    return [t.detach() for t in tensors], {n: p.grad for n, p in visual.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", QWEN_VLMS)
+def test_vision_attention_batches_equal_chunks_bit_for_bit(name, implementation, device, monkeypatch):
+    """batch_equal_chunks: the Qwen towers attend within each run of equal-length chunks of cu_seqlens (Qwen2.5-VL's
+    windows, the pictures of the other blocks) in one call. On pictures whose windows have four lengths, the tower's
+    outputs and its parameters' gradients equal the stock tower's bit for bit (both off cuDNN's kernel, torch's
+    deterministic kernels), under SDPA and eager attention, with fewer SDPA calls."""
+    stock = tiny_vlm(name).to(device)
+    stock.set_attn_implementation(implementation)
+    batched = copy.deepcopy(stock)
+    avoid_cudnn_attention(stock)
+    assert convert_vision_attention(batched)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(args[0].shape[0]) or sdpa(*args, **kwargs))
+    counts = []
+    with deterministic_algorithms():
+        for model in (stock, batched):
+            calls.clear()
+            outputs, grads = vision_tower_run(model, device, torch.Generator().manual_seed(3))
+            counts.append(len(calls))
+            if model is stock:
+                expected = outputs, grads
+    for got, want in zip(outputs, expected[0], strict=True):
+        assert torch.equal(got, want)
+    assert grads.keys() == expected[1].keys() and grads
+    for n, grad in grads.items():
+        assert torch.equal(grad, expected[1][n]), n
+    if implementation == "sdpa":
+        # Qwen2.5-VL's windowed block: windows of 16 | 16, 16, 8, 8, 8, 4 | 16, 16, 16, 16 patches, 11 calls against
+        # the runs' 4; its other block 3 pictures of 3 sizes, 3 calls either way. The others' two blocks: 3 and 3.
+        assert counts == ([14, 7] if name == "qwen2_5_vl" else [6, 6])
+
+
+def test_equal_length_runs():
+    assert equal_length_runs([]) == []
+    assert equal_length_runs([16, 16, 8, 0, 8, 4, 16]) == [(2, 16), (2, 8), (1, 4), (1, 16)]
+    assert equal_length_runs([0, 0]) == []
+
+
+def test_batched_vision_attention_checks_its_chunks_and_defers_to_flash_attention(monkeypatch):
+    """cu_seqlens that do not cover the patches is an error, as in the stock forward; where FlashAttention is
+    requested, the stock forward runs (one variable-length call already)."""
+    model = tiny_vlm("qwen2_5_vl")
+    batch_equal_chunks(model)
+    attention = model.model.visual.blocks[0].attn
+    hidden = torch.randn(16, QWEN_VISION["hidden_size"], dtype=torch.bfloat16)
+    rotary = (torch.ones(16, 16), torch.zeros(16, 16))  # head_dim 16: no rotation
+    with pytest.raises(ValueError, match="cu_seqlens covers 12 patches of 16"):
+        attention(hidden, torch.tensor([0, 12], dtype=torch.int32), rotary)
+    stock_forward = type(attention).__mro__[1].forward
+    monkeypatch.setattr(type(attention).__mro__[1], "forward", lambda self, *args, **kwargs: "stock")
+    monkeypatch.setattr(attention.config, "_attn_implementation", "flash_attention_2")
+    assert attention(hidden, torch.tensor([0, 16], dtype=torch.int32), rotary) == "stock"
+    assert stock_forward is not type(attention).forward
 
 
 def test_a_bf16_model_avoids_cudnn_attention_as_converted_ones_do():
