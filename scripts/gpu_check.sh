@@ -49,7 +49,7 @@ run_bench() {
   local name=$1
   shift
   echo "== benchmark $name $* =="
-  python3 "benchmarks/$name.py" --results-dir "$out/results" "$@" 2>&1 | tee "$out/logs/bench_$name.log" | tail -n 60
+  python3 "benchmarks/$name.py" --results-dir "$out/results" "$@" 2>&1 | tee -a "$out/logs/bench_$name.log" | tail -n 60
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 

@@ -433,7 +433,7 @@ def test_e2e_shapes_vision_language_samples_and_sizes(monkeypatch):
 
 def test_e2e_shapes_layers_cuts_the_language_model_and_names_the_rows(monkeypatch, tmp_path):
     """--layers N builds the shape with N decoder layers (a vision-language model's tower untouched), names its rows
-    and file SHAPE-N-layers so that they never stand for the whole shape, and refuses N at or above the shape's."""
+    and file SHAPE-N-layers so that they never stand for the whole shape, and refuses N outside 1 to the shape's."""
     monkeypatch.syspath_prepend(BENCHMARKS)
     import e2e_shapes
 
@@ -448,7 +448,7 @@ def test_e2e_shapes_layers_cuts_the_language_model_and_names_the_rows(monkeypatc
     e2e_shapes.main()
     rows = json.loads((tmp_path / "e2e-shapes-smoke-cpu.json").read_text())["rows"]
     assert [(row["shape"], row["layers"], row["shape layers"]) for row in rows] == [("olmoe-1b-7b-1-layers", 1, 2)]
-    for layers in ("2", "0"):  # the smoke shapes have 2 layers
+    for layers in ("3", "0"):  # the smoke shapes have 2 layers
         monkeypatch.setattr(sys, "argv", ["e2e_shapes.py", "--smoke", "--shapes", "olmoe-1b-7b", "--layers", layers])
         with pytest.raises(SystemExit):
             e2e_shapes.main()
