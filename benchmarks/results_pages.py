@@ -584,22 +584,54 @@ def _measured(results, family_name: str, field: str, **match) -> list[tuple[Resu
         return []
 
 
+LINE_TRUSTED = 0.02  # a line through coat's rows at fewer layers that misses its full-depth row by more is no guide
+
+
 def _cut_depth_figure(results: list[Result], shape: str) -> tuple[str, list] | None:
-    """The latest run of ``shape`` cut to fewer decoder layers (``e2e_shapes.py --layers``, where BF16 does not fit
-    the card at the full depth) with both a coat and a BF16 row that ran: coat's tokens/s and peak against BF16's,
-    with the depth and the device; None where there is none."""
+    """Where BF16 does not fit the card at the full depth: from the latest run of ``shape`` at several depths
+    (``e2e_shapes.py --layers N N ...``), BF16's peak and step time at the full depth on lines through its rows at
+    fewer layers, each given only where the same line through coat's rows meets coat's measured full-depth row within
+    LINE_TRUSTED, against coat's row; else the latest run at one cut depth with coat and BF16 rows there, coat's
+    ratios at that depth. With the device, and the rows it rests on; None where there is neither."""
     family = next(f for f in FAMILIES if f.page == "models")
-    runs = {}
-    for result in (r for r in results if r.script in family.scripts):
-        rows = {row["variant"]: row for row in result.rows
-                if str(row["shape"]).startswith(f"{shape}-") and "shape layers" in row
-                and isinstance(row.get("peak GiB"), float)}
-        if "coat" in rows and "bf16" in rows:
-            runs[result] = rows
-    if not runs:
+    runs = [r for r in results if r.script in family.scripts]
+    fitted = [r for r in runs if "bf16" in r.summary.get("depth_fits", {}).get(shape, {}).get("coat against lines", {})]
+    if fitted:
+        result = max(fitted, key=lambda r: r.date)
+        fits = result.summary["depth_fits"][shape]
+        coat_line, bf16_line = fits["lines"]["coat"], fits["lines"]["bf16"]
+        coat_row = next(row for row in result.rows if row["shape"] == shape and row["variant"] == "coat")
+        depths = ", ".join(map(str, bf16_line["depths"][:-1])) + f" and {bf16_line['depths'][-1]}"
+        figure = (f"BF16 does not fit the {result.device} at the full depth; lines through its rows at {depths} "
+                  "of the 36 decoder layers, tried on coat's rows against coat's measured full-depth row:")
+        parts = []
+        for key, unit in (("peak GiB", "GiB"), ("step ms", "ms")):
+            error = coat_line["error at full depth"][key]
+            if abs(error) > LINE_TRUSTED:
+                parts.append(f"{key.split()[0]} not a line in the depth here (coat's misses by {error:+.1%}), "
+                             "no estimate")
+            elif key == "peak GiB":
+                estimate = bf16_line[key]["at full depth"]
+                parts.append(f"BF16's peak {estimate:.1f} GiB (coat's line within {error:+.1%}), coat "
+                             f"{coat_row['peak GiB'] / estimate:.2f}x it")
+            else:
+                parts.append(f"BF16's step {bf16_line[key]['at full depth']:.0f} ms (coat's line within {error:+.1%}), "
+                             f"coat {fits['coat against lines']['bf16']['speed ratio']:.2f}x its tokens/s")
+        figure = figure.replace("36", str(coat_line["full depth"])) + " " + "; ".join(parts)
+        return figure, [(result, coat_row)] + [(result, row) for row in result.rows
+                                               if row.get("base shape") == shape and row["variant"] == "bf16"]
+    cut_runs = {}
+    for result in runs:
+        rows = [row for row in result.rows if str(row["shape"]).startswith(f"{shape}-") and "shape layers" in row
+                and isinstance(row.get("peak GiB"), float)]
+        pairs = [(coat_row, bf16) for coat_row in rows if coat_row["variant"] == "coat"
+                 for bf16 in rows if bf16["variant"] == "bf16" and bf16["layers"] == coat_row["layers"]]
+        if pairs:
+            cut_runs[result] = pairs[-1]  # the deepest pair
+    if not cut_runs:
         return None
-    result = max(runs, key=lambda r: r.date)
-    coat_row, bf16 = runs[result]["coat"], runs[result]["bf16"]
+    result = max(cut_runs, key=lambda r: r.date)
+    coat_row, bf16 = cut_runs[result]
     figure = (f"cut to {coat_row['layers']} of its {coat_row['shape layers']} decoder layers, where BF16 fits the "
               f"{result.device}: coat {_speed_ratio(coat_row, bf16)} BF16's tokens/s, "
               f"{coat_row['peak GiB'] / bf16['peak GiB']:.2f}x its peak ({_peak(coat_row)} against {_peak(bf16)})")
