@@ -4,7 +4,7 @@
 # and are packed into OUTDIR/gpu_check.tgz; the tail of each stage is printed.
 #
 #   usage: scripts/gpu_check.sh OUTDIR [STAGE...]   (stages longer than one device call: scripts/gpu_background.sh)
-#   stages: build, tests, tests:PATTERN (pytest -k), test:NAME (tests/test_NAME.py alone),
+#   stages: build, tests, tests:PATTERN (pytest -k), test:NAME[:PATTERN] (tests/test_NAME.py alone, with -k),
 #           bench (every benchmarks/*.py), bench:NAME[:ARGS] (one script,
 #           extra ARGS comma-separated, e.g. bench:layer:--settings,4096x2048,--profile),
 #           torchrun:NAME[:ARGS] (benchmarks/NAME.py on every visible GPU under torchrun, ARGS as for bench),
@@ -82,9 +82,10 @@ for stage in "${stages[@]}"; do
       done
       rm -f "$out/logs/tests_file.log" ;;
     test:*)
-      name=${stage#test:}
-      echo "== tests/test_$name.py =="
-      python3 -m pytest "tests/test_$name.py" -q -rfEs -p no:cacheprovider > "$out/logs/test_$name.log" 2>&1
+      IFS=: read -r _ name filter <<< "$stage"
+      echo "== tests/test_$name.py ${filter:+-k \"$filter\"} =="
+      python3 -m pytest "tests/test_$name.py" -q -rfEs -p no:cacheprovider ${filter:+-k "$filter"} \
+        > "$out/logs/test_$name.log" 2>&1
       code=$?
       [ $code -eq 0 ] || { status=1; echo "exit $code"; grep -E "^(FAILED|ERROR)|Fatal Python" "$out/logs/test_$name.log" | head -n 20; }
       tail -n 1 "$out/logs/test_$name.log" ;;
