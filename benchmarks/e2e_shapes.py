@@ -372,6 +372,17 @@ def _line(points: list[tuple[int, float]]) -> dict:
             "largest residual": max(abs(y - fixed - slope * x) for x, y in points)}
 
 
+def predicted_peak(rows: list[dict], variant: str, shape_name: str, layers: int) -> float | None:
+    """The peak GiB of ``variant`` at ``layers`` decoder layers of ``shape_name`` on the line through its rows that
+    ran at two or more fewer depths, or None where there are not two."""
+    ran = [(r["layers"], r["peak GiB"]) for r in rows if r.get("base shape") == shape_name and r["variant"] == variant
+           and r["layers"] < layers and isinstance(r.get("peak GiB"), float)]
+    if len({x for x, _ in ran}) < 2:
+        return None
+    line = _line(ran)
+    return line["fixed"] + line["per layer"] * layers
+
+
 def depth_fits(rows: list[dict]) -> dict:
     """For each shape measured at several depths (--layers N N ...), each variant with rows at MIN_FIT_DEPTHS or
     more cut depths: its step ms and peak GiB as lines in the decoder layers (the vision tower, embeddings, head and
@@ -457,11 +468,17 @@ def summarize(rows: list[dict], args, missing: dict[str, str]) -> dict:
         "versions": {package: _version(package) for package in ("transformers", "torchao", "liger-kernel", "triton")},
         "per_shape": per_shape,
         "depth_fits": depth_fits(rows),
-        "device memory GiB": (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
-                              if torch.cuda.is_available() else None),
+        "device memory GiB": device_memory_gib(),
         "errors": {f"{r['shape']} {r['variant']}": r["error"] for r in rows if "error" in r},
         "notes": [f"{v} skipped: {why}" for v, why in missing.items()],
     }
+
+
+def device_memory_gib() -> float | None:
+    """The GPU's memory in GiB; None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
 
 
 def _version(package: str) -> str | None:
@@ -572,8 +589,10 @@ def main():
                    help="decoder layers of every shape's (language) model, at most the shape's: where BF16 mixed "
                         "precision does not fit the GPU at the full depth, the rows at fewer layers give the ratios "
                         "of the layers kept, and rows at three or more depths give lines through them "
-                        "(summary's depth_fits); a cut row's shape is named SHAPE-N-layers, and so is the file of "
-                        "one depth (of several: SHAPE-depths-N-N-...)")
+                        "(summary's depth_fits); a variant whose line through two or more fewer depths puts its "
+                        "peak over the GPU's memory is not run at that depth (its row says so, with the prediction); "
+                        "a cut row's shape is named SHAPE-N-layers, and so is the file of one depth (of several: "
+                        "SHAPE-depths-N-N-...)")
     p.add_argument("--profile", action="store_true",
                    help="one more pair of steps per row under torch.profiler: its kernels, most time first, in the "
                         "row and printed (GPU only)")
@@ -631,6 +650,7 @@ def main():
                 print(f"{variant} on {shape_name}: skipped, {why}", flush=True)
 
     depths = sorted(set(args.layers)) if args.layers else [None]
+    memory_gib = device_memory_gib()
 
     def cut(shape_name: str, layers: int | None) -> int | None:  # None: the shape's own depth
         return None if layers == SHAPES[shape_name].layers(args.smoke) else layers
@@ -647,6 +667,15 @@ def main():
         for layers in depths:
             for variant in variants:
                 if variant in missing or f"{variant} on {shape_name}" in missing:
+                    continue
+                predicted = predicted_peak(rows, variant, shape_name, layers) if device.type == "cuda" else None
+                if predicted is not None and predicted > memory_gib:  # an OOM costs a build and a step; say so
+                    rows.append({"shape": shape_label(shape_name, cut(shape_name, layers)), "base shape": shape_name,
+                                 "variant": variant, "batch": batch, "seq": seq, "layers": layers,
+                                 "shape layers": SHAPES[shape_name].layers(args.smoke), "peak GiB": "not run",
+                                 "predicted peak GiB": predicted})
+                    print(f"{rows[-1]['shape']} {variant}: not run, its rows at fewer layers put its peak at "
+                          f"{predicted:.1f} GiB, over the card's {memory_gib:.1f}", flush=True)
                     continue
                 rows.append(measure(variant, shape_name, cut(shape_name, layers), batch, seq, args, device))
                 # after every row, so that a run cut short keeps what it measured

@@ -369,6 +369,19 @@ def test_e2e_shapes_depth_fits_against_numpy(monkeypatch):
         "s"]["coat against lines"] == {}
 
 
+def test_e2e_shapes_predicts_a_deeper_peak_from_two_depths(monkeypatch):
+    """A variant's peak at more layers on the line through its rows that ran at fewer (two at least), which decides
+    whether the row would only run out of memory."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e_shapes
+
+    rows = depth_rows("bf16", [12, 18, 24], [300, 391, None], [47.0, 56.0, None])
+    assert e2e_shapes.predicted_peak(rows, "bf16", "s", 36) == pytest.approx(47.0 + 24 * 1.5)
+    assert e2e_shapes.predicted_peak(rows, "bf16", "s", 18) is None  # one row below 18
+    assert e2e_shapes.predicted_peak(rows, "coat", "s", 36) is None
+    assert e2e_shapes.predicted_peak(rows, "bf16", "other", 36) is None
+
+
 def test_e2e_shapes_plots_depths(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(BENCHMARKS)
     import e2e_shapes
