@@ -589,37 +589,44 @@ LINE_TRUSTED = 0.02  # a line through coat's rows at fewer layers that misses it
 
 def _cut_depth_figure(results: list[Result], shape: str) -> tuple[str, list] | None:
     """Where BF16 does not fit the card at the full depth: from the latest run of ``shape`` at several depths
-    (``e2e_shapes.py --layers N N ...``), BF16's peak and step time at the full depth on lines through its rows at
-    fewer layers, each given only where the same line through coat's rows meets coat's measured full-depth row within
-    LINE_TRUSTED, against coat's row; else the latest run at one cut depth with coat and BF16 rows there, coat's
-    ratios at that depth. With the device, and the rows it rests on; None where there is neither."""
+    (``e2e_shapes.py --layers N N ...``), the peak and step time at the full depth of BF16 (and of BF16 with coat's
+    vision attention, bf16-batched, where run) on lines through their rows at fewer layers, against coat's measured
+    full-depth row. A quantity is estimated only where the same kind of line through coat's rows meets coat's
+    full-depth row within LINE_TRUSTED and the baseline's own rows lie on their line within it. Else the latest run
+    at one cut depth with coat and BF16 rows there, coat's ratios at that depth. With the device, and the rows it
+    rests on; None where there is neither."""
     family = next(f for f in FAMILIES if f.page == "models")
     runs = [r for r in results if r.script in family.scripts]
     fitted = [r for r in runs if "bf16" in r.summary.get("depth_fits", {}).get(shape, {}).get("coat against lines", {})]
     if fitted:
         result = max(fitted, key=lambda r: r.date)
         fits = result.summary["depth_fits"][shape]
-        coat_line, bf16_line = fits["lines"]["coat"], fits["lines"]["bf16"]
+        coat_line = fits["lines"]["coat"]
         coat_row = next(row for row in result.rows if row["shape"] == shape and row["variant"] == "coat")
-        depths = ", ".join(map(str, bf16_line["depths"][:-1])) + f" and {bf16_line['depths'][-1]}"
-        figure = (f"BF16 does not fit the {result.device} at the full depth; lines through its rows at {depths} "
-                  "of the 36 decoder layers, tried on coat's rows against coat's measured full-depth row:")
-        parts = []
-        for key, unit in (("peak GiB", "GiB"), ("step ms", "ms")):
-            error = coat_line["error at full depth"][key]
-            if abs(error) > LINE_TRUSTED:
-                parts.append(f"{key.split()[0]} not a line in the depth here (coat's misses by {error:+.1%}), "
-                             "no estimate")
-            elif key == "peak GiB":
-                estimate = bf16_line[key]["at full depth"]
-                parts.append(f"BF16's peak {estimate:.1f} GiB (coat's line within {error:+.1%}), coat "
-                             f"{coat_row['peak GiB'] / estimate:.2f}x it")
-            else:
-                parts.append(f"BF16's step {bf16_line[key]['at full depth']:.0f} ms (coat's line within {error:+.1%}), "
-                             f"coat {fits['coat against lines']['bf16']['speed ratio']:.2f}x its tokens/s")
-        figure = figure.replace("36", str(coat_line["full depth"])) + " " + "; ".join(parts)
-        return figure, [(result, coat_row)] + [(result, row) for row in result.rows
-                                               if row.get("base shape") == shape and row["variant"] == "bf16"]
+        depths = fits["lines"]["bf16"]["depths"]
+        checks = ", ".join(f"{key.split()[0]} {coat_line['error at full depth'][key]:+.1%}"
+                           for key in ("peak GiB", "step ms"))
+        parts = [f"BF16 does not fit the {result.device} at the full depth; lines through rows at "
+                 f"{', '.join(map(str, depths[:-1]))} and {depths[-1]} of the {coat_line['full depth']} decoder "
+                 f"layers (coat's own lines miss its measured full-depth row by: {checks})"]
+        for variant, label in (("bf16", "BF16"), ("bf16-batched", "BF16 with coat's vision attention")):
+            if variant not in fits["coat against lines"]:
+                continue
+            line, ratios = fits["lines"][variant], fits["coat against lines"][variant]
+            said = []
+            for key, ratio in (("peak GiB", f"{ratios['peak ratio']:.2f}x its peak"),
+                               ("step ms", f"{ratios['speed ratio']:.2f}x its tokens/s")):
+                shallowest = line[key]["fixed"] + line[key]["per layer"] * min(line["depths"])
+                if (abs(coat_line["error at full depth"][key]) <= LINE_TRUSTED
+                        and line[key]["largest residual"] <= LINE_TRUSTED * shallowest):
+                    unit = "GiB" if key == "peak GiB" else "ms"
+                    said.append(f"{key.split()[0]} {line[key]['at full depth']:.1f} {unit}, coat {ratio}")
+                else:
+                    said.append(f"{key.split()[0]} no line, not estimated")
+            parts.append(f"{label}: " + ", ".join(said))
+        return "; ".join(parts), [(result, coat_row)] + [
+            (result, row) for row in result.rows
+            if row.get("base shape") == shape and row["variant"] in ("bf16", "bf16-batched")]
     cut_runs = {}
     for result in runs:
         rows = [row for row in result.rows if str(row["shape"]).startswith(f"{shape}-") and "shape layers" in row
