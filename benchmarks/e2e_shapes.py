@@ -668,16 +668,16 @@ def main():
             for variant in variants:
                 if variant in missing or f"{variant} on {shape_name}" in missing:
                     continue
-                predicted = predicted_peak(rows, variant, shape_name, layers) if device.type == "cuda" else None
-                if predicted is not None and predicted > memory_gib:  # an OOM costs a build and a step; say so
+                predicted = predicted_peak(rows, variant, shape_name, layers)  # None without peaks (the CPU)
+                if None not in (predicted, memory_gib) and predicted > memory_gib:  # an OOM costs a build and a step
                     rows.append({"shape": shape_label(shape_name, cut(shape_name, layers)), "base shape": shape_name,
                                  "variant": variant, "batch": batch, "seq": seq, "layers": layers,
                                  "shape layers": SHAPES[shape_name].layers(args.smoke), "peak GiB": "not run",
                                  "predicted peak GiB": predicted})
                     print(f"{rows[-1]['shape']} {variant}: not run, its rows at fewer layers put its peak at "
                           f"{predicted:.1f} GiB, over the card's {memory_gib:.1f}", flush=True)
-                    continue
-                rows.append(measure(variant, shape_name, cut(shape_name, layers), batch, seq, args, device))
+                else:
+                    rows.append(measure(variant, shape_name, cut(shape_name, layers), batch, seq, args, device))
                 # after every row, so that a run cut short keeps what it measured
                 path = write_results(args.results_dir, name, rows, summarize(rows, args, missing))
                 png = args.plot_file or path.removesuffix(".json") + ".png"

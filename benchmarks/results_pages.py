@@ -614,7 +614,7 @@ def _cut_depth_figure(results: list[Result], shape: str) -> tuple[str, list] | N
                 continue
             line, ratios = fits["lines"][variant], fits["coat against lines"][variant]
             said = []
-            for key, ratio in (("peak GiB", f"{ratios['peak ratio']:.2f}x its peak"),
+            for key, ratio in (("peak GiB", f"{ratios['peak ratio']:.3f}x its peak"),
                                ("step ms", f"{ratios['speed ratio']:.2f}x its tokens/s")):
                 shallowest = line[key]["fixed"] + line[key]["per layer"] * min(line["depths"])
                 if (abs(coat_line["error at full depth"][key]) <= LINE_TRUSTED
@@ -623,6 +623,11 @@ def _cut_depth_figure(results: list[Result], shape: str) -> tuple[str, list] | N
                     said.append(f"{key.split()[0]} {line[key]['at full depth']:.1f} {unit}, coat {ratio}")
                 else:
                     said.append(f"{key.split()[0]} no line, not estimated")
+            # More layers only add work: the deepest row that ran bounds the full-depth step from below.
+            deepest = max((row for row in result.rows if row.get("base shape") == shape and row["variant"] == variant
+                           and isinstance(row.get("peak GiB"), float)), key=lambda row: row["layers"])
+            said.append(f"its step at {deepest['layers']} layers bounds its full-depth one from below: coat at least "
+                        f"{_speed_ratio(coat_row, deepest)} its tokens/s")
             parts.append(f"{label}: " + ", ".join(said))
         return "; ".join(parts), [(result, coat_row)] + [
             (result, row) for row in result.rows

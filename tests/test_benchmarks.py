@@ -382,6 +382,31 @@ def test_e2e_shapes_predicts_a_deeper_peak_from_two_depths(monkeypatch):
     assert e2e_shapes.predicted_peak(rows, "bf16", "other", 36) is None
 
 
+def test_e2e_shapes_does_not_run_a_depth_predicted_out_of_memory(monkeypatch, tmp_path):
+    """A variant whose rows at two fewer depths put its peak over the GPU's memory gets a row that says it was not
+    run, with the prediction, in the results file; the others run."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e_shapes
+
+    def measure(variant, shape_name, layers, batch, seq, args, device):  # a peak of 30 or 10 GiB a layer
+        depth = layers or 3
+        row = depth_rows(variant, [depth], [100.0 * depth], [(30.0 if variant == "bf16" else 10.0) * depth], full=3)
+        return row[0] | {"base shape": shape_name}
+
+    shape = e2e_shapes.SHAPES["qwen2.5-vl-3b"]
+    monkeypatch.setattr(type(shape), "layers", lambda self, smoke: 3)
+    monkeypatch.setattr(e2e_shapes, "measure", measure)
+    monkeypatch.setattr(e2e_shapes, "device_memory_gib", lambda: 80.0)
+    monkeypatch.setattr(sys, "argv", ["e2e_shapes.py", "--smoke", "--shapes", "qwen2.5-vl-3b", "--layers", "1", "2",
+                                      "3", "--variants", "coat", "bf16", "--results-dir", str(tmp_path)])
+    e2e_shapes.main()
+    rows = json.loads((tmp_path / "e2e-shapes-smoke-cpu.json").read_text())["rows"]
+    assert [(r["variant"], r["layers"], r["peak GiB"]) for r in rows] == [
+        ("coat", 1, 10.0), ("bf16", 1, 30.0), ("coat", 2, 20.0), ("bf16", 2, 60.0), ("coat", 3, 30.0),
+        ("bf16", 3, "not run")]  # the last row too: the file is written after it
+    assert rows[5]["predicted peak GiB"] == pytest.approx(90.0) and rows[5]["shape"] == "qwen2.5-vl-3b"
+
+
 def test_e2e_shapes_plots_depths(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(BENCHMARKS)
     import e2e_shapes
