@@ -730,7 +730,7 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
                 "`vision_linears=True`; lowest-memory settings")
         if "bf16" not in same_run or not isinstance(same_run["bf16"]["peak GiB"], float):
             if cut := _cut_depth_figure(results, "qwen2.5-vl-3b"):
-                what += "; coat against BF16 at fewer language-model layers"
+                what += "; coat against BF16, which does not fit the card, from its rows at fewer language-model layers"
                 figure += "; " + cut[0]
                 found = found + cut[1]
         rows.append((what, figure, found))
