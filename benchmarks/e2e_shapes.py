@@ -46,10 +46,7 @@ computed from host-side lists, where Dynamo breaks the graph.)
                       (pip install --no-build-isolation -e ".[bench]"), and for the vision-language shapes
     coat              coat.convert (FP8 decoder layers, activations saved in FP8) with its fused LM head +
                       cross-entropy where coat.convert has the fused_loss option; coat.optim.AdamW (FP8 moments).
-                      A vision-language model's vision side stays BF16, as coat.convert leaves it by default, its
-                      RMSNorms and gated products recomputed in backward (vision_recompute, the same bits)
-    coat-kept         coat with coat.convert(vision_recompute=False): the vision side keeps for backward what
-                      transformers' modules keep (vision-language shapes only): what the recomputation saves and costs
+                      A vision-language model's vision side stays BF16, as coat.convert leaves it by default
     bf16-batched      bf16 with the vision attention coat.convert installs (coat.nn.vision.convert_vision_attention:
                       one attention call per run of equal windows rather than per window, cuDNN's kernel left out),
                       vision-language shapes only: what of coat's speed-up over bf16 is not FP8
@@ -129,15 +126,14 @@ from _model_shapes import SHAPES, SMOKE_BATCH, SMOKE_SEQ, Shape, VisionLanguageS
 from e2e import GIB, Training, instantiate, make_optimizer, timed_steps, torchao_float8, torchao_missing, trial
 
 # Eager rows first, so that a run cut short keeps them; coat-compiled next, the question the compiled rows answer.
-VARIANTS = ("bf16", "bf16-batched", "liger", "coat", "coat-kept", "coat-vision", "coat-unfused", "coat-lowmem", "coat-compiled",
+VARIANTS = ("bf16", "bf16-batched", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem", "coat-compiled",
             "bf16-compiled", "torchao-compiled", "liger-compiled")
 # compiling on the CPU takes minutes
-SMOKE_VARIANTS = ("bf16", "bf16-batched", "liger", "coat", "coat-kept", "coat-vision", "coat-unfused", "coat-lowmem")
+SMOKE_VARIANTS = ("bf16", "bf16-batched", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem")
 VARIANT_COLORS = {"bf16": "tab:blue", "bf16-batched": "tab:olive", "bf16-compiled": "tab:cyan",
                   "torchao-compiled": "tab:green",
                   "liger": "tab:gray", "liger-compiled": "silver", "coat": "tab:orange", "coat-compiled": "tab:red",
-                  "coat-kept": "gold", "coat-vision": "tab:pink", "coat-unfused": "tab:brown",
-                  "coat-lowmem": "tab:purple"}
+                  "coat-vision": "tab:pink", "coat-unfused": "tab:brown", "coat-lowmem": "tab:purple"}
 PROFILE_KERNELS = 40  # the kernels of --profile kept per row, most time first
 
 
@@ -160,7 +156,7 @@ def liger_missing(device: torch.device) -> str | None:
 def shape_excludes(variant: str, shape: Shape) -> str | None:
     """Why the variant does not apply to the shape, or None."""
     vision_language = isinstance(shape, VisionLanguageShape)
-    if variant in ("coat-vision", "coat-kept") and not vision_language:
+    if variant == "coat-vision" and not vision_language:
         return "a text model has no vision side to convert"
     if variant == "bf16-batched" and not vision_language:
         return "a text model has no vision attention to batch"
@@ -175,8 +171,6 @@ def coat_options(variant: str) -> dict:
     options = {"saved_format": "fp4", "group_size": 128} if variant == "coat-lowmem" else {}
     if variant == "coat-vision":
         options["vision_linears"] = True
-    if variant == "coat-kept":
-        options["vision_recompute"] = False
     if convert_has_fused_loss():
         options["fused_loss"] = variant != "coat-unfused"
     return options

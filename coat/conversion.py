@@ -47,7 +47,6 @@ def convert(
     skip_modules: Sequence[str] = (),
     fused_loss: bool = True,
     vision_linears: bool = False,
-    vision_recompute: bool = True,
 ) -> nn.Module:
     """Converts ``model`` in place to coat's FP8 precision flow and returns it.
 
@@ -96,12 +95,6 @@ def convert(
         naming a projection of an MLP leaves that MLP unfused). Off by default: the vision
         side stays as it is, BF16 or frozen as a recipe keeps it. Refused for a model whose vision side coat does
         not know.
-    vision_recompute: for the vision-language models above, have the vision side's RMSNorms and its gated MLPs'
-        ``act_fn(gate) * up`` (where vision_linears leaves them to transformers) keep only their inputs for backward
-        and run again there (:func:`coat.nn.vision.recompute_vision_norms_and_gates`): the same bits forward and
-        backward, about 3 GiB less at Qwen2.5-VL-3B's tower and an 896-pixel picture, for elementwise kernels and
-        host time in backward. On by default; a tower without such modules (CLIP's, SigLIP's: fused LayerNorms,
-        no gated MLP) is unchanged either way.
 
     The LM head stays BF16 unless named in modules_to_convert: its logits feed the softmax over the
     vocabulary directly, where FP8 error shows up unfiltered in the loss (FP8 recipes, TransformerEngine's
@@ -199,9 +192,7 @@ def convert(
         from coat.nn.causal_lm import install_fused_loss
 
         install_fused_loss(model)
-    from coat.nn.vision import convert_vision_attention, recompute_vision_norms_and_gates
+    from coat.nn.vision import convert_vision_attention
 
     convert_vision_attention(model)
-    if vision_recompute:
-        recompute_vision_norms_and_gates(model)
     return model

@@ -68,7 +68,6 @@ from coat.nn.vision import (
     batch_equal_chunks,
     convert_vision_attention,
     equal_length_runs,
-    recompute_vision_norms_and_gates,
 )
 from reference_nn import relative_error
 from test_causal_lm import assert_same_training_step
@@ -284,14 +283,12 @@ def test_conversion_keeps_parameters_and_keys(name):
     assert all(p is before[n] for n, p in model.named_parameters())
     layers = language_model(model).layers
     assert all(type(layer) in FP8_DECODER_LAYERS.values() for layer in layers)
-    # Left as they are, but for the tower's layers, which take their attention off cuDNN's kernel, the Qwen
-    # towers' attention modules, which batch equal chunks, and the RMSNorms and gated MLPs, which recompute in
-    # backward: instances of a subclass of the same name.
+    # Left as they are, but for the tower's layers, which take their attention off cuDNN's kernel, and the Qwen
+    # towers' attention modules, which batch equal chunks: instances of a subclass of the same name.
     after = [(n, type(m)) for part in vision_side(model) for n, m in part.named_modules()]
     assert [n for n, _ in after] == [n for n, _ in vision_modules]
-    changes = ("avoids_cudnn_attention", "batches_equal_chunks", "recomputed_in_backward")
     for (n, new), (_, old) in zip(after, vision_modules, strict=True):
-        changed = any(getattr(new, change, False) for change in changes)
+        changed = getattr(new, "avoids_cudnn_attention", False) or getattr(new, "batches_equal_chunks", False)
         assert new is old or (issubclass(new, old) and new.__name__ == old.__name__ and changed), n
     batched = [n for n, m in model.named_modules() if getattr(m, "batches_equal_chunks", False)]
     assert batched == ([f"model.visual.blocks.{i}.attn" for i in range(len(model.model.visual.blocks))]
@@ -557,11 +554,10 @@ def test_whole_model_pickles_into_a_fresh_process(fused_loss, tmp_path):
         "tokens, labels, images = saved['inputs']\n"
         "torch.save(saved['model'](tokens, labels=labels, **images).loss, sys.argv[2])\n"
         "block = saved['model'].model.visual.blocks[0]\n"
-        "print(type(saved['model']).__name__, type(block).avoids_cudnn_attention, type(block.attn).batches_equal_chunks,"
-        " type(block.norm1).recomputed_in_backward)"),
+        "print(type(saved['model']).__name__, type(block).avoids_cudnn_attention, type(block.attn).batches_equal_chunks)"),
         str(tmp_path / "model.pt"), str(tmp_path / "loss.pt")], capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr
-    assert loaded.stdout.split() == [type(model).__name__, "True", "True", "True"]
+    assert loaded.stdout.split() == [type(model).__name__, "True", "True"]
     assert torch.equal(torch.load(tmp_path / "loss.pt"), model(tokens, labels=labels, **images).loss)
 
 
@@ -860,6 +856,28 @@ def test_vision_attention_batches_equal_chunks_bit_for_bit(name, implementation,
         assert counts == ([14, 7] if name == "qwen2_5_vl" else [6, 6])
 
 
+def test_batched_vision_attention_keeps_no_qkv_output():
+    """For backward the batched attention keeps a copy of the values, not a view of the qkv output, which would keep
+    all of it (q and k too, which the rotary copies anyway): every storage it keeps is one token-width wide at most."""
+    model = tiny_vlm("qwen2_5_vl")
+    batch_equal_chunks(model)
+    attention = model.model.visual.blocks[0].attn
+    width, patches = QWEN_VISION["hidden_size"], 16
+    hidden = torch.randn(patches, width, dtype=torch.bfloat16, requires_grad=True)
+    rotary = (torch.ones(patches, width // 2), torch.zeros(patches, width // 2))  # head_dim 16: no rotation
+    parameters = {p.untyped_storage().data_ptr() for p in attention.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in parameters:
+            kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        attention(hidden, torch.tensor([0, 8, 16], dtype=torch.int32), rotary)
+    assert kept and max(kept.values()) == patches * width * 2  # BF16
+
+
 def test_equal_length_runs():
     assert equal_length_runs([]) == []
     assert equal_length_runs([16, 16, 8, 0, 8, 4, 16]) == [(2, 16), (2, 8), (1, 4), (1, 16)]
@@ -903,114 +921,3 @@ def test_a_bf16_model_avoids_cudnn_attention_as_converted_ones_do():
     text_only = LlamaForCausalLM(LlamaConfig(**TEXT))
     assert not avoid_cudnn_attention(text_only)
     assert not any(hasattr(m, "avoids_cudnn_attention") for m in text_only.modules())
-
-
-# The vision sides with transformers' RMSNorms: Pixtral's tower (and its gated MLPs) and Mistral 3's projector,
-# Qwen2.5-VL's tower (gated MLPs) and patch merger, Gemma 3's projector.
-RECOMPUTING_VLMS = ["mistral3", "qwen2_5_vl", "gemma3"]
-
-
-def recomputed_modules(model):
-    return [n for n, m in model.named_modules() if getattr(m, "recomputed_in_backward", False)]
-
-
-@pytest.mark.parametrize("checkpointing", [None, False, True], ids=["plain", "checkpointing", "reentrant"])
-@pytest.mark.parametrize("float32_weights", [False, True], ids=["bf16", "fp32-autocast"])
-@pytest.mark.parametrize("name", RECOMPUTING_VLMS)
-def test_vision_norms_and_gates_recomputed_bit_for_bit(name, float32_weights, checkpointing, device):
-    """recompute_vision_norms_and_gates: the vision side's RMSNorms and gated products keep only their inputs and run
-    again in backward, which gives the stock model's loss and every parameter's gradient bit for bit: in BF16, with
-    float32 weights under autocast (the backward runs them in the forward's autocast state; one gradient within
-    float32 rounding, below), and with gradient checkpointing (reentrant or not) around the tower's layers."""
-    stock = tiny_vlm(name).to(device, torch.float32 if float32_weights else torch.bfloat16)
-    recomputing = copy.deepcopy(stock)
-    assert recompute_vision_norms_and_gates(recomputing)
-    norms = [n for n, m in recomputing.named_modules() if type(m).__name__.endswith("RMSNorm") and is_vision_side(n)]
-    gated = [n for n, m in recomputing.named_modules() if is_vision_side(n) and hasattr(m, "gate_proj")]
-    assert norms and sorted(recomputed_modules(recomputing)) == sorted(norms + gated)
-    assert bool(gated) == (name != "gemma3")
-    inputs = on_device(device, *image_batch(name))
-    results = []
-    with deterministic_algorithms():
-        for model in (stock, recomputing):
-            if checkpointing is not None:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
-            with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=float32_weights):
-                results.append(loss_and_grads(model, *inputs))
-    (loss, grads), (want_loss, want_grads) = results[1], results[0]
-    assert torch.equal(loss, want_loss)
-    assert grads.keys() == want_grads.keys()
-    assert any(is_vision_side(n) for n in grads)
-    for n, grad in grads.items():
-        if float32_weights and name == "mistral3" and n.endswith("ln_pre.weight"):
-            # ln_pre's float32 output (float32 weight) is both the residual stream and the next norm's input, which
-            # the stock norm reads directly twice: the engine sums those three gradients in another order
-            torch.testing.assert_close(grad, want_grads[n], rtol=0, atol=4e-7 * want_grads[n].abs().max().item())
-        else:
-            assert torch.equal(grad, want_grads[n]), n
-
-
-def saved_storages(module, *inputs):
-    """The storages (not the parameters') that autograd keeps for ``module(*inputs)``'s backward: (dtype, shape)
-    of the first tensor saved from each."""
-    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    kept = {}
-
-    def pack(tensor):
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer not in parameters:
-            kept.setdefault(pointer, (tensor.dtype, tuple(tensor.shape)))
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        output = module(*inputs)
-    return sorted(kept.values(), key=str), output
-
-
-def test_recomputed_modules_keep_only_their_inputs():
-    """What the backward keeps: an RMSNorm of transformers, its float32 input copy and normalized input, then only
-    its input; a gated MLP, its input, gate, up, act_fn(gate) and their product (the down projection's input),
-    then all but act_fn(gate). Without grad (a frozen tower, eval) the stock forward runs. A second derivative through
-    them is refused, not made up."""
-    model = tiny_vlm("qwen2_5_vl")
-    block = model.model.visual.blocks[0]
-    width, hidden = QWEN_VISION["hidden_size"], QWEN_VISION["intermediate_size"]
-    x = torch.randn(8, width, dtype=torch.bfloat16, requires_grad=True)
-    stock_norm, _ = saved_storages(block.norm1, x)
-    stock_mlp, _ = saved_storages(block.mlp, x)
-    assert recompute_vision_norms_and_gates(model)
-    assert type(block.norm1).__name__.endswith("RMSNorm") and type(block.mlp).__name__ == "Qwen2_5_VLMLP"
-    norm, output = saved_storages(block.norm1, x)
-    assert norm == [(torch.bfloat16, (8, width))]
-    assert (torch.float32, (8, width)) in stock_norm and len(stock_norm) > len(norm)
-    mlp, _ = saved_storages(block.mlp, x)
-    assert mlp == [(torch.bfloat16, (8, width))] + [(torch.bfloat16, (8, hidden))] * 3
-    assert stock_mlp == mlp + [(torch.bfloat16, (8, hidden))]
-    with torch.no_grad():
-        assert torch.equal(block.norm1(x), output)
-    block.requires_grad_(False)
-    for module in (block.norm1, block.mlp):
-        frozen, output = saved_storages(module, x.detach())
-        assert frozen == [] and output.grad_fn is None
-    block.requires_grad_(True)
-    for name, forward in (("norm", block.norm1), ("mlp", block.mlp)):
-        out = forward(x)
-        grad, = torch.autograd.grad(out.sum(), x, create_graph=True)  # once differentiable: no second order
-        with pytest.raises(RuntimeError, match="differentiate twice|does not require grad"):
-            grad.sum().backward()
-
-
-def test_vision_recompute_is_an_option_of_convert_and_idempotent():
-    """coat.convert recomputes unless vision_recompute=False; a second call changes nothing; a model without a
-    known vision side is left as it is; the whole model pickles (test_whole_model_pickles_into_a_fresh_process)."""
-    kept = coat.convert(tiny_vlm("qwen2_5_vl"), vision_recompute=False)
-    assert recomputed_modules(kept) == []
-    model = coat.convert(tiny_vlm("qwen2_5_vl"))
-    names = recomputed_modules(model)
-    assert "model.visual.merger.ln_q" in names and "model.visual.blocks.0.mlp" in names
-    classes = [type(m) for m in model.modules()]
-    assert recompute_vision_norms_and_gates(model)
-    assert [type(m) for m in model.modules()] == classes
-    assert not recompute_vision_norms_and_gates(LlamaForCausalLM(LlamaConfig(**TEXT)))
-    fp8_side = coat.convert(tiny_vlm("qwen2_5_vl"), vision_linears=True)  # coat's fused MLP: only the norms
-    assert recomputed_modules(fp8_side) and not any(n.endswith("mlp") for n in recomputed_modules(fp8_side))

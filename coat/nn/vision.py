@@ -46,7 +46,6 @@ from transformers.models.smolvlm.modeling_smolvlm import SmolVLMForConditionalGe
 from transformers.utils.generic import is_flash_attention_requested
 
 from coat.nn.attention import sdpa_without_cudnn
-from coat.nn.layers import _needs_autograd
 from coat.nn.modules import MLP, MLP_PROJECTIONS, SwiGLUMLP, activation_name, non_gated_mlp_layout
 
 # The vision side of each model: its vision tower and projector (the Qwen models' patch merger is in "visual").
@@ -242,7 +241,8 @@ def batch_equal_chunks(model: nn.Module) -> bool:
     FlashAttention is not requested, attends within each run of consecutive equal-length chunks of cu_seqlens (the
     windows of one row of Qwen2.5-VL's window grid, the pictures of one size) in one batched call, a batch entry per
     chunk, instead of one call per chunk: the same attention, whose host work (~1,800 calls a step each way at
-    Qwen2.5-VL-3B's 896-pixel picture) left the GPU idle. In place: modules, parameters and state dict stay; the
+    Qwen2.5-VL-3B's 896-pixel picture) left the GPU idle. It keeps a copy of the values for backward rather than a
+    view, which would keep the whole qkv output (0.6 GiB at that picture over Qwen2.5-VL-3B's 32 blocks). In place: modules, parameters and state dict stay; the
     interface of ``config._attn_implementation`` (sdpa, eager) still computes it. Returns whether ``model`` had
     such modules. coat.convert calls it (:func:`convert_vision_attention`)."""
     found = False
@@ -261,93 +261,4 @@ def convert_vision_attention(model: nn.Module) -> bool:
     if not avoid_cudnn_attention(model):
         return False
     batch_equal_chunks(model)
-    return True
-
-
-class _RecomputedInBackward(torch.autograd.Function):
-    """``run(*inputs)``, keeping only the inputs for backward, which runs it again under autograd (in the forward's
-    autocast state) and returns the gradients of the inputs and of ``parameters``, which ``run`` reads from its
-    module: the stock operations forward and backward, so the same bits, without the float32 copies and
-    intermediate tensors they keep. torch.utils.checkpoint does the same at about twice the host time a call
-    (0.37 ms against 0.2 on a 2-core CPU, an RMSNorm's forward and backward); the tower makes ~100 calls a step."""
-
-    @staticmethod
-    def forward(ctx, run, num_inputs: int, *tensors):  # tensors: run's inputs, then the parameters it reads
-        inputs = tensors[:num_inputs]
-        device = inputs[0].device.type
-        ctx.run, ctx.parameters = run, tensors[num_inputs:]
-        ctx.autocast = device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
-        ctx.save_for_backward(*inputs)
-        return run(*inputs)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        needs = ctx.needs_input_grad[2:]
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, needs)]
-        device, dtype, enabled = ctx.autocast
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            output = ctx.run(*inputs)
-        wanted = [t for t, need in zip((*inputs, *ctx.parameters), needs) if need]
-        grads = iter(torch.autograd.grad(output, wanted, grad))
-        return None, None, *(next(grads) if need else None for need in needs)
-
-
-def _recomputed_norm_attributes(base: type) -> dict:
-    @functools.wraps(base.forward)
-    def forward(self, hidden_states):
-        parameters = tuple(self.parameters())
-        if not _needs_autograd(hidden_states, *parameters):
-            return base.forward(self, hidden_states)
-        return _RecomputedInBackward.apply(functools.partial(base.forward, self), 1, hidden_states, *parameters)
-
-    return {"forward": forward, "recomputed_in_backward": True,
-            "__doc__": f"A {base.__name__} that keeps only its input for backward and runs again there "
-                       "(coat.nn.vision.recompute_vision_norms_and_gates)."}
-
-
-def _recomputed_gate_attributes(base: type) -> dict:
-    @functools.wraps(base.forward)
-    def forward(self, hidden_state):
-        gate, up = self.gate_proj(hidden_state), self.up_proj(hidden_state)
-        if not _needs_autograd(gate, up):
-            return self.down_proj(self.act_fn(gate) * up)
-        return self.down_proj(_RecomputedInBackward.apply(lambda g, u: self.act_fn(g) * u, 2, gate, up))
-
-    return {"forward": forward, "recomputed_in_backward": True,
-            "__doc__": f"A {base.__name__} whose act_fn(gate) * up keeps only gate and up for backward and runs "
-                       "again there (coat.nn.vision.recompute_vision_norms_and_gates)."}
-
-
-RecomputedNorm = _Subclasses("RecomputedNorm", _recomputed_norm_attributes)
-RecomputedGate = _Subclasses("RecomputedGate", _recomputed_gate_attributes)
-
-
-def _python_rms_norm(module: nn.Module) -> bool:
-    """transformers' RMSNorms (LlamaRMSNorm's formula and Gemma's (1 + w) one), which take float32 statistics in
-    Python: each keeps a float32 copy of its input and its normalized input for backward."""
-    cls = type(module)
-    return cls.__name__.endswith("RMSNorm") and cls.__module__.startswith("transformers.")
-
-
-def recompute_vision_norms_and_gates(model: nn.Module) -> bool:
-    """Has the vision side of ``model`` (one of VISION_MODULES' classes) keep less for backward, in place, with the
-    same bits forward and backward: its RMSNorms (Qwen2.5-VL's tower and patch merger, Pixtral's, InternVL's with
-    RMSNorm, Gemma 3's projector) keep their 16-bit input instead of its float32 copy and the normalized input, and
-    its gated MLPs still of transformers (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, Qwen2.5-VL's and Pixtral's
-    towers without vision_linears) keep gate and up but not act_fn(gate); both run again in backward, where they
-    cost elementwise kernels and host time. At Qwen2.5-VL-3B's tower and an 896-pixel picture (4,096 patches) that is
-    60 MiB a block less of 250 (:class:`ChunksBatched`'s value copy, 20 more). Each such module becomes an instance
-    of a subclass of its class with that forward; modules, parameters and state dict stay. Returns False, changing
-    nothing, for a model whose vision side coat does not know. coat.convert calls it unless vision_recompute=False."""
-    if vision_modules(model) is None:
-        return False
-    gated = {id(mlp) for _, mlp, cls in vision_mlps(model) if cls is SwiGLUMLP}
-    for _, module in _vision_side(model):
-        if getattr(module, "recomputed_in_backward", False):
-            continue
-        if _python_rms_norm(module):
-            module.__class__ = RecomputedNorm(type(module))
-        elif id(module) in gated:
-            module.__class__ = RecomputedGate(type(module))
     return True
