@@ -700,7 +700,7 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
     if found:
         result, coat_row = found[0]
         same_run = {}
-        for variant in ("bf16", "torchao-compiled", "coat-vision", "coat-lowmem"):
+        for variant in ("bf16", "bf16-batched", "torchao-compiled", "coat-vision", "coat-lowmem"):
             try:
                 same_run[variant] = _sibling(result, coat_row, variant, ("shape", "batch", "seq"))
             except LookupError:  # a run without that row
@@ -714,10 +714,13 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
         baselines = [f"{label} {_peak(same_run[v])}" for v, label in (("bf16", "BF16"), ("torchao-compiled", "torchao"))
                      if v in same_run]
         figure = _peak(coat_row) + (f" ({', '.join(baselines)})" if baselines else "")
-        speeds = [f"{ratio} {label}" for v, label in (("bf16", "BF16"), ("torchao-compiled", "torchao"))
+        if isinstance(same_run.get("bf16", {}).get("peak GiB"), float):
+            figure += f", {coat_row['peak GiB'] / same_run['bf16']['peak GiB']:.3f}x BF16's peak"
+        speeds = [f"{ratio} {label}" for v, label in (("bf16", "BF16"), ("torchao-compiled", "torchao"),
+                                                      ("bf16-batched", "BF16 with coat's vision attention"))
                   if v in same_run and (ratio := _speed_ratio(coat_row, same_run[v]))]
         if speeds:
-            figure += "; " + ", ".join(speeds)
+            figure += "; tokens/s " + ", ".join(speeds)
         if "coat-vision" in same_run:
             vision = same_run["coat-vision"]
             ratio = _speed_ratio(vision, vision_coat)
@@ -726,8 +729,8 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
             figure += f"; lowest-memory settings: {_peak(same_run['coat-lowmem'])}"
         what = (f"Qwen2.5-VL-3B shape (3.75B with its vision tower), SFT step, batch {coat_row['batch']} x "
                 f"{coat_row['seq']} ({coat_row['image tokens']:,} of them image tokens): peak memory; tokens/s "
-                "against BF16 and torchao float8 (compiled, the language model's linears); with "
-                "`vision_linears=True`; lowest-memory settings")
+                "against BF16, torchao float8 (compiled, the language model's linears) and BF16 with coat's vision "
+                "attention (what of the speed-up is not FP8); with `vision_linears=True`; lowest-memory settings")
         if "bf16" not in same_run or not isinstance(same_run["bf16"]["peak GiB"], float):
             if cut := _cut_depth_figure(results, "qwen2.5-vl-3b"):
                 what += "; coat against BF16, which does not fit the card, from its rows at fewer language-model layers"

@@ -142,9 +142,10 @@ def test_a_readme_without_the_table_markers_is_refused(pages, tmp_path, monkeypa
 
 
 def test_vision_language_rows_compare_coat_with_the_baselines_of_its_own_run(pages, tmp_path):
-    """The README's vision-language figures: the Qwen2.5-VL-3B's coat row against the BF16 (out of memory here) and
-    torchao rows of the same run, with coat-vision and coat-lowmem; Qwen3-VL-4B's coat and coat-vision; the 7B's
-    lowest-memory settings. The models page shows the image tokens and the vision side's share."""
+    """The README's vision-language figures: the Qwen2.5-VL-3B's coat row against the BF16 (out of memory here; where
+    it fits, its peak ratio too, and BF16 with coat's vision attention) and torchao rows of the same run, with
+    coat-vision and coat-lowmem; Qwen3-VL-4B's coat and coat-vision; the 7B's lowest-memory settings. The models page
+    shows the image tokens and the vision side's share."""
     def row(shape, variant, peak, speed=None, vision=None):
         return {"shape": shape, "variant": variant, "batch": 1, "seq": 4096, "image tokens": 1024, "peak GiB": peak,
                 **({"tokens/s/GPU": speed} if speed else {}), **({"vision kept GiB": vision} if vision else {})}
@@ -160,8 +161,8 @@ def test_vision_language_rows_compare_coat_with_the_baselines_of_its_own_run(pag
     results = pages.load_results(str(tmp_path))
     (three, three_figure, three_found), (seven, seven_figure, _) = pages._vision_language_figures(results)
     assert three.startswith("Qwen2.5-VL-3B shape") and "batch 1 x 4096 (1,024 of them image tokens)" in three
-    assert three_figure == ("40.0 GiB (BF16 OOM, torchao 70.0 GiB); 1.20x torchao; vision side FP8: 36.0 GiB, 1.10x "
-                            "coat's tokens/s; lowest-memory settings: 27.0 GiB")
+    assert three_figure == ("40.0 GiB (BF16 OOM, torchao 70.0 GiB); tokens/s 1.20x torchao; vision side FP8: 36.0 GiB, "
+                            "1.10x coat's tokens/s; lowest-memory settings: 27.0 GiB")
     assert [r.path for r, _ in three_found] == ["vl-3b.json"]
     assert seven.startswith("Qwen2.5-VL-7B shape") and seven_figure == "48.2 GiB, 8,000 tokens/s (BF16: OOM)"
     # A later run of coat and coat-vision alone gives the vision figure (against its own coat row); the baselines stay
@@ -174,14 +175,24 @@ def test_vision_language_rows_compare_coat_with_the_baselines_of_its_own_run(pag
         command=command.format("qwen3-vl-4b"))
     results = pages.load_results(str(tmp_path))
     (three, three_figure, three_found), (four, four_figure, _), _ = pages._vision_language_figures(results)
-    assert three_figure == ("40.0 GiB (BF16 OOM, torchao 70.0 GiB); 1.20x torchao; vision side FP8: 37.0 GiB, 0.80x "
-                            "coat's tokens/s; lowest-memory settings: 27.0 GiB")
+    assert three_figure == ("40.0 GiB (BF16 OOM, torchao 70.0 GiB); tokens/s 1.20x torchao; vision side FP8: 37.0 GiB, "
+                            "0.80x coat's tokens/s; lowest-memory settings: 27.0 GiB")
     assert [r.path for r, _ in three_found] == ["vl-3b.json", "vl-3b-vision.json"]
     assert four.startswith("Qwen3-VL-4B shape") and four_figure == (
         "46.0 GiB, 13,000 tokens/s; vision side FP8: 44.0 GiB, 0.90x coat's tokens/s, the tower keeping 2.5 GiB "
         "instead of 5.0")
     text, _ = pages.family_page(results, next(f for f in pages.FAMILIES if f.page == "models"))
     assert "| shape | variant | batch | seq | image tokens | peak GiB | tokens/s/GPU | vision kept GiB |" in text
+    # A later run where BF16 fits (a larger card): its peak ratio, and BF16 with coat's vision attention too.
+    _write(tmp_path, "vl-3b-bigger.json", "2026-03-01T00:00:00+00:00", [
+        row("qwen2.5-vl-3b", "bf16", 85.0, 6000.0), row("qwen2.5-vl-3b", "bf16-batched", 84.0, 9000.0),
+        row("qwen2.5-vl-3b", "coat", 42.0, 12000.0, 9.0), row("qwen2.5-vl-3b", "coat-vision", 37.0, 11400.0, 5.0),
+        row("qwen2.5-vl-3b", "torchao-compiled", 64.0, 7500.0)], command=command.format("qwen2.5-vl-3b"))
+    three, three_figure, three_found = pages._vision_language_figures(pages.load_results(str(tmp_path)))[0]
+    assert three_figure == ("42.0 GiB (BF16 85.0 GiB, torchao 64.0 GiB), 0.494x BF16's peak; tokens/s 2.00x BF16, "
+                            "1.60x torchao, 1.33x BF16 with coat's vision attention; vision side FP8: 37.0 GiB, 0.95x "
+                            "coat's tokens/s")
+    assert [r.path for r, _ in three_found] == ["vl-3b-bigger.json"]
     assert pages._vision_language_figures(pages.load_results(str(tmp_path / "none"))) == []
 
 
