@@ -242,9 +242,9 @@ def batch_equal_chunks(model: nn.Module) -> bool:
     windows of one row of Qwen2.5-VL's window grid, the pictures of one size) in one batched call, a batch entry per
     chunk, instead of one call per chunk: the same attention, whose host work (~1,800 calls a step each way at
     Qwen2.5-VL-3B's 896-pixel picture) left the GPU idle. It keeps a copy of the values for backward rather than a
-    view, which would keep the whole qkv output (0.6 GiB at that picture over Qwen2.5-VL-3B's 32 blocks). In place: modules, parameters and state dict stay; the
-    interface of ``config._attn_implementation`` (sdpa, eager) still computes it. Returns whether ``model`` had
-    such modules. coat.convert calls it (:func:`convert_vision_attention`)."""
+    view, which would keep the whole qkv output (0.6 GiB at that picture over Qwen2.5-VL-3B's 32 blocks). In place:
+    modules, parameters and state dict stay; the interface of ``config._attn_implementation`` (sdpa, eager) still
+    computes it. Returns whether ``model`` had such modules. coat.convert calls it (:func:`convert_vision_attention`)."""
     found = False
     for module in model.modules():
         if isinstance(module, CHUNKED_VISION_ATTENTION):
