@@ -244,7 +244,8 @@ def batch_equal_chunks(model: nn.Module) -> bool:
     Qwen2.5-VL-3B's 896-pixel picture) left the GPU idle. It keeps a copy of the values for backward rather than a
     view, which would keep the whole qkv output (0.6 GiB at that picture over Qwen2.5-VL-3B's 32 blocks). In place:
     modules, parameters and state dict stay; the interface of ``config._attn_implementation`` (sdpa, eager) still
-    computes it. Returns whether ``model`` had such modules. coat.convert calls it (:func:`convert_vision_attention`)."""
+    computes it. Returns whether ``model`` had such modules. coat.convert calls it
+    (:func:`convert_vision_attention`)."""
     found = False
     for module in model.modules():
         if isinstance(module, CHUNKED_VISION_ATTENTION):
