@@ -5,8 +5,8 @@
 #
 #   usage: scripts/gpu_check.sh OUTDIR [STAGE...]   (stages longer than one device call: scripts/gpu_background.sh)
 #   stages: build, tests, tests:PATTERN (pytest -k), test:NAME[:PATTERN] (tests/test_NAME.py alone, with -k),
-#           bench (every benchmarks/*.py), bench:NAME[:ARGS] (one script,
-#           extra ARGS comma-separated, e.g. bench:layer:--settings,4096x2048,--profile),
+#           bench (every benchmarks/*.py but the CPU probes, *_probe.py, and results_pages.py),
+#           bench:NAME[:ARGS] (one script, extra ARGS comma-separated, e.g. bench:layer:--settings,4096x2048,--profile),
 #           torchrun:NAME[:ARGS] (benchmarks/NAME.py on every visible GPU under torchrun, ARGS as for bench),
 #           script:NAME[:ARGS] (scripts/NAME.py, e.g. script:check_sdpa_backward; its output in logs/script_NAME.log),
 #           beside:STAGE (STAGE in the background, beside the stages after it, e.g. the CUDA tests beside long
@@ -90,7 +90,10 @@ for stage in "${stages[@]}"; do
       [ $code -eq 0 ] || { status=1; echo "exit $code"; grep -E "^(FAILED|ERROR)|Fatal Python" "$out/logs/test_$name.log" | head -n 20; }
       tail -n 1 "$out/logs/test_$name.log" ;;
     bench)
-      for script in benchmarks/[a-z]*.py; do run_bench "$(basename "$script" .py)"; done ;;
+      for script in benchmarks/[a-z]*.py; do
+        case $script in *_probe.py | */results_pages.py) continue ;; esac
+        run_bench "$(basename "$script" .py)"
+      done ;;
     bench:*)
       IFS=: read -r _ name extra <<< "$stage"
       IFS=, read -r -a extra_args <<< "$extra"

@@ -626,3 +626,73 @@ def test_mrope_probe_runs_and_logs_each_kind_of_question(mrope_probe, tmp_path):
         mrope_probe.main(["--gradient-format", "none", "--out", str(tmp_path / "no.json")])
     with pytest.raises(SystemExit):  # neither a log to write nor logs to draw
         mrope_probe.main([])
+
+
+@pytest.fixture
+def gradient_probe(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import vlm_gradient_probe
+
+    return vlm_gradient_probe
+
+
+def float64_round(values: torch.Tensor, mantissa_bits: int, min_exponent: int, largest: float) -> torch.Tensor:
+    """``values`` (float32) rounded to a float format with ``mantissa_bits`` and normals from 2**min_exponent
+    (subnormals below, at their spacing), ties to even, after division by the float32 scale amax / ``largest``;
+    the rounding in float64 arithmetic, the result scaled back."""
+    scale = values.abs().amax() / largest  # float32, as the recipe keeps its scales
+    scaled = (values / scale).double()
+    exponent = torch.floor(torch.log2(scaled.abs().clamp(min=2.0**min_exponent)))
+    step = 2.0 ** (exponent - mantissa_bits)
+    return torch.round(scaled / step) * step * scale.double()  # torch.round: half to even
+
+
+@pytest.mark.parametrize("dtype, mantissa_bits, min_exponent, largest",
+                         [(torch.float8_e4m3fn, 3, -6, 448.0), (torch.float8_e5m2, 2, -14, 57344.0)])
+def test_gradient_probe_rounds_as_the_formats_say(gradient_probe, dtype, mantissa_bits, min_exponent, largest):
+    """fp8_round against the format written out in float64, bit for bit: normals and subnormals (values over eight
+    decades), zeros and the largest value."""
+    values = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 2, 4096)
+    values[:3] = torch.tensor([0.0, -0.0, 150.0])
+    rounded = gradient_probe.fp8_round(values, dtype, largest)
+    assert torch.equal(rounded.double(), float64_round(values, mantissa_bits, min_exponent, largest).float().double())
+    assert (rounded == 0).sum() > 3  # some values fall below the smallest subnormal
+
+
+def test_gradient_probe_emulation_multiplies_the_rounded_operands(gradient_probe):
+    """EmulatedFP8Linear: the output is the product of input and weight rounded to E4M3, the input gradient the
+    output gradient rounded to E5M2 times the rounded weight, the weight gradient its transpose times the rounded
+    input (float64 products of the float64-rounded operands; float32 GEMM tolerance)."""
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 32, generator=generator) * torch.logspace(-3, 2, 32)).requires_grad_()
+    weight = torch.randn(16, 32, generator=generator, requires_grad=True)
+    grad = torch.randn(3, 5, 16, generator=generator) * 1e-3
+    gradient_probe.EmulatedFP8Linear.apply(x, weight).backward(grad)
+    y = gradient_probe.EmulatedFP8Linear.apply(x.detach(), weight.detach())
+    x8 = float64_round(x.detach(), 3, -6, 448.0)
+    w8 = float64_round(weight.detach(), 3, -6, 448.0)
+    g8 = float64_round(grad, 2, -14, 57344.0)
+    for got, expected in ((y, x8 @ w8.t()), (x.grad, g8 @ w8), (weight.grad, g8.reshape(-1, 16).t() @ x8.reshape(-1, 32))):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+def test_gradient_probe_measures_every_part_and_keeps_its_weights(gradient_probe, tmp_path):
+    """At the tiny preset: every run has every parameter group, the emulation takes the decoder layers' 7 linears each
+    (5 with o_proj and v_proj left out), FP8 is further from float32 than BF16, and a checkpoint gives the next run
+    the same weights (the same errors) or, trained with other options, is refused."""
+    common = ["--preset", "tiny", "--batch", "4", "--train-steps", "2", "--checkpoint", str(tmp_path / "w.pt")]
+    result = gradient_probe.main([*common, "--out", str(tmp_path / "a.json")])
+    assert json.loads((tmp_path / "a.json").read_text()) == result
+    layers = gradient_probe.PRESETS["tiny"].layers
+    assert result["summary"]["emulated_linears"] == 7 * layers and len(result["training_losses"]) == 2
+    errors = {row["group"]: row for row in result["rows"]}
+    groups = {"vision embedding", "merger", "token embedding", "final norm", "LM head",
+              *(f"decoder layer {i}" for i in range(layers))}
+    assert groups <= errors.keys() and len(errors) == len(result["rows"])
+    for group in groups:
+        assert errors[group]["bf16"] < errors[group]["coat"] and errors[group]["bf16"] < errors[group]["emulated"]
+    again = gradient_probe.main([*common, "--emulate-skip", "o_proj", "v_proj", "--out", str(tmp_path / "b.json")])
+    assert again["summary"]["emulated_linears"] == 5 * layers and again["training_losses"] == result["training_losses"]
+    assert [row["coat"] for row in again["rows"]] == [row["coat"] for row in result["rows"]]
+    with pytest.raises(SystemExit, match="another --checkpoint"):
+        gradient_probe.main([*common[:-3], "3", "--checkpoint", str(tmp_path / "w.pt"), "--out", str(tmp_path / "c.json")])
