@@ -3,11 +3,11 @@ independent FP8 emulation? A CPU experiment behind the VLM example's "where is t
 does FP8 starve the vision tower, whose every gradient comes through the language model's FP8 layers?
 
 The model is examples/train_vlm.py's (``--preset``, ``--seed``). ``--train-steps N`` first trains it N steps in BF16
-(float32 weights, bf16 autocast, torch's AdamW at the preset's learning rate with its warm-up, clipping at 1.0,
-``--batch`` samples a step from the example's training stream; ``--checkpoint`` keeps the weights for the next
-measurement), so the gradients are measured where learning is
-under way as well as at initialization. Then, at those weights, one batch the training never saw (step 1,000,000
-of the stream) goes forward and backward four times:
+(float32 weights, bf16 autocast, torch's AdamW at the preset's learning rate with its warm-up and weight decay 0.1
+on every parameter, clipping at 1.0, ``--batch`` samples a step from the example's training stream;
+``--checkpoint`` keeps the weights for the next measurement), so the gradients are measured where learning is under
+way as well as at initialization. Then, at those weights, one batch the training never saw (step 1,000,000 of the
+stream) goes forward and backward four times:
 
     float32      no autocast: the reference
     bf16         bf16 autocast, the BF16 run of the example
@@ -43,12 +43,11 @@ import torch
 import transformers
 
 import coat
+from coat.nn.vision import convert_vision_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from shapes_vqa import ShapesVQA  # noqa: E402
 from train_vlm import PRESETS, build_model  # noqa: E402
-
-from coat.nn.vision import convert_vision_attention  # noqa: E402
 
 UNSEEN_STEP = 1_000_000  # the stream's batch the measurement takes: far past any training step
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
