@@ -57,7 +57,7 @@ computed from host-side lists, where Dynamo breaks the graph.)
     coat-lowmem       coat's lowest memory: bfloat16 weights, no float32 master copy (coat.optim.AdamW rounds each
                       update stochastically), FP8 (E5M2) gradients, the inputs of RMSNorm and SiLU*mul saved as
                       FP4 in 1 x 128 blocks (saved_format="fp4", group_size=128), the fused loss where available;
-                      a vision-language model's vision side in BF16, as in coat
+                      a vision-language model's vision side in FP8 too, as in coat-vision
     coat-compiled     coat, compiled
     bf16-compiled     bf16, compiled
     torchao-compiled  torchao float8 training (tensorwise scaling) of the linears coat converts by default, the
@@ -166,10 +166,11 @@ def shape_excludes(variant: str, shape: Shape) -> str | None:
     return None
 
 
-def coat_options(variant: str) -> dict:
-    """coat.convert's options of a coat variant; fused_loss set explicitly wherever coat.convert has it."""
+def coat_options(variant: str, vision_language: bool = False) -> dict:
+    """coat.convert's options of a coat variant (on a vision-language shape if ``vision_language``); fused_loss set
+    explicitly wherever coat.convert has it."""
     options = {"saved_format": "fp4", "group_size": 128} if variant == "coat-lowmem" else {}
-    if variant == "coat-vision":
+    if variant == "coat-vision" or (variant == "coat-lowmem" and vision_language):
         options["vision_linears"] = True
     if convert_has_fused_loss():
         options["fused_loss"] = variant != "coat-unfused"
@@ -190,7 +191,7 @@ def build(variant: str, shape: Shape, config, device: torch.device) -> tuple:
     bf16_weights = variant == "coat-lowmem"  # built in bfloat16: no float32 copy of the model ever exists
     model = instantiate(shape.model_class, config, torch.bfloat16 if bf16_weights else torch.float32, device)
     if variant.startswith("coat"):
-        coat.convert(model, **coat_options(variant))
+        coat.convert(model, **coat_options(variant, isinstance(shape, VisionLanguageShape)))
     elif variant == "bf16-batched":
         convert_vision_attention(model)
     elif variant.startswith("torchao"):

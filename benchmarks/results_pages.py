@@ -95,7 +95,8 @@ FAMILIES = (
            "`body kept` and `head+loss kept` split what the forward keeps for backward between the decoder layers "
            "and the LM head with its loss. The Qwen2.5-VL shapes train SFT steps with an image in every sample "
            "(`image tokens` of its `seq`, all counted in tokens/s); their vision side stays BF16 but in `coat-vision` "
-           "(`coat.convert(model, vision_linears=True)`), and `vision kept` is its share of `body kept`."),
+           "(`coat.convert(model, vision_linears=True)`) and `coat-lowmem`, and `vision kept` is its share of "
+           "`body kept`."),
     Family("moe", "Mixture-of-experts block", ("moe",), ("shape", "variant"),
            ("tokens", "fwd+bwd ms", "vs bf16", "saved MiB", "saved vs bf16"),
            "`benchmarks/moe.py`: a decoder layer's MoE block, forward + backward (h + experts(router(RMSNorm(h)))), at "
@@ -496,16 +497,19 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
     vision side in FP8 too, with unquantized output gradients, and with torch's AdamW in place of coat's; each with
     the mean over seeds, then every run."""
     rows = []
-    for vision, gradients, torch_adamw, label in (
-            (False, "e5m2", False, "FP8 defaults"),
-            (True, "e5m2", False, "the vision side in FP8 too (`--vision-linears`)"),
-            (False, "none", False, "output gradients unquantized (`--gradient-format none`)"),
-            (False, "e5m2", True, "torch's AdamW, float32 moments, in place of coat's (`--torch-adamw`)")):
+    first_layer = ("model.language_model.layers.0",)
+    for vision, gradients, torch_adamw, bf16_modules, label in (
+            (False, "e5m2", False, (), "FP8 defaults"),
+            (True, "e5m2", False, (), "the vision side in FP8 too (`--vision-linears`)"),
+            (False, "none", False, (), "output gradients unquantized (`--gradient-format none`)"),
+            (False, "e5m2", True, (), "torch's AdamW, float32 moments, in place of coat's (`--torch-adamw`)"),
+            (False, "e5m2", False, first_layer, f"the first decoder layer in BF16 (`--bf16-modules {first_layer[0]}`)")):
         # A seed run again with the same settings repeats its trajectory (the seed-1 runs of 2026-12-07 gave the
         # first ones' figures to the digit): its latest run stands for it.
         latest = {}
         for result in sorted((r for r in results if r.script == "train_vlm" and "vs BF16" in r.rows[0]
-                              and _vlm_ablation(r.rows[0]) == (vision, gradients, torch_adamw)), key=lambda r: r.date):
+                              and _vlm_ablation(r.rows[0]) == (vision, gradients, torch_adamw, bf16_modules)),
+                             key=lambda r: r.date):
             row = result.rows[0]
             latest[row["preset"], row["batch"], row["steps"], row.get("lr", VLM_LR_UNRECORDED), row["seed"]] = result
         runs = sorted(((r, r.rows[0]) for r in latest.values()), key=lambda item: (item[1]["steps"], item[1]["seed"]))
@@ -534,13 +538,14 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
 
 
 def _vlm_ablation(row: dict) -> tuple | None:
-    """(vision_linears, gradient format, torch's AdamW) of a train_vlm coat run whose other options are the defaults,
-    else None (its settings have no README row)."""
+    """(vision_linears, gradient format, torch's AdamW, modules kept in BF16) of a train_vlm coat run whose other
+    options are the defaults, else None (its settings have no README row)."""
     defaults = (not row["bf16_weights"] and row["fp8_grads"] is None and not row["fast_accum"]
                 and row.get("saved_format", "e4m3") == "e4m3" and row.get("group_size", 16) == 16
-                and row.get("fused_loss") is not False and not row.get("bf16_modules"))
+                and row.get("fused_loss") is not False)
     # gradient_format and torch_adamw are recorded from 2026-12-06
-    return (row["vision_linears"], row.get("gradient_format", "e5m2"), row.get("torch_adamw", False)) if defaults else None
+    return ((row["vision_linears"], row.get("gradient_format", "e5m2"), row.get("torch_adamw", False),
+             tuple(row.get("bf16_modules") or ())) if defaults else None)
 
 
 def _seeds_mean(rows: list[dict]) -> str:
@@ -689,9 +694,9 @@ def _moe_model_figures(results: list[Result]) -> list[tuple[str, str, list]]:
 
 def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list]]:
     """(what, figure, found) of the README rows of the vision-language shapes, those measured: the Qwen2.5-VL-3B's
-    coat row against BF16 and torchao of the same run, with coat-vision and coat-lowmem (coat-vision from a later
-    run of its own where there is one); Qwen3-VL-4B's coat and coat-vision; the Qwen2.5-VL-7B's lowest-memory
-    settings, which the issue asks to fit one 80 GB GPU."""
+    coat row against BF16 and torchao of the same run, with coat-vision and coat-lowmem (coat-vision from a run of its
+    own where that is later or the baselines' run has none); Qwen3-VL-4B's coat and coat-vision; the Qwen2.5-VL-7B's
+    lowest-memory settings, which the issue asks to fit one 80 GB GPU."""
     rows = []
     # The run with the baselines, and the latest with the vision option, which may be a later run of coat and
     # coat-vision alone (each ratio within one run).
@@ -707,7 +712,7 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
                 pass
         vision_coat = coat_row  # what coat-vision's tokens/s is compared with, in its own run
         vision_run = _latest_run_with(results, "qwen2.5-vl-3b", "coat-vision")
-        if vision_run and vision_run[0][0].date > result.date:
+        if vision_run and (vision_run[0][0].date > result.date or "coat-vision" not in same_run):
             vision_result, vision_coat = vision_run[0]
             same_run["coat-vision"] = _sibling(vision_result, vision_coat, "coat-vision", ("shape", "batch", "seq"))
             found = found + vision_run
@@ -729,8 +734,10 @@ def _vision_language_figures(results: list[Result]) -> list[tuple[str, str, list
             figure += f"; lowest-memory settings: {_peak(same_run['coat-lowmem'])}"
         what = (f"Qwen2.5-VL-3B shape (3.75B with its vision tower), SFT step, batch {coat_row['batch']} x "
                 f"{coat_row['seq']} ({coat_row['image tokens']:,} of them image tokens): peak memory; tokens/s "
-                "against BF16, torchao float8 (compiled, the language model's linears) and BF16 with coat's vision "
-                "attention (what of the speed-up is not FP8); with `vision_linears=True`; lowest-memory settings")
+                + ("against BF16, torchao float8 (compiled, the language model's linears) and BF16 with coat's vision "
+                   "attention (what of the speed-up is not FP8)" if "bf16-batched" in same_run
+                   else "against BF16 and torchao float8 (compiled, the language model's linears)")
+                + "; with `vision_linears=True`; lowest-memory settings")
         if "bf16" not in same_run or not isinstance(same_run["bf16"]["peak GiB"], float):
             if cut := _cut_depth_figure(results, "qwen2.5-vl-3b"):
                 what += "; coat against BF16, which does not fit the card, from its rows at fewer language-model layers"
@@ -879,7 +886,10 @@ def _arm(row: dict) -> str | None:
     setting = _vlm_ablation(row)
     if setting is None or setting[1] not in ("e5m2", "none"):
         return None
-    vision, gradients, torch_adamw = setting
+    vision, gradients, torch_adamw, bf16_modules = setting
+    if bf16_modules:
+        return ("coat, first decoder layer in BF16" if bf16_modules == ("model.language_model.layers.0",)
+                and not vision and not torch_adamw and gradients == "e5m2" else None)
     if torch_adamw:
         return "coat, torch's AdamW" if not vision and gradients == "e5m2" else None
     arm = "coat, vision side in FP8" if vision else "coat"
@@ -888,16 +898,16 @@ def _arm(row: dict) -> str | None:
 
 ARM_COLOURS = {"BF16": "black", "coat": "tab:orange", "coat, vision side in FP8": "tab:green",
                "coat, output gradients unquantized": "tab:blue",
-               "coat, vision side in FP8, output gradients unquantized": "tab:purple", "coat, torch's AdamW": "tab:red"}
-OTHER_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
-SEED_STYLES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))  # seeds 0-5 apart
+               "coat, vision side in FP8, output gradients unquantized": "tab:purple", "coat, torch's AdamW": "tab:red",
+               "coat, first decoder layer in BF16": "tab:cyan"}
+OTHER_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "tab:gray")
 PLOTTED_LAYERS = ("coat eager", "torchao compiled", "coat fp4 G=128 eager")
 PLOTTED_RUNS = ("100m-bf16", "100m-coat", "100m-coat-fp4", "100m-coat-fp6")
 
 
 def _digest(spec: dict) -> str:
     """Of the data a plot draws and of the code that draws it: either changing makes the PNG stale."""
-    code = inspect.getsource(_draw) + repr((ARM_COLOURS, OTHER_COLOURS, SEED_STYLES))  # with the styles it reads
+    code = inspect.getsource(_draw) + repr((ARM_COLOURS, OTHER_COLOURS))  # with the styles it reads
     return hashlib.sha256((json.dumps(spec, sort_keys=True) + code).encode()).hexdigest()
 
 
@@ -910,23 +920,38 @@ def _draw(spec: dict, path: str) -> None:
         panels = [("curves", spec["ylabel"], "log"), ("accuracy", "held-out answer accuracy (%)", "linear"),
                   ("position", '"where is the X?" answered (%)', "linear")]
         panels = [panel for panel in panels if panel[0] in spec]
+        styles = spec.get("styles", {})
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
         # Runs whose settings have no arm: colours no arm takes, the same run the same colour in every panel
-        unnamed = [name for name in spec["curves"] if not spec.get("styles", {}).get(name)]
+        unnamed = [name for name in spec["curves"] if not styles.get(name)]
         colours = dict(zip(unnamed, itertools.cycle(OTHER_COLOURS)))
         for ax, (key, ylabel, yscale) in zip(axes[0], panels):
+            by_arm: dict[str, list] = {}
             for name, points in spec[key].items():
-                style = {"color": colours[name]} if name in colours else {}
-                if spec.get("styles", {}).get(name):  # a colour per arm, a line style per seed
-                    arm, seed = spec["styles"][name]
-                    style = {"color": ARM_COLOURS[arm], "linestyle": SEED_STYLES[seed % len(SEED_STYLES)],
-                             "label": f"{arm}, seed {seed}"}
-                ax.plot([s for s, _ in points], [v for _, v in points], marker="." if key != "curves" else None,
-                        **{"label": name, **style})
+                if styles.get(name):  # an arm's seeds: faint, under the arm's mean
+                    arm, seed = styles[name]
+                    by_arm.setdefault(arm, []).append((seed, dict(points)))
+                    ax.plot([s for s, _ in points], [v for _, v in points], color=ARM_COLOURS[arm], alpha=0.3,
+                            linewidth=0.8)
+                else:
+                    ax.plot([s for s, _ in points], [v for _, v in points], marker="." if key != "curves" else None,
+                            color=colours.get(name), label=name)
+            for arm, runs in sorted(by_arm.items()):  # the mean over seeds at the steps every seed evaluated
+                steps = sorted(set.intersection(*(set(values) for _, values in runs)))
+                # the label of the first panel's legend; a later panel may have fewer of the seeds logged
+                label = f"{arm}, mean over its seeds" if len(runs) > 1 else f"{arm}, seed {runs[0][0]}"
+                ax.plot(steps, [statistics.mean(values[s] for _, values in runs) for s in steps],
+                        color=ARM_COLOURS[arm], linewidth=2.2, label=label)
             ax.set(xlabel="step", ylabel=ylabel, yscale=yscale)
-            ax.legend(fontsize=7)
-        fig.suptitle(spec["title"])
-        fig.tight_layout()
+            if not styles:
+                ax.legend(fontsize=7)
+        fig.suptitle(spec["title"] + ("; faint: each seed, bold: the mean over an arm's seeds" if styles else ""))
+        if styles:  # one legend for the panels, below them
+            handles, labels = axes[0][0].get_legend_handles_labels()
+            fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+            fig.tight_layout(rect=(0, 0.05 + 0.035 * math.ceil(len(labels) / 3), 1, 1))
+        else:
+            fig.tight_layout()
     else:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         variants = list(spec["bars"])

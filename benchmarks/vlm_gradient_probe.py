@@ -11,7 +11,8 @@ stream) goes forward and backward four times:
 
     float32      no autocast: the reference
     bf16         bf16 autocast, the BF16 run of the example
-    coat         coat.convert(model) under bf16 autocast, the --coat run
+    coat         coat.convert(model) under bf16 autocast, the --coat run; ``--coat-gradient-format`` and
+                 ``--coat-skip`` (fnmatch patterns of decoder layers to keep in BF16) are its options of that name
     emulated     bf16 autocast, every linear layer of the language model's decoder layers rounding as a per-tensor
                  FP8 recipe does, written here from the formulas: input and weight to E4M3 with the scale
                  amax / 448, the output gradient to E5M2 with amax / 57344, both backward GEMMs on the rounded
@@ -26,6 +27,8 @@ the command.
     python benchmarks/vlm_gradient_probe.py --train-steps 600 --checkpoint runs/600.pt --out runs/gradients-600.json
     python benchmarks/vlm_gradient_probe.py --train-steps 600 --checkpoint runs/600.pt --emulate-skip o_proj v_proj \
         --out runs/gradients-600-o-v-bf16.json      # the same weights, not trained again
+    python benchmarks/vlm_gradient_probe.py --train-steps 600 --checkpoint runs/600.pt \
+        --coat-skip model.language_model.layers.0 --out runs/gradients-600-coat-layer0-bf16.json
 """
 from __future__ import annotations
 
@@ -62,6 +65,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", help="where the trained weights go, and where they are taken from if there")
     parser.add_argument("--emulate-skip", nargs="*", default=[],
                         help="substrings of decoder linears' names the FP8 emulation leaves in BF16")
+    parser.add_argument("--coat-gradient-format", choices=["e5m2", "e4m3", "none"], default="e5m2",
+                        help="coat.convert's gradient_format in the coat run (none: unquantized output gradients)")
+    parser.add_argument("--coat-skip", nargs="*", default=[], metavar="PATTERN",
+                        help="coat.convert's skip_modules in the coat run, e.g. model.language_model.layers.0")
     parser.add_argument("--out", required=True, help="JSON file of the results")
     return parser.parse_args(argv)
 
@@ -168,15 +175,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     reference = gradients(model, batch, autocast=False)
     runs = {"bf16": gradients(copy.deepcopy(model), batch, autocast=True),
-            "coat": gradients(coat.convert(copy.deepcopy(model)), batch, autocast=True)}
+            "coat": gradients(coat.convert(copy.deepcopy(model), skip_modules=args.coat_skip,
+                                           gradient_format=None if args.coat_gradient_format == "none"
+                                           else args.coat_gradient_format), batch, autocast=True)}
     emulated = copy.deepcopy(model)
     emulated_linears = emulate_fp8(emulated, args.emulate_skip)
     runs["emulated"] = gradients(emulated, batch, autocast=True)
 
     errors = {run: {group: ((grads[group] - reference[group]).norm() / reference[group].norm()).item()
                     for group in reference} for run, grads in runs.items()}
-    print(f"relative gradient error against float32 after {args.train_steps} BF16 steps "
-          f"(FP8 emulation: {emulated_linears} linears, {args.emulate_skip or 'none'} left in BF16):")
+    print(f"relative gradient error against float32 after {args.train_steps} BF16 steps (coat: output gradients "
+          f"{args.coat_gradient_format}, {args.coat_skip or 'no layer'} in BF16; FP8 emulation: {emulated_linears} "
+          f"linears, {args.emulate_skip or 'none'} left in BF16):")
     print(f"{'group':18s}" + "".join(f"{run:>10s}" for run in runs) + "   coat / bf16")
     for group in reference:
         print(f"{group:18s}" + "".join(f"{errors[run][group]:10.4f}" for run in runs)

@@ -434,6 +434,8 @@ def test_e2e_shapes_passes_fused_loss_where_coat_convert_has_it(monkeypatch):
     assert e2e_shapes.coat_options("coat") == {"fused_loss": True}
     assert e2e_shapes.coat_options("coat-unfused") == {"fused_loss": False}
     assert e2e_shapes.coat_options("coat-lowmem") == {"saved_format": "fp4", "group_size": 128, "fused_loss": True}
+    assert e2e_shapes.coat_options("coat-lowmem", vision_language=True) == {
+        "saved_format": "fp4", "group_size": 128, "vision_linears": True, "fused_loss": True}
     assert e2e_shapes.coat_options("coat-vision") == {"vision_linears": True, "fused_loss": True}
     assert [e2e_shapes.loss_kind(v) for v in ("coat-compiled", "coat-unfused", "bf16", "liger", "coat-vision")] == [
         "coat fused", "transformers", "transformers", "liger fused", "coat fused"]
@@ -679,7 +681,8 @@ def test_gradient_probe_emulation_multiplies_the_rounded_operands(gradient_probe
 def test_gradient_probe_measures_every_part_and_keeps_its_weights(gradient_probe, tmp_path):
     """At the tiny preset: every run has every parameter group, the emulation takes the decoder layers' 7 linears each
     (5 with o_proj and v_proj left out), FP8 is further from float32 than BF16, and a checkpoint gives the next run
-    the same weights (the same errors) or, trained with other options, is refused."""
+    the same weights (the same errors) or, trained with other options, is refused; the coat run takes coat.convert's
+    skip_modules and gradient_format."""
     common = ["--preset", "tiny", "--batch", "4", "--train-steps", "2", "--checkpoint", str(tmp_path / "w.pt")]
     result = gradient_probe.main([*common, "--out", str(tmp_path / "a.json")])
     assert json.loads((tmp_path / "a.json").read_text()) == result
@@ -694,5 +697,12 @@ def test_gradient_probe_measures_every_part_and_keeps_its_weights(gradient_probe
     again = gradient_probe.main([*common, "--emulate-skip", "o_proj", "v_proj", "--out", str(tmp_path / "b.json")])
     assert again["summary"]["emulated_linears"] == 5 * layers and again["training_losses"] == result["training_losses"]
     assert [row["coat"] for row in again["rows"]] == [row["coat"] for row in result["rows"]]
+    kept = gradient_probe.main([*common, "--coat-skip", "model.language_model.layers.*",
+                                "--out", str(tmp_path / "d.json")])
+    unquantized = gradient_probe.main([*common, "--coat-gradient-format", "none", "--out", str(tmp_path / "e.json")])
+    for default, bf16_layers, bf16_output_gradients in zip(result["rows"], kept["rows"], unquantized["rows"]):
+        if default["group"].startswith("decoder layer"):  # every decoder layer in BF16: far nearer float32
+            assert bf16_layers["coat"] < default["coat"] / 2, default["group"]
+            assert bf16_output_gradients["coat"] != default["coat"], default["group"]
     with pytest.raises(SystemExit, match="another --checkpoint"):
         gradient_probe.main([*common[:-3], "3", "--checkpoint", str(tmp_path / "w.pt"), "--out", str(tmp_path / "c.json")])

@@ -193,6 +193,17 @@ def test_vision_language_rows_compare_coat_with_the_baselines_of_its_own_run(pag
                             "1.60x torchao, 1.33x BF16 with coat's vision attention; vision side FP8: 37.0 GiB, 0.95x "
                             "coat's tokens/s")
     assert [r.path for r, _ in three_found] == ["vl-3b-bigger.json"]
+    # A later run with the baselines but without coat-vision: the vision figure from the latest run that has it.
+    _write(tmp_path, "vl-3b-baselines.json", "2026-04-01T00:00:00+00:00", [
+        row("qwen2.5-vl-3b", "bf16", 85.0, 6000.0), row("qwen2.5-vl-3b", "coat", 42.0, 9000.0, 9.0),
+        row("qwen2.5-vl-3b", "coat-lowmem", 23.8, 6000.0), row("qwen2.5-vl-3b", "torchao-compiled", 64.0, 4500.0)],
+        command=command.format("qwen2.5-vl-3b"))
+    three, three_figure, three_found = pages._vision_language_figures(pages.load_results(str(tmp_path)))[0]
+    assert three_figure == ("42.0 GiB (BF16 85.0 GiB, torchao 64.0 GiB), 0.494x BF16's peak; tokens/s 1.50x BF16, "
+                            "2.00x torchao; vision side FP8: 37.0 GiB, 0.95x coat's tokens/s; lowest-memory settings: "
+                            "23.8 GiB")
+    assert "against BF16 and torchao float8" in three and "BF16 with coat's vision attention" not in three
+    assert [r.path for r, _ in three_found] == ["vl-3b-baselines.json", "vl-3b-bigger.json"]
     assert pages._vision_language_figures(pages.load_results(str(tmp_path / "none"))) == []
 
 
@@ -282,6 +293,14 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     shown = [r.path for _, _, found in pages._vlm_convergence_figures(results) for r, _ in found]
     assert "coat-long-bf16-layers.json" not in shown and "coat-long-fp4.json" not in shown
     pages._draw(spec, str(tmp_path / "plot.png"))
+    # The first decoder layer kept in BF16 (--bf16-modules model.language_model.layers.0): a row and a colour.
+    run("coat-long-layer0", True, 0.19, 0.40, steps=3000, lr=5e-4, bf16_modules=["model.language_model.layers.0"])
+    results = pages.load_results(str(tmp_path))
+    first_layer = pages._vlm_convergence_figures(results)[-1]
+    assert "the first decoder layer in BF16" in first_layer[0] and first_layer[1].startswith("seed 0: -5.00%")
+    assert [r.path for r, _ in first_layer[2]] == ["coat-long-layer0.json"]
+    assert pages._plot_specs(results)["vlm-convergence-gpu.png"]["styles"]["coat-long-layer0"] == [
+        "coat, first decoder layer in BF16", 0]
     # Nor with a run of another learning rate, or whose vision attention could take other kernels (cuDNN's where the
     # other's could not, coat.nn.attention: runs from before the example kept it off, unless --sdpa-backends left it
     # out; or the math kernel alone, a BF16 run's perturbation, which is no baseline of the default kernels').
