@@ -266,7 +266,7 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     assert spec["position"] == {"coat-long-s2": [(500, 5.0), (1000, 30.0)]}
     assert spec["styles"]["coat-long-s2"] == ["coat", 2]
     del spec["position"]  # drawn without the panel too
-    pages._draw(spec, str(tmp_path / "plot.png"))
+    pages.draw(spec, str(tmp_path / "plot.png"))
     # Unquantized output gradients (--gradient-format none): a row of their own, not among the FP8 defaults.
     run("coat-long-g", True, 0.21, 0.40, steps=3000, lr=5e-4, gradient_format="none")
     results = pages.load_results(str(tmp_path))
@@ -292,7 +292,7 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     assert spec["styles"]["coat-long-fp4"] is None and spec["styles"]["coat-long-bf16-layers"] is None
     shown = [r.path for _, _, found in pages._vlm_convergence_figures(results) for r, _ in found]
     assert "coat-long-bf16-layers.json" not in shown and "coat-long-fp4.json" not in shown
-    pages._draw(spec, str(tmp_path / "plot.png"))
+    pages.draw(spec, str(tmp_path / "plot.png"))
     # The first decoder layer kept in BF16 (--bf16-modules model.language_model.layers.0): a row and a colour.
     run("coat-long-layer0", True, 0.19, 0.40, steps=3000, lr=5e-4, bf16_modules=["model.language_model.layers.0"])
     results = pages.load_results(str(tmp_path))
