@@ -159,6 +159,7 @@ TRAINING_SCRIPTS = ("train_llama", "train_vlm")  # the examples, whose summary J
 # train_vlm's summaries record the learning rate from 2026-12-06 12:55 UTC; its runs before took the gpu preset's
 # rate of then, 1e-3 (5e-4 since two of four 3,000-step runs at 1e-3 diverged: benchmarks/NOTES.md).
 VLM_LR_UNRECORDED = 1e-3
+VLM_FIRST_LAYER = ("model.language_model.layers.0",)  # train_vlm's --bf16-modules of its first-layer arm
 
 
 def _script(command: str) -> str:
@@ -492,16 +493,16 @@ def _speed_ratio(row: dict, base: dict) -> str | None:
 
 def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list]]:
     """(what, figure, found) of the README rows of train_vlm's coat runs against BF16: FP8 defaults, with the
-    vision side in FP8 too, with unquantized output gradients, and with torch's AdamW in place of coat's; each with
-    the mean over seeds, then every run."""
+    vision side in FP8 too, with unquantized output gradients, with torch's AdamW in place of coat's, and with the
+    first decoder layer in BF16; each with the mean over seeds, then every run."""
     rows = []
-    first_layer = ("model.language_model.layers.0",)
     for vision, gradients, torch_adamw, bf16_modules, label in (
             (False, "e5m2", False, (), "FP8 defaults"),
             (True, "e5m2", False, (), "the vision side in FP8 too (`--vision-linears`)"),
             (False, "none", False, (), "output gradients unquantized (`--gradient-format none`)"),
             (False, "e5m2", True, (), "torch's AdamW, float32 moments, in place of coat's (`--torch-adamw`)"),
-            (False, "e5m2", False, first_layer, f"the first decoder layer in BF16 (`--bf16-modules {first_layer[0]}`)")):
+            (False, "e5m2", False, VLM_FIRST_LAYER,
+             f"the first decoder layer in BF16 (`--bf16-modules {VLM_FIRST_LAYER[0]}`)")):
         # A seed run again with the same settings repeats its trajectory (the seed-1 runs of 2026-12-07 gave the
         # first ones' figures to the digit): its latest run stands for it.
         latest = {}
@@ -886,7 +887,7 @@ def _arm(row: dict) -> str | None:
         return None
     vision, gradients, torch_adamw, bf16_modules = setting
     if bf16_modules:
-        return ("coat, first decoder layer in BF16" if bf16_modules == ("model.language_model.layers.0",)
+        return ("coat, first decoder layer in BF16" if bf16_modules == VLM_FIRST_LAYER
                 and not vision and not torch_adamw and gradients == "e5m2" else None)
     if torch_adamw:
         return "coat, torch's AdamW" if not vision and gradients == "e5m2" else None
