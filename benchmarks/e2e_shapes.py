@@ -52,6 +52,8 @@ computed from host-side lists, where Dynamo breaks the graph.)
                       vision-language shapes only: what of coat's speed-up over bf16 is not FP8
     coat-vision       coat with coat.convert(vision_linears=True): the vision tower's and the merger's linears too
                       run FP8 GEMMs and keep their inputs in FP8 (vision-language shapes only)
+    coat-layer0-bf16  coat with the language model's first decoder layer left in BF16 (skip_modules): what the
+                      setting the VLM example's first-layer arm trains with costs
     coat-unfused      coat.convert(fused_loss=False): transformers' loss, so that the fused loss's gain shows
                       (skipped where coat.convert has no fused_loss: coat's rows use that loss already)
     coat-lowmem       coat's lowest memory: bfloat16 weights, no float32 master copy (coat.optim.AdamW rounds each
@@ -126,14 +128,15 @@ from _model_shapes import SHAPES, SMOKE_BATCH, SMOKE_SEQ, Shape, VisionLanguageS
 from e2e import GIB, Training, instantiate, make_optimizer, timed_steps, torchao_float8, torchao_missing, trial
 
 # Eager rows first, so that a run cut short keeps them; coat-compiled next, the question the compiled rows answer.
-VARIANTS = ("bf16", "bf16-batched", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem", "coat-compiled",
-            "bf16-compiled", "torchao-compiled", "liger-compiled")
+VARIANTS = ("bf16", "bf16-batched", "liger", "coat", "coat-vision", "coat-layer0-bf16", "coat-unfused", "coat-lowmem",
+            "coat-compiled", "bf16-compiled", "torchao-compiled", "liger-compiled")
 # compiling on the CPU takes minutes
 SMOKE_VARIANTS = ("bf16", "bf16-batched", "liger", "coat", "coat-vision", "coat-unfused", "coat-lowmem")
 VARIANT_COLORS = {"bf16": "tab:blue", "bf16-batched": "tab:olive", "bf16-compiled": "tab:cyan",
                   "torchao-compiled": "tab:green",
                   "liger": "tab:gray", "liger-compiled": "silver", "coat": "tab:orange", "coat-compiled": "tab:red",
-                  "coat-vision": "tab:pink", "coat-unfused": "tab:brown", "coat-lowmem": "tab:purple"}
+                  "coat-vision": "tab:pink", "coat-layer0-bf16": "gold", "coat-unfused": "tab:brown",
+                  "coat-lowmem": "tab:purple"}
 PROFILE_KERNELS = 40  # the kernels of --profile kept per row, most time first
 
 
@@ -177,6 +180,11 @@ def coat_options(variant: str, vision_language: bool = False) -> dict:
     return options
 
 
+def first_decoder_layer(model: torch.nn.Module) -> str:
+    """The name of the language model's first decoder layer (a vision tower's layers are not it)."""
+    return next(name for name, _ in model.named_modules() if name.endswith("layers.0") and "vision" not in name)
+
+
 def loss_kind(variant: str) -> str:
     """Which code computes the row's loss."""
     if variant.startswith("liger"):
@@ -191,7 +199,10 @@ def build(variant: str, shape: Shape, config, device: torch.device) -> tuple:
     bf16_weights = variant == "coat-lowmem"  # built in bfloat16: no float32 copy of the model ever exists
     model = instantiate(shape.model_class, config, torch.bfloat16 if bf16_weights else torch.float32, device)
     if variant.startswith("coat"):
-        coat.convert(model, **coat_options(variant, isinstance(shape, VisionLanguageShape)))
+        options = coat_options(variant, isinstance(shape, VisionLanguageShape))
+        if variant == "coat-layer0-bf16":  # the setting the VLM example's first-layer arm trains with
+            options["skip_modules"] = [first_decoder_layer(model)]
+        coat.convert(model, **options)
     elif variant == "bf16-batched":
         convert_vision_attention(model)
     elif variant.startswith("torchao"):

@@ -512,6 +512,21 @@ def test_e2e_shapes_torchao_row_converts_the_linears_coat_converts(monkeypatch):
         assert ("model.visual.merger.mlp.0" in vision) == (name == "qwen2.5-vl-3b")
 
 
+def test_e2e_shapes_first_layer_row_keeps_the_language_models_first_decoder_layer_bf16(monkeypatch):
+    """coat-layer0-bf16 converts as the coat row does but for the language model's first decoder layer, which stays
+    transformers' layer; a vision tower's first block is not taken for it."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import e2e_shapes
+
+    for name, first in (("llama3.2-1b", "model.layers.0"), ("qwen2.5-vl-3b", "model.language_model.layers.0")):
+        shape = e2e_shapes.SHAPES[name]
+        model, _ = e2e_shapes.build("coat-layer0-bf16", shape, shape.make_config(smoke=True), torch.device("cpu"))
+        assert e2e_shapes.first_decoder_layer(model) == first
+        layers = model.get_submodule(first.rsplit(".", 1)[0])
+        assert type(layers[0]).__module__.startswith("transformers.")
+        assert type(layers[1]).__module__.startswith("coat.") and isinstance(layers[1].mlp, coat.nn.SwiGLUMLP)
+
+
 def test_e2e_shapes_records_out_of_memory_and_failures_as_rows(monkeypatch, tmp_path):
     """A row that runs out of memory is OOM, one that fails (a compile failure, say) records its error; the
     other rows are measured, everything is written, and the run exits with an error."""
