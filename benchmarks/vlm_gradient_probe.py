@@ -20,8 +20,11 @@ stream) goes forward and backward four times:
 
 For each group of parameters (the vision tower's patch embedding and blocks, the merger, the token embedding, each
 decoder layer, the final norm, the LM head) it prints and writes ||g - g_float32|| / ||g_float32|| of each run.
-The JSON has them (its rows, a group each) with the training losses, the options (its summary), the versions and
-the command.
+From the float32 pass it also prints, for each decoder layer, its input's root mean square at the text and at the
+image tokens and ||g_input - g_output|| / ||g_output||: how much of the gradient of what feeds the layer its own
+branches make, rather than the residual stream passing through (its branch share).
+The JSON has them (its rows, a group each; branch_shares, a layer each) with the training losses, the options (its
+summary), the versions and the command.
 
     python benchmarks/vlm_gradient_probe.py --out runs/gradients-init.json
     python benchmarks/vlm_gradient_probe.py --train-steps 600 --checkpoint runs/600.pt --out runs/gradients-600.json
@@ -134,6 +137,42 @@ def gradients(model: torch.nn.Module, batch: dict, autocast: bool) -> dict[str, 
     return {group: torch.cat(parts) for group, parts in groups.items()}
 
 
+def branch_shares(model: torch.nn.Module, batch: dict) -> list[dict]:
+    """In float32, for each decoder layer: the root mean square of its input at the text and at the image tokens,
+    and how much its own branches add to the gradient the residual stream passes through it,
+    ||g_input - g_output|| / ||g_output||, at each kind of token. Where that is large, the gradient of what feeds
+    the layer is mostly the layer's own backward, and so are its rounding errors."""
+    layers = model.model.language_model.layers
+    inputs, outputs, hooks = {}, {}, []
+
+    def keep(store, index, tensor):
+        tensor.retain_grad()
+        store[index] = tensor
+
+    for index, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(
+            lambda module, args, kwargs, i=index: keep(inputs, i, args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True))
+        hooks.append(layer.register_forward_hook(
+            lambda module, args, output, i=index: keep(outputs, i, output[0] if isinstance(output, tuple) else output)))
+    model.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+    for hook in hooks:
+        hook.remove()
+    image = batch["input_ids"] == model.config.image_token_id
+    rows = []
+    for index in range(len(layers)):
+        hidden, added = inputs[index].detach(), inputs[index].grad - outputs[index].grad
+        row = {"layer": index}
+        for kind, mask in (("text", ~image), ("image", image)):
+            row[f"{kind} input rms"] = hidden[mask].pow(2).mean().sqrt().item()
+            passed = outputs[index].grad[mask].norm()
+            # None where nothing passes: the last layer's image tokens, whose outputs no loss term reads
+            row[f"{kind} branch share"] = (added[mask].norm() / passed).item() if passed > 0 else None
+        rows.append(row)
+    return rows
+
+
 def train_bf16(model: torch.nn.Module, data: ShapesVQA, steps: int, batch: int, lr: float, warmup: int) -> list:
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses = []
@@ -174,6 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     batch = data.batch(data.samples(UNSEEN_STEP, args.batch), "cpu")
 
     reference = gradients(model, batch, autocast=False)
+    shares = branch_shares(model, batch)
     runs = {"bf16": gradients(copy.deepcopy(model), batch, autocast=True),
             "coat": gradients(coat.convert(copy.deepcopy(model), skip_modules=args.coat_skip,
                                            gradient_format=None if args.coat_gradient_format == "none"
@@ -191,12 +231,21 @@ def main(argv: list[str] | None = None) -> dict:
     for group in reference:
         print(f"{group:18s}" + "".join(f"{errors[run][group]:10.4f}" for run in runs)
               + f"   {errors['coat'][group] / errors['bf16'][group]:.2f}")
+    print("\nin float32, each decoder layer's input (root mean square) and its branches' gradient over the one passed "
+          "through (||g_in - g_out|| / ||g_out||):")
+    print(f"{'layer':>5s}{'text rms':>10s}{'image rms':>11s}{'text share':>12s}{'image share':>13s}")
+    for row in shares:
+        share = {kind: "-" if row[f"{kind} branch share"] is None else f"{row[f'{kind} branch share']:.3f}"
+                 for kind in ("text", "image")}
+        print(f"{row['layer']:5d}{row['text input rms']:10.4f}{row['image input rms']:11.4f}{share['text']:>12s}"
+              f"{share['image']:>13s}")
     result = dict(device="cpu", torch=torch.__version__, transformers=transformers.__version__,
                   python=platform.python_version(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   command=" ".join(["benchmarks/vlm_gradient_probe.py", *(sys.argv[1:] if argv is None else argv)]),
                   summary=vars(args) | {"emulated_linears": emulated_linears, "seconds": time.time() - started},
                   training_losses=losses, rows=[{"group": group, **{run: errors[run][group] for run in runs}}
-                                                for group in reference])
+                                                for group in reference],
+                  branch_shares=shares)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")

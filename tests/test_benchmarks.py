@@ -693,6 +693,33 @@ def test_gradient_probe_emulation_multiplies_the_rounded_operands(gradient_probe
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
 
 
+def test_gradient_probe_branch_shares_against_the_hidden_states_gradients(gradient_probe):
+    """branch_shares against the same quantities from transformers' output_hidden_states (hidden_states[i] feeds
+    layer i, hidden_states[i + 1] is its output but for the last, which is after the final norm) and
+    torch.autograd.grad, at the tiny preset; the last layer's image share is None (nothing of the loss reads it)."""
+    import argparse
+
+    model = gradient_probe.build_model(argparse.Namespace(preset="tiny", seed=0, attention="sdpa"),
+                                       torch.device("cpu"))
+    preset = gradient_probe.PRESETS["tiny"]
+    data = gradient_probe.ShapesVQA(0, preset.image, preset.patch, preset.max_objects, held_out=1)
+    batch = data.batch(data.samples(0, 4), "cpu")
+    shares = gradient_probe.branch_shares(model, batch)
+    outputs = model(**batch, output_hidden_states=True)
+    hidden = outputs.hidden_states
+    grads = torch.autograd.grad(outputs.loss, hidden[:-1])
+    image = batch["input_ids"] == model.config.image_token_id
+    assert len(shares) == preset.layers and image.any() and (~image).any()
+    for i, row in enumerate(shares):
+        for kind, mask in (("text", ~image), ("image", image)):
+            assert row[f"{kind} input rms"] == pytest.approx(hidden[i][mask].pow(2).mean().sqrt().item(), rel=1e-5)
+            if i + 1 < len(shares):
+                added = grads[i][mask] - grads[i + 1][mask]
+                assert row[f"{kind} branch share"] == pytest.approx(
+                    (added.norm() / grads[i + 1][mask].norm()).item(), rel=1e-4)
+    assert shares[-1]["image branch share"] is None and shares[-1]["text branch share"] > 0
+
+
 def test_gradient_probe_measures_every_part_and_keeps_its_weights(gradient_probe, tmp_path):
     """At the tiny preset: every run has every parameter group, the emulation takes the decoder layers' 7 linears each
     (5 with o_proj and v_proj left out), FP8 is further from float32 than BF16, and a checkpoint gives the next run
@@ -703,6 +730,7 @@ def test_gradient_probe_measures_every_part_and_keeps_its_weights(gradient_probe
     assert json.loads((tmp_path / "a.json").read_text()) == result
     layers = gradient_probe.PRESETS["tiny"].layers
     assert result["summary"]["emulated_linears"] == 7 * layers and len(result["training_losses"]) == 2
+    assert [row["layer"] for row in result["branch_shares"]] == list(range(layers))
     errors = {row["group"]: row for row in result["rows"]}
     groups = {"vision embedding", "merger", "token embedding", "final norm", "LM head",
               *(f"decoder layer {i}" for i in range(layers))}
