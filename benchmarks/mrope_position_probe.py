@@ -59,12 +59,17 @@ def parse_arguments(argv=None) -> argparse.Namespace:
                         help="the row in the width stream and the column in the height stream")
     parser.add_argument("--content-noise", type=float, default=0.0, metavar="S",
                         help="multiply the grid cells' input embeddings by 1 + S * N(0, 1) per element and sample")
+    parser.add_argument("--rope-theta", type=float, default=1e4,
+                        help="the rotary base; one column turns a width frequency by at most theta ** (-40 / 64) "
+                             "radians (0.0032 at 1e4, 0.056 at 100)")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and training stream")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3, help="after 100 warm-up steps, constant")
     parser.add_argument("--out", help="the JSON log")
     args = parser.parse_args(argv)
+    if args.rope_theta <= 1:
+        parser.error(f"--rope-theta is a rotary base, more than 1, got {args.rope_theta}")
     if args.content_noise < 0:
         parser.error(f"--content-noise is a standard deviation, at least 0, got {args.content_noise}")
     if (args.plot is None) != (args.out is not None) or (args.plot is None and args.logs):
@@ -76,7 +81,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     text = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
                 pad_token_id=None,
-                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 12, 12]))
+                rope_parameters=dict(rope_type="default", rope_theta=args.rope_theta, mrope_section=[8, 12, 12]))
     # A vision tower the probe never calls (no pictures): the class needs one.
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=1, out_hidden_size=128, patch_size=14)
     config = transformers.Qwen2_5_VLConfig(

@@ -134,16 +134,17 @@ FAMILIES = (
            "nothing. The Gemma 3 BF16 runs at batch 8 ended at step 1680, cut by the GPU calls' time, and left no "
            "summary: their CSVs and logs are in `convergence-100m-families/`, as are the logs of the seed-0 runs, "
            "whose summaries did not come back from the GPU machine."),
-    Family("vlm-convergence", "Vision-language fine-tuning", ("train_vlm",), ("preset", "steps", "seed", "name"),
+    Family("vlm-convergence", "Vision-language fine-tuning", ("train_vlm",),
+           ("preset", "rope_theta", "steps", "seed", "name"),
            ("final_val_loss", "vs BF16", "final_answer_accuracy", "accuracy vs BF16", "question-alone accuracy",
             "peak_memory_gib", "diverged_at_step"),
            "`examples/train_vlm.py`: a Qwen2.5-VL built from a config learns to answer questions about pictures of "
            "shapes it draws (colour, shape, position, count). `final_val_loss` is the held-out loss on the answers "
-           "(nats per token), `final_answer_accuracy` the share of held-out questions that `generate()` answers "
+           "(nats per token), `rope_theta` the language model's rotary base, `final_answer_accuracy` the share of held-out questions that `generate()` answers "
            "exactly, `question-alone accuracy` what the most frequent answer to each question in the training "
            "stream scores without looking at the picture. `vs BF16` and `accuracy vs BF16` compare a coat run "
-           "with the mean of the BF16 runs of the same preset, batch, steps, seed, learning rate and vision "
-           "attention kernels; a run with `diverged_at_step` "
+           "with the mean of the BF16 runs of the same preset, rotary base, batch, steps, seed, learning rate and "
+           "vision attention kernels; a run with `diverged_at_step` "
            "stopped there, its loss no longer finite, and is compared with nothing. The runs of 2026-12-06 10:09 "
            "took the gpu preset's learning rate of then, 1e-3; it is 5e-4 since two of four 3,000-step runs at 1e-3 "
            "diverged. At 5e-4, both BF16 runs and one of two with `--vision-linears` diverged too (their CSVs and "
@@ -151,7 +152,8 @@ FAMILIES = (
            "`scaled_dot_product_attention` on the H100 made non-finite gradients from finite ones: cuDNN's kernel "
            "(`benchmarks/NOTES.md`). The runs of 16:30 left it out (`--sdpa-backends flash efficient math`), and "
            "all six finished; since, the example keeps the vision attention off it in both modes, as coat.convert "
-           "does (`coat.nn.attention`)."),
+           "does (`coat.nn.attention`). The gpu preset's runs took rotary base 1e4 until 2026-12-07 21:30 UTC and "
+           "100 since (`rope_theta`; `benchmarks/NOTES.md`, \"Rotary base 100\")."),
 )
 
 
@@ -160,6 +162,9 @@ TRAINING_SCRIPTS = ("train_llama", "train_vlm")  # the examples, whose summary J
 # rate of then, 1e-3 (5e-4 since two of four 3,000-step runs at 1e-3 diverged: benchmarks/NOTES.md).
 VLM_LR_UNRECORDED = 1e-3
 VLM_FIRST_LAYER = ("model.language_model.layers.0",)  # train_vlm's --bf16-modules of its first-layer arm
+# train_vlm's summaries record the rotary base from 2026-12-07 21:30 UTC; every preset took 1e4 before (the gpu
+# preset takes 100 since: benchmarks/NOTES.md).
+VLM_ROPE_THETA_UNRECORDED = 1e4
 
 
 def _script(command: str) -> str:
@@ -186,6 +191,7 @@ def load_results(results_dir: str = RESULTS) -> list[Result]:
             row = {**data, "seed": _seed(data["command"])}
             if script == "train_vlm":
                 row["question-alone accuracy"] = data["text_only_accuracy"]["all"]
+                row.setdefault("rope_theta", VLM_ROPE_THETA_UNRECORDED)
             rows, summary = [row], {}
         else:
             rows, summary = data["rows"], data["summary"]
@@ -251,13 +257,14 @@ def _vision_attention_kernels(row: dict) -> tuple[str, ...]:
 def _add_convergence_comparison(results: list[Result]) -> None:
     """Adds "vs BF16" to each coat run: its held-out loss against the mean of the BF16 runs of its script, family
     (--family; runs from before it are Llama's), preset, batch, steps, seed and learning rate; for train_vlm's runs
-    also the same vision attention kernels, and "accuracy vs BF16", the difference of their answer accuracies in
-    points."""
+    also the same rotary base and vision attention kernels, and "accuracy vs BF16", the difference of their answer
+    accuracies in points."""
     def setting(result):
         row = result.rows[0]
         lr = row.get("lr", VLM_LR_UNRECORDED if result.script == "train_vlm" else None)
         return (result.script, row.get("family", "llama"), row["preset"], row.get("batch"), row.get("steps"),
-                row["seed"], lr, result.script == "train_vlm" and _vision_attention_kernels(row))
+                row["seed"], lr, row.get("rope_theta"),
+                result.script == "train_vlm" and _vision_attention_kernels(row))
 
     baselines: dict[tuple, list[dict]] = {}
     runs = [r for r in results if r.script in TRAINING_SCRIPTS and "diverged_at_step" not in r.rows[0]]
@@ -504,36 +511,46 @@ def _vlm_convergence_figures(results: list[Result]) -> list[tuple[str, str, list
             (False, "e5m2", False, VLM_FIRST_LAYER,
              f"the first decoder layer in BF16 (`--bf16-modules {VLM_FIRST_LAYER[0]}`)")):
         # A seed run again with the same settings repeats its trajectory (the seed-1 runs of 2026-12-07 gave the
-        # first ones' figures to the digit): its latest run stands for it.
+        # first ones' figures to the digit): its latest run stands for it. A row per rotary base, the latest first.
         latest = {}
         for result in sorted((r for r in results if r.script == "train_vlm" and "vs BF16" in r.rows[0]
                               and _vlm_ablation(r.rows[0]) == (vision, gradients, torch_adamw, bf16_modules)),
                              key=lambda r: r.date):
             row = result.rows[0]
-            latest[row["preset"], row["batch"], row["steps"], row.get("lr", VLM_LR_UNRECORDED), row["seed"]] = result
-        runs = sorted(((r, r.rows[0]) for r in latest.values()), key=lambda item: (item[1]["steps"], item[1]["seed"]))
-        if not runs:
-            continue
-        presets = sorted({(row["preset"], row["batch"], row["steps"], row.get("lr", VLM_LR_UNRECORDED))
-                          for _, row in runs})
-        by_model = {}
-        for p, b, n, lr in presets:
-            by_model.setdefault((p, b), []).append(f"{n} steps at learning rate {lr:g}")
-        what = ("; ".join(f"{_parameters(results, p)} Qwen2.5-VL (`train_vlm.py --preset {p}`), batch {b}, "
-                          + " and ".join(lengths) for (p, b), lengths in by_model.items())
-                + f"; questions about pictures: held-out loss and answer accuracy against BF16, {label}, every seed")
-        several_lengths = len({n for _, _, n, _ in presets}) > 1
-        # The mean over seeds where a length has several; one seed's figure is its own item below.
-        step_counts = sorted({row["steps"] for _, row in runs})
-        by_length = {n: [row for _, row in runs if row["steps"] == n] for n in step_counts}
-        means = [f"{n} steps, " * several_lengths + _seeds_mean(group) for n, group in by_length.items()
-                 if len(group) > 1]
-        figure = "; ".join(means + [f"{row['steps']} steps, " * several_lengths
-                                   + f"seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
-                                     f"{row['final_answer_accuracy']:.1%}, BF16 {row['BF16 accuracy']:.1%}, the "
-                                     f"question alone {row['question-alone accuracy']:.1%})" for _, row in runs])
-        rows.append((what, figure, runs))
+            latest[row["rope_theta"], row["preset"], row["batch"], row["steps"], row.get("lr", VLM_LR_UNRECORDED),
+                   row["seed"]] = result
+        newest_first = sorted({key[0] for key in latest}, key=lambda theta: max(
+            r.date for key, r in latest.items() if key[0] == theta), reverse=True)
+        for theta in newest_first:
+            runs = sorted(((r, r.rows[0]) for key, r in latest.items() if key[0] == theta),
+                          key=lambda item: (item[1]["steps"], item[1]["seed"]))
+            rows.append(_vlm_convergence_row(results, runs, f"rotary base {theta:g}", label))
     return rows
+
+
+def _vlm_convergence_row(results: list[Result], runs: list[tuple[Result, dict]], rotary: str,
+                         label: str) -> tuple[str, str, list]:
+    """(what, figure, found) of one README row: the mean over seeds of each run length with several, then every
+    run."""
+    presets = sorted({(row["preset"], row["batch"], row["steps"], row.get("lr", VLM_LR_UNRECORDED))
+                      for _, row in runs})
+    by_model = {}
+    for p, b, n, lr in presets:
+        by_model.setdefault((p, b), []).append(f"{n} steps at learning rate {lr:g}")
+    what = ("; ".join(f"{_parameters(results, p)} Qwen2.5-VL (`train_vlm.py --preset {p}`), {rotary}, batch {b}, "
+                      + " and ".join(lengths) for (p, b), lengths in by_model.items())
+            + f"; questions about pictures: held-out loss and answer accuracy against BF16, {label}, every seed")
+    several_lengths = len({n for _, _, n, _ in presets}) > 1
+    # The mean over seeds where a length has several; one seed's figure is its own item below.
+    step_counts = sorted({row["steps"] for _, row in runs})
+    by_length = {n: [row for _, row in runs if row["steps"] == n] for n in step_counts}
+    means = [f"{n} steps, " * several_lengths + _seeds_mean(group) for n, group in by_length.items()
+             if len(group) > 1]
+    figure = "; ".join(means + [f"{row['steps']} steps, " * several_lengths
+                               + f"seed {row['seed']}: {row['vs BF16']}, {row['accuracy vs BF16']} (coat "
+                                 f"{row['final_answer_accuracy']:.1%}, BF16 {row['BF16 accuracy']:.1%}, the "
+                                 f"question alone {row['question-alone accuracy']:.1%})" for _, row in runs])
+    return what, figure, runs
 
 
 def _vlm_ablation(row: dict) -> tuple | None:
@@ -848,9 +865,9 @@ def _plot_specs(results: list[Result]) -> dict[str, dict]:
                 evaluated = [r for r in csv.DictReader(f) if r["val_loss"]]
             lr = row.get("lr", VLM_LR_UNRECORDED)
             cudnn = "cudnn" in _vision_attention_kernels(row)
-            spec = by_setting.setdefault((row["preset"], row["steps"], lr, cudnn), {
+            spec = by_setting.setdefault((row["preset"], row["steps"], lr, row["rope_theta"], cudnn), {
                 "kind": "convergence", "title": f"examples/train_vlm.py --preset {row['preset']}: {row['steps']} "
-                                                f"steps at learning rate {lr:g}"
+                                                f"steps at learning rate {lr:g}, rotary base {row['rope_theta']:g}"
                                                 + ", vision attention on cuDNN's kernel" * cudnn,
                 "ylabel": "held-out loss (nats per token)", "curves": {}, "accuracy": {}, "position": {},
                 "styles": {}, "date": ""})

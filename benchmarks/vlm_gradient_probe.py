@@ -63,6 +63,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu", help="train_vlm.py's model and pictures")
     parser.add_argument("--seed", type=int, default=0, help="the initial weights and the data")
+    parser.add_argument("--rope-theta", type=float,
+                        help="the language model's rotary base (train_vlm.py's --rope-theta; the preset's by default)")
     parser.add_argument("--batch", type=int, default=32, help="samples a training step and in the measured batch")
     parser.add_argument("--train-steps", type=int, default=0, help="BF16 training steps before the measurement")
     parser.add_argument("--checkpoint", help="where the trained weights go, and where they are taken from if there")
@@ -73,7 +75,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--coat-skip", nargs="*", default=[], metavar="PATTERN",
                         help="coat.convert's skip_modules in the coat run, e.g. model.language_model.layers.0")
     parser.add_argument("--out", required=True, help="JSON file of the results")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.rope_theta is None:
+        args.rope_theta = PRESETS[args.preset].rope_theta
+    return args
 
 
 def fp8_round(tensor: torch.Tensor, dtype: torch.dtype, largest: float) -> torch.Tensor:
@@ -195,21 +200,23 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_arguments(argv)
     preset = PRESETS[args.preset]
     started = time.time()
-    model = build_model(argparse.Namespace(preset=args.preset, seed=args.seed, attention="sdpa"), torch.device("cpu"))
+    model = build_model(argparse.Namespace(preset=args.preset, seed=args.seed, attention="sdpa",
+                                           rope_theta=args.rope_theta), torch.device("cpu"))
     convert_vision_attention(model)
     data = ShapesVQA(args.seed, preset.image, preset.patch, preset.max_objects, held_out=1)
     if args.checkpoint and Path(args.checkpoint).exists():
         saved = torch.load(args.checkpoint)
-        if saved["options"] != [args.preset, args.seed, args.batch, args.train_steps]:
-            raise SystemExit(f"{args.checkpoint} holds the weights of --preset, --seed, --batch, --train-steps "
-                             f"{saved['options']}: give those or another --checkpoint")
+        if saved["options"] != [args.preset, args.seed, args.batch, args.train_steps, args.rope_theta]:
+            raise SystemExit(f"{args.checkpoint} holds the weights of --preset, --seed, --batch, --train-steps, "
+                             f"--rope-theta {saved['options']}: give those or another --checkpoint")
         model.load_state_dict(saved["model"])
         losses = saved["losses"]
     else:
         losses = train_bf16(model, data, args.train_steps, args.batch, preset.lr, preset.warmup)
         if args.checkpoint:
             torch.save(dict(model=model.state_dict(), losses=losses,
-                            options=[args.preset, args.seed, args.batch, args.train_steps]), args.checkpoint)
+                            options=[args.preset, args.seed, args.batch, args.train_steps, args.rope_theta]),
+                       args.checkpoint)
     batch = data.batch(data.samples(UNSEEN_STEP, args.batch), "cpu")
 
     reference = gradients(model, batch, autocast=False)

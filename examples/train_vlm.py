@@ -91,6 +91,9 @@ class VLMPreset:
     image: int
     patch: int
     max_objects: int
+    # the language model's rotary base. mrope_section gives the picture's width the lowest 3/8 of the frequencies:
+    # one column turns them by at most rope_theta ** (-5 / 8) radians, 0.0032 at 1e4, 0.056 at 100
+    rope_theta: float
     # the run
     batch: int
     steps: int
@@ -108,12 +111,15 @@ PRESETS = {
     # alone's accuracy over 400 to 1,000 steps), 36 patches, 9 image tokens: a cell of the 3 x 3 grid per token
     "tiny": VLMPreset(hidden=128, intermediate=384, layers=4, heads=4, kv_heads=2, vision_hidden=64,
                       vision_intermediate=128, vision_layers=2, vision_heads=2, image=48, patch=8, max_objects=1,
-                      batch=32, steps=400, lr=2e-3, warmup=40, held_out=256),
+                      rope_theta=1e4, batch=32, steps=400, lr=2e-3, warmup=40, held_out=256),
     # 112 x 112 pictures in Qwen2.5-VL's 14 x 14 patches, 64 patches, 16 image tokens; up to six shapes. At lr 1e-3
-    # two of four 3,000-step H100 runs (BF16 and coat alike) diverged to NaN by step 380.
+    # two of four 3,000-step H100 runs (BF16 and coat alike) diverged to NaN by step 380. Rotary base 100, not 1e4:
+    # at 1e4 a picture's four columns span 0.013 radians of M-RoPE's width frequencies, and whether "where is the
+    # X?" was learnt by step 3,000 forked from run to run, BF16's too (benchmarks/NOTES.md); the sequences are
+    # under 100 tokens, which base 100's slowest frequency (0.012 radians a token) tells apart.
     "gpu": VLMPreset(hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, vision_hidden=384,
                      vision_intermediate=1024, vision_layers=4, vision_heads=6, image=112, patch=14, max_objects=6,
-                     batch=64, steps=3000, lr=5e-4, warmup=200, held_out=1024),
+                     rope_theta=100.0, batch=64, steps=3000, lr=5e-4, warmup=200, held_out=1024),
 }
 PRESET_HELP = "model size, pictures and run length: " + "; ".join(
     f"{name}: language model hidden {p.hidden} x {p.layers} layers, vision encoder {p.vision_hidden} x "
@@ -131,6 +137,9 @@ def parse_arguments() -> argparse.Namespace:
     add_run_arguments(parser)
     add_find_nonfinite_argument(parser)
     parser.add_argument("--held-out", type=int, help="held-out samples, each evaluation's loss and accuracy")
+    parser.add_argument("--rope-theta", type=float,
+                        help="the language model's rotary base (the preset's: tiny 1e4, gpu 100; the gpu preset's "
+                             "runs before 2026-12-07 21:30 UTC took 1e4)")
     add_device_arguments(parser)
     args = parser.parse_args()
     if args.vision_linears and not args.coat:
@@ -140,6 +149,10 @@ def parse_arguments() -> argparse.Namespace:
         args.held_out = PRESETS[args.preset].held_out
     if args.held_out < 1:
         raise SystemExit(f"--held-out must be at least 1, got {args.held_out}")
+    if args.rope_theta is None:
+        args.rope_theta = PRESETS[args.preset].rope_theta
+    if args.rope_theta <= 1:
+        raise SystemExit(f"--rope-theta is a rotary base, more than 1, got {args.rope_theta}")
     check_device_arguments(args)
     return args
 
@@ -162,7 +175,8 @@ def build_model(args: argparse.Namespace, device: torch.device):
     text = dict(vocab_size=VOCAB_SIZE, hidden_size=preset.hidden, intermediate_size=preset.intermediate,
                 num_hidden_layers=preset.layers, num_attention_heads=preset.heads, num_key_value_heads=preset.kv_heads,
                 max_position_embeddings=1024, bos_token_id=None, eos_token_id=END, pad_token_id=PAD,
-                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=mrope_section(head_dim)))
+                rope_parameters=dict(rope_type="default", rope_theta=args.rope_theta,
+                                     mrope_section=mrope_section(head_dim)))
     # One attention window covering the whole picture: Qwen2.5-VL's windows (112 pixels) are for large images.
     vision = dict(depth=preset.vision_layers, hidden_size=preset.vision_hidden,
                   intermediate_size=preset.vision_intermediate, num_heads=preset.vision_heads,
@@ -273,6 +287,7 @@ def main() -> None:
              "fused_loss": args.coat and not args.unfused_loss,
              "compute_dtype": str(compute_dtype).removeprefix("torch."), "compute_note": compute_note,
              "bf16_matmul_time_ratio": bf16_time_ratio, "preset": args.preset, "seed": args.seed, "lr": args.lr,
+             "rope_theta": args.rope_theta,
              "warmup": args.warmup, "sdpa_backends": args.sdpa_backends,
              "vision_attention_without_cudnn": True, "parameters": parameter_count(model),
              "vision_parameters": vision, "batch": args.batch, "held_out": args.held_out,

@@ -699,7 +699,7 @@ def test_gradient_probe_branch_shares_against_the_hidden_states_gradients(gradie
     torch.autograd.grad, at the tiny preset; the last layer's image share is None (nothing of the loss reads it)."""
     import argparse
 
-    model = gradient_probe.build_model(argparse.Namespace(preset="tiny", seed=0, attention="sdpa"),
+    model = gradient_probe.build_model(argparse.Namespace(preset="tiny", seed=0, attention="sdpa", rope_theta=1e4),
                                        torch.device("cpu"))
     preset = gradient_probe.PRESETS["tiny"]
     data = gradient_probe.ShapesVQA(0, preset.image, preset.patch, preset.max_objects, held_out=1)

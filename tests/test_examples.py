@@ -392,6 +392,7 @@ def test_train_vlm_bf16_and_coat_with_vision_linears_log_loss_and_accuracy(tmp_p
         assert not any(rows[-1][f"answer_accuracy_{kind}"] for kind in scored if kind not in by_kind)
         assert set(blind) == set(by_kind) and 0 <= blind["all"] <= 1
         assert summary["coat"] == (name != "tiny-vlm-bf16") and summary["vision_linears"] == name.endswith("vision")
+        assert summary["rope_theta"] == 1e4  # the tiny preset's
         assert (runs / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Same initial weights and data: the first losses differ only by FP8 rounding.
     first = [float(rows[0]["train_loss"]) for rows in logs.values()]
@@ -461,6 +462,23 @@ def test_train_vlm_explains_bad_options(tmp_path, monkeypatch, capsys):
         train_vlm.main()
     assert stopped.value.code not in (0, None)
     assert "--vision-linears is an option of coat.convert: add --coat" in capsys.readouterr().err + str(stopped.value.code)
+    monkeypatch.setattr(sys, "argv", ["train_vlm.py", "--rope-theta", "1"])
+    with pytest.raises(SystemExit, match="--rope-theta is a rotary base, more than 1, got 1.0"):
+        train_vlm.main()
+
+
+def test_train_vlm_rope_theta_is_the_presets_unless_given(train_vlm, monkeypatch):
+    """--rope-theta sets the language model's rotary base, each preset's by default; one column of a picture turns
+    M-RoPE's width frequencies by at most theta ** (-5 / 8) radians (the presets' comment)."""
+    monkeypatch.setattr(sys, "argv", ["train_vlm.py", "--preset", "gpu"])
+    assert train_vlm.parse_arguments().rope_theta == train_vlm.PRESETS["gpu"].rope_theta == 100.0
+    monkeypatch.setattr(sys, "argv", ["train_vlm.py", "--rope-theta", "500"])
+    assert train_vlm.parse_arguments().rope_theta == 500.0
+    model = train_vlm.build_model(argparse.Namespace(preset="tiny", seed=0, attention="sdpa", rope_theta=500.0),
+                                  torch.device("cpu"))
+    inv_freq = model.model.language_model.rotary_emb.inv_freq
+    temporal, height, _ = train_vlm.mrope_section(2 * len(inv_freq))
+    assert inv_freq[temporal + height].item() == pytest.approx(500.0 ** (-5 / 8), rel=1e-6)
 
 
 @pytest.fixture
@@ -482,7 +500,7 @@ def test_shapes_vqa_position_ids_are_the_models(train_vlm, shapes_vqa):
     """The M-RoPE positions a batch brings are those the model's get_rope_index computes from the batch, for the
     tiny and the gpu preset's pictures (its spatial merge is the gpu model's), and the tiny model's loss is the same
     bit for bit with them as without."""
-    model = train_vlm.build_model(argparse.Namespace(preset="tiny", seed=0, attention="sdpa"), torch.device("cpu"))
+    model = train_vlm.build_model(argparse.Namespace(preset="tiny", seed=0, attention="sdpa", rope_theta=1e4), torch.device("cpu"))
     for preset in ("tiny", "gpu"):
         p = train_vlm.PRESETS[preset]
         dataset = shapes_vqa.ShapesVQA(seed=0, image_size=p.image, patch=p.patch, max_objects=p.max_objects, held_out=8)

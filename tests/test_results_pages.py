@@ -209,8 +209,9 @@ def test_vision_language_rows_compare_coat_with_the_baselines_of_its_own_run(pag
 
 def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_steps_and_seed(pages, tmp_path,
                                                                                             monkeypatch):
-    """train_vlm's summaries: held-out loss and answer accuracy against the BF16 runs of the same preset, steps,
-    seed, learning rate and vision attention kernels, never against a train_llama run or one of another length."""
+    """train_vlm's summaries: held-out loss and answer accuracy against the BF16 runs of the same preset, rotary
+    base, steps, seed, learning rate and vision attention kernels, never against a train_llama run or one of another
+    length."""
     def run(name, coat, loss, accuracy, steps=1000, seed=0, date="2026-01-02", position=False, **recorded):
         (tmp_path / f"{name}.json").write_text(json.dumps({
             "name": name, "device": "GPU X", "torch": "2.13.0", "date": f"{date}T00:00:00+00:00",
@@ -234,7 +235,8 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     rows = {r.rows[0]["name"]: r.rows[0] for r in results}
     assert rows["coat"]["vs BF16"] == "-10.00%" and rows["coat"]["accuracy vs BF16"] == "+5.0 points"
     ((what, figure, found),) = pages._vlm_convergence_figures(results)
-    assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 1000 steps")
+    # a summary without the rotary base is from before the example recorded it, when every preset took 1e4
+    assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), rotary base 10000, batch 64, 1000 steps")
     # one seed: its own figure, no mean
     assert figure == "seed 0: -10.00%, +5.0 points (coat 25.0%, BF16 20.0%, the question alone 14.0%)"
     assert [r.path for r, _ in found] == ["coat.json"]
@@ -244,14 +246,14 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     spec = pages._plot_specs(results)["vlm-convergence-gpu.png"]
     assert spec["accuracy"]["coat"] == [(500, 10.0), (1000, 20.0)] and set(spec["curves"]) == {"bf16", "coat"}
     assert spec["styles"] == {"bf16": ["BF16", 0], "coat": ["coat", 0]} and "position" not in spec
-    assert spec["title"] == ("examples/train_vlm.py --preset gpu: 1000 steps at learning rate 0.001, vision attention "
-                             "on cuDNN's kernel")
+    assert spec["title"] == ("examples/train_vlm.py --preset gpu: 1000 steps at learning rate 0.001, rotary base "
+                             "10000, vision attention on cuDNN's kernel")
     # Runs of another length: each item says its steps; the learning rate is the recorded one, else the preset's then.
     run("bf16-long", False, 0.20, 0.40, steps=3000, lr=5e-4)
     run("coat-long", True, 0.22, 0.41, steps=3000, lr=5e-4)
     ((what, figure, _),) = pages._vlm_convergence_figures(pages.load_results(str(tmp_path)))
-    assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), batch 64, 1000 steps at learning rate "
-                           "0.001 and 3000 steps at learning rate 0.0005; questions about pictures")
+    assert what.startswith("36M Qwen2.5-VL (`train_vlm.py --preset gpu`), rotary base 10000, batch 64, 1000 steps at "
+                           "learning rate 0.001 and 3000 steps at learning rate 0.0005; questions about pictures")
     assert figure.startswith("1000 steps, seed 0: -10.00%, +5.0 points")
     assert "; 3000 steps, seed 0: +10.00%, +1.0 points" in figure
     # The issue's measure over seeds: the coat runs' mean loss against their BF16 runs' mean, accuracy in points.
@@ -320,6 +322,21 @@ def test_vlm_runs_are_compared_with_the_bf16_runs_of_their_own_script_preset_ste
     assert after[1] == before[1] and "3000 steps, mean of 3 seeds" in after[1]
     paths = [r.path for r, _ in after[2]]
     assert "coat-long-s2-again.json" in paths and "coat-long-s2.json" not in paths
+    # Another rotary base (the gpu preset's since 2026-12-07): compared with its own BF16 runs only, a README row of
+    # its own, the newest first, and the plot draws it as the setting measured last.
+    run("bf16-theta", False, 0.25, 0.45, steps=3000, lr=5e-4, seed=2, rope_theta=100.0, date="2026-01-05")
+    run("coat-theta", True, 0.20, 0.46, steps=3000, lr=5e-4, seed=2, rope_theta=100.0, date="2026-01-05")
+    run("coat-theta-s3", True, 0.20, 0.46, steps=3000, lr=5e-4, seed=3, rope_theta=100.0, date="2026-01-05")
+    results = pages.load_results(str(tmp_path))
+    rows = {r.rows[0]["name"]: r.rows[0] for r in results}
+    assert rows["coat-theta"]["vs BF16"] == "-20.00%" and "vs BF16" not in rows["coat-theta-s3"]
+    assert rows["coat-long-s2-again"]["vs BF16"] == "-20.00%"  # 0.24 against 0.30, not against bf16-theta's 0.25
+    newer, older = pages._vlm_convergence_figures(results)[:2]
+    assert "rotary base 100, batch 64, 3000 steps" in newer[0] and newer[1] == (
+        "seed 2: -20.00%, +1.0 points (coat 46.0%, BF16 45.0%, the question alone 14.0%)")
+    assert [r.path for r, _ in newer[2]] == ["coat-theta.json"] and older[1] == after[1]
+    spec = pages._plot_specs(results)["vlm-convergence-gpu.png"]
+    assert set(spec["curves"]) == {"bf16-theta", "coat-theta", "coat-theta-s3"} and "rotary base 100," in spec["title"]
 
 
 
